@@ -1,0 +1,1 @@
+"""fastmt data package."""
