@@ -1,0 +1,154 @@
+"""Model configuration: one dataclass, its validation, the layer-sharing schedules and the presets.
+
+Presets are plain functions of the vocabulary size (the tokenizer decides it):
+``tiny`` (CPU tests and smoke runs), ``s18`` (the S18 seed's 6+6 x 512 x 2048 shape) and ``s16``
+(the S16 seed's 3+3 unique blocks applied as 6+6 in ``cycle_rev`` order, d_ff 128).
+``get_preset(name, vocab_size=..., **overrides)`` builds one and overrides existing fields only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+SHARING = ("none", "all", "cycle", "cycle_rev")
+POSITIONS = ("sinusoidal", "learned")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
+ATTN_BACKENDS = ("auto", "triton", "sdpa", "reference")
+NORMS = ("fused", "torch")
+LAYOUTS = ("padded", "varlen")
+TRITON_HEAD_DIMS = (16, 32, 64, 128)  # what kernels/flash_attention.py's Triton kernel supports
+DEFAULT_VOCAB = 8000  # the data package's joint SentencePiece default
+
+
+def layer_schedule(sharing: str, layers: int, unique: int) -> list[int]:
+    """Which unique block runs at each applied layer.
+
+    none: [0, 1, ..., L-1]; all: [0, 0, ...]; cycle (u=3, L=6): [0, 1, 2, 0, 1, 2];
+    cycle_rev (u=3, L=6): [0, 1, 2, 2, 1, 0] (the pattern 0..u-1, u-1..0 repeated, cut at L).
+    """
+    if sharing == "none":
+        return list(range(layers))
+    if sharing == "all":
+        return [0] * layers
+    if sharing == "cycle":
+        return [i % unique for i in range(layers)]
+    if sharing == "cycle_rev":
+        period = list(range(unique)) + list(reversed(range(unique)))
+        return [period[i % (2 * unique)] for i in range(layers)]
+    raise ValueError(f"sharing={sharing!r} is not one of {SHARING}")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int  # joint source/target vocabulary (SentencePiece), incl. pad/unk/bos/eos
+    pad_id: int = 0  # padding token id (the data package's pad=0)
+    d_model: int = 512  # residual stream width (shared by encoder and decoder: cross-attention needs it)
+    n_heads: int = 8  # attention heads per layer; head dim = d_model // n_heads
+    d_ff: int = 2048  # FFN hidden width
+    enc_layers: int = 6  # encoder layers applied
+    dec_layers: int = 6  # decoder layers applied
+    enc_unique: int | None = None  # unique encoder blocks; None = what `sharing` implies (none: enc_layers, all: 1)
+    dec_unique: int | None = None  # unique decoder blocks; None = what `sharing` implies (none: dec_layers, all: 1)
+    sharing: str = "none"  # "none" | "all" (one block repeated) | "cycle" (ABCABC) | "cycle_rev" (ABCCBA)
+    dropout: float = 0.1  # embedding + residual-branch dropout (no attention-probability dropout)
+    positions: str = "sinusoidal"  # "sinusoidal" (fixed) | "learned" (one table per side)
+    max_positions: int = 512  # longest sequence (tokens incl. BOS/EOS) either side accepts
+    tie_embeddings: bool = True  # one matrix for src embedding, tgt embedding and output projection
+    activation: str = "gelu"  # FFN activation: "relu" | "gelu" (erf) | "gelu_tanh"
+    ffn_norm: bool = True  # mid-FFN LayerNorm: W2 act(LN(W1 x)); LN+GELU is one fused kernel
+    attn_backend: str = "auto"  # kernels.attention backend: "auto" | "triton" | "sdpa" | "reference"
+    norm: str = "fused"  # "fused": kernels.LayerNorm(+residual)(+GELU); "torch": nn.LayerNorm + adds
+    layout: str = "padded"  # "padded": (B, T, D) with lengths; "varlen": packed (total, D) with cu_seqlens
+    checkpointing: bool = False  # activation checkpointing per applied block while training
+
+    def __post_init__(self):
+        def need(cond: bool, msg: str):
+            if not cond:
+                raise ValueError(f"ModelConfig: {msg}")
+
+        for name in ("vocab_size", "d_model", "n_heads", "d_ff", "enc_layers", "dec_layers", "max_positions"):
+            v = getattr(self, name)
+            need(isinstance(v, int) and not isinstance(v, bool) and v > 0,
+                 f"{name}={v!r} must be a positive int")
+        need(isinstance(self.pad_id, int) and 0 <= self.pad_id < self.vocab_size,
+             f"pad_id={self.pad_id!r} must be an id in [0, vocab_size={self.vocab_size})")
+        for name, allowed in (("sharing", SHARING), ("positions", POSITIONS), ("activation", ACTIVATIONS),
+                              ("attn_backend", ATTN_BACKENDS), ("norm", NORMS), ("layout", LAYOUTS)):
+            v = getattr(self, name)
+            need(v in allowed, f"{name}={v!r} is not one of {allowed}")
+        need(isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0,
+             f"dropout={self.dropout!r} must be in [0, 1)")
+        need(self.d_model % self.n_heads == 0,
+             f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; pick n_heads dividing d_model")
+        if self.attn_backend == "triton":
+            need(self.head_dim in TRITON_HEAD_DIMS,
+                 f"head dim d_model/n_heads={self.head_dim} is not one of {TRITON_HEAD_DIMS} supported by "
+                 f"attn_backend='triton'; change n_heads or use attn_backend='sdpa'")
+        for side in ("enc", "dec"):
+            layers, unique = getattr(self, f"{side}_layers"), getattr(self, f"{side}_unique")
+            if unique is None:
+                need(self.sharing in ("none", "all"),
+                     f"sharing={self.sharing!r} needs {side}_unique (unique blocks, 1..{side}_layers={layers})")
+                continue
+            need(isinstance(unique, int) and not isinstance(unique, bool) and unique > 0,
+                 f"{side}_unique={unique!r} must be a positive int or None")
+            if self.sharing == "none":
+                need(unique == layers, f"sharing='none' needs {side}_unique == {side}_layers={layers}, got "
+                                       f"{unique}; set {side}_unique=None or choose a sharing scheme")
+            elif self.sharing == "all":
+                need(unique == 1, f"sharing='all' needs {side}_unique == 1, got {unique}")
+            else:
+                need(unique <= layers, f"{side}_unique={unique} > {side}_layers={layers}: every unique block "
+                                       f"must be applied at least once")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def unique_blocks(self, side: str) -> int:
+        """Resolved number of unique blocks for side "enc" or "dec"."""
+        layers, unique = getattr(self, f"{side}_layers"), getattr(self, f"{side}_unique")
+        if unique is not None:
+            return unique
+        return 1 if self.sharing == "all" else layers
+
+    def schedule(self, side: str) -> list[int]:
+        """Unique-block index applied at each layer of side "enc" or "dec"."""
+        return layer_schedule(self.sharing, getattr(self, f"{side}_layers"), self.unique_blocks(side))
+
+
+# ----------------------------------------------------------------------------------------------
+# Presets
+# ----------------------------------------------------------------------------------------------
+def tiny(vocab_size: int = DEFAULT_VOCAB) -> ModelConfig:
+    """2+2 layers, d_model 64, 4 heads of 16, d_ff 128: CPU tests and smoke runs."""
+    return ModelConfig(vocab_size=vocab_size, d_model=64, n_heads=4, d_ff=128, enc_layers=2, dec_layers=2,
+                       dropout=0.1, max_positions=256)
+
+
+def s18(vocab_size: int = DEFAULT_VOCAB) -> ModelConfig:
+    """The S18 seed's shape: 6+6 layers, d_model 512, 8 heads, d_ff 2048, dropout 0.1, no sharing."""
+    return ModelConfig(vocab_size=vocab_size, d_model=512, n_heads=8, d_ff=2048, enc_layers=6, dec_layers=6,
+                       dropout=0.1)
+
+
+def s16(vocab_size: int = DEFAULT_VOCAB) -> ModelConfig:
+    """The S16 seed's shape: 3+3 unique blocks applied 6+6 as ABCCBA, d_model 512, 8 heads, d_ff 128."""
+    return ModelConfig(vocab_size=vocab_size, d_model=512, n_heads=8, d_ff=128, enc_layers=6, dec_layers=6,
+                       enc_unique=3, dec_unique=3, sharing="cycle_rev", dropout=0.1)
+
+
+PRESETS = {"tiny": tiny, "s18": s18, "s16": s16}
+
+
+def get_preset(name: str, vocab_size: int = DEFAULT_VOCAB, **overrides) -> ModelConfig:
+    """Preset ``name`` with ``overrides`` applied to existing fields (validated again)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+    cfg = PRESETS[name](vocab_size)
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"unknown ModelConfig field(s) {unknown}; known fields: {sorted(fields)}")
+    return dataclasses.replace(cfg, **overrides)

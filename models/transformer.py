@@ -1,0 +1,402 @@
+"""Pre-LN encoder-decoder Transformer on fastmt's kernels.
+
+Architecture (all switches in ``ModelConfig``):
+- One joint vocabulary. Token embeddings are multiplied by sqrt(d_model) and initialised
+  N(0, 1/d_model), so the scaled embedding has unit variance and, with ``tie_embeddings``, the output
+  projection (the same matrix) gives unit-scale logits. Tied: src embedding = tgt embedding = output
+  projection; untied: three matrices. Positions: fixed sinusoids or a learned table per side.
+- Pre-LN blocks. The residual stream is carried as a pair ``(h, res)`` whose value is ``h + res``:
+  each sublayer starts with ``x, res = norm(h, residual=res)`` (one fused kernel computes the add
+  and the LayerNorm and returns the new stream ``res``) and ends with ``h = dropout(sublayer(x))``.
+  The first block has ``res=None``; each stack ends with its own final LayerNorm of ``h + res``.
+- Attention: bias-free fused QKV (self) or Q + fused KV (cross) projections, ``kernels.attention``
+  with the batch's lengths (padded layout) or cu_seqlens (varlen layout: every per-token op runs on
+  the packed (total, D) activations, only the final decoder states are re-padded), bias-free output
+  projection. Encoder self, decoder causal self (bottom-right convention), cross (q = tgt, k = src).
+- FFN: ``W2 act(LN(W1 x))`` with ``ffn_norm`` (a NormFormer-style mid-FFN LayerNorm, placed before
+  the activation so that LN+GELU is one fused kernel), ``W2 act(W1 x)`` without. Bias-free linears
+  (the LayerNorms carry the biases). ReLU has no fused form: LN kernel, then ``F.relu``.
+- ``norm="torch"`` swaps every kernel LayerNorm for ``nn.LayerNorm`` + explicit adds + F.gelu: the
+  same math and the same parameter names (state dicts load across the switch).
+- Parameter sharing: each stack holds a ModuleList of its unique blocks and applies them following
+  ``cfg.schedule(side)``; a shared block is one module object called several times.
+- Decoding: ``encode`` -> ``start_decoding`` (cross-attention K/V per unique decoder block, which is
+  the same for every application of a shared block, plus a preallocated self-attention KV cache per
+  applied layer) -> ``decode_step`` one token at a time (query length 1, all cached keys visible).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from kernels import LayerNorm as FusedLayerNorm
+from kernels import attention
+from models.config import ModelConfig
+
+
+class Side(NamedTuple):
+    """Lengths of one side of the batch, in both layouts' terms."""
+
+    lengths: torch.Tensor  # int32 (B,) real tokens per sequence
+    cu_seqlens: torch.Tensor | None  # int32 (B+1,) cumulative lengths (varlen layout only)
+    max_len: int | None  # longest sequence, python int (varlen layout only)
+    index: torch.Tensor | None  # int64 (total,) flat (b*T + t) positions of real tokens (varlen only)
+
+
+ALL_QUERIES = Side(None, None, None, None)  # padded layout, every query position real (decoding)
+
+
+# ----------------------------------------------------------------------------------------------
+# Norms: the fused kernel or plain PyTorch, one interface
+# ----------------------------------------------------------------------------------------------
+class ResidualNorm(nn.Module):
+    """``forward(h, res) -> (LN(h + res), h + res)``; ``res=None`` means the stream is ``h``."""
+
+    def __init__(self, dim: int, norm: str):
+        super().__init__()
+        self.fused = norm == "fused"
+        self.ln = FusedLayerNorm(dim) if self.fused else nn.LayerNorm(dim)
+
+    def forward(self, h: torch.Tensor, res: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if res is None:
+            return self.ln(h), h
+        if self.fused:
+            return self.ln(h, residual=res)  # one kernel: s = h + res, y = LN(s)
+        s = h + res
+        return self.ln(s), s
+
+
+class NormAct(nn.Module):
+    """``act(LN(x))``: the fused LN+GELU kernel, or nn.LayerNorm + the activation."""
+
+    def __init__(self, dim: int, norm: str, activation: str):
+        super().__init__()
+        self.activation = activation
+        self.fused_act = norm == "fused" and activation in ("gelu", "gelu_tanh")
+        if norm == "fused":
+            self.ln = FusedLayerNorm(dim, activation=activation if self.fused_act else None)
+        else:
+            self.ln = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ln(x)
+        return y if self.fused_act else activate(y, self.activation)
+
+
+def activate(x: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "relu":
+        return F.relu(x)
+    return F.gelu(x, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
+# ----------------------------------------------------------------------------------------------
+# Sublayers
+# ----------------------------------------------------------------------------------------------
+def attend(q, k, v, q_side: Side, k_side: Side, causal: bool, backend: str) -> torch.Tensor:
+    """kernels.attention on (B, H, T, D) tensors (padded) or (total, H, D) tensors (varlen)."""
+    if q.dim() == 3:
+        return attention(q, k, v, causal=causal, cu_seqlens_q=q_side.cu_seqlens, cu_seqlens_k=k_side.cu_seqlens,
+                         max_seqlen_q=q_side.max_len, max_seqlen_k=k_side.max_len, backend=backend)
+    return attention(q, k, v, causal=causal, q_lengths=q_side.lengths, k_lengths=k_side.lengths, backend=backend)
+
+
+def split_heads(x: torch.Tensor, n: int, heads: int) -> tuple[torch.Tensor, ...]:
+    """(B, T, n*H*D) -> n x (B, H, T, D), or (total, n*H*D) -> n x (total, H, D)."""
+    if x.dim() == 3:
+        return tuple(rearrange(x, "b t (n h d) -> n b h t d", n=n, h=heads).unbind(0))
+    return tuple(rearrange(x, "t (n h d) -> n t h d", n=n, h=heads).unbind(0))
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """(B, H, T, D) -> (B, T, H*D), or (total, H, D) -> (total, H*D)."""
+    if x.dim() == 4:
+        return rearrange(x, "b h t d -> b t (h d)")
+    return rearrange(x, "t h d -> t (h d)")
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, causal: bool):
+        super().__init__()
+        self.heads, self.causal, self.backend = cfg.n_heads, causal, cfg.attn_backend
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, side: Side) -> torch.Tensor:
+        q, k, v = split_heads(self.qkv(x), 3, self.heads)  # 3 x (B, H, T, D) or (total, H, D)
+        return self.out(merge_heads(attend(q, k, v, side, side, self.causal, self.backend)))
+
+    def step(self, x: torch.Tensor, cache: KVCache, t: int) -> torch.Tensor:
+        """One decoding step: x (B, 1, d_model) at position t; appends its K/V to the cache."""
+        q, k, v = split_heads(self.qkv(x), 3, self.heads)  # 3 x (B, H, 1, D)
+        cache.k[:, :, t : t + 1] = k
+        cache.v[:, :, t : t + 1] = v
+        # query length 1 against t+1 cached keys: all visible (bottom-right causal), no mask needed
+        o = attention(q, cache.k[:, :, : t + 1], cache.v[:, :, : t + 1], backend=self.backend)  # (B, H, 1, D)
+        return self.out(merge_heads(o))
+
+
+class CrossAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.heads, self.backend = cfg.n_heads, cfg.attn_backend
+        self.q = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.kv = nn.Linear(cfg.d_model, 2 * cfg.d_model, bias=False)
+        self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+
+    def memory_kv(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encoder output (B, S, d_model) or (total_src, d_model) -> K, V per head."""
+        return split_heads(self.kv(memory), 2, self.heads)  # 2 x (B, H, S, D) or (total_src, H, D)
+
+    def forward(self, x, memory, q_side: Side, k_side: Side, kv=None) -> torch.Tensor:
+        (q,) = split_heads(self.q(x), 1, self.heads)  # (B, H, T, D) or (total_tgt, H, D)
+        k, v = kv if kv is not None else self.memory_kv(memory)
+        return self.out(merge_heads(attend(q, k, v, q_side, k_side, False, self.backend)))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.activation = cfg.activation
+        self.w1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.act = NormAct(cfg.d_ff, cfg.norm, cfg.activation) if cfg.ffn_norm else None
+        self.w2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.w1(x)  # (..., d_ff)
+        h = self.act(h) if self.act is not None else activate(h, self.activation)
+        return self.w2(h)
+
+
+# ----------------------------------------------------------------------------------------------
+# Blocks and stacks
+# ----------------------------------------------------------------------------------------------
+class EncoderBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm_attn = ResidualNorm(cfg.d_model, cfg.norm)
+        self.attn = SelfAttention(cfg, causal=False)
+        self.norm_ffn = ResidualNorm(cfg.d_model, cfg.norm)
+        self.ffn = FeedForward(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, h, res, side: Side):
+        x, res = self.norm_attn(h, res)
+        h = self.drop(self.attn(x, side))
+        x, res = self.norm_ffn(h, res)
+        h = self.drop(self.ffn(x))
+        return h, res
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm_self = ResidualNorm(cfg.d_model, cfg.norm)
+        self.self_attn = SelfAttention(cfg, causal=True)
+        self.norm_cross = ResidualNorm(cfg.d_model, cfg.norm)
+        self.cross_attn = CrossAttention(cfg)
+        self.norm_ffn = ResidualNorm(cfg.d_model, cfg.norm)
+        self.ffn = FeedForward(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, h, res, memory, tgt: Side, src: Side):
+        x, res = self.norm_self(h, res)
+        h = self.drop(self.self_attn(x, tgt))
+        x, res = self.norm_cross(h, res)
+        h = self.drop(self.cross_attn(x, memory, tgt, src))
+        x, res = self.norm_ffn(h, res)
+        h = self.drop(self.ffn(x))
+        return h, res
+
+    def step(self, h, res, cache: KVCache, cross_kv, src: Side, t: int):
+        """One decoding step for x (B, 1, d_model) (eval mode: dropout is the identity)."""
+        x, res = self.norm_self(h, res)
+        h = self.self_attn.step(x, cache, t)
+        x, res = self.norm_cross(h, res)
+        h = self.cross_attn(x, None, ALL_QUERIES, src, kv=cross_kv)
+        x, res = self.norm_ffn(h, res)
+        return self.ffn(x), res
+
+
+class Stack(nn.Module):
+    """Unique blocks, the schedule that applies them, and the stack's final LayerNorm."""
+
+    def __init__(self, blocks: list[nn.Module], schedule: list[int], d_model: int, norm: str, checkpointing: bool):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.schedule = list(schedule)  # unique-block index per applied layer
+        self.final_norm = ResidualNorm(d_model, norm)
+        self.checkpointing = checkpointing
+
+    def forward(self, h: torch.Tensor, *args) -> torch.Tensor:
+        res = None
+        for i in self.schedule:
+            block = self.blocks[i]
+            if self.checkpointing and self.training:
+                h, res = checkpoint(block, h, res, *args, use_reentrant=False)
+            else:
+                h, res = block(h, res, *args)
+        y, _ = self.final_norm(h, res)
+        return y
+
+
+def sinusoids(n: int, dim: int) -> torch.Tensor:
+    """(n, dim) table: [sin(p w_i), cos(p w_i)] interleaved, w_i = 10000^(-2i/dim)."""
+    pos = torch.arange(n, dtype=torch.float32)[:, None]  # (n, 1)
+    freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * (-math.log(10000.0) / dim))  # (dim/2,)
+    angles = pos * freq  # (n, dim/2)
+    return rearrange(torch.stack([angles.sin(), angles.cos()], dim=-1), "n k two -> n (k two)")[:, :dim]
+
+
+class KVCache:
+    """Preallocated self-attention keys/values of one applied decoder layer: (B, H, T_max, D) each."""
+
+    def __init__(self, batch: int, heads: int, max_len: int, head_dim: int, dtype, device):
+        self.k = torch.zeros(batch, heads, max_len, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+
+    def reorder(self, index: torch.Tensor):
+        self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
+
+
+class DecodeState:
+    """Everything ``decode_step`` needs: per-layer KV caches, cross K/V per unique block, src lengths."""
+
+    def __init__(self, caches: list[KVCache], cross_kv: list[tuple[torch.Tensor, torch.Tensor]], src: Side):
+        self.caches, self.cross_kv, self.src, self.t = caches, cross_kv, src, 0
+
+    def reorder(self, index: torch.Tensor):
+        """Keep rows ``index`` (int64 (B',)) of every cached tensor, e.g. the surviving beams."""
+        for c in self.caches:
+            c.reorder(index)
+        self.cross_kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.cross_kv]
+        self.src = Side(self.src.lengths.index_select(0, index), None, None, None)
+
+
+# ----------------------------------------------------------------------------------------------
+# The model
+# ----------------------------------------------------------------------------------------------
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        d, V = cfg.d_model, cfg.vocab_size
+        self.embed_scale = math.sqrt(d)  # token embeddings are multiplied by sqrt(d_model)
+        self.src_embed = nn.Embedding(V, d)
+        if cfg.tie_embeddings:  # the same module object: one parameter, three uses
+            self.tgt_embed = self.src_embed
+            self.lm_head = None
+        else:
+            self.tgt_embed = nn.Embedding(V, d)
+            self.lm_head = nn.Linear(d, V, bias=False)
+        if cfg.positions == "learned":
+            self.src_pos = nn.Embedding(cfg.max_positions, d)
+            self.tgt_pos = nn.Embedding(cfg.max_positions, d)
+        else:
+            self.register_buffer("pos_table", sinusoids(cfg.max_positions, d), persistent=False)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.encoder = Stack([EncoderBlock(cfg) for _ in range(cfg.unique_blocks("enc"))], cfg.schedule("enc"),
+                             d, cfg.norm, cfg.checkpointing)
+        self.decoder = Stack([DecoderBlock(cfg) for _ in range(cfg.unique_blocks("dec"))], cfg.schedule("dec"),
+                             d, cfg.norm, cfg.checkpointing)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        d = self.cfg.d_model
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_uniform_(m.weight)
+        for emb in {self.src_embed, self.tgt_embed}:
+            nn.init.normal_(emb.weight, std=d**-0.5)
+        if self.lm_head is not None:
+            nn.init.normal_(self.lm_head.weight, std=d**-0.5)
+        if self.cfg.positions == "learned":
+            nn.init.normal_(self.src_pos.weight, std=0.02)
+            nn.init.normal_(self.tgt_pos.weight, std=0.02)
+
+    # -- pieces ---------------------------------------------------------------------------------
+    def _side(self, tokens, lengths, cu_seqlens, max_len) -> Side:
+        if self.cfg.layout == "padded":
+            return Side(lengths, None, None, None)
+        B, T = tokens.shape
+        if cu_seqlens is None:
+            cu_seqlens = F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
+        valid = torch.arange(T, device=tokens.device)[None, :] < lengths[:, None]  # (B, T)
+        index = rearrange(valid, "b t -> (b t)").nonzero().squeeze(1)  # (total,) row-major = cu_seqlens order
+        return Side(lengths, cu_seqlens, T if max_len is None else max_len, index)
+
+    def _embed(self, tokens, side: Side, table: nn.Embedding, pos_table: nn.Embedding | None) -> torch.Tensor:
+        """tokens (B, T) -> (B, T, d_model), or (total, d_model) packed in the varlen layout."""
+        T = tokens.shape[1]
+        if T > self.cfg.max_positions:
+            raise ValueError(f"sequence length {T} > max_positions={self.cfg.max_positions}; raise max_positions")
+        pos = torch.arange(T, device=tokens.device).expand_as(tokens)  # (B, T)
+        if side.index is not None:
+            tokens = rearrange(tokens, "b t -> (b t)")[side.index]  # (total,)
+            pos = rearrange(pos, "b t -> (b t)")[side.index]
+        x = table(tokens) * self.embed_scale
+        x = x + (pos_table(pos) if pos_table is not None else self.pos_table[pos])
+        return self.drop(x)
+
+    def _project(self, h: torch.Tensor) -> torch.Tensor:
+        w = self.src_embed.weight if self.lm_head is None else self.lm_head.weight  # (V, d_model)
+        return F.linear(h, w)
+
+    def encode(self, src, src_lengths, cu_seqlens_src=None, max_src_len=None) -> tuple[torch.Tensor, Side]:
+        """Encoder states (B, S, d_model) (padded) or (total_src, d_model) (varlen), and the src Side."""
+        side = self._side(src, src_lengths, cu_seqlens_src, max_src_len)
+        pos = self.src_pos if self.cfg.positions == "learned" else None
+        return self.encoder(self._embed(src, side, self.src_embed, pos), side), side
+
+    # -- training forward ---------------------------------------------------------------------------
+    def forward(self, src, tgt_in, src_lengths, tgt_lengths, cu_seqlens_src=None, cu_seqlens_tgt=None,
+                max_src_len=None, max_tgt_len=None) -> torch.Tensor:
+        """src (B, S), tgt_in (B, T) int token ids; lengths int32 (B,) -> logits (B, T, V).
+
+        Logits at padded target positions are unspecified (the loss ignores them). No log_softmax:
+        the cross-entropy applies it.
+        """
+        memory, src_side = self.encode(src, src_lengths, cu_seqlens_src, max_src_len)
+        tgt_side = self._side(tgt_in, tgt_lengths, cu_seqlens_tgt, max_tgt_len)
+        pos = self.tgt_pos if self.cfg.positions == "learned" else None
+        h = self.decoder(self._embed(tgt_in, tgt_side, self.tgt_embed, pos), memory, tgt_side, src_side)
+        if tgt_side.index is not None:  # re-pad (total_tgt, d) -> (B, T, d), zeros at padded positions
+            B, T = tgt_in.shape
+            flat = h.new_zeros(B * T, h.shape[-1]).index_copy(0, tgt_side.index, h)
+            h = rearrange(flat, "(b t) d -> b t d", b=B)
+        return self._project(h)  # (B, T, V)
+
+    # -- incremental decoding -------------------------------------------------------------------
+    def start_decoding(self, src, src_lengths, max_len: int) -> DecodeState:
+        """Encode src (padded layout) and allocate caches for ``max_len`` decoder input positions."""
+        if max_len > self.cfg.max_positions:
+            raise ValueError(f"max_len={max_len} > max_positions={self.cfg.max_positions}")
+        src_side = Side(src_lengths, None, None, None)
+        pos = self.src_pos if self.cfg.positions == "learned" else None
+        memory = self.encoder(self._embed(src, src_side, self.src_embed, pos), src_side)  # (B, S, d)
+        cross_kv = [blk.cross_attn.memory_kv(memory) for blk in self.decoder.blocks]  # one per unique block
+        B, cfg = src.shape[0], self.cfg
+        caches = [KVCache(B, cfg.n_heads, max_len, cfg.head_dim, memory.dtype, memory.device)
+                  for _ in self.decoder.schedule]
+        return DecodeState(caches, cross_kv, src_side)
+
+    def decode_step(self, tokens: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        """tokens (B,) at position ``state.t`` -> next-token logits (B, V); advances ``state.t``."""
+        t = state.t
+        tok = rearrange(tokens, "b -> b 1")  # (B, 1)
+        x = self.tgt_embed(tok) * self.embed_scale
+        pos = torch.full_like(tok, t)
+        x = x + (self.tgt_pos(pos) if self.cfg.positions == "learned" else self.pos_table[pos])  # (B, 1, d)
+        h, res = x, None
+        for layer, i in enumerate(self.decoder.schedule):
+            h, res = self.decoder.blocks[i].step(h, res, state.caches[layer], state.cross_kv[i], state.src, t)
+        y, _ = self.decoder.final_norm(h, res)
+        state.t = t + 1
+        return rearrange(self._project(y), "b 1 v -> b v")
