@@ -1,0 +1,138 @@
+"""Joint SentencePiece tokenizer (BPE or unigram, byte fallback, ids pad=0 unk=1 bos=2 eos=3).
+
+Trained once from the train split and cached as ``<cache_dir>/spm-<key>/spm.model``, where ``key``
+hashes the data fingerprint, the split and every training setting; a matching key re-uses the model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+
+
+def spm_settings(cfg) -> dict:
+    """Everything that changes the trained model (part of the cache key)."""
+    import sentencepiece as spm
+
+    return {
+        "model_type": cfg.spm_model,
+        "vocab_size": cfg.vocab_size,
+        "character_coverage": cfg.character_coverage,
+        "byte_fallback": True,
+        "ids": [PAD_ID, UNK_ID, BOS_ID, EOS_ID],
+        "sentencepiece": spm.__version__,
+        "format": 1,
+    }
+
+
+def tokenizer_key(fingerprint: str, split_digest: str, settings: dict) -> str:
+    blob = json.dumps({"data": fingerprint, "split": split_digest, "spm": settings}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+class Tokenizer:
+    """Thin wrapper over a SentencePiece model with the fixed special ids."""
+
+    pad_id, unk_id, bos_id, eos_id = PAD_ID, UNK_ID, BOS_ID, EOS_ID
+
+    def __init__(self, model_file: str | os.PathLike, key: str = "", num_threads: int = 0):
+        import sentencepiece as spm
+
+        self.model_file = str(model_file)
+        self.key = key
+        self.num_threads = num_threads or (os.cpu_count() or 1)
+        self.sp = spm.SentencePieceProcessor(model_file=self.model_file)
+        got = (self.sp.pad_id(), self.sp.unk_id(), self.sp.bos_id(), self.sp.eos_id())
+        if got != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
+            raise ValueError(f"{self.model_file}: special ids (pad, unk, bos, eos) = {got}, expected (0, 1, 2, 3)")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sp.get_piece_size()
+
+    def encode(self, texts: list[str], *, add_eos: bool = False) -> list[np.ndarray]:
+        """Batch-encode to int32 arrays of subword ids (no specials unless ``add_eos``)."""
+        if isinstance(texts, str):
+            raise TypeError("encode takes a list of str; wrap a single sentence as [text]")
+        ids = self.sp.encode(list(texts), out_type=int, num_threads=self.num_threads)
+        tail = [EOS_ID] if add_eos else []
+        return [np.asarray(x + tail, dtype=np.int32) for x in ids]
+
+    def encode_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Batch-encode to one concatenated int32 array plus int64 offsets (len n+1); no specials."""
+        ids = self.sp.encode(list(texts), out_type=int, num_threads=self.num_threads)
+        lens = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        offsets = np.zeros(len(ids) + 1, dtype=np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        flat = np.fromiter((t for x in ids for t in x), dtype=np.int32, count=int(offsets[-1]))
+        return flat, offsets
+
+    def decode(self, ids: list) -> list[str]:
+        """Decode each sequence up to its first EOS, dropping pad and BOS."""
+        out = []
+        for seq in ids:
+            seq = [int(t) for t in (seq.tolist() if hasattr(seq, "tolist") else seq)]
+            if EOS_ID in seq:
+                seq = seq[: seq.index(EOS_ID)]
+            out.append([t for t in seq if t not in (PAD_ID, BOS_ID)])
+        return self.sp.decode(out)
+
+    def __getstate__(self):  # picklable for DataLoader workers / checkpoints
+        return {"model_file": self.model_file, "key": self.key, "num_threads": self.num_threads}
+
+    def __setstate__(self, state):
+        self.__init__(state["model_file"], state["key"], state["num_threads"])
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(vocab_size={self.vocab_size}, key={self.key!r}, model_file={self.model_file!r})"
+
+
+def train_or_load(texts: list[str], cfg, key: str, settings: dict, log=print) -> tuple[Tokenizer, bool]:
+    """Load ``<cache>/spm-<key>/spm.model`` if present, else train on ``texts`` and write it atomically.
+
+    Returns (tokenizer, trained).
+    """
+    import sentencepiece as spm
+
+    out_dir = Path(cfg.cache_dir) / f"spm-{key}"
+    model_file = out_dir / "spm.model"
+    threads = cfg.spm_threads or (os.cpu_count() or 1)
+    if model_file.is_file():
+        return Tokenizer(model_file, key, threads), False
+    if not texts:
+        raise ValueError("cannot train a tokenizer on an empty train split")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".spm-{key}-", dir=out_dir.parent))
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(texts),
+            model_prefix=str(tmp / "spm"),
+            model_type=settings["model_type"],
+            vocab_size=settings["vocab_size"],
+            character_coverage=settings["character_coverage"],
+            byte_fallback=True,
+            pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+            hard_vocab_limit=False,  # a small corpus gets a smaller vocab instead of an error
+            input_sentence_size=2_000_000, shuffle_input_sentence=True,
+            num_threads=threads,
+            minloglevel=2,
+        )
+        (tmp / "settings.json").write_text(json.dumps(settings, indent=1))
+        try:
+            os.replace(tmp, out_dir)  # atomic publish; loses the race gracefully if another process won
+        except OSError:
+            if not model_file.is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    tok = Tokenizer(model_file, key, threads)
+    log(f"[data] trained SentencePiece {settings['model_type']} vocab {tok.vocab_size} on {len(texts):,} lines -> {model_file}")
+    return tok, True
