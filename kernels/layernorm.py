@@ -54,7 +54,7 @@ _GELU_TANH_C = tl.constexpr(0.044715)
 # ----------------------------------------------------------------------------------------------
 # A program normalises a ROWS x BLOCK_N tile. Small widths need several rows per program to keep
 # enough bytes in flight; wide rows need more warps. The pruner keeps, for the width at hand,
-# tiles of a few thousand elements with 8-32 (forward) or 4-16 (backward, which holds ~3x more
+# tiles of a few thousand elements with 8-32 (forward) or 8-16 (backward, which holds ~3x more
 # live values) elements per thread, so every thread issues 16-byte loads of bf16.
 def _tile_grid() -> list[triton.Config]:
     return [triton.Config({"ROWS": rows}, num_warps=warps)
@@ -76,10 +76,10 @@ def _tile_pruner(min_elems: int, max_elems: int, min_per_thread: int, max_per_th
     return prune
 
 
-def _autotune(interpret_config: triton.Config, **prune_limits):
+def _autotune(interpret_config: triton.Config, key: list[str], **prune_limits):
     if interpreting():
-        return triton.autotune(configs=[interpret_config], key=["N"])
-    return triton.autotune(configs=_tile_grid(), key=["N"],
+        return triton.autotune(configs=[interpret_config], key=key)
+    return triton.autotune(configs=_tile_grid(), key=key,
                            prune_configs_by={"early_config_prune": _tile_pruner(**prune_limits)})
 
 
@@ -113,7 +113,7 @@ def _activation_grad(z, ACTIVATION: tl.constexpr):
         return sig + 2.0 * z * sig * (1.0 - sig) * du
 
 
-@_autotune(triton.Config({"ROWS": 16}, num_warps=4),
+@_autotune(triton.Config({"ROWS": 16}, num_warps=4), key=["N", "HAS_RESIDUAL"],
            min_elems=4096, max_elems=16384, min_per_thread=8, max_per_thread=32)
 @triton.jit
 def _ln_fwd_kernel(
@@ -168,8 +168,8 @@ def _ln_fwd_kernel(
     tl.store(Y_ptr + rows64[:, None] * stride_y_row + cols[None, :], y.to(Y_ptr.dtype.element_ty), mask=mask)
 
 
-@_autotune(triton.Config({"ROWS": 8}, num_warps=4),
-           min_elems=2048, max_elems=8192, min_per_thread=4, max_per_thread=16)
+@_autotune(triton.Config({"ROWS": 8}, num_warps=4), key=["N", "HAS_DS"],
+           min_elems=2048, max_elems=8192, min_per_thread=8, max_per_thread=16)
 @triton.jit
 def _ln_bwd_kernel(
     DY_ptr,  # (M, N) upstream gradient of y
