@@ -1,0 +1,221 @@
+"""Training configuration: dataclasses, presets, and the ``--section.field value`` CLI overrides.
+
+``Config`` groups four sections, each a small dataclass validated in ``__post_init__``:
+
+    data   DataConfig   (owned by data/)     corpus, cleaning, split, tokenizer, batching
+    model  ModelConfig  (owned by models/)   architecture and kernel switches
+    optim  OptimConfig  (here)               optimizer, schedule, accumulation, loss
+    run    RunConfig    (here)               epochs, precision, compile, logging, checkpoints
+
+Presets are plain functions (``tiny()``, ``s18()``, ``s16()``, ``fast()``, ``baseline()``) listed in
+``PRESETS``. The command line overrides only existing fields, ``--optim.lr 3e-4`` or
+``--optim.lr=3e-4``; values are parsed against the field's annotation (int, float, bool, str,
+Literal, Optional, tuple) and an unknown section or field fails with the list of valid names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from data import DataConfig
+from models import ModelConfig, get_preset
+from train.overrides import apply_overrides, build_dataclass, field_names, resolved_hints
+
+Precision = Literal["bf16", "fp16", "fp32"]
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["lion", "adamw", "adam"] = "lion"  # lion: lion-pytorch (seeds); adam/adamw: torch
+    lr: float = 1e-4  # peak learning rate (OneCycle max_lr / inverse-sqrt peak)
+    betas: tuple[float, float] = (0.9, 0.99)  # (beta1, beta2); Lion's defaults; use (0.9, 0.98) for Adam
+    eps: float = 1e-8  # Adam/AdamW epsilon (unused by Lion)
+    weight_decay: float = 1e-2  # decoupled decay on weight matrices only (never biases, norms, embeddings)
+    schedule: Literal["onecycle", "inverse_sqrt", "constant"] = "onecycle"  # learning-rate schedule
+    pct_start: float = 0.28  # OneCycle: fraction of the steps spent warming up (seeds: ~28 %)
+    div_factor: float = 100.0  # OneCycle: initial lr = lr / div_factor (seeds: 1e-4 -> 1e-6)
+    final_div_factor: float = 100.0  # OneCycle: final lr = initial lr / final_div_factor (-> 1e-8)
+    three_phase: bool = False  # OneCycle: symmetric warm-up/down then annihilation (S16 used True)
+    anneal: Literal["linear", "cos"] = "linear"  # OneCycle anneal strategy (seeds: linear)
+    warmup_steps: int = 4000  # inverse_sqrt: linear warm-up steps, then lr * sqrt(warmup / step)
+    grad_clip: float | None = 1.0  # max global grad norm after unscale; None = no clipping
+    accum_steps: int = 1  # micro-batches per optimizer step (loss normalised by their real target tokens)
+    label_smoothing: float = 0.1  # training cross-entropy smoothing (seeds: 0.1); validation uses 0
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr={self.lr} must be > 0")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"optim.betas={self.betas} must be two floats in [0, 1), e.g. 0.9,0.99")
+        if self.weight_decay < 0:
+            raise ValueError(f"optim.weight_decay={self.weight_decay} must be >= 0")
+        if not 0.0 < self.pct_start < 1.0:
+            raise ValueError(f"optim.pct_start={self.pct_start} must be in (0, 1)")
+        if self.div_factor < 1 or self.final_div_factor < 1:
+            raise ValueError(
+                f"optim.div_factor={self.div_factor} and optim.final_div_factor={self.final_div_factor} must be >= 1"
+            )
+        if self.warmup_steps < 1:
+            raise ValueError(f"optim.warmup_steps={self.warmup_steps} must be >= 1")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise ValueError(f"optim.grad_clip={self.grad_clip} must be > 0 or None (no clipping)")
+        if self.accum_steps < 1:
+            raise ValueError(f"optim.accum_steps={self.accum_steps} must be >= 1")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ValueError(f"optim.label_smoothing={self.label_smoothing} must be in [0, 1)")
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"  # run folder: <out_dir>/<name>/ (metrics.jsonl, tensorboard, checkpoints, plot)
+    out_dir: str = "runs"  # parent folder of all runs
+    epochs: int = 18  # passes over the training split (seeds: 18)
+    max_steps: int | None = None  # stop after this many optimizer steps in total (None: epochs decide)
+    seed: int = 0  # torch/numpy/python seed for init and dropout (data order has data.seed)
+    device: Literal["auto", "cuda", "cpu"] = "auto"  # auto: cuda when available
+    precision: Precision = "bf16"  # autocast dtype; fp16 adds a GradScaler; fp32 = no autocast
+    compile: bool | None = None  # torch.compile the training forward; None: on for CUDA, off for CPU
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
+    compile_backend: str = "inductor"  # torch.compile backend ("aot_eager" in CPU tests)
+    # None: automatic dynamic (a dim seen changing turns symbolic: ~2 graphs for token buckets, whose
+    # B, S and T all vary); False: one graph per (B, S, T), sensible only with fixed padding.
+    compile_dynamic: bool | None = None
+    log_every: int = 50  # host sync: the loss is read back from the device every N optimizer steps
+    nonfinite_guard: bool = True  # bf16/fp32: read one flag per step to skip non-finite steps (a sync)
+    max_nonfinite: int = 5  # stop (with a checkpoint) after this many non-finite steps in a row
+    eval_beam_size: int = 4  # beam size for validation/test BLEU
+    eval_max_sentences: int | None = 500  # cap on sentences decoded for BLEU/chrF (None: all)
+    eval_batch_size: int = 64  # sentences per decoding batch
+    eval_max_len_a: float = 1.5  # decoding max length = a * source length + b
+    eval_max_len_b: int = 10  # see eval_max_len_a
+    num_samples: int = 3  # sample translations printed per epoch
+    test_at_end: bool = True  # score the test split (BLEU/chrF/loss) after the last epoch
+    keep_last: int = 2  # epoch checkpoints kept besides best.pt (older ones deleted)
+    best_metric: Literal["bleu", "valid_loss"] = "bleu"  # what best.pt maximises (bleu) / minimises (loss)
+    peak_flops: float | None = None  # accelerator peak for MFU; None: 989e12 (H100 dense bf16) on CUDA, no MFU on CPU
+    tensorboard: bool = True  # also write TensorBoard scalars under the run folder
+    progress: bool = True  # tqdm progress bar (rank 0)
+    plot: bool = True  # write curves.png (loss and BLEU by epoch) at the end
+
+    def __post_init__(self):
+        if not self.name or "/" in self.name:
+            raise ValueError(f"run.name={self.name!r} must be a non-empty folder name without '/'")
+        if self.epochs < 1:
+            raise ValueError(f"run.epochs={self.epochs} must be >= 1")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"run.max_steps={self.max_steps} must be >= 1 or None")
+        for name in ("log_every", "max_nonfinite", "eval_beam_size", "eval_batch_size", "keep_last"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"run.{name}={getattr(self, name)} must be >= 1")
+        if self.eval_max_sentences is not None and self.eval_max_sentences < 1:
+            raise ValueError(f"run.eval_max_sentences={self.eval_max_sentences} must be >= 1 or None")
+        if self.num_samples < 0:
+            raise ValueError(f"run.num_samples={self.num_samples} must be >= 0")
+        if self.peak_flops is not None and self.peak_flops <= 0:
+            raise ValueError(f"run.peak_flops={self.peak_flops} must be > 0 or None")
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)  # corpus, split, tokenizer, batching (data/)
+    model: ModelConfig = field(default_factory=ModelConfig)  # architecture (models/)
+    optim: OptimConfig = field(default_factory=OptimConfig)  # optimizer, schedule, loss
+    run: RunConfig = field(default_factory=RunConfig)  # loop, precision, logging, checkpoints
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Config:
+        """Inverse of ``to_dict`` (checkpoints, provenance); unknown keys fail loudly."""
+        sections = {}
+        for f in dataclasses.fields(cls):
+            section_cls = resolved_hints(cls)[f.name]
+            sections[f.name] = build_dataclass(section_cls, d.get(f.name, {}), f.name)
+        return cls(**sections)
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets
+# ---------------------------------------------------------------------------------------------
+
+
+def _replace(obj, **changes):
+    """``dataclasses.replace`` that names the class when a preset sets a field that does not exist."""
+    names = {f.name for f in dataclasses.fields(obj)}
+    bad = sorted(set(changes) - names)
+    if bad:
+        raise AttributeError(f"{type(obj).__name__} has no field(s) {bad}; valid: {sorted(names)}")
+    return dataclasses.replace(obj, **changes)
+
+
+def tiny() -> Config:
+    """CPU smoke run: the 2+2 x 64 model, fp32 eager, a few minutes on 2 cores."""
+    return Config(
+        # the stand-in corpus (23k short pairs): 1000-piece BPE, pairs up to 64 tokens, no worker processes
+        data=_replace(DataConfig(), vocab_size=1000, max_len=64, max_tokens=2048, pad_multiple=8,
+                      valid_size=500, test_size=500, num_workers=0),
+        model=get_preset("tiny"),
+        optim=OptimConfig(name="adamw", lr=2e-3, betas=(0.9, 0.98), weight_decay=1e-2, pct_start=0.2),
+        run=RunConfig(
+            name="tiny", epochs=5, precision="fp32", compile=False, log_every=10,
+            eval_beam_size=2, eval_max_sentences=100, num_samples=2,
+        ),
+    )
+
+
+def s18() -> Config:
+    """The S18 seed's model and optimiser (6+6, d_model 512, Lion 1e-4 OneCycle), on our data path."""
+    return Config(
+        data=DataConfig(),
+        model=get_preset("s18"),
+        optim=OptimConfig(name="lion", lr=1e-4, weight_decay=1e-2, pct_start=0.28),
+        run=RunConfig(name="s18", epochs=18, precision="bf16"),
+    )
+
+
+def s16() -> Config:
+    """The S16 seed's shared model (3+3 unique blocks, cycle_rev, d_ff 128), three-phase OneCycle."""
+    return Config(
+        data=DataConfig(),
+        model=get_preset("s16"),
+        optim=OptimConfig(name="lion", lr=1e-4, weight_decay=1e-2, pct_start=0.1, three_phase=True),
+        run=RunConfig(name="s16", epochs=18, precision="bf16"),
+    )
+
+
+def fast() -> Config:
+    """Best settings for one H100: bf16, token buckets, varlen Triton attention, fused norms, compile, Lion."""
+    return Config(
+        data=_replace(DataConfig(), batching="token_bucket", max_tokens=32768, pad_multiple=16, num_workers=4),
+        model=_replace(get_preset("s18"), attn_backend="auto", norm="fused", layout="varlen"),
+        # Lion's authors: lr 3-10x below AdamW's; the larger token budget (~4x the seed's batch) lifts it.
+        optim=OptimConfig(name="lion", lr=3e-4, weight_decay=1e-1, pct_start=0.1),
+        run=RunConfig(name="fast", epochs=18, precision="bf16", compile=True),
+    )
+
+
+def baseline() -> Config:
+    """Seed-faithful rung 0 of the ladder: fp32, fixed padding to 350, eager, Adam 1e-4, plain PyTorch."""
+    return Config(
+        data=_replace(DataConfig(), batching="fixed", seq_len=350, batch_size=32, max_len=350,
+                      max_tokens=32 * 2 * 350),
+        model=_replace(get_preset("s18"), attn_backend="reference", norm="torch", layout="padded"),
+        optim=OptimConfig(name="adam", lr=1e-4, betas=(0.9, 0.98), weight_decay=0.0, grad_clip=None),
+        run=RunConfig(name="baseline", epochs=18, precision="fp32", compile=False),
+    )
+
+
+PRESETS = {"tiny": tiny, "s18": s18, "s16": s16, "fast": fast, "baseline": baseline}
+
+
+__all__ = ["Config", "OptimConfig", "RunConfig", "PRESETS", "get_config", "apply_overrides", "field_names"]
+
+
+def get_config(preset: str) -> Config:
+    """The preset's Config; an unknown name lists the valid ones."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[preset]()

@@ -1,0 +1,161 @@
+"""Run records: provenance (config, git sha, versions, GPU), metrics.jsonl + TensorBoard, curves.png."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def git_sha(repo: str | os.PathLike | None = None) -> str | None:
+    repo = repo or Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=5)
+        sha = out.stdout.strip() if out.returncode == 0 else None
+        if sha:
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                                   capture_output=True, text=True, timeout=5).stdout.strip()
+            return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return None
+
+
+def environment() -> dict[str, Any]:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    cuda = torch.cuda.is_available()
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "gpu": torch.cuda.get_device_name(0) if cuda else None,
+        "gpu_count": torch.cuda.device_count() if cuda else 0,
+        "cpu_threads": torch.get_num_threads(),
+        "env": {k: v for k, v in os.environ.items() if k.startswith(("FASTMT_", "TORCH_", "TRITON_"))},
+    }
+
+
+def provenance(config: dict[str, Any], split_record: Any = None, extra: dict[str, Any] | None = None) -> dict:
+    return {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "git_sha": git_sha(),
+        "argv": sys.argv,
+        **environment(),
+        "config": config,
+        "data_split": split_record,
+        **(extra or {}),
+    }
+
+
+def _clean(v: Any) -> Any:
+    """JSON-safe scalars: tensors -> float, non-finite floats -> null."""
+    if isinstance(v, torch.Tensor):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+class MetricsLogger:
+    """Appends one JSON object per line to ``metrics.jsonl``; mirrors scalars to TensorBoard.
+
+    Disabled (a no-op) on ranks other than 0.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = True, enabled: bool = True):
+        self.enabled = enabled
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "metrics.jsonl"
+        self.tb = None
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+            except ImportError:
+                print("metrics: tensorboard is not installed; writing metrics.jsonl only")
+
+    def scalars(self, values: dict[str, Any], step: int, prefix: str = "") -> None:
+        if not self.enabled or self.tb is None:
+            return
+        for k, v in values.items():
+            v = _clean(v)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                self.tb.add_scalar(f"{prefix}{k}", v, step)
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        line = json.dumps({k: _clean(v) for k, v in record.items()})
+        with open(self.path, "a") as f:
+            f.write(line + "\n")
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_curves(metrics_path: str | os.PathLike, out_png: str | os.PathLike) -> Path | None:
+    """Loss (train mean, last batch, validation) and BLEU/chrF by epoch, side by side."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("metrics: matplotlib is not installed; no curves.png")
+        return None
+    rows = [r for r in read_metrics(metrics_path) if r.get("kind", "epoch") == "epoch"]
+    if not rows:
+        return None
+    ep = [r["epoch"] for r in rows]
+    fig, (ax_l, ax_b) = plt.subplots(1, 2, figsize=(10, 4))
+    for key, label in [("train_loss", "train (epoch mean, smoothed CE)"),
+                       ("train_loss_last_batch", "train (last batch, the seeds' metric)"),
+                       ("valid_loss", "validation (no smoothing)")]:
+        ys = [r.get(key) for r in rows]
+        if any(y is not None for y in ys):
+            ax_l.plot(ep, [float("nan") if y is None else y for y in ys], marker="o", label=label)
+    ax_l.set_xlabel("epoch")
+    ax_l.set_ylabel("loss (nats/token)")
+    ax_l.legend(fontsize=8)
+    ax_l.grid(alpha=0.3)
+    for key in ("bleu", "chrf"):
+        ys = [r.get(key) for r in rows]
+        if any(y is not None for y in ys):
+            ax_b.plot(ep, [float("nan") if y is None else y for y in ys], marker="o", label=key)
+    ax_b.set_xlabel("epoch")
+    ax_b.set_ylabel("validation score")
+    ax_b.legend(fontsize=8)
+    ax_b.grid(alpha=0.3)
+    fig.suptitle(Path(metrics_path).parent.name)
+    fig.tight_layout()
+    out_png = Path(out_png)
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return out_png
