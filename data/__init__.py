@@ -9,8 +9,12 @@ from .config import DataConfig
 __all__ = ["DataConfig", "build_data", "Batch", "DataBundle", "EncodedSplit", "BatchSpec", "plan_batches"]
 
 _LAZY = {
-    "build_data": "pipeline", "DataBundle": "pipeline", "EncodedSplit": "pipeline",
-    "Batch": "collate", "BatchSpec": "batching", "plan_batches": "batching",
+    "build_data": "pipeline",
+    "DataBundle": "pipeline",
+    "EncodedSplit": "pipeline",
+    "Batch": "collate",
+    "BatchSpec": "batching",
+    "plan_batches": "batching",
 }
 
 

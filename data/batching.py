@@ -56,14 +56,27 @@ class BatchSpec:
         return int(round_up(int(lengths.max()), self.pad_multiple))
 
 
-def plan_batches(src_len: np.ndarray, tgt_len: np.ndarray, spec: BatchSpec, *, seed: int = 0, epoch: int = 0,
-                 shuffle: bool = True, rank: int = 0, world_size: int = 1) -> list[np.ndarray]:
+def plan_batches(
+    src_len: np.ndarray,
+    tgt_len: np.ndarray,
+    spec: BatchSpec,
+    *,
+    seed: int = 0,
+    epoch: int = 0,
+    shuffle: bool = True,
+    rank: int = 0,
+    world_size: int = 1,
+) -> list[np.ndarray]:
     """This rank's batches for this epoch, as arrays of example indices."""
     src_len = np.asarray(src_len, dtype=np.int64)
     tgt_len = np.asarray(tgt_len, dtype=np.int64)
     if src_len.shape != tgt_len.shape or src_len.ndim != 1:
-        raise ValueError(f"src_len {src_len.shape} and tgt_len {tgt_len.shape} must be equal-length 1-D arrays")
-    if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
+        raise ValueError(
+            f"src_len {src_len.shape} and tgt_len {tgt_len.shape} must be equal-length 1-D arrays"
+        )
+    if not (
+        isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size
+    ):
         raise ValueError(f"rank={rank!r}, world_size={world_size!r}: need ints with 0 <= rank < world_size")
     n = len(src_len)
     if n and (src_len.min() < 1 or tgt_len.min() < 1):
@@ -96,7 +109,9 @@ def _token_buckets(src_len, tgt_len, spec: BatchSpec, rng) -> list[np.ndarray]:
     s_pad, t_pad = round_up(src_len, m), round_up(tgt_len, m)
     if len(s_pad) and int((s_pad + t_pad).max()) > budget:
         worst = int((s_pad + t_pad).max())
-        raise ValueError(f"a pair needs {worst} padded tokens > max_tokens={budget}; raise max_tokens or filter with max_len")
+        raise ValueError(
+            f"a pair needs {worst} padded tokens > max_tokens={budget}; raise max_tokens or filter with max_len"
+        )
     n = len(src_len)
     perm = rng.permutation(n) if rng is not None else np.arange(n)
     h = hilbert_index(s_pad // m, t_pad // m)
@@ -107,7 +122,9 @@ def _token_buckets(src_len, tgt_len, spec: BatchSpec, rng) -> list[np.ndarray]:
     for i in range(n):
         ns, nt, b = max(max_s, s_o[i]), max(max_t, t_o[i]), i - start
         over = (b + 1) * (ns + nt) > budget
-        jump = 2 * b * (max_s + max_t) >= budget and (b + 1) * (ns + nt) - b * (max_s + max_t) > 2 * (s_o[i] + t_o[i])
+        jump = 2 * b * (max_s + max_t) >= budget and (b + 1) * (ns + nt) - b * (max_s + max_t) > 2 * (
+            s_o[i] + t_o[i]
+        )
         if over or jump:
             batches.append(order[start:i])
             start, ns, nt = i, s_o[i], t_o[i]
@@ -140,7 +157,9 @@ def _divisible(batches: list[np.ndarray], world_size: int) -> list[np.ndarray]:
         i = max(range(len(batches)), key=lambda k: len(batches[k]))
         b = batches[i]
         if len(b) < 2:
-            raise ValueError(f"cannot share {len(batches)} single-example batches equally among {world_size} ranks")
+            raise ValueError(
+                f"cannot share {len(batches)} single-example batches equally among {world_size} ranks"
+            )
         batches[i : i + 1] = [b[: len(b) // 2], b[len(b) // 2 :]]
     return batches
 
@@ -159,7 +178,9 @@ class PlanStats:
         return 1.0 - self.real_tokens / self.computed_tokens if self.computed_tokens else 0.0
 
 
-def plan_stats(batches: list[np.ndarray], src_len: np.ndarray, tgt_len: np.ndarray, spec: BatchSpec) -> PlanStats:
+def plan_stats(
+    batches: list[np.ndarray], src_len: np.ndarray, tgt_len: np.ndarray, spec: BatchSpec
+) -> PlanStats:
     """Padding and shape statistics of a plan (fixed mode: lengths clipped at seq_len, as truncated)."""
     shapes, seq_shapes, real, computed, worst = set(), set(), 0, 0, 0
     for b in batches:

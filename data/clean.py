@@ -25,7 +25,12 @@ class CleanReport:
         return self.rows - sum(self.dropped.values())
 
     def as_dict(self) -> dict:
-        return {"rows": self.rows, "kept": self.kept, "dropped": dict(self.dropped), "dropped_by_split": self.dropped_by_split}
+        return {
+            "rows": self.rows,
+            "kept": self.kept,
+            "dropped": dict(self.dropped),
+            "dropped_by_split": self.dropped_by_split,
+        }
 
     def __str__(self) -> str:
         lines = [f"rows read {self.rows:>9,}", f"rows kept {self.kept:>9,}"]
@@ -33,7 +38,9 @@ class CleanReport:
         return "\n".join(lines)
 
 
-def clean_text(translation: list, src_lang: str, tgt_lang: str, report: CleanReport) -> tuple[list[str], list[str], np.ndarray]:
+def clean_text(
+    translation: list, src_lang: str, tgt_lang: str, report: CleanReport
+) -> tuple[list[str], list[str], np.ndarray]:
     """Strip both sides; drop rows that are not dicts, lack a language, hold a non-str or an empty side.
 
     Returns (src, tgt, kept_row_indices).
@@ -61,7 +68,9 @@ def clean_text(translation: list, src_lang: str, tgt_lang: str, report: CleanRep
     return src, tgt, np.asarray(keep, dtype=np.int64)
 
 
-def length_mask(src_len: np.ndarray, tgt_len: np.ndarray, max_len: int, max_ratio: float) -> tuple[np.ndarray, dict[str, int]]:
+def length_mask(
+    src_len: np.ndarray, tgt_len: np.ndarray, max_len: int, max_ratio: float
+) -> tuple[np.ndarray, dict[str, int]]:
     """Keep-mask over pairs by subword length (incl. EOS/BOS) and length ratio; counts per reason.
 
     A pair failing both tests is counted once, under ``too_long``.

@@ -41,7 +41,12 @@ class Batch:
         return self.src.shape[0]
 
     def _map(self, fn) -> Batch:
-        return Batch(**{f.name: fn(v) if isinstance(v := getattr(self, f.name), torch.Tensor) else v for f in fields(self)})
+        return Batch(
+            **{
+                f.name: fn(v) if isinstance(v := getattr(self, f.name), torch.Tensor) else v
+                for f in fields(self)
+            }
+        )
 
     def to(self, device, non_blocking: bool = True) -> Batch:
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
@@ -66,7 +71,9 @@ class Collator:
     """Turns an index list into a `Batch`, padding each side to its batch max rounded up to ``pad_multiple``,
     or to ``seq_len`` when ``seq_len`` is set (fixed mode, truncating overlong sequences: keeps EOS)."""
 
-    def __init__(self, src_ids, src_off, tgt_ids, tgt_off, *, pad_multiple: int = 1, seq_len: int | None = None):
+    def __init__(
+        self, src_ids, src_off, tgt_ids, tgt_off, *, pad_multiple: int = 1, seq_len: int | None = None
+    ):
         self.src_ids, self.src_off, self.tgt_ids, self.tgt_off = src_ids, src_off, tgt_ids, tgt_off
         self.pad_multiple, self.seq_len = pad_multiple, seq_len
 
@@ -95,9 +102,15 @@ class Collator:
         np.cumsum(sl, out=cu_s[1:])
         np.cumsum(tl, out=cu_t[1:])
         return Batch(
-            src=torch.from_numpy(src), tgt_in=torch.from_numpy(tgt_in), tgt_out=torch.from_numpy(tgt_out),
-            src_lengths=torch.from_numpy(sl), tgt_lengths=torch.from_numpy(tl),
-            cu_seqlens_src=torch.from_numpy(cu_s), cu_seqlens_tgt=torch.from_numpy(cu_t),
+            src=torch.from_numpy(src),
+            tgt_in=torch.from_numpy(tgt_in),
+            tgt_out=torch.from_numpy(tgt_out),
+            src_lengths=torch.from_numpy(sl),
+            tgt_lengths=torch.from_numpy(tl),
+            cu_seqlens_src=torch.from_numpy(cu_s),
+            cu_seqlens_tgt=torch.from_numpy(cu_t),
             index=torch.from_numpy(idx.copy()),
-            max_src_len=int(sl.max()), max_tgt_len=int(tl.max()), num_real_tokens=int(cu_s[-1]) + int(cu_t[-1]),
+            max_src_len=int(sl.max()),
+            max_tgt_len=int(tl.max()),
+            num_real_tokens=int(cu_s[-1]) + int(cu_t[-1]),
         )

@@ -52,7 +52,9 @@ class DataConfig:
     spm_threads: int = 0  # SentencePiece training/encoding threads; 0 = all cores
     # --- batching ---
     batching: str = "token_bucket"  # "fixed" | "dynamic" | "sorted" | "token_bucket"
-    max_tokens: int = 2048  # token_bucket: budget of padded src+tgt tokens per batch (~ the seed's real tokens/step)
+    max_tokens: int = (
+        2048  # token_bucket: budget of padded src+tgt tokens per batch (~ the seed's real tokens/step)
+    )
     batch_size: int = 32  # fixed / dynamic / sorted: sentences per batch
     seq_len: int = 256  # fixed: every sequence padded to this length
     overlong: str = "error"  # fixed: sequences longer than seq_len -> "error" or "truncate" (counted)
@@ -81,12 +83,19 @@ class DataConfig:
         if self.max_len < 2:
             raise ValueError(f"max_len={self.max_len} must be >= 2 (one token plus EOS/BOS)")
         if self.vocab_size < 300:
-            raise ValueError(f"vocab_size={self.vocab_size} must be >= 300 (byte fallback alone takes 256+4 ids)")
+            raise ValueError(
+                f"vocab_size={self.vocab_size} must be >= 300 (byte fallback alone takes 256+4 ids)"
+            )
         if not self.max_len_ratio >= 1.0:
             raise ValueError(f"max_len_ratio={self.max_len_ratio} must be >= 1")
         for name in ("valid_size", "test_size"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or v < 0 or (isinstance(v, float) and v >= 1):
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, int | float)
+                or v < 0
+                or (isinstance(v, float) and v >= 1)
+            ):
                 raise ValueError(f"{name}={v!r}: give an int count >= 0 or a float fraction in [0, 1)")
         if self.num_workers < 0 or self.spm_threads < 0:
             raise ValueError(f"num_workers={self.num_workers}, spm_threads={self.spm_threads} must be >= 0")

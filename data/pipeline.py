@@ -56,8 +56,15 @@ class EncodedSplit:
         idx = np.flatnonzero(keep)
         src_ids, src_off = _gather(self.src_ids, self.src_offsets, idx)
         tgt_ids, tgt_off = _gather(self.tgt_ids, self.tgt_offsets, idx)
-        return EncodedSplit([self.src_text[i] for i in idx], [self.tgt_text[i] for i in idx],
-                            src_ids, src_off, tgt_ids, tgt_off, self.rows[idx])
+        return EncodedSplit(
+            [self.src_text[i] for i in idx],
+            [self.tgt_text[i] for i in idx],
+            src_ids,
+            src_off,
+            tgt_ids,
+            tgt_off,
+            self.rows[idx],
+        )
 
 
 def _gather(flat: np.ndarray, offsets: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -83,15 +90,22 @@ def _size(spec: int | float, n: int) -> int:
     return int(round(spec * n)) if isinstance(spec, float) else int(spec)
 
 
-def split_indices(n: int, valid_size: int | float, test_size: int | float, seed: int) -> dict[str, np.ndarray]:
+def split_indices(
+    n: int, valid_size: int | float, test_size: int | float, seed: int
+) -> dict[str, np.ndarray]:
     """Seeded permutation cut into test, valid, train (sorted indices within each split)."""
     n_valid, n_test = _size(valid_size, n), _size(test_size, n)
     if n_valid + n_test >= n:
-        raise ValueError(f"valid_size={valid_size} ({n_valid}) + test_size={test_size} ({n_test}) leave no training rows "
-                         f"out of {n} clean rows; lower them (floats are fractions)")
+        raise ValueError(
+            f"valid_size={valid_size} ({n_valid}) + test_size={test_size} ({n_test}) leave no training rows "
+            f"out of {n} clean rows; lower them (floats are fractions)"
+        )
     perm = np.random.default_rng(seed).permutation(n)
-    return {"test": np.sort(perm[:n_test]), "valid": np.sort(perm[n_test : n_test + n_valid]),
-            "train": np.sort(perm[n_test + n_valid :])}
+    return {
+        "test": np.sort(perm[:n_test]),
+        "valid": np.sort(perm[n_test : n_test + n_valid]),
+        "train": np.sort(perm[n_test + n_valid :]),
+    }
 
 
 class _IndexDataset:
@@ -125,25 +139,56 @@ class _PlanSampler:
 
 
 class DataBundle:
-    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, splits: dict[str, EncodedSplit], report: CleanReport,
-                 split_record: dict, log=print):
-        self.cfg, self.tokenizer, self.splits, self.report, self.split_record = cfg, tokenizer, splits, report, split_record
+    def __init__(
+        self,
+        cfg: DataConfig,
+        tokenizer: Tokenizer,
+        splits: dict[str, EncodedSplit],
+        report: CleanReport,
+        split_record: dict,
+        log=print,
+    ):
+        self.cfg, self.tokenizer, self.splits, self.report, self.split_record = (
+            cfg,
+            tokenizer,
+            splits,
+            report,
+            split_record,
+        )
         self.log = log
 
     def spec(self, batching: str | None = None) -> BatchSpec:
         c = self.cfg
         return BatchSpec(batching or c.batching, c.batch_size, c.max_tokens, c.seq_len, c.pad_multiple)
 
-    def plan(self, split: str, *, epoch: int = 0, batching: str | None = None, rank: int = 0, world_size: int = 1,
-             shuffle: bool | None = None) -> list[np.ndarray]:
+    def plan(
+        self,
+        split: str,
+        *,
+        epoch: int = 0,
+        batching: str | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool | None = None,
+    ) -> list[np.ndarray]:
         if split not in self.splits:
             raise ValueError(f"split={split!r}; choose one of {tuple(self.splits)}")
         sp, spec = self.splits[split], self.spec(batching)
         shuffle = split == "train" if shuffle is None else shuffle
-        return plan_batches(sp.src_lengths, sp.tgt_lengths, spec, seed=self.cfg.seed, epoch=epoch, shuffle=shuffle,
-                            rank=rank, world_size=world_size)
+        return plan_batches(
+            sp.src_lengths,
+            sp.tgt_lengths,
+            spec,
+            seed=self.cfg.seed,
+            epoch=epoch,
+            shuffle=shuffle,
+            rank=rank,
+            world_size=world_size,
+        )
 
-    def num_batches(self, split: str, epoch: int = 0, batching: str | None = None, rank: int = 0, world_size: int = 1) -> int:
+    def num_batches(
+        self, split: str, epoch: int = 0, batching: str | None = None, rank: int = 0, world_size: int = 1
+    ) -> int:
         return len(self.plan(split, epoch=epoch, batching=batching, rank=rank, world_size=world_size))
 
     def collator(self, split: str, batching: str | None = None):
@@ -154,22 +199,46 @@ class DataBundle:
         if spec.mode == "fixed":
             over = int(((sp.src_lengths > spec.seq_len) | (sp.tgt_lengths > spec.seq_len)).sum())
             if over and self.cfg.overlong == "error":
-                raise ValueError(f"{over} {split} pairs are longer than seq_len={spec.seq_len} (fixed batching); "
-                                 f"raise seq_len to >= max_len={self.cfg.max_len}, or set overlong='truncate'")
+                raise ValueError(
+                    f"{over} {split} pairs are longer than seq_len={spec.seq_len} (fixed batching); "
+                    f"raise seq_len to >= max_len={self.cfg.max_len}, or set overlong='truncate'"
+                )
             if over:
-                self.log(f"[data] warning: truncating {over} {split} pairs to seq_len={spec.seq_len} (overlong='truncate')")
+                self.log(
+                    f"[data] warning: truncating {over} {split} pairs to seq_len={spec.seq_len} (overlong='truncate')"
+                )
             seq_len = spec.seq_len
-        return Collator(sp.src_ids, sp.src_offsets, sp.tgt_ids, sp.tgt_offsets, pad_multiple=spec.pad_multiple, seq_len=seq_len)
+        return Collator(
+            sp.src_ids,
+            sp.src_offsets,
+            sp.tgt_ids,
+            sp.tgt_offsets,
+            pad_multiple=spec.pad_multiple,
+            seq_len=seq_len,
+        )
 
-    def loader(self, split: str, *, epoch: int = 0, batching: str | None = None, rank: int = 0, world_size: int = 1,
-               shuffle: bool | None = None, start_batch: int = 0):
+    def loader(
+        self,
+        split: str,
+        *,
+        epoch: int = 0,
+        batching: str | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool | None = None,
+        start_batch: int = 0,
+    ):
         """A torch DataLoader over this rank's batches of ``split`` for ``epoch``; skips ``start_batch`` batches."""
         import torch
         from torch.utils.data import DataLoader
 
-        batches = self.plan(split, epoch=epoch, batching=batching, rank=rank, world_size=world_size, shuffle=shuffle)
+        batches = self.plan(
+            split, epoch=epoch, batching=batching, rank=rank, world_size=world_size, shuffle=shuffle
+        )
         if not 0 <= start_batch <= len(batches):
-            raise ValueError(f"start_batch={start_batch} outside [0, {len(batches)}] for {split} epoch {epoch}")
+            raise ValueError(
+                f"start_batch={start_batch} outside [0, {len(batches)}] for {split} epoch {epoch}"
+            )
         c = self.cfg
         workers = c.num_workers
         return DataLoader(
@@ -183,10 +252,14 @@ class DataBundle:
 
     def __repr__(self) -> str:
         sizes = {k: len(v) for k, v in self.splits.items()}
-        return f"DataBundle(splits={sizes}, vocab={self.tokenizer.vocab_size}, batching={self.cfg.batching!r})"
+        return (
+            f"DataBundle(splits={sizes}, vocab={self.tokenizer.vocab_size}, batching={self.cfg.batching!r})"
+        )
 
 
-def _encode_or_load(tok: Tokenizer, src: list[str], tgt: list[str], idx: dict[str, np.ndarray], path: Path, log) -> dict:
+def _encode_or_load(
+    tok: Tokenizer, src: list[str], tgt: list[str], idx: dict[str, np.ndarray], path: Path, log
+) -> dict:
     if path.is_file():
         with np.load(path) as z:
             arrays = {k: z[k] for k in z.files}
@@ -205,7 +278,9 @@ def _encode_or_load(tok: Tokenizer, src: list[str], tgt: list[str], idx: dict[st
         np.savez(f, **arrays)
     os.replace(tmp, path)
     n_tok = sum(int(v[-1]) for k, v in arrays.items() if k.endswith("_off"))
-    log(f"[data] encoded {len(src):,} pairs ({n_tok:,} subwords) in {time.perf_counter() - t0:.1f} s -> {path}")
+    log(
+        f"[data] encoded {len(src):,} pairs ({n_tok:,} subwords) in {time.perf_counter() - t0:.1f} s -> {path}"
+    )
     return arrays
 
 
@@ -225,7 +300,9 @@ def build_data(cfg: DataConfig, log=print) -> DataBundle:
     key = tokenizer_key(fp, split_digest, settings)
     cache = Path(cfg.cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
-    tok, trained = train_or_load([src[i] for i in idx["train"]] + [tgt[i] for i in idx["train"]], cfg, key, settings, log)
+    tok, trained = train_or_load(
+        [src[i] for i in idx["train"]] + [tgt[i] for i in idx["train"]], cfg, key, settings, log
+    )
     if not trained:
         log(f"[data] tokenizer cache hit: {tok.model_file}")
     arrays = _encode_or_load(tok, src, tgt, idx, cache / f"enc-{key}.npz", log)
@@ -233,8 +310,15 @@ def build_data(cfg: DataConfig, log=print) -> DataBundle:
     splits = {}
     for s in SPLITS:
         rows = arrays[f"{s}_rows"]
-        sp = EncodedSplit([src[i] for i in rows], [tgt[i] for i in rows], arrays[f"{s}_src_ids"], arrays[f"{s}_src_off"],
-                          arrays[f"{s}_tgt_ids"], arrays[f"{s}_tgt_off"], rows)
+        sp = EncodedSplit(
+            [src[i] for i in rows],
+            [tgt[i] for i in rows],
+            arrays[f"{s}_src_ids"],
+            arrays[f"{s}_src_off"],
+            arrays[f"{s}_tgt_ids"],
+            arrays[f"{s}_tgt_off"],
+            rows,
+        )
         keep, dropped = length_mask(sp.src_lengths, sp.tgt_lengths, cfg.max_len, cfg.max_len_ratio)
         for reason, k in dropped.items():
             report.dropped[reason] += k
@@ -254,6 +338,8 @@ def build_data(cfg: DataConfig, log=print) -> DataBundle:
         "vocab_size": tok.vocab_size,
     }
     log("[data] " + str(report).replace("\n", "\n[data] "))
-    log(f"[data] split {json.dumps(split_record['sizes'])} (seed {cfg.split_seed}, fingerprint {fp}); "
-        f"vocab {tok.vocab_size}; ready in {time.perf_counter() - t0:.1f} s")
+    log(
+        f"[data] split {json.dumps(split_record['sizes'])} (seed {cfg.split_seed}, fingerprint {fp}); "
+        f"vocab {tok.vocab_size}; ready in {time.perf_counter() - t0:.1f} s"
+    )
     return DataBundle(cfg, tok, splits, report, split_record, log)

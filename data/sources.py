@@ -43,7 +43,10 @@ def _fix_hint(dataset: str) -> str:
 
 
 def _offline() -> bool:
-    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    return any(
+        os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+        for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    )
 
 
 def probe_hub(timeout: float = PROBE_TIMEOUT_S) -> str | None:
@@ -68,30 +71,48 @@ def load_local(files: tuple[str, ...], src_lang: str, tgt_lang: str) -> RawCorpu
     exts = {p.suffix.lower() for p in paths}
     unknown = exts - set(_FORMATS)
     if unknown:
-        raise ValueError(f"unsupported data file extension(s) {sorted(unknown)} in {files}; use .jsonl, .parquet or .tsv")
+        raise ValueError(
+            f"unsupported data file extension(s) {sorted(unknown)} in {files}; use .jsonl, .parquet or .tsv"
+        )
     if len({_FORMATS[e] for e in exts}) > 1:
         raise ValueError(f"mixed formats {sorted(exts)} in {files}; pass files of one format")
     fmt = _FORMATS[exts.pop()]
     kwargs = {}
     if fmt == "csv":
-        kwargs = dict(delimiter="\t", header=None, column_names=[src_lang, tgt_lang], quoting=3, keep_default_na=False, na_filter=False, dtype=str)
+        kwargs = dict(
+            delimiter="\t",
+            header=None,
+            column_names=[src_lang, tgt_lang],
+            quoting=3,
+            keep_default_na=False,
+            na_filter=False,
+            features=datasets.Features(
+                {src_lang: datasets.Value("string"), tgt_lang: datasets.Value("string")}
+            ),
+        )
     ds = datasets.load_dataset(fmt, data_files=[str(p) for p in paths], split="train", **kwargs)
     if fmt == "csv":
         translation = [{src_lang: s, tgt_lang: t} for s, t in zip(ds[src_lang], ds[tgt_lang])]
     elif "translation" in ds.column_names:
         translation = ds["translation"]
     else:
-        raise ValueError(f"{files}: no 'translation' column (found {ds.column_names}); rows must be "
-                         f'{{"id": ..., "translation": {{"{src_lang}": ..., "{tgt_lang}": ...}}}}')
+        raise ValueError(
+            f"{files}: no 'translation' column (found {ds.column_names}); rows must be "
+            f'{{"id": ..., "translation": {{"{src_lang}": ..., "{tgt_lang}": ...}}}}'
+        )
     return RawCorpus(translation=list(translation), source="files:" + ",".join(str(p) for p in paths))
 
 
-def load_hub(dataset: str, config: str | None, split: str, probe_timeout: float = PROBE_TIMEOUT_S) -> RawCorpus:
+def load_hub(
+    dataset: str, config: str | None, split: str, probe_timeout: float = PROBE_TIMEOUT_S
+) -> RawCorpus:
     """Load a Hub dataset; raise `HubUnavailableError` quickly (seconds) when it cannot be had."""
     if not _offline():
         reason = probe_hub(probe_timeout)
         if reason is not None:
-            raise HubUnavailableError(f"cannot reach the Hugging Face Hub for {dataset!r}: {reason}. {_fix_hint(dataset)}")
+            raise HubUnavailableError(
+                f"cannot reach the Hugging Face Hub for {dataset!r}: {reason}. {_fix_hint(dataset)}"
+            )
     import datasets
 
     t0 = time.perf_counter()

@@ -29,7 +29,12 @@ _ARG_TYPES = {
 
 def _parse(argv) -> tuple[DataConfig, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="python -m data.stats", description=__doc__.split("\n")[0])
-    p.add_argument("--data-files", nargs="+", default=None, help="local jsonl/parquet/tsv files (default: Hub / $FASTMT_DATA_FILES)")
+    p.add_argument(
+        "--data-files",
+        nargs="+",
+        default=None,
+        help="local jsonl/parquet/tsv files (default: Hub / $FASTMT_DATA_FILES)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--epoch", type=int, default=0)
     for f in dataclasses.fields(DataConfig):
@@ -38,7 +43,11 @@ def _parse(argv) -> tuple[DataConfig, argparse.Namespace]:
         typ = _ARG_TYPES.get(str(f.type), str)  # config.py uses postponed annotations: f.type is a str
         p.add_argument("--" + f.name.replace("_", "-"), type=typ, default=None, dest=f.name)
     a = p.parse_args(argv)
-    overrides = {f.name: getattr(a, f.name) for f in dataclasses.fields(DataConfig) if getattr(a, f.name, None) is not None}
+    overrides = {
+        f.name: getattr(a, f.name)
+        for f in dataclasses.fields(DataConfig)
+        if getattr(a, f.name, None) is not None
+    }
     if a.data_files:
         overrides["data_files"] = tuple(a.data_files)
     overrides.setdefault("num_workers", 0)
@@ -53,16 +62,35 @@ def collect(bundle, epoch: int = 0) -> dict:
         "report": bundle.report.as_dict(),
         "split": bundle.split_record["sizes"],
         "vocab_size": bundle.tokenizer.vocab_size,
-        "lengths": {side: {f"p{q}": float(np.percentile(v, q)) for q in PCTS} | {"mean": float(v.mean())} for side, v in lens.items()},
+        "lengths": {
+            side: {f"p{q}": float(np.percentile(v, q)) for q in PCTS} | {"mean": float(v.mean())}
+            for side, v in lens.items()
+        },
         "tokens_per_epoch": {"src": int(tr.src_lengths.sum()), "tgt": int(tr.tgt_lengths.sum())},
-        "settings": {"batch_size": cfg.batch_size, "max_tokens": cfg.max_tokens, "seq_len": cfg.seq_len, "pad_multiple": cfg.pad_multiple},
+        "settings": {
+            "batch_size": cfg.batch_size,
+            "max_tokens": cfg.max_tokens,
+            "seq_len": cfg.seq_len,
+            "pad_multiple": cfg.pad_multiple,
+        },
         "modes": {},
     }
     for mode in MODES:
         spec = BatchSpec(mode, cfg.batch_size, cfg.max_tokens, cfg.seq_len, cfg.pad_multiple)
-        st = plan_stats(plan_batches(tr.src_lengths, tr.tgt_lengths, spec, seed=cfg.seed, epoch=epoch), tr.src_lengths, tr.tgt_lengths, spec)
-        out["modes"][mode] = {"padding_fraction": round(st.padding_fraction, 5), "batches": st.batches, "shapes": st.shapes,
-                              "seq_shapes": st.seq_shapes, "computed_tokens": st.computed_tokens, "max_batch_tokens": st.max_batch_tokens}
+        st = plan_stats(
+            plan_batches(tr.src_lengths, tr.tgt_lengths, spec, seed=cfg.seed, epoch=epoch),
+            tr.src_lengths,
+            tr.tgt_lengths,
+            spec,
+        )
+        out["modes"][mode] = {
+            "padding_fraction": round(st.padding_fraction, 5),
+            "batches": st.batches,
+            "shapes": st.shapes,
+            "seq_shapes": st.seq_shapes,
+            "computed_tokens": st.computed_tokens,
+            "max_batch_tokens": st.max_batch_tokens,
+        }
     return out
 
 
@@ -71,18 +99,26 @@ def format_table(s: dict) -> str:
     lines = [f"source: {s['source']}", f"rows read {r['rows']:,}, kept {r['kept']:,}"]
     lines += [f"  dropped {n:>7,}  {reason}" for reason, n in r["dropped"].items()]
     lines.append(f"split: {s['split']}  vocab: {s['vocab_size']}")
-    lines.append("train token lengths (incl. EOS/BOS): " + "  ".join(f"{k:>5}" for k in list(s["lengths"]["src"])))
+    lines.append(
+        "train token lengths (incl. EOS/BOS): " + "  ".join(f"{k:>5}" for k in list(s["lengths"]["src"]))
+    )
     for side, d in s["lengths"].items():
         lines.append(f"  {side:<33}  " + "  ".join(f"{v:5.1f}" for v in d.values()))
     t = s["tokens_per_epoch"]
     lines.append(f"tokens per epoch (train): src {t['src']:,} + tgt {t['tgt']:,} = {t['src'] + t['tgt']:,}")
     st = s["settings"]
-    lines.append(f"batching (epoch 0, train; batch_size {st['batch_size']}, max_tokens {st['max_tokens']}, "
-                 f"seq_len {st['seq_len']}, pad_multiple {st['pad_multiple']}):")
-    lines.append(f"  {'mode':<13} {'padding':>8} {'batches':>8} {'shapes':>7} {'(S,T)':>6} {'computed tok':>13} {'max batch tok':>14}")
+    lines.append(
+        f"batching (epoch 0, train; batch_size {st['batch_size']}, max_tokens {st['max_tokens']}, "
+        f"seq_len {st['seq_len']}, pad_multiple {st['pad_multiple']}):"
+    )
+    lines.append(
+        f"  {'mode':<13} {'padding':>8} {'batches':>8} {'shapes':>7} {'(S,T)':>6} {'computed tok':>13} {'max batch tok':>14}"
+    )
     for mode, m in s["modes"].items():
-        lines.append(f"  {mode:<13} {100 * m['padding_fraction']:7.2f}% {m['batches']:>8} {m['shapes']:>7} {m['seq_shapes']:>6} "
-                     f"{m['computed_tokens']:>13,} {m['max_batch_tokens']:>14,}")
+        lines.append(
+            f"  {mode:<13} {100 * m['padding_fraction']:7.2f}% {m['batches']:>8} {m['shapes']:>7} {m['seq_shapes']:>6} "
+            f"{m['computed_tokens']:>13,} {m['max_batch_tokens']:>14,}"
+        )
     return "\n".join(lines)
 
 

@@ -52,7 +52,9 @@ class Tokenizer:
         self.sp = spm.SentencePieceProcessor(model_file=self.model_file)
         got = (self.sp.pad_id(), self.sp.unk_id(), self.sp.bos_id(), self.sp.eos_id())
         if got != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
-            raise ValueError(f"{self.model_file}: special ids (pad, unk, bos, eos) = {got}, expected (0, 1, 2, 3)")
+            raise ValueError(
+                f"{self.model_file}: special ids (pad, unk, bos, eos) = {got}, expected (0, 1, 2, 3)"
+            )
 
     @property
     def vocab_size(self) -> int:
@@ -119,9 +121,13 @@ def train_or_load(texts: list[str], cfg, key: str, settings: dict, log=print) ->
             vocab_size=settings["vocab_size"],
             character_coverage=settings["character_coverage"],
             byte_fallback=True,
-            pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+            pad_id=PAD_ID,
+            unk_id=UNK_ID,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
             hard_vocab_limit=False,  # a small corpus gets a smaller vocab instead of an error
-            input_sentence_size=2_000_000, shuffle_input_sentence=True,
+            input_sentence_size=2_000_000,
+            shuffle_input_sentence=True,
             num_threads=threads,
             minloglevel=2,
         )
@@ -134,5 +140,7 @@ def train_or_load(texts: list[str], cfg, key: str, settings: dict, log=print) ->
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     tok = Tokenizer(model_file, key, threads)
-    log(f"[data] trained SentencePiece {settings['model_type']} vocab {tok.vocab_size} on {len(texts):,} lines -> {model_file}")
+    log(
+        f"[data] trained SentencePiece {settings['model_type']} vocab {tok.vocab_size} on {len(texts):,} lines -> {model_file}"
+    )
     return tok, True

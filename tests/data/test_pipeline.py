@@ -1,0 +1,319 @@
+"""End to end on generated corpora: sources, cleaning, split, tokenizer cache, collate, loader, stats CLI."""
+
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from data import Batch, DataConfig, build_data
+from data.sources import HubUnavailableError, load_hub
+
+WORDS = [
+    w + s
+    for w in ("casa", "gatto", "libro", "sole", "mare", "notte", "strada", "amico", "porta", "fiume")
+    for s in ("", "lo", "ne", "tti", "rra")
+]
+
+
+def make_rows(n: int, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        k = int(rng.integers(1, 25))
+        en = " ".join(rng.choice(WORDS, k)) + "."
+        it = " ".join(rng.choice(WORDS, max(1, k + int(rng.integers(-2, 3))))) + "!"
+        rows.append({"id": str(i), "translation": {"en": en, "it": it}})
+    return rows
+
+
+BAD_ROWS = [
+    {"id": "b0", "translation": {"en": None, "it": "ciao"}},
+    {"id": "b1", "translation": {"en": "hello"}},
+    {"id": "b2", "translation": {"en": "   ", "it": "ciao"}},
+    {"id": "b3", "translation": {"en": "hi", "it": 7}},
+    {"id": "b4", "translation": {"en": "x " * 400, "it": "y " * 400}},
+]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def cfg_for(tmp_path, files, **kw) -> DataConfig:
+    base = dict(
+        data_files=files,
+        cache_dir=str(tmp_path / "cache"),
+        vocab_size=400,
+        max_len=64,
+        max_tokens=512,
+        valid_size=20,
+        test_size=20,
+        num_workers=0,
+        spm_threads=1,
+    )
+    return DataConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("corpus")
+    files = write_jsonl(tmp / "train.jsonl", make_rows(400) + BAD_ROWS)
+    logs = []
+    bundle = build_data(cfg_for(tmp, files), log=logs.append)
+    return tmp, files, bundle, logs
+
+
+def test_bad_rows_counted_not_crashing(corpus):
+    _, _, b, _ = corpus
+    r = b.report
+    assert r.rows == 405
+    assert r.dropped["not_a_string"] == 2 and r.dropped["missing_language"] == 1 and r.dropped["empty"] == 1
+    assert r.dropped["too_long"] == 1
+    assert r.kept == sum(len(s) for s in b.splits.values()) == 400
+    assert b.split_record["sizes"] == {"train": 360, "valid": 20, "test": 20}
+
+
+def test_split_is_seeded_disjoint_and_recorded(corpus, tmp_path):
+    tmp, files, b, _ = corpus
+    rows = {k: set(v.rows.tolist()) for k, v in b.splits.items()}
+    assert (
+        not (rows["train"] & rows["valid"])
+        and not (rows["train"] & rows["test"])
+        and not (rows["valid"] & rows["test"])
+    )
+    again = build_data(cfg_for(tmp, files), log=lambda *_: None)
+    assert again.split_record == b.split_record
+    other = build_data(cfg_for(tmp_path, files, split_seed=1), log=lambda *_: None)
+    assert set(other.splits["valid"].rows.tolist()) != rows["valid"]
+
+
+def test_tokenizer_special_ids_and_round_trip(corpus):
+    _, _, b, _ = corpus
+    tok = b.tokenizer
+    assert (tok.pad_id, tok.unk_id, tok.bos_id, tok.eos_id) == (0, 1, 2, 3)
+    assert tok.sp.id_to_piece([0, 1, 2, 3]) == ["<pad>", "<unk>", "<s>", "</s>"]
+    texts = b.splits["valid"].src_text[:5] + [
+        "gatto è sul tetto — ü ñ 🐈"
+    ]  # unseen chars go through byte fallback
+    ids = tok.encode(texts)
+    assert all(x.dtype == np.int32 for x in ids) and not any((x == tok.unk_id).any() for x in ids)
+    assert tok.decode(ids) == texts
+    padded = [[tok.bos_id, *x.tolist(), tok.eos_id, 57, tok.pad_id] for x in ids]  # decode stops at EOS
+    assert tok.decode(padded) == texts
+
+
+def test_tokenizer_cache_reused_and_invalidated(corpus, tmp_path):
+    tmp, files, b, _ = corpus
+    logs = []
+    again = build_data(cfg_for(tmp, files), log=logs.append)
+    assert any("cache hit" in line for line in logs)
+    assert again.tokenizer.key == b.tokenizer.key and again.tokenizer.model_file == b.tokenizer.model_file
+    mtime = os.path.getmtime(b.tokenizer.model_file)
+    assert os.path.getmtime(again.tokenizer.model_file) == mtime
+    changed = build_data(cfg_for(tmp, files, vocab_size=350), log=logs.append)  # settings changed -> retrain
+    assert changed.tokenizer.key != b.tokenizer.key
+    more = write_jsonl(tmp_path / "more.jsonl", make_rows(401))  # data changed -> retrain
+    assert build_data(cfg_for(tmp, more), log=logs.append).tokenizer.key != b.tokenizer.key
+
+
+def test_tokenizer_learns_from_train_split_only(tmp_path):
+    """A word frequent in held-out rows only must not become a vocabulary piece; in train rows it must."""
+    n, kw = 300, dict(valid_size=0.2, test_size=0.2, vocab_size=450, max_len_ratio=10.0)
+    probe = build_data(
+        cfg_for(tmp_path, write_jsonl(tmp_path / "p.jsonl", make_rows(n)), **kw), log=lambda *_: None
+    )
+    held_out = (
+        probe.splits["valid"].rows.tolist() + probe.splits["test"].rows.tolist()
+    )  # positions depend on n and seed only
+
+    def with_word(rows_idx, name):
+        rows = make_rows(n)
+        for i in rows_idx:
+            rows[i]["translation"]["en"] = "qwzyxv " * 3 + rows[i]["translation"]["en"]
+        return build_data(cfg_for(tmp_path, write_jsonl(tmp_path / name, rows), **kw), log=lambda *_: None)
+
+    held = with_word(held_out, "held.jsonl")
+    assert set(held.splits["valid"].rows.tolist() + held.splits["test"].rows.tolist()) == set(held_out)
+    assert held.tokenizer.sp.piece_to_id("▁qwzyxv") == held.tokenizer.unk_id
+    train = with_word(probe.splits["train"].rows.tolist()[: len(held_out)], "train.jsonl")
+    assert train.tokenizer.sp.piece_to_id("▁qwzyxv") != train.tokenizer.unk_id
+
+
+def _reference_rows(b, split, i):
+    sp = b.splits[split]
+    s = sp.src_ids[sp.src_offsets[i] : sp.src_offsets[i + 1]].tolist()
+    t = sp.tgt_ids[sp.tgt_offsets[i] : sp.tgt_offsets[i + 1]].tolist()
+    return s, t
+
+
+@pytest.mark.parametrize("mode", ["fixed", "dynamic", "sorted", "token_bucket"])
+def test_loader_batches_match_reference_and_cover_epoch(corpus, mode):
+    _, _, b, _ = corpus
+    seen = []
+    for batch in b.loader("train", epoch=1, batching=mode):
+        assert isinstance(batch, Batch)
+        for name in (
+            "src",
+            "tgt_in",
+            "tgt_out",
+            "src_lengths",
+            "tgt_lengths",
+            "cu_seqlens_src",
+            "cu_seqlens_tgt",
+        ):
+            assert getattr(batch, name).dtype == torch.int32, name
+        B, S = batch.src.shape
+        T = batch.tgt_in.shape[1]
+        assert batch.tgt_out.shape == (B, T)
+        for r, i in enumerate(batch.index.tolist()):
+            s, t = _reference_rows(b, "train", i)
+            assert batch.src[r].tolist() == s + [3] + [0] * (S - len(s) - 1)  # EOS never dropped
+            assert batch.tgt_in[r].tolist() == [2] + t + [0] * (T - len(t) - 1)
+            assert batch.tgt_out[r].tolist() == t + [3] + [0] * (T - len(t) - 1)
+        assert batch.max_src_len == int(batch.src_lengths.max()) and batch.max_tgt_len == int(
+            batch.tgt_lengths.max()
+        )
+        assert batch.cu_seqlens_src.tolist() == [0, *np.cumsum(batch.src_lengths.tolist())]
+        assert (
+            batch.num_real_tokens
+            == int(batch.src_lengths.sum() + batch.tgt_lengths.sum())
+            == int((batch.src != 0).sum() + (batch.tgt_in != 0).sum())
+        )
+        assert batch.num_padded_tokens == B * (S + T)
+        if mode == "token_bucket":
+            assert batch.num_padded_tokens <= b.cfg.max_tokens
+        if mode == "fixed":
+            assert S == T == b.cfg.seq_len
+        seen += batch.index.tolist()
+    assert sorted(seen) == list(range(len(b.splits["train"])))
+
+
+def test_loader_sharding_and_exact_resume(corpus):
+    _, _, b, _ = corpus
+    shards = [[x.index.tolist() for x in b.loader("train", epoch=2, rank=r, world_size=3)] for r in range(3)]
+    assert len({len(s) for s in shards}) == 1 and len(shards[0]) == b.num_batches(
+        "train", epoch=2, rank=0, world_size=3
+    )
+    flat = sorted(i for s in shards for batch in s for i in batch)
+    assert flat == list(range(len(b.splits["train"])))
+    full = [x.index.tolist() for x in b.loader("train", epoch=2)]
+    resumed = [x.index.tolist() for x in b.loader("train", epoch=2, start_batch=5)]
+    assert resumed == full[5:]
+    with pytest.raises(ValueError, match="start_batch"):
+        b.loader("train", start_batch=len(full) + 1)
+
+
+def test_loader_with_workers_and_batch_to(corpus):
+    _, _, b, _ = corpus
+    b.cfg.num_workers = 1
+    try:
+        batches = list(b.loader("valid"))
+    finally:
+        b.cfg.num_workers = 0
+    assert sorted(i for x in batches for i in x.index.tolist()) == list(range(20))
+    moved = batches[0].to("cpu", non_blocking=True)
+    assert torch.equal(moved.src, batches[0].src) and moved.max_src_len == batches[0].max_src_len
+    if torch.cuda.is_available():
+        assert batches[0].pin_memory().src.is_pinned()
+
+
+def test_fixed_mode_overlong_error_or_counted_truncation(corpus):
+    _, _, b, _ = corpus
+    b.cfg.seq_len = 8
+    logs = []
+    b.log = logs.append
+    try:
+        with pytest.raises(ValueError, match="seq_len=8"):
+            b.loader("train", batching="fixed")
+        b.cfg.overlong = "truncate"
+        batch = next(iter(b.loader("train", batching="fixed")))
+    finally:
+        b.cfg.seq_len, b.cfg.overlong, b.log = 256, "error", print
+    assert any("truncating" in line for line in logs)
+    assert batch.src.shape[1] == 8
+    assert ((batch.src == 3).sum(1) == 1).all() and ((batch.tgt_out == 3).sum(1) == 1).all()  # EOS kept
+
+
+def test_tsv_parquet_and_env_sources_agree(tmp_path, monkeypatch):
+    rows = make_rows(120, seed=3)
+    tsv = tmp_path / "d.tsv"
+    tsv.write_text("".join(f"{r['translation']['en']}\t{r['translation']['it']}\n" for r in rows))
+    import datasets
+
+    pq = tmp_path / "d.parquet"
+    datasets.Dataset.from_list(rows).to_parquet(str(pq))
+    kw = dict(valid_size=10, test_size=10)
+    a = build_data(cfg_for(tmp_path, str(tsv), **kw), log=lambda *_: None)
+    p = build_data(cfg_for(tmp_path, str(pq), **kw), log=lambda *_: None)
+    monkeypatch.setenv("FASTMT_DATA_FILES", f"{tsv}")
+    e = build_data(cfg_for(tmp_path, (), **kw), log=lambda *_: None)
+    assert a.split_record["fingerprint"] == p.split_record["fingerprint"] == e.split_record["fingerprint"]
+    assert a.splits["train"].src_text == p.splits["train"].src_text
+
+
+def test_config_validation_messages():
+    with pytest.raises(ValueError, match="batching="):
+        DataConfig(batching="buckets")
+    with pytest.raises(ValueError, match="max_tokens"):
+        DataConfig(max_tokens=100)
+    with pytest.raises(ValueError, match="valid_size"):
+        DataConfig(valid_size=1.5)
+    assert DataConfig(data_files="a.jsonl, b.jsonl c.jsonl").data_files == ("a.jsonl", "b.jsonl", "c.jsonl")
+
+
+def test_offline_hub_fails_fast_with_fix(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    t0 = time.perf_counter()
+    with pytest.raises(HubUnavailableError, match="--data-files"):
+        load_hub("Helsinki-NLP/opus_books_not_cached_xyz", "en-it", "train")
+    assert time.perf_counter() - t0 < 10
+
+
+def test_unreachable_hub_probe_fails_fast_with_fix(monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setenv(
+        "HF_ENDPOINT", "http://10.255.255.1:9"
+    )  # non-routable: the probe must time out, not hang
+    t0 = time.perf_counter()
+    with pytest.raises(HubUnavailableError, match="FASTMT_DATA_FILES"):
+        load_hub("Helsinki-NLP/opus_books", "en-it", "train", probe_timeout=1.0)
+    assert time.perf_counter() - t0 < 10
+
+
+def test_stats_cli_json(corpus, capsys):
+    tmp, files, _, _ = corpus
+    from data.stats import main
+
+    assert (
+        main(
+            [
+                "--data-files",
+                files,
+                "--json",
+                "--cache-dir",
+                str(tmp / "cache"),
+                "--vocab-size",
+                "400",
+                "--max-len",
+                "64",
+                "--max-tokens",
+                "512",
+                "--valid-size",
+                "20",
+                "--test-size",
+                "20",
+            ]
+        )
+        == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["modes"]) == {"fixed", "dynamic", "sorted", "token_bucket"}
+    for m in out["modes"].values():
+        assert 0 <= m["padding_fraction"] < 1 and m["batches"] >= 1 and m["shapes"] >= 1
+    assert out["modes"]["token_bucket"]["padding_fraction"] < out["modes"]["fixed"]["padding_fraction"]
+    assert out["report"]["dropped"]["too_long"] == 1
