@@ -1,0 +1,135 @@
+"""Vocabulary-size sweep (and token-bucket settings sweep) behind the data defaults.
+
+    python -m bench.vocab_sweep --data-files F [--sizes 2000 4000 8000 16000 24000] [--out bench/results/vocab-sweep.md]
+
+For each SentencePiece setting, trained on the train split exactly as `build_data` does, it reports on the
+train split: subwords per epoch, mean / p99 length, the share of pieces seen fewer than 10 times in train
+(embeddings that barely train), byte-fallback and unk rates on the valid split, and the training FLOPs
+per epoch of the S18-sized model (6+6 layers, d 512, d_ff 2048): 6 x (body params x tokens) + 6 x d x V x
+target tokens for the tied output projection. Then, at the default vocabulary, token_bucket padding /
+batches / shapes for a grid of max_tokens x pad_multiple.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+import numpy as np
+
+from data.batching import BatchSpec, plan_batches, plan_stats
+from data.config import DataConfig
+from data.pipeline import build_data
+
+D, DFF, LAYERS = 512, 2048, 6
+ENC_PARAMS = 4 * D * D + 2 * D * DFF  # per encoder layer: attention + FFN weights
+DEC_PARAMS = 8 * D * D + 2 * D * DFF  # per decoder layer: self + cross attention + FFN
+
+
+def epoch_flops(src_tokens: int, tgt_tokens: int, vocab: int) -> float:
+    return 6.0 * (
+        LAYERS * ENC_PARAMS * src_tokens + LAYERS * DEC_PARAMS * tgt_tokens + D * vocab * tgt_tokens
+    )
+
+
+def vocab_row(cfg: DataConfig) -> dict:
+    t0 = time.perf_counter()
+    b = build_data(cfg, log=lambda *_: None)
+    secs = time.perf_counter() - t0
+    tr, va, tok = b.splits["train"], b.splits["valid"], b.tokenizer
+    counts = np.bincount(np.concatenate([tr.src_ids, tr.tgt_ids]), minlength=tok.vocab_size)
+    real = counts[4 + 256 :]  # skip specials and byte pieces
+    va_ids = np.concatenate([va.src_ids, va.tgt_ids])
+    is_byte = np.array([tok.sp.is_byte(i) for i in range(tok.vocab_size)])
+    lens = np.concatenate([tr.src_lengths, tr.tgt_lengths])
+    src_tok, tgt_tok = int(tr.src_lengths.sum()), int(tr.tgt_lengths.sum())
+    return {
+        "model": cfg.spm_model,
+        "vocab": tok.vocab_size,
+        "tokens": src_tok + tgt_tok,
+        "mean": float(lens.mean()),
+        "p99": float(np.percentile(lens, 99)),
+        "rare": float((real < 10).mean()),
+        "byte": float(is_byte[va_ids].mean()),
+        "unk": float((va_ids == tok.unk_id).mean()),
+        "flops": epoch_flops(src_tok, tgt_tok, tok.vocab_size),
+        "secs": secs,
+        "bundle": b,
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.vocab_sweep")
+    p.add_argument("--data-files", nargs="+", required=True)
+    p.add_argument("--sizes", nargs="+", type=int, default=[2000, 4000, 8000, 16000, 24000])
+    p.add_argument(
+        "--unigram", nargs="*", type=int, default=[8000], help="unigram sizes to add (slow to train)"
+    )
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--out", default=None, help="write the markdown here as well")
+    a = p.parse_args(argv)
+    base = DataConfig(
+        data_files=tuple(a.data_files), num_workers=0, **({"cache_dir": a.cache_dir} if a.cache_dir else {})
+    )
+
+    rows = []
+    for model, sizes in (("bpe", a.sizes), ("unigram", a.unigram)):
+        for v in sizes:
+            print(f"[sweep] {model} {v} ...", file=sys.stderr, flush=True)
+            rows.append(vocab_row(dataclasses.replace(base, spm_model=model, vocab_size=v)))
+    ref = next(
+        (r["flops"] for r in rows if r["model"] == "bpe" and r["vocab"] == base.vocab_size), rows[0]["flops"]
+    )
+    out = [
+        "# Vocabulary and token-bucket sweep (stand-in corpus)",
+        "",
+        f"Data: {', '.join(os.path.basename(f) for f in a.data_files)} — **stand-in corpus** (23,355 en-it pairs, "
+        "Tatoeba + news), not OPUS Books. Split as `build_data` does (1000 valid, 1000 test, seed 0).",
+        f"Command: `python -m bench.vocab_sweep --data-files {' '.join(a.data_files)}`",
+        "",
+        "## Vocabulary (joint SentencePiece, byte fallback, trained on the train split)",
+        "",
+        "| model | vocab | train subwords/epoch | mean len | p99 len | pieces seen <10x | byte-fallback (valid) | unk (valid) | "
+        "S18 train GFLOP/epoch | vs default |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['model']} | {r['vocab']} | {r['tokens']:,} | {r['mean']:.1f} | {r['p99']:.0f} | {100 * r['rare']:.1f} % | "
+            f"{100 * r['byte']:.3f} % | {100 * r['unk']:.3f} % | {r['flops'] / 1e9:,.0f} | {r['flops'] / ref:.3f} |"
+        )
+
+    b = next(r["bundle"] for r in rows if r["model"] == "bpe" and r["vocab"] == base.vocab_size)
+    tr = b.splits["train"]
+    out += [
+        "",
+        f"## token_bucket at vocab {b.tokenizer.vocab_size}: padding / batches / distinct (B,S,T) shapes / distinct (S,T)",
+        "",
+        "| max_tokens | pad_multiple 1 | pad_multiple 2 | pad_multiple 8 | pad_multiple 16 |",
+        "|---:|---|---|---|---|",
+    ]
+    for budget in (1024, 2048, 4096, 8192, 16384):
+        cells = []
+        for m in (1, 2, 8, 16):
+            spec = BatchSpec("token_bucket", max_tokens=budget, pad_multiple=m)
+            s = plan_stats(
+                plan_batches(tr.src_lengths, tr.tgt_lengths, spec, seed=0, epoch=0),
+                tr.src_lengths,
+                tr.tgt_lengths,
+                spec,
+            )
+            cells.append(f"{100 * s.padding_fraction:.1f} % / {s.batches} / {s.shapes} / {s.seq_shapes}")
+        out.append(f"| {budget} | " + " | ".join(cells) + " |")
+    text = "\n".join(out) + "\n"
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
