@@ -790,7 +790,8 @@ def triton_supports(q: torch.Tensor) -> bool:
 
 def _triton_unsupported(q: torch.Tensor) -> str | None:
     D = q.shape[-1]
-    dtypes = (torch.float16, torch.bfloat16, torch.float32) if interpreting() else (torch.float16, torch.bfloat16)
+    # fp32 only for CPU tensors under the interpreter (on CUDA tl.dot would round it to tf32)
+    dtypes = (torch.float16, torch.bfloat16) + (() if q.is_cuda else (torch.float32,))
     if not triton_usable(q):
         return f"device={q.device} (Triton needs CUDA tensors, or TRITON_INTERPRET=1 on the CPU)"
     if q.dtype not in dtypes:

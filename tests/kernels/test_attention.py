@@ -1,0 +1,506 @@
+"""Flash attention: reference semantics, validation, dispatch, and the Triton kernels against the
+fp64 reference (interpreter on CPU, tiny shapes; the full grid on CUDA).
+
+Tolerances follow STYLE.md #3: the kernel's error against the fp64 reference must be at most 2x
+(3x for gradients) the error of PyTorch's own same-dtype reference, plus a floor of one ulp of the
+output's magnitude (at least 1) per sqrt(D) -- D-long dot products, and FA's delta = rowsum(dO * O)
+cancels where PyTorch's softmax backward is exact -- with two ulps more for bf16 under the
+interpreter, whose fp32 -> bf16 cast truncates.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kernels._utils import interpreting
+from kernels.flash_attention import (
+    FlashAttention,
+    _auto_backend,
+    _flash_attn_bwd_op,
+    _flash_attn_fwd_op,
+    attention,
+    attention_reference,
+    pad_varlen,
+    unpad_varlen,
+    visibility_mask,
+)
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+needs_triton = pytest.mark.skipif(not (HAS_CUDA or interpreting()), reason="needs CUDA or TRITON_INTERPRET=1")
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """Kernel outputs start NaN-filled, so an element no program writes fails the comparison."""
+    monkeypatch.setenv("FASTMT_POISON", "1")
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------
+def _lengths(B: int, T: int, kind: str, gen: torch.Generator) -> torch.Tensor | None:
+    """"full" -> None; "ragged" -> random in [1, T] with one sequence at T; "empty" -> includes 0."""
+    if kind == "full":
+        return None
+    lens = torch.randint(1, T + 1, (B,), generator=gen, dtype=torch.int32)
+    lens[0] = T
+    if kind == "empty":
+        lens[-1] = 0
+    return lens
+
+
+def _inputs(B, H, Tq, Tk, D, dtype, seed=0, device=DEVICE):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, do = (torch.randn(B, H, T, D, generator=gen) for T in (Tq, Tk, Tk, Tq))
+    return [t.to(device=device, dtype=dtype) for t in (q, k, v, do)], gen
+
+
+def _fwd_bwd(fn, q, k, v, do):
+    """Output and (dq, dk, dv) of ``fn`` at (q, k, v) with output gradient ``do``."""
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    out = fn(q, k, v)
+    grads = torch.autograd.grad(out, (q, k, v), do.to(out.dtype))
+    return [out.detach(), *grads]
+
+
+def _check_against_reference(run_kernel, run_reference, q, k, v, do, *, names=("out", "dq", "dk", "dv")):
+    """Kernel error vs fp64 truth <= factor x same-dtype PyTorch error + ulp floor (STYLE.md #3)."""
+    dtype = q.dtype
+    got = _fwd_bwd(run_kernel, q, k, v, do)
+    same = _fwd_bwd(run_reference, q, k, v, do)
+    truth = _fwd_bwd(run_reference, *(t.double() for t in (q, k, v, do)))
+    eps = torch.finfo(dtype).eps
+    ulps = 1 + (2 if (dtype == torch.bfloat16 and interpreting()) else 0)
+    report = []
+    for name, g, s, t in zip(names, got, same, truth):
+        factor = 2.0 if name == "out" else 3.0
+        assert torch.isfinite(g).all(), f"{name}: non-finite values (unwritten under FASTMT_POISON?)"
+        err = (g.double() - t).abs().max().item()
+        ref_err = (s.double() - t).abs().max().item()
+        floor = ulps * eps * math.sqrt(q.shape[-1]) * max(t.abs().max().item(), 1.0)
+        report.append(f"{name}: err={err:.2e} torch_err={ref_err:.2e} floor={floor:.2e}")
+        assert err <= factor * ref_err + floor, "; ".join(report)
+    return report
+
+
+def _padded_fns(causal, scale, ql, kl):
+    def kernel(q, k, v):
+        return attention(q, k, v, causal=causal, softmax_scale=scale, q_lengths=ql, k_lengths=kl, backend="triton")
+
+    def reference(q, k, v):
+        return attention_reference(q, k, v, causal=causal, softmax_scale=scale, q_lengths=ql, k_lengths=kl,
+                                   upcast=False)
+
+    return kernel, reference
+
+
+def _naive_attention(q, k, v, causal, scale, Lq, Lk):
+    """Loop-per-query attention of one (H, T, D) sequence, written from the docstring's rule."""
+    out = torch.zeros_like(q)
+    for i in range(Lq):
+        js = [j for j in range(Lk) if not causal or j <= i + (Lk - Lq)]
+        if not js:
+            continue
+        s = (q[:, i : i + 1] @ k[:, js].transpose(-1, -2)) * scale  # (H, 1, n)
+        out[:, i] = (torch.softmax(s, -1) @ v[:, js])[:, 0]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# reference semantics
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_visibility_mask_matches_rule(causal):
+    Tq, Tk = 5, 7
+    ql = torch.tensor([5, 3, 0, 2], dtype=torch.int32)
+    kl = torch.tensor([7, 4, 3, 0], dtype=torch.int32)
+    mask = visibility_mask(Tq, Tk, ql, kl, causal)
+    assert mask.shape == (4, 1, Tq, Tk)
+    for b in range(4):
+        Lq, Lk = int(ql[b]), int(kl[b])
+        for i in range(Tq):
+            for j in range(Tk):
+                want = i < Lq and j < Lk and (not causal or j <= i + (Lk - Lq))
+                assert bool(mask[b, 0, i, j]) == want, (b, i, j)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_reference_matches_naive_loops(causal):
+    gen = torch.Generator().manual_seed(1)
+    B, H, Tq, Tk, D = 3, 2, 6, 9, 8
+    q, k, v = (torch.randn(B, H, T, D, generator=gen, dtype=torch.float64) for T in (Tq, Tk, Tk))
+    ql = torch.tensor([6, 2, 4], dtype=torch.int32)
+    kl = torch.tensor([9, 5, 1], dtype=torch.int32)  # b=2 causal: Lk - Lq = -3, rows 0..2 see nothing
+    out = attention_reference(q, k, v, causal=causal, softmax_scale=0.7, q_lengths=ql, k_lengths=kl, upcast=False)
+    for b in range(B):
+        want = _naive_attention(q[b], k[b], v[b], causal, 0.7, int(ql[b]), int(kl[b]))
+        torch.testing.assert_close(out[b], want, rtol=1e-12, atol=1e-12)
+
+
+def test_reference_empty_rows_are_zero_with_zero_gradients():
+    q, k, v = (torch.randn(2, 1, 4, 8, requires_grad=True) for _ in range(3))
+    kl = torch.tensor([0, 4], dtype=torch.int32)
+    out = attention_reference(q, k, v, k_lengths=kl)
+    assert (out[0] == 0).all() and torch.isfinite(out).all()
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    assert (q.grad[0] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "Tq,Tk,causal,lengths",
+    [
+        pytest.param(8, 8, False, False, id="T8-full"),
+        pytest.param(8, 8, True, False, id="T8-causal"),
+        pytest.param(5, 9, True, False, id="Tq5-Tk9-causal-bottom-right"),
+        pytest.param(7, 6, False, True, id="Tq7-Tk6-ragged"),
+        pytest.param(7, 7, True, True, id="T7-causal-ragged"),
+    ],
+)
+def test_sdpa_backend_matches_reference(Tq, Tk, causal, lengths):
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(3, 2, T, 16, generator=gen) for T in (Tq, Tk, Tk))
+    ql = torch.tensor([Tq, 1, 0], dtype=torch.int32) if lengths else None
+    kl = torch.tensor([Tk, 3, 2], dtype=torch.int32) if lengths else None
+    kw = dict(causal=causal, q_lengths=ql, k_lengths=kl)
+    torch.testing.assert_close(attention(q, k, v, backend="sdpa", **kw), attention(q, k, v, backend="reference", **kw))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_matches_padded_reference(causal):
+    gen = torch.Generator().manual_seed(3)
+    lq, lk = [3, 1, 5], [4, 6, 2]
+    cu_q = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
+    cu_k = torch.tensor([0, 4, 10, 12], dtype=torch.int32)
+    q, k, v = torch.randn(9, 2, 8, generator=gen), torch.randn(12, 2, 8, generator=gen), torch.randn(12, 2, 8, generator=gen)
+    out = attention(q, k, v, causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5, max_seqlen_k=6,
+                    backend="reference")
+    padded = attention_reference(pad_varlen(q, cu_q, 5), pad_varlen(k, cu_k, 6), pad_varlen(v, cu_k, 6), causal=causal,
+                                 q_lengths=torch.tensor(lq, dtype=torch.int32), k_lengths=torch.tensor(lk, dtype=torch.int32))
+    torch.testing.assert_close(out, unpad_varlen(padded, cu_q, 9))
+
+
+# ----------------------------------------------------------------------------------------------
+# validation and dispatch
+# ----------------------------------------------------------------------------------------------
+def _qkv(B=2, H=2, T=4, D=16, dtype=torch.float32):
+    return [torch.randn(B, H, T, D, dtype=dtype) for _ in range(3)]
+
+
+@pytest.mark.parametrize(
+    "make,kw,exc,match",
+    [
+        pytest.param(lambda: (_qkv()[0][0], *_qkv()[1:]), {}, ValueError, r"\(B, H, T, D\)", id="rank3-padded"),
+        pytest.param(lambda: (_qkv()[0], _qkv()[1].half(), _qkv()[2]), {}, TypeError, "dtypes differ", id="dtype-mismatch"),
+        pytest.param(lambda: (*_qkv(),), {"q_lengths": torch.tensor([4, 5], dtype=torch.int32)}, ValueError,
+                     r"q_lengths=\[4, 5\] must lie in \[0, 4\]", id="lengths-exceed-T"),
+        pytest.param(lambda: (*_qkv(),), {"k_lengths": torch.tensor([4, 4])}, ValueError, "int32", id="lengths-int64"),
+        pytest.param(lambda: (torch.randn(5, 2, 16), torch.randn(6, 2, 16), torch.randn(6, 2, 16)),
+                     {"cu_seqlens_q": torch.tensor([0, 2, 4], dtype=torch.int32),
+                      "cu_seqlens_k": torch.tensor([0, 3, 6], dtype=torch.int32), "max_seqlen_q": 2, "max_seqlen_k": 3},
+                     ValueError, r"cu_seqlens_q=\[0, 2, 4\].*total 5", id="cu-seqlens-last-not-total"),
+        pytest.param(lambda: (torch.randn(4, 2, 16), torch.randn(6, 2, 16), torch.randn(6, 2, 16)),
+                     {"cu_seqlens_q": torch.tensor([0, 1, 4], dtype=torch.int32),
+                      "cu_seqlens_k": torch.tensor([0, 3, 6], dtype=torch.int32), "max_seqlen_q": 2, "max_seqlen_k": 3},
+                     ValueError, "length 3 > max_seqlen 2", id="max-seqlen-too-small"),
+        pytest.param(lambda: (*_qkv(D=24),), {"backend": "triton"}, ValueError, "head dim D=24", id="triton-hd24"),
+        pytest.param(lambda: (*_qkv(dtype=torch.float64),), {"backend": "triton"}, ValueError, "dtype=torch.float64",
+                     id="triton-fp64"),
+        pytest.param(lambda: (*_qkv(),), {"backend": "flash"}, ValueError, "'flash'", id="unknown-backend"),
+    ],
+)
+def test_validation_names_the_values(make, kw, exc, match):
+    with pytest.raises(exc, match=match):
+        attention(*make(), **kw)
+
+
+def test_auto_dispatch_rule():
+    def fake(device, dtype=torch.bfloat16, D=64, Tq=8, Tk=8):
+        return SimpleNamespace(is_cuda=device == "cuda", device=torch.device(device), dtype=dtype,
+                               shape=(2, 4, Tq, D))
+
+    lens = torch.ones(2, dtype=torch.int32)
+    cpu, cuda = fake("cpu"), fake("cuda")
+    k_cuda = fake("cuda", Tq=8)
+    assert _auto_backend(cpu, cpu, True, lens, None, False) == "reference"
+    assert _auto_backend(cuda, k_cuda, False, None, None, False) == "sdpa"  # no mask: SDPA flash
+    assert _auto_backend(cuda, k_cuda, True, None, None, False) == "sdpa"  # square causal: SDPA flash
+    assert _auto_backend(cuda, fake("cuda", Tq=5), True, None, None, False) == "triton"  # bottom-right causal
+    assert _auto_backend(cuda, k_cuda, False, None, lens, False) == "triton"  # padding mask
+    assert _auto_backend(cuda, k_cuda, False, None, None, True) == "triton"  # varlen
+    assert _auto_backend(fake("cuda", D=96), k_cuda, False, None, lens, False) == "sdpa"  # unsupported head dim
+    assert _auto_backend(fake("cuda", dtype=torch.float32), k_cuda, False, None, lens, False) == "sdpa"
+
+
+@needs_triton
+def test_env_override_routes_auto_to_triton(monkeypatch):
+    (q, k, v, _), _ = _inputs(1, 1, 5, 5, 16, torch.float32)
+    monkeypatch.setenv("FASTMT_ATTN_BACKEND", "triton")
+    monkeypatch.setenv("FASTMT_POISON", "1")
+    out = attention(q, k, v, causal=True)
+    torch.testing.assert_close(out, attention_reference(q, k, v, causal=True), rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv("FASTMT_ATTN_BACKEND", "nope")
+    with pytest.raises(ValueError, match="'nope'"):
+        attention(q, k, v)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels (interpreter on CPU): forward and all gradients against the fp64 reference
+# ----------------------------------------------------------------------------------------------
+KERNEL_CASES = [
+    # B, H, Tq, Tk, D, dtype, causal, q lengths, k lengths
+    pytest.param(2, 2, 17, 17, 16, torch.float32, False, "full", "full", id="B2-T17-H2-D16-fp32"),
+    pytest.param(2, 2, 17, 17, 32, torch.float16, True, "full", "full", id="B2-T17-H2-D32-fp16-causal"),
+    pytest.param(1, 1, 1, 1, 16, torch.float32, True, "full", "full", id="B1-T1-H1-D16-fp32-causal"),
+    pytest.param(1, 2, 33, 33, 16, torch.bfloat16, True, "full", "full", id="B1-T33-H2-D16-bf16-causal"),
+    pytest.param(3, 2, 20, 20, 16, torch.float16, False, "ragged", "ragged", id="B3-T20-H2-D16-fp16-ragged"),
+    pytest.param(3, 1, 33, 33, 32, torch.float32, True, "ragged", "ragged", id="B3-T33-H1-D32-fp32-causal-ragged"),
+    pytest.param(2, 2, 9, 33, 16, torch.float32, True, "full", "full", id="B2-Tq9-Tk33-D16-fp32-causal-cross"),
+    pytest.param(2, 2, 33, 9, 16, torch.float32, True, "full", "full", id="B2-Tq33-Tk9-D16-fp32-causal-emptyrows"),
+    pytest.param(2, 1, 17, 23, 32, torch.bfloat16, False, "ragged", "empty", id="B2-Tq17-Tk23-D32-bf16-cross-nokeys"),
+    pytest.param(3, 1, 19, 13, 16, torch.float16, True, "empty", "ragged", id="B3-Tq19-Tk13-D16-fp16-causal-ragged"),
+    pytest.param(1, 1, 16, 48, 64, torch.float32, False, "full", "ragged", id="B1-Tq16-Tk48-D64-fp32-cross"),
+]
+
+
+@needs_triton
+@pytest.mark.interpreter
+@pytest.mark.parametrize("B,H,Tq,Tk,D,dtype,causal,qlen,klen", KERNEL_CASES)
+def test_triton_padded_matches_reference(poison, B, H, Tq, Tk, D, dtype, causal, qlen, klen):
+    if HAS_CUDA and dtype == torch.float32:
+        pytest.skip("fp32 is served by the kernels only under the interpreter")
+    (q, k, v, do), gen = _inputs(B, H, Tq, Tk, D, dtype)
+    ql, kl = _lengths(B, Tq, qlen, gen), _lengths(B, Tk, klen, gen)
+    ql, kl = (None if t is None else t.to(DEVICE) for t in (ql, kl))
+    kernel, reference = _padded_fns(causal, None, ql, kl)
+    _check_against_reference(kernel, reference, q, k, v, do)
+
+
+@needs_triton
+@pytest.mark.interpreter
+@pytest.mark.parametrize("scale", [0.05, 3.0], ids=["scale0.05", "scale3"])
+def test_triton_any_softmax_scale(poison, scale):
+    (q, k, v, do), gen = _inputs(2, 1, 17, 17, 16, torch.float16)
+    kl = torch.tensor([17, 5], dtype=torch.int32, device=DEVICE)
+    kernel, reference = _padded_fns(True, scale, None, kl)
+    _check_against_reference(kernel, reference, q, k, v, do)
+
+
+def _varlen_case(lq: list[int], lk: list[int], H: int, D: int, dtype, causal: bool, seed: int = 0):
+    """Packed inputs + the padded-reference functions that define the expected result."""
+    gen = torch.Generator().manual_seed(seed)
+    cu_q = torch.tensor([0, *torch.tensor(lq).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lk).cumsum(0).tolist()], dtype=torch.int32)
+    tq, tk, mq, mk = sum(lq), sum(lk), max(lq), max(lk)
+    q, do = (torch.randn(tq, H, D, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    k, v = (torch.randn(tk, H, D, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    cu_q, cu_k = cu_q.to(DEVICE), cu_k.to(DEVICE)
+    ql, kl = (cu_q[1:] - cu_q[:-1]).int(), (cu_k[1:] - cu_k[:-1]).int()
+
+    def kernel(q, k, v):
+        return attention(q, k, v, causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=mq,
+                         max_seqlen_k=mk, backend="triton")
+
+    def reference(q, k, v):
+        out = attention_reference(pad_varlen(q, cu_q, mq), pad_varlen(k, cu_k, mk), pad_varlen(v, cu_k, mk),
+                                  causal=causal, q_lengths=ql, k_lengths=kl, upcast=False)
+        return unpad_varlen(out, cu_q, tq)
+
+    return (q, k, v, do), kernel, reference
+
+
+VARLEN_CASES = [
+    pytest.param([5, 17, 1], [5, 17, 1], 2, 16, torch.float32, False, id="self-L5,17,1-D16-fp32"),
+    pytest.param([5, 17, 1], [5, 17, 1], 2, 32, torch.float16, True, id="self-L5,17,1-D32-fp16-causal"),
+    pytest.param([3, 20, 9], [18, 4, 0], 1, 16, torch.float32, True, id="cross-Lq3,20,9-Lk18,4,0-D16-fp32-causal"),
+    pytest.param([33], [7], 2, 16, torch.bfloat16, False, id="B1-Lq33-Lk7-D16-bf16"),
+    pytest.param([0, 16, 2], [16, 16, 16], 1, 32, torch.float16, True, id="Lq0,16,2-Lk16-D32-fp16-causal"),
+]
+
+
+@needs_triton
+@pytest.mark.interpreter
+@pytest.mark.parametrize("lq,lk,H,D,dtype,causal", VARLEN_CASES)
+def test_triton_varlen_matches_reference(poison, lq, lk, H, D, dtype, causal):
+    if HAS_CUDA and dtype == torch.float32:
+        pytest.skip("fp32 is served by the kernels only under the interpreter")
+    inputs, kernel, reference = _varlen_case(lq, lk, H, D, dtype, causal)
+    _check_against_reference(kernel, reference, *inputs)
+
+
+@needs_triton
+@pytest.mark.interpreter
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    lengths=st.lists(st.tuples(st.integers(0, 24), st.integers(0, 24)), min_size=1, max_size=3),
+    causal=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_triton_varlen_fuzz_ragged_lengths(lengths, causal, seed):
+    lq, lk = [a for a, _ in lengths], [b for _, b in lengths]
+    if max(lq) == 0 or max(lk) == 0:
+        lq[0], lk[0] = max(lq[0], 1), max(lk[0], 1)
+    dtype = torch.float16 if HAS_CUDA else torch.float32
+    os.environ["FASTMT_POISON"] = "1"
+    try:
+        inputs, kernel, reference = _varlen_case(lq, lk, 1, 16, dtype, causal, seed)
+        _check_against_reference(kernel, reference, *inputs)
+    finally:
+        del os.environ["FASTMT_POISON"]
+
+
+@needs_triton
+@pytest.mark.interpreter
+def test_triton_padding_content_is_never_read(poison):
+    """NaN in padded q/k/v/dO positions must not leak: masked blocks are skipped or masked on load."""
+    (q, k, v, do), _ = _inputs(2, 1, 20, 19, 16, torch.float32)
+    ql = torch.tensor([20, 7], dtype=torch.int32, device=DEVICE)
+    kl = torch.tensor([3, 19], dtype=torch.int32, device=DEVICE)
+    qn, kn, vn, don = (t.clone() for t in (q, k, v, do))
+    qn[1, :, 7:], don[1, :, 7:] = float("nan"), float("nan")
+    kn[0, :, 3:], vn[0, :, 3:] = float("nan"), float("nan")
+    kernel, _ = _padded_fns(True, None, ql, kl)
+    got = _fwd_bwd(kernel, qn, kn, vn, don)
+    want = _fwd_bwd(kernel, q, k, v, do)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert torch.isfinite(g).all(), name
+        torch.testing.assert_close(g, w, rtol=0, atol=0, msg=name)
+    assert (got[0][1, :, 7:] == 0).all() and (got[1][1, :, 7:] == 0).all()  # rows past Lq
+    assert (got[2][0, :, 3:] == 0).all() and (got[3][0, :, 3:] == 0).all()  # keys past Lk
+
+
+@needs_triton
+@pytest.mark.interpreter
+def test_triton_strided_inputs_and_expanded_grad(poison):
+    """q/k/v as views of a (B, T, H, D) projection, and dO = ones expanded (all strides 0)."""
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(2, 17, 3, 2, 16, generator=gen).to(DEVICE)  # (B, T, 3, H, D)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, T, D), row stride 3*H*D
+    kl = torch.tensor([17, 9], dtype=torch.int32, device=DEVICE)
+    kernel, reference = _padded_fns(False, None, None, kl)
+    do = torch.ones(1, 1, 1, 1, device=DEVICE).expand(2, 2, 17, 16)
+    got, want = _fwd_bwd(kernel, q, k, v, do), _fwd_bwd(reference, q, k, v, do)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@needs_triton
+@pytest.mark.interpreter
+def test_triton_lse_is_masked_logsumexp(poison):
+    (q, k, _v, _), _ = _inputs(2, 1, 9, 13, 16, torch.float32)
+    v = _v
+    ql = torch.tensor([9, 4], dtype=torch.int32, device=DEVICE)
+    kl = torch.tensor([13, 0], dtype=torch.int32, device=DEVICE)
+    out, lse = _flash_attn_fwd_op(q, k, v, ql, kl, 9, 13, True, 0.25)
+    scores = torch.einsum("bhid,bhjd->bhij", q.double(), k.double()) * 0.25
+    mask = visibility_mask(9, 13, ql, kl, True)
+    want = torch.logsumexp(scores.masked_fill(~mask, float("-inf")), -1)
+    want = torch.where(torch.isinf(want), torch.full_like(want, float("inf")), want)  # empty rows: +inf
+    torch.testing.assert_close(lse.double(), want, rtol=1e-5, atol=1e-5)
+    assert lse.dtype == torch.float32 and out.shape == q.shape
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.library registration and torch.compile
+# ----------------------------------------------------------------------------------------------
+@needs_triton
+@pytest.mark.interpreter
+@pytest.mark.parametrize("layout", ["padded", "varlen"])
+def test_opcheck(layout):
+    dtype = torch.float16 if HAS_CUDA else torch.float32
+    gen = torch.Generator().manual_seed(7)
+    if layout == "padded":
+        q, k, v = (torch.randn(2, 1, T, 16, generator=gen).to(DEVICE, dtype) for T in (5, 7, 7))
+        seq_q = torch.tensor([5, 2], dtype=torch.int32, device=DEVICE)
+        seq_k = torch.tensor([3, 7], dtype=torch.int32, device=DEVICE)
+        mq, mk = 5, 7
+    else:
+        q, k, v = (torch.randn(T, 1, 16, generator=gen).to(DEVICE, dtype) for T in (6, 9, 9))
+        seq_q = torch.tensor([0, 4, 6], dtype=torch.int32, device=DEVICE)
+        seq_k = torch.tensor([0, 2, 9], dtype=torch.int32, device=DEVICE)
+        mq, mk = 4, 7
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    args = (q, k, v, seq_q, seq_k, mq, mk, True, 0.3)
+    torch.library.opcheck(_flash_attn_fwd_op, args)
+    out, lse = _flash_attn_fwd_op(*args)
+    do = torch.randn_like(out)
+    torch.library.opcheck(_flash_attn_bwd_op, (do, q.detach(), k.detach(), v.detach(), out.detach(), lse, seq_q,
+                                               seq_k, mq, mk, True, 0.3))
+
+
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=[needs_triton, pytest.mark.interpreter]),
+                                     "reference"])
+def test_compile_fullgraph_matches_eager(backend):
+    torch._dynamo.reset()
+    dtype = torch.float16 if (HAS_CUDA and backend == "triton") else torch.float32
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 2, T, 16, generator=gen).to(DEVICE, dtype) for T in (7, 9, 9))
+    kl = torch.tensor([9, 4], dtype=torch.int32, device=DEVICE)
+    layer = FlashAttention(causal=True, backend=backend)
+
+    def block(q, k, v):
+        return (layer(q * 2.0, k, v, k_lengths=kl) + 1.0).square().sum()
+
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    eager = _fwd_bwd(lambda a, b, c: block(a, b, c).reshape(1), q, k, v, torch.ones(1, device=DEVICE))
+    comp = _fwd_bwd(lambda a, b, c: compiled(a, b, c).reshape(1), q, k, v, torch.ones(1, device=DEVICE))
+    for name, a, b in zip(("loss", "dq", "dk", "dv"), comp, eager):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA: the full grid (dtypes x head dims x causal x ragged x q != k x odd sizes)
+# ----------------------------------------------------------------------------------------------
+GPU_SHAPES = [
+    pytest.param(1, 1, 1, 1, id="B1-T1"),
+    pytest.param(2, 3, 17, 17, id="B2-H3-T17"),
+    pytest.param(4, 4, 128, 128, id="B4-H4-T128"),
+    pytest.param(2, 3, 127, 255, id="B2-H3-Tq127-Tk255"),
+    pytest.param(2, 4, 300, 77, id="B2-H4-Tq300-Tk77"),
+    pytest.param(1, 2, 1023, 1024, id="B1-H2-Tq1023-Tk1024"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("D", [16, 32, 64, 128], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("ragged", [False, True], ids=["dense", "ragged"])
+@pytest.mark.parametrize("B,H,Tq,Tk", GPU_SHAPES)
+def test_gpu_grid_padded(poison, B, H, Tq, Tk, D, dtype, causal, ragged):
+    (q, k, v, do), gen = _inputs(B, H, Tq, Tk, D, dtype, seed=Tq * 131 + Tk)
+    ql = _lengths(B, Tq, "ragged" if ragged else "full", gen)
+    kl = _lengths(B, Tk, "empty" if ragged and B > 1 else ("ragged" if ragged else "full"), gen)
+    ql, kl = (None if t is None else t.cuda() for t in (ql, kl))
+    kernel, reference = _padded_fns(causal, None, ql, kl)
+    _check_against_reference(kernel, reference, q, k, v, do)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("D", [16, 64, 128], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "lq,lk",
+    [pytest.param([37, 1, 256, 129], [37, 1, 256, 129], id="self-ragged"),
+     pytest.param([50, 300, 7], [64, 0, 513], id="cross-ragged-nokeys")],
+)
+def test_gpu_grid_varlen(poison, lq, lk, D, dtype, causal):
+    inputs, kernel, reference = _varlen_case(lq, lk, 4, D, dtype, causal, seed=sum(lq))
+    _check_against_reference(kernel, reference, *inputs)
+
+
+@pytest.mark.gpu
+def test_gpu_auto_uses_triton_for_masks_and_matches():
+    (q, k, v, _), _ = _inputs(2, 4, 64, 64, 64, torch.bfloat16)
+    kl = torch.tensor([64, 10], dtype=torch.int32, device="cuda")
+    auto = attention(q, k, v, k_lengths=kl)
+    torch.testing.assert_close(auto, attention(q, k, v, k_lengths=kl, backend="triton"), rtol=0, atol=0)
