@@ -1,0 +1,393 @@
+"""Fused LayerNorm(+residual)(+GELU): Triton kernels vs the reference.
+
+Accuracy rule (shared/STYLE.md #3): the ground truth is the reference run in fp64 on the same
+inputs; the kernel's max error must be <= 2x (outputs) / 3x (gradients) the max error of PyTorch
+computing in the input dtype itself, plus a tiny floor. Under the interpreter bf16 casts truncate
+instead of rounding (shared/ENV.md), which doubles the worst-case bf16 error: the factor doubles.
+
+All outputs are NaN-poisoned (FASTMT_POISON=1), so an element no program writes fails. On CPU the
+kernels run through TRITON_INTERPRET=1 (tests/conftest.py); ``gpu`` tests run the full grid on CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import kernels.layernorm as ln
+from kernels._utils import interpreting
+from kernels.layernorm import ACTIVATIONS, LayerNorm, layer_norm, layer_norm_reference
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+SHORT = {F32: "f32", BF16: "bf16", F16: "f16"}
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs(monkeypatch):
+    monkeypatch.setenv("FASTMT_POISON", "1")
+    monkeypatch.delenv("FASTMT_NORM_BACKEND", raising=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------------
+def make_inputs(rows, N, dtype, *, residual=True, bias=True, param_dtype=None, device="cpu", seed=0):
+    """x, residual, weight, bias and upstream grads dy, ds; ``rows`` is an int or a leading shape."""
+    lead = (rows,) if isinstance(rows, int) else tuple(rows)
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=1.0, shift=0.0, dt=dtype):
+        return (torch.randn(*shape, generator=g) * scale + shift).to(device=device, dtype=dt)
+
+    pdt = param_dtype or dtype
+    x = rnd(*lead, N, scale=2.0, shift=0.5)  # non-zero mean, non-unit variance
+    r = rnd(*lead, N) if residual else None
+    w = rnd(N, scale=0.5, shift=1.0, dt=pdt)
+    b = rnd(N, scale=0.5, dt=pdt) if bias else None
+    dy = rnd(*lead, N)
+    ds = rnd(*lead, N) if residual else None
+    return x, r, w, b, dy, ds
+
+
+def run(x, r, w, b, dy, ds, activation, impl):
+    """Forward + backward; returns {"y", "dx", "dw"} plus "s", "dr" (residual) and "db" (bias).
+
+    impl: "triton" (our kernels), or "torch" (the reference computing in the inputs' own dtype,
+    i.e. PyTorch's error; fp64 inputs give the ground truth).
+    """
+    x_, r_, w_, b_ = (t.detach().clone().requires_grad_() if t is not None else None for t in (x, r, w, b))
+    if impl == "triton":
+        y, s = layer_norm(x_, w_, b_, r_, activation=activation, return_residual=True, backend="triton")
+    else:
+        y, s = layer_norm_reference(x_, w_, b_, r_, activation=activation, upcast=False)
+    outs, grads = [y], [dy]
+    if r is not None:
+        outs.append(s)
+        grads.append(ds)
+    torch.autograd.backward(outs, grads)
+    res = {"y": y, "dx": x_.grad, "dw": w_.grad}
+    if r is not None:
+        res.update(s=s, dr=r_.grad)
+    if b is not None:
+        res["db"] = b_.grad
+    return {k: v.detach() for k, v in res.items()}
+
+
+def errors(x, r, w, b, dy, ds, activation):
+    """{name: (kernel error, PyTorch same-dtype error, scale)} against the fp64 truth."""
+    as64 = [t.double() if t is not None else None for t in (x, r, w, b, dy, ds)]
+    truth = run(*as64, activation, "torch")
+    same = run(x, r, w, b, dy, ds, activation, "torch")
+    ours = run(x, r, w, b, dy, ds, activation, "triton")
+    out = {}
+    for name, ref in truth.items():
+        assert ours[name].dtype == same[name].dtype, (name, ours[name].dtype, same[name].dtype)
+        assert ours[name].shape == ref.shape, (name, ours[name].shape, ref.shape)
+        assert torch.isfinite(ours[name]).all(), f"{name} has non-finite (unwritten/poisoned) elements"
+        k_err = (ours[name].double() - ref).abs().max().item()
+        t_err = (same[name].double() - ref).abs().max().item()
+        out[name] = (k_err, t_err, ref.abs().max().item())
+    return out
+
+
+def assert_within_torch_error(errs, dtype):
+    slack = 2.0 if dtype == BF16 and interpreting() else 1.0  # interpreter truncates fp32 -> bf16
+    for name, (k_err, t_err, scale) in errs.items():
+        factor = (2.0 if name in ("y", "s") else 3.0) * slack
+        floor = 1e-6 * max(1.0, scale)
+        assert k_err <= factor * t_err + floor, (
+            f"{name}: kernel error {k_err:.3g} > {factor:g} x PyTorch {SHORT[dtype]} error {t_err:.3g} "
+            f"+ {floor:.1g} (|truth| max {scale:.3g})")
+
+
+def case(rows, N, dtype, *, residual=True, bias=True, act="gelu", param_dtype=None):
+    lead = f"R{rows}" if isinstance(rows, int) else "x".join(f"{d}" for d in rows)
+    cid = f"{lead}-N{N}-{SHORT[dtype]}-{'res' if residual else 'nores'}-{act or 'noact'}"
+    cid += "" if bias else "-nobias"
+    cid += f"-w{SHORT[param_dtype]}" if param_dtype else ""
+    return pytest.param(rows, N, dtype, residual, bias, act, param_dtype, id=cid)
+
+
+CASES = (
+    # every dtype x activation x residual at an odd width and a ragged row count
+    [case(37, 1000, dt, residual=res, act=act) for dt in (F32, BF16, F16) for act in ACTIVATIONS
+     for res in (True, False)]
+    # widths x rows (dtype and activation rotate so each width meets several)
+    + [case(rows, N, (F32, BF16, F16)[i % 3], residual=i % 2 == 0, act=ACTIVATIONS[i % 3])
+       for i, (rows, N) in enumerate((rows, N) for N in (1, 7, 64, 512) for rows in (1, 3, 37))]
+    + [
+        case(37, 512, BF16, bias=False),
+        case(3, 64, F32, residual=False, bias=False, act=None),
+        case(37, 1000, F16, bias=False, act="gelu_tanh"),
+        case(37, 512, BF16, param_dtype=F32),  # fp32 master weights, bf16 activations
+        case(16, 1023, F16, act="gelu_tanh"),
+        case(16, 1024, BF16, act=None),
+        case(1, 8192, BF16),  # widest supported row
+        case(2, 5000, F32, residual=False, act="gelu_tanh"),
+        case((2, 5), 64, BF16),  # (B, T, N)
+        case((3, 7), 1000, F32, act=None),
+    ]
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# Interpreter (CPU) tests
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.interpreter
+@pytest.mark.parametrize("rows, N, dtype, residual, bias, act, param_dtype", CASES)
+def test_forward_and_gradients(rows, N, dtype, residual, bias, act, param_dtype):
+    inputs = make_inputs(rows, N, dtype, residual=residual, bias=bias, param_dtype=param_dtype)
+    assert_within_torch_error(errors(*inputs, act), dtype)
+
+
+@pytest.mark.interpreter
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=st.integers(1, 40), N=st.integers(1, 300), dtype=st.sampled_from([F32, BF16, F16]),
+       act=st.sampled_from(ACTIVATIONS), residual=st.booleans(), bias=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_fuzz_against_reference(rows, N, dtype, act, residual, bias, seed):
+    inputs = make_inputs(rows, N, dtype, residual=residual, bias=bias, seed=seed)
+    assert_within_torch_error(errors(*inputs, act), dtype)
+
+
+@pytest.mark.interpreter
+def test_parameter_gradients_are_bit_identical_across_runs():
+    x, r, w, b, dy, ds = make_inputs(37, 1000, BF16)
+    first = run(x, r, w, b, dy, ds, "gelu", "triton")
+    second = run(x, r, w, b, dy, ds, "gelu", "triton")
+    for name in ("dw", "db", "dx", "dr"):
+        assert torch.equal(first[name], second[name]), name
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("num_programs", [1, 2, 5, 37], ids=lambda g: f"G{g}")
+def test_backward_row_partition(num_programs):
+    """Any split of rows over programs (1 row each .. all rows in one) gives the same gradients."""
+    x, r, w, b, dy, ds = make_inputs(37, 100, F32)
+    y, s, mean, rstd = ln.ln_fwd(x, w, b, r, 1e-5, "gelu_tanh")
+    dx, dw, db = ln.ln_bwd(dy, ds, s, w, b, mean, rstd, "gelu_tanh", num_programs=num_programs)
+    x_, r_, w_, b_ = (t.clone().requires_grad_() for t in (x, r, w, b))
+    y_ref, s_ref = layer_norm_reference(x_, w_, b_, r_, activation="gelu_tanh")
+    torch.autograd.backward([y_ref, s_ref], [dy, ds])
+    torch.testing.assert_close(y, y_ref.detach())
+    torch.testing.assert_close(dx, x_.grad)
+    torch.testing.assert_close(dx, r_.grad)
+    torch.testing.assert_close(dw, w_.grad)
+    torch.testing.assert_close(db, b_.grad)
+
+
+@pytest.mark.interpreter
+def test_stats_are_fp32_and_match_torch():
+    x, r, w, b, _, _ = make_inputs((2, 3), 64, BF16)
+    y, s, mean, rstd = torch.ops.fastmt.layer_norm_fwd(x, w, b, r, 1e-5, "none")
+    assert mean.dtype == rstd.dtype == F32 and mean.shape == rstd.shape == (2, 3)
+    torch.testing.assert_close(s, x + r, rtol=2**-7, atol=0)  # within one bf16 ulp (interpreter truncates)
+    s32 = s.float()  # the statistics are those of the stored s, which the backward reads
+    torch.testing.assert_close(mean, s32.mean(-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rstd, torch.rsqrt(s32.var(-1, unbiased=False) + 1e-5), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("use", ["y-only", "s-only"])
+def test_residual_stream_gradient_routing(use):
+    """dx = dresidual = (grad of s) + (LN's input grad); an unused output contributes nothing."""
+    x, r, w, b, dy, ds = make_inputs(5, 64, F32)
+    grads = {}
+    for impl in ("triton", "reference"):
+        x_, r_ = x.clone().requires_grad_(), r.clone().requires_grad_()
+        y, s = layer_norm(x_, w, b, r_, activation="gelu", return_residual=True, backend=impl)
+        (y * dy).sum().backward() if use == "y-only" else (s * ds).sum().backward()
+        grads[impl] = (x_.grad, r_.grad)
+    torch.testing.assert_close(grads["triton"][0], grads["reference"][0])
+    torch.testing.assert_close(grads["triton"][1], grads["reference"][1])
+    if use == "s-only":
+        torch.testing.assert_close(grads["triton"][0], ds, rtol=0, atol=0)
+
+
+@pytest.mark.interpreter
+def test_strided_and_transposed_inputs():
+    base = torch.randn(3, 9, 80)
+    x = base[:, 1:, :64]  # rows with stride 80: used in place
+    xt = torch.randn(64, 24).t().reshape(3, 8, 64)  # last stride != 1: copied
+    w, b = torch.randn(64), torch.randn(64)
+    for inp in (x, xt):
+        y = layer_norm(inp, w, b, residual=xt, activation="gelu_tanh", backend="triton")
+        y_ref, _ = layer_norm_reference(inp, w, b, xt, activation="gelu_tanh")
+        torch.testing.assert_close(y, y_ref)
+
+
+@pytest.mark.interpreter
+def test_return_residual_without_residual_returns_x():
+    x, _, w, b, _, _ = make_inputs(3, 7, F32, residual=False)
+    y, s = layer_norm(x, w, b, return_residual=True, backend="triton")
+    assert s is x
+    torch.testing.assert_close(y, layer_norm_reference(x, w, b)[0])
+
+
+@pytest.mark.interpreter
+def test_empty_rows():
+    x, w = torch.randn(0, 5, 16), torch.randn(16)
+    y, s = layer_norm(x, w, residual=x, return_residual=True, backend="triton")
+    assert y.shape == s.shape == (0, 5, 16)
+
+
+@pytest.mark.interpreter
+def test_module_matches_reference():
+    torch.manual_seed(0)
+    m = LayerNorm(64, activation="gelu", backend="triton")
+    with torch.no_grad():
+        m.weight.normal_()
+        m.bias.normal_()
+    x, r = torch.randn(2, 5, 64), torch.randn(2, 5, 64)
+    y, s = m(x, r)
+    y_ref, s_ref = layer_norm_reference(x, m.weight, m.bias, r, activation="gelu")
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(s, s_ref)
+    assert torch.is_tensor(m(x))
+    assert "activation=gelu" in repr(m)
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation and dispatch
+# ----------------------------------------------------------------------------------------------
+def test_validation_messages_name_the_values(monkeypatch):
+    x, w = torch.randn(4, 16), torch.randn(16)
+    with pytest.raises(ValueError, match=r"weight shape \(8,\)"):
+        layer_norm(x, torch.randn(8))
+    with pytest.raises(ValueError, match=r"bias shape \(3,\)"):
+        layer_norm(x, w, torch.randn(3))
+    with pytest.raises(ValueError, match=r"residual shape \(4, 8\)"):
+        layer_norm(x, w, residual=torch.randn(4, 8))
+    with pytest.raises(TypeError, match="residual dtype torch.float16"):
+        layer_norm(x, w, residual=torch.randn(4, 16, dtype=F16))
+    with pytest.raises(ValueError, match="'relu'"):
+        layer_norm(x, w, activation="relu")
+    with pytest.raises(TypeError, match="torch.int64"):
+        layer_norm(torch.ones(4, 16, dtype=torch.long), w)
+    with pytest.raises(ValueError, match="backend='cudnn'"):
+        layer_norm(x, w, backend="cudnn")
+    with pytest.raises(TypeError, match="torch.float64"):
+        layer_norm(x.double(), w.double(), backend="triton")
+    wide, ww = torch.randn(1, 8193), torch.randn(8193)
+    with pytest.raises(ValueError, match=r"N <= 8192, got N=8193"):
+        layer_norm(wide, ww, backend="triton")
+    torch.testing.assert_close(layer_norm(wide, ww), layer_norm_reference(wide, ww)[0])  # auto: reference
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="x is on cpu"):
+        layer_norm(x, w, backend="triton")
+
+
+@pytest.mark.parametrize("env, backend, expect_kernel", [
+    ("", "auto", False),  # CPU tensors: auto -> reference, even under the interpreter
+    ("triton", "auto", True),  # the env var overrides auto
+    ("reference", "triton", True),  # ... but never an explicit backend
+    ("", "reference", False),
+], ids=["auto", "env-triton", "env-ignored-when-explicit", "reference"])
+def test_dispatch(monkeypatch, env, backend, expect_kernel):
+    calls = []
+    real = ln.ln_fwd
+    monkeypatch.setattr(ln, "ln_fwd", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setenv("FASTMT_NORM_BACKEND", env)
+    x, w = torch.randn(3, 16), torch.randn(16)
+    y = layer_norm(x, w, backend=backend)
+    torch.testing.assert_close(y, layer_norm_reference(x, w)[0])
+    assert bool(calls) == expect_kernel
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.library registration: opcheck and torch.compile(fullgraph=True)
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.interpreter
+@pytest.mark.parametrize("residual, bias, act", [(True, True, "gelu"), (False, False, "none"),
+                                                 (True, False, "gelu_tanh")],
+                         ids=["res-bias-gelu", "plain", "res-nobias-gelu_tanh"])
+def test_opcheck(residual, bias, act):
+    x, r, w, b, dy, ds = make_inputs(3, 8, F32, residual=residual, bias=bias)
+    args = [t.requires_grad_() if t is not None else None for t in (x, w, b, r)]
+    torch.library.opcheck(torch.ops.fastmt.layer_norm_fwd.default, (*args, 1e-5, act))
+    x, r, w, b = (t.detach() if t is not None else None for t in (x, r, w, b))
+    y, s, mean, rstd = torch.ops.fastmt.layer_norm_fwd(x, w, b, r, 1e-5, act)
+    # The backward op has no autograd formula of its own (no double backward): plain tensors.
+    torch.library.opcheck(torch.ops.fastmt.layer_norm_bwd.default,
+                          (dy, ds, s if residual else x, w, b, mean, rstd, act))
+
+
+def _two_layer_norms(x, r, w, b, backend):
+    y, s = layer_norm(x, w, b, r, activation="gelu", return_residual=True, backend=backend)
+    z = layer_norm(y, w, None, activation="gelu_tanh", backend=backend)
+    return (z * z).sum() + (s * s).mean()
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_compile_fullgraph_matches_eager(backend):
+    torch._dynamo.reset()
+    x, r, w, b, _, _ = make_inputs((2, 5), 32, F32)
+    results = []
+    for fn in (_two_layer_norms, torch.compile(_two_layer_norms, fullgraph=True, backend="aot_eager")):
+        leaves = [t.clone().requires_grad_() for t in (x, r, w, b)]
+        loss = fn(*leaves, backend)
+        loss.backward()
+        results.append([loss.detach()] + [t.grad for t in leaves])
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager)
+
+
+# ----------------------------------------------------------------------------------------------
+# Autotuning space (pure Python: runs everywhere)
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("limits", [dict(min_elems=4096, max_elems=16384, min_per_thread=8, max_per_thread=32),
+                                    dict(min_elems=2048, max_elems=8192, min_per_thread=8, max_per_thread=16)],
+                         ids=["fwd", "bwd"])
+def test_tile_pruner_keeps_a_few_tiles_for_every_width(limits):
+    prune = ln._tile_pruner(**limits)
+    for N in [1, 2, 7, 16, 64, 100, 512, 1000, 1024, 2048, 4096, 5000, 8192]:
+        kept = prune(ln._tile_grid(), {"N": N})
+        assert 1 <= len(kept) <= 8, (N, kept)
+        block_n = 1 << (N - 1).bit_length()
+        for c in kept:
+            assert c.kwargs["ROWS"] * block_n <= limits["max_elems"], (N, c)
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA: the full grid through the compiled kernels
+# ----------------------------------------------------------------------------------------------
+GPU_WIDTHS = (1, 7, 64, 512, 1000, 1024, 4095, 8192)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", ACTIVATIONS, ids=lambda a: a or "noact")
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("residual", [True, False], ids=["res", "nores"])
+@pytest.mark.parametrize("N", GPU_WIDTHS, ids=lambda n: f"N{n}")
+@pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=SHORT.get)
+def test_gpu_grid(dtype, N, residual, bias, act):
+    rows = max(3, 2**17 // N) + 1  # odd row counts, many programs
+    inputs = make_inputs(rows, N, dtype, residual=residual, bias=bias, device="cuda", seed=N)
+    assert_within_torch_error(errors(*inputs, act), dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic_parameter_gradients_and_fallback():
+    x, r, w, b, dy, ds = make_inputs((8, 2048), 512, BF16, device="cuda")
+    first = run(x, r, w, b, dy, ds, "gelu", "triton")
+    second = run(x, r, w, b, dy, ds, "gelu", "triton")
+    assert torch.equal(first["dw"], second["dw"]) and torch.equal(first["db"], second["db"])
+    wide, ww = torch.randn(4, 8193, device="cuda"), torch.randn(8193, device="cuda")
+    torch.testing.assert_close(layer_norm(wide, ww), layer_norm_reference(wide, ww)[0])  # auto: reference
+
+
+@pytest.mark.gpu
+def test_gpu_compile_fullgraph_matches_eager():
+    torch._dynamo.reset()
+    x, r, w, b, _, _ = make_inputs((4, 33), 512, F32, device="cuda")
+    results = []
+    for fn in (_two_layer_norms, torch.compile(_two_layer_norms, fullgraph=True)):
+        leaves = [t.clone().requires_grad_() for t in (x, r, w, b)]
+        loss = fn(*leaves, "auto")
+        loss.backward()
+        results.append([loss.detach()] + [t.grad for t in leaves])
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager)
