@@ -109,8 +109,9 @@ def _activation_grad(z, ACTIVATION: tl.constexpr):
     else:
         u = _SQRT_2_OVER_PI * (z + _GELU_TANH_C * z * z * z)
         du = _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_TANH_C * z * z)
-        sig = tl.sigmoid(2.0 * u)
-        return sig + 2.0 * z * sig * (1.0 - sig) * du
+        # d/dz [z * sigmoid(2u)] = sigmoid(2u) + 2 z du sigmoid(2u) sigmoid(-2u); sigmoid(-2u) rather
+        # than 1 - sigmoid(2u), which cancels for large z.
+        return tl.sigmoid(2.0 * u) + 2.0 * z * du * tl.sigmoid(2.0 * u) * tl.sigmoid(-2.0 * u)
 
 
 @_autotune(triton.Config({"ROWS": 16}, num_warps=4), key=["N", "HAS_RESIDUAL"],
