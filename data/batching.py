@@ -18,6 +18,13 @@ Modes (lengths are per side and include EOS on src / BOS on tgt):
                 cost by more than twice that sentence's own tokens. Batch order shuffled.
                 Measured on the stand-in corpus: Hilbert order 3.2 % padding vs 3.7 % for a snake
                 order at 2048 tokens, and the early close 3.0 % (bench/results/vocab-sweep.md).
+  packed        padding-free: pairs laid back to back in one stream per side of FIXED capacity
+                (C_src, C_tgt) with at most ``slots`` real pairs, so every batch of the run has the same
+                shapes (docs/ARCHITECTURE.md, "Packed batches"). Pairs are taken in a shuffled order and
+                packed greedily with a small look-ahead: when the next pair does not fit, the next
+                ``PACK_LOOKAHEAD`` pairs are searched for one that does before the batch is closed.
+                The layout (`PackLayout`) is derived once from the train split and the config
+                (`pack_layout`), so all ranks and epochs agree.
 """
 
 from __future__ import annotations
@@ -26,11 +33,87 @@ from dataclasses import dataclass
 
 import numpy as np
 
-MODES = ("fixed", "dynamic", "sorted", "token_bucket")
+MODES = ("fixed", "dynamic", "sorted", "token_bucket", "packed")
+PACK_MULTIPLE = 64  # packed capacities are multiples of this (attention tile / tensor-core friendly)
+PACK_SLOT_SLACK = 1.5  # real slots = ceil(slack x the pairs an average-length stream holds)
+PACK_LOOKAHEAD = 32  # pairs searched for one that still fits before a packed batch is closed
 
 
 def round_up(x, m: int):
     return -(-x // m) * m
+
+
+@dataclass(frozen=True)
+class PackLayout:
+    """Fixed shapes of every packed batch of a run (see `pack_layout` for how they are chosen)."""
+
+    src_capacity: int  # C_src: tokens in the src stream (1, C_src)
+    tgt_capacity: int  # C_tgt: tokens in the tgt_in / tgt_out streams (1, C_tgt)
+    slots: int  # N: segments per batch (cu_seqlens has N+1 entries): real pairs + empty + dummy tail
+    max_len: int  # longest segment, real or dummy; the static max_seqlen handed to attention
+
+    def __post_init__(self):
+        for name in ("src_capacity", "tgt_capacity", "slots", "max_len"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1:
+                raise ValueError(f"PackLayout.{name}={v!r} must be a positive int")
+        if min(self.src_capacity, self.tgt_capacity) < self.max_len:
+            raise ValueError(
+                f"PackLayout capacities ({self.src_capacity}, {self.tgt_capacity}) < max_len={self.max_len}: "
+                "a maximal pair would not fit; raise max_tokens"
+            )
+        if self.real_slots < 1:
+            raise ValueError(
+                f"PackLayout.slots={self.slots} leaves no real slot after {self.dummy_slots} dummy tail slots"
+            )
+
+    @property
+    def dummy_slots(self) -> int:
+        """Slots reserved for the tail padding, cut into segments of <= max_len: enough for an empty stream."""
+        return -(-max(self.src_capacity, self.tgt_capacity) // self.max_len)
+
+    @property
+    def real_slots(self) -> int:
+        """Most real pairs a batch may hold."""
+        return self.slots - self.dummy_slots
+
+    def as_dict(self) -> dict:
+        return {
+            "src_capacity": int(self.src_capacity),
+            "tgt_capacity": int(self.tgt_capacity),
+            "slots": int(self.slots),
+            "real_slots": int(self.real_slots),
+            "max_len": int(self.max_len),
+        }
+
+
+def pack_layout(src_len, tgt_len, max_tokens: int, max_len: int, multiple: int = PACK_MULTIPLE) -> PackLayout:
+    """The packed layout for a corpus (pass the TRAIN split's lengths; reuse the result for every split).
+
+    Capacity: ``max_tokens`` split between the sides in proportion to the corpus' src / tgt token totals,
+    each rounded up to ``multiple`` and at least ``max_len`` (so any admissible pair fits); the total may
+    exceed ``max_tokens`` by < 2 x ``multiple`` (more only where the max_len floor applies).
+    Slots: real slots = ceil(PACK_SLOT_SLACK x max(C_src / mean src length, C_tgt / mean tgt length)), so a
+    batch rarely closes on slots (`plan_stats` counts it), plus ceil(max(C_src, C_tgt) / max_len) slots for
+    the dummy tail segments: enough to cut even a completely empty stream into segments of <= max_len.
+    """
+    src_len = np.asarray(src_len, dtype=np.int64)
+    tgt_len = np.asarray(tgt_len, dtype=np.int64)
+    if len(src_len) == 0 or src_len.shape != tgt_len.shape:
+        raise ValueError(
+            f"pack_layout needs equal, non-empty length arrays, got {src_len.shape} and {tgt_len.shape}"
+        )
+    if max_tokens < 2 * max_len:
+        raise ValueError(f"max_tokens={max_tokens} < 2 * max_len={max_len}: a maximal pair would not fit")
+    s_tot, t_tot = int(src_len.sum()), int(tgt_len.sum())
+    floor = int(round_up(max_len, multiple))
+    c_src = max(int(round_up(-(-max_tokens * s_tot // (s_tot + t_tot)), multiple)), floor)
+    c_tgt = max(int(round_up(-(-max_tokens * t_tot // (s_tot + t_tot)), multiple)), floor)
+    # both terms: a stream's expected pair count when filled with average-length pairs
+    fill = max(c_src * len(src_len) / s_tot, c_tgt * len(tgt_len) / t_tot)
+    real = int(np.ceil(PACK_SLOT_SLACK * fill))
+    dummy = -(-max(c_src, c_tgt) // max_len)
+    return PackLayout(c_src, c_tgt, real + dummy, max_len)
 
 
 @dataclass(frozen=True)
@@ -40,10 +123,13 @@ class BatchSpec:
     max_tokens: int = 2048  # padded src+tgt tokens per batch (token_bucket)
     seq_len: int = 256  # padded length of both sides (fixed)
     pad_multiple: int = 1  # padded lengths rounded up to a multiple of this (not fixed)
+    pack: PackLayout | None = None  # packed: the run's fixed layout; None = derive from the lengths planned
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"batching mode {self.mode!r}; choose one of {MODES}")
+        if self.pack is not None and not isinstance(self.pack, PackLayout):
+            raise TypeError(f"BatchSpec.pack must be a PackLayout or None, got {type(self.pack).__name__}")
         for name in ("batch_size", "max_tokens", "seq_len", "pad_multiple"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1:
@@ -53,6 +139,8 @@ class BatchSpec:
         """Padded length of a batch side from the lengths of its members (a scalar)."""
         if self.mode == "fixed":
             return self.seq_len
+        if self.mode == "packed":
+            raise ValueError("packed batches have no per-batch padded length; use spec.pack capacities")
         return int(round_up(int(lengths.max()), self.pad_multiple))
 
 
@@ -92,8 +180,15 @@ def plan_batches(
         perm = rng.permutation(n) if shuffle else np.arange(n)
         order = perm[np.lexsort((tgt_len[perm], src_len[perm]))]  # stable: ties keep the random order
         batches = _chunks(order, spec.batch_size)
-    else:
+    elif spec.mode == "token_bucket":
         batches = _token_buckets(src_len, tgt_len, spec, rng)
+    else:
+        if spec.pack is None:
+            raise ValueError(
+                "batching mode 'packed' needs BatchSpec.pack = pack_layout(train src/tgt lengths, max_tokens, "
+                "max_len), derived once per run (DataBundle.spec does this)"
+            )
+        batches = _pack(src_len, tgt_len, spec.pack, rng)
     if shuffle:
         batches = [batches[i] for i in rng.permutation(len(batches))]
     batches = _divisible(batches, world_size)
@@ -131,6 +226,45 @@ def _token_buckets(src_len, tgt_len, spec: BatchSpec, rng) -> list[np.ndarray]:
         max_s, max_t = ns, nt
     if start < n:
         batches.append(order[start:n])
+    return batches
+
+
+def _pack(src_len, tgt_len, layout: PackLayout, rng, lookahead: int = PACK_LOOKAHEAD) -> list[np.ndarray]:
+    """Greedy fill in (shuffled) order; when the head pair does not fit, the first of the next ``lookahead``
+    pending pairs that does fit goes in instead; the batch closes when none fits or the slots are full.
+    A skipped pair stays at the head of the queue, so it opens the next batch (delayed by one batch at most)."""
+    cs, ct, cap = layout.src_capacity, layout.tgt_capacity, layout.real_slots
+    lim_s, lim_t = min(cs, layout.max_len), min(ct, layout.max_len)
+    if len(src_len) and (int(src_len.max()) > lim_s or int(tgt_len.max()) > lim_t):
+        raise ValueError(
+            f"a pair has {int(src_len.max())} src / {int(tgt_len.max())} tgt tokens > the packed limit "
+            f"({lim_s}, {lim_t}) = min(capacity, max_len); filter with max_len or raise max_tokens"
+        )
+    n = len(src_len)
+    order = (rng.permutation(n) if rng is not None else np.arange(n)).tolist()
+    s_l, t_l = src_len.tolist(), tgt_len.tolist()
+    batches, cur, used_s, used_t = [], [], 0, 0
+    pending, nxt = [], 0  # the look-ahead window: not yet placed, in order
+    while pending or nxt < n:
+        while len(pending) < lookahead and nxt < n:
+            pending.append(order[nxt])
+            nxt += 1
+        room_s, room_t = cs - used_s, ct - used_t
+        j = (
+            next((j for j, i in enumerate(pending) if s_l[i] <= room_s and t_l[i] <= room_t), None)
+            if len(cur) < cap
+            else None
+        )
+        if j is None:  # nothing fits (or the slots are full): close; the head pair fits an empty batch
+            batches.append(np.array(cur, dtype=np.int64))
+            cur, used_s, used_t = [], 0, 0
+            continue
+        i = pending.pop(j)
+        cur.append(i)
+        used_s += s_l[i]
+        used_t += t_l[i]
+    if cur:
+        batches.append(np.array(cur, dtype=np.int64))
     return batches
 
 
@@ -172,6 +306,7 @@ class PlanStats:
     real_tokens: int  # src + tgt tokens incl. EOS / BOS
     computed_tokens: int  # sum of B * (S + T)
     max_batch_tokens: int  # largest B * (S + T)
+    full_slots: int = 0  # packed: batches that closed because every real slot was taken
 
     @property
     def padding_fraction(self) -> float:
@@ -181,7 +316,16 @@ class PlanStats:
 def plan_stats(
     batches: list[np.ndarray], src_len: np.ndarray, tgt_len: np.ndarray, spec: BatchSpec
 ) -> PlanStats:
-    """Padding and shape statistics of a plan (fixed mode: lengths clipped at seq_len, as truncated)."""
+    """Padding and shape statistics of a plan (fixed mode: lengths clipped at seq_len, as truncated;
+    packed: every batch computes C_src + C_tgt positions, one shape)."""
+    if spec.mode == "packed":
+        if spec.pack is None:
+            raise ValueError("plan_stats for 'packed' needs spec.pack (the layout the plan was built with)")
+        cap = spec.pack.src_capacity + spec.pack.tgt_capacity
+        real = sum(int(src_len[b].sum() + tgt_len[b].sum()) for b in batches)
+        full = sum(len(b) == spec.pack.real_slots for b in batches)
+        n = len(batches)
+        return PlanStats(n, min(n, 1), min(n, 1), real, n * cap, cap if n else 0, full)
     shapes, seq_shapes, real, computed, worst = set(), set(), 0, 0, 0
     for b in batches:
         s, t = src_len[b], tgt_len[b]
