@@ -6,14 +6,18 @@ appended to a preallocated cache: the prefix is never re-run).
 
 Length limit per sequence: at most ``floor(max_len_ratio * src_len + max_len_extra)`` generated
 tokens, EOS included (``src_len`` counts the source EOS), and never more than
-``max_positions - 1``. Outputs are token ids without BOS/EOS.
+``max_positions - 1``. PAD and BOS are never generated (their logits are set to -inf). Outputs are
+token ids without BOS/EOS.
 
 Beam search keeps ``beam_size`` live hypotheses per sentence. At each step it takes the best
 ``2 * beam_size`` continuations; those ending in EOS among the first ``beam_size`` are finished
-(scored ``logprob / ((5 + len) / 6) ** length_penalty``, GNMT), the best ``beam_size`` others live
-on. A sentence is done when it has ``beam_size`` finished hypotheses or reaches its length limit
-(its live hypotheses are then finished as they are); the answer is the best finished hypothesis.
-With ``beam_size=1`` this is greedy decoding.
+(scored ``logprob / ((5 + len) / 6) ** length_penalty``, GNMT; len counts the EOS), the best
+``beam_size`` others live on. Each sentence keeps its ``beam_size`` best finished hypotheses and is
+done when it has that many and the worst of them scores at least the best live hypothesis
+normalised at the current length (the usual heuristic: with ``length_penalty > 0`` a longer live
+hypothesis could still overtake), or when it reaches its length limit (its live hypotheses are
+then finished as they are). The answer is the best finished hypothesis.
+With ``beam_size=1`` this is greedy decoding (the first EOS ends the sentence).
 
 Host syncs: one per step (the "all done?" check, and beam search's bookkeeping of finished
 hypotheses). Decoding runs in ``torch.inference_mode`` with the model in eval mode (restored after).
@@ -47,6 +51,13 @@ def _length_limits(model, src_lengths, max_len_ratio, max_len_extra) -> torch.Te
     return limits.clamp(1, model.cfg.max_positions - 1)
 
 
+def _next_logits(model, tokens, state, forbidden: list[int]) -> torch.Tensor:
+    """decode_step, with the ``forbidden`` ids (PAD, BOS) made impossible. (B, V) fp32."""
+    logits = model.decode_step(tokens, state).float()
+    logits[:, forbidden] = -math.inf
+    return logits
+
+
 def greedy_decode(model: Transformer, src: torch.Tensor, src_lengths: torch.Tensor, *, bos_id: int, eos_id: int,
                   pad_id: int, max_len_ratio: float = 1.5, max_len_extra: int = 10) -> list[list[int]]:
     """src (B, S) int, src_lengths int32 (B,) -> B lists of token ids (no BOS/EOS)."""
@@ -59,7 +70,7 @@ def greedy_decode(model: Transformer, src: torch.Tensor, src_lengths: torch.Tens
         done = torch.zeros(B, dtype=torch.bool, device=src.device)
         out = []
         for t in range(steps):
-            logits = model.decode_step(tokens, state)  # (B, V)
+            logits = _next_logits(model, tokens, state, [pad_id, bos_id])  # (B, V)
             tokens = logits.argmax(-1)
             tokens = torch.where(done, torch.full_like(tokens, pad_id), tokens)
             out.append(tokens)
@@ -101,7 +112,7 @@ def beam_search(model: Transformer, src: torch.Tensor, src_lengths: torch.Tensor
         done = [False] * B
         base = rearrange(torch.arange(B, device=device) * K, "b -> b 1")  # (B, 1) first row of each sentence
         for t in range(steps):
-            logp = torch.log_softmax(model.decode_step(tokens, state).float(), -1)  # (B*K, V)
+            logp = torch.log_softmax(_next_logits(model, tokens, state, [pad_id, bos_id]), -1)  # (B*K, V)
             V = logp.shape[-1]
             cand = rearrange(scores, "b k -> b k 1") + rearrange(logp, "(b k) v -> b k v", k=K)  # (B, K, V)
             top_scores, top_idx = rearrange(cand, "b k v -> b (k v)").topk(min(2 * K, K * V), dim=-1)  # (B, 2K)
@@ -112,7 +123,7 @@ def beam_search(model: Transformer, src: torch.Tensor, src_lengths: torch.Tensor
             if eos_hits:
                 hist_cpu, sc_cpu, beam_cpu = history.tolist(), top_scores.tolist(), top_beam.tolist()
                 for b, j in eos_hits:
-                    if not done[b] and len(finished[b]) < K:
+                    if not done[b]:
                         finished[b].append((score(sc_cpu[b][j], t + 1), hist_cpu[b][beam_cpu[b][j]]))
             # the best K non-EOS candidates live on
             rank = is_eos.long() * (2 * K) + torch.arange(top_idx.shape[1], device=device)  # EOS sorted last
@@ -123,14 +134,16 @@ def beam_search(model: Transformer, src: torch.Tensor, src_lengths: torch.Tensor
                                  rearrange(tokens, "b k -> b k 1")], dim=2)
             state.reorder(rearrange(base + beams, "b k -> (b k)"))
             tokens = rearrange(tokens, "b k -> (b k)")
+            best_live = scores.max(1).values.tolist()  # (B,) raw log-probs of the best live beam
             for b in range(B):
                 if done[b]:
                     continue
-                if len(finished[b]) >= K:
-                    done[b] = True
-                elif t + 1 >= limits[b]:  # out of length: finish the live hypotheses as they are
+                finished[b] = sorted(finished[b], key=lambda x: -x[0])[:K]
+                if t + 1 >= limits[b]:  # out of length: finish the live hypotheses as they are
                     sc, hist = scores[b].tolist(), history[b].tolist()
                     finished[b].extend((score(s, t + 1), h) for s, h in zip(sc, hist) if math.isfinite(s))
+                    done[b] = True
+                elif len(finished[b]) >= K and finished[b][-1][0] >= score(best_live[b], t + 1):
                     done[b] = True
             if all(done):
                 break
