@@ -199,6 +199,7 @@ def test_residual_stream_gradient_routing(use):
         x_, r_ = x.clone().requires_grad_(), r.clone().requires_grad_()
         y, s = layer_norm(x_, w, b, r_, activation="gelu", return_residual=True, backend=impl)
         (y * dy).sum().backward() if use == "y-only" else (s * ds).sum().backward()
+        assert x_.grad.data_ptr() != r_.grad.data_ptr()  # in-place grad clipping must not scale twice
         grads[impl] = (x_.grad, r_.grad)
     torch.testing.assert_close(grads["triton"][0], grads["reference"][0])
     torch.testing.assert_close(grads["triton"][1], grads["reference"][1])
