@@ -6,7 +6,16 @@ Public: `DataConfig`, `build_data(cfg, log=print) -> DataBundle`, `Batch`. Impor
 
 from .config import DataConfig
 
-__all__ = ["DataConfig", "build_data", "Batch", "DataBundle", "EncodedSplit", "BatchSpec", "plan_batches"]
+__all__ = [
+    "DataConfig",
+    "build_data",
+    "Batch",
+    "DataBundle",
+    "EncodedSplit",
+    "BatchSpec",
+    "PackLayout",
+    "plan_batches",
+]
 
 _LAZY = {
     "build_data": "pipeline",
@@ -14,6 +23,7 @@ _LAZY = {
     "EncodedSplit": "pipeline",
     "Batch": "collate",
     "BatchSpec": "batching",
+    "PackLayout": "batching",
     "plan_batches": "batching",
 }
 

@@ -11,7 +11,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-BATCHING_MODES = ("fixed", "dynamic", "sorted", "token_bucket")
+BATCHING_MODES = ("fixed", "dynamic", "sorted", "token_bucket", "packed")
 SPM_MODELS = ("bpe", "unigram")
 OVERLONG_POLICIES = ("error", "truncate")
 DATA_FILES_ENV = "FASTMT_DATA_FILES"
@@ -51,10 +51,10 @@ class DataConfig:
     character_coverage: float = 0.9995  # rare characters beyond this go through byte fallback
     spm_threads: int = 0  # SentencePiece training/encoding threads; 0 = all cores
     # --- batching ---
-    batching: str = "token_bucket"  # "fixed" | "dynamic" | "sorted" | "token_bucket"
-    max_tokens: int = (
-        2048  # token_bucket: budget of padded src+tgt tokens per batch (~ the seed's real tokens/step)
-    )
+    batching: str = "token_bucket"  # "fixed" | "dynamic" | "sorted" | "token_bucket" | "packed"
+    # token_bucket: budget of padded src+tgt tokens per batch (~ the seed's real tokens/step);
+    # packed: the stream capacity C_src + C_tgt (split by the train token totals, each rounded up to 64)
+    max_tokens: int = 2048
     batch_size: int = 32  # fixed / dynamic / sorted: sentences per batch
     seq_len: int = 256  # fixed: every sequence padded to this length
     overlong: str = "error"  # fixed: sequences longer than seq_len -> "error" or "truncate" (counted)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .batching import BatchSpec, plan_batches
+from .batching import BatchSpec, PackLayout, pack_layout, plan_batches
 from .clean import CleanReport, clean_text, length_mask
 from .config import DataConfig
 from .sources import load_raw
@@ -156,10 +156,26 @@ class DataBundle:
             split_record,
         )
         self.log = log
+        self._layout, self._layout_key = None, None  # packed layout, memoised on (max_tokens, max_len)
+
+    def pack_layout(self) -> PackLayout:
+        """The packed layout of this run: from the train split's lengths + (max_tokens, max_len), so every
+        rank, epoch and split (valid/test too) uses the same capacities and slots."""
+        c, tr = self.cfg, self.splits["train"]
+        key = (c.max_tokens, c.max_len)
+        if self._layout_key != key:
+            if len(tr) == 0:
+                raise ValueError(
+                    "batching='packed' derives its capacities from the train split, which is empty"
+                )
+            self._layout, self._layout_key = pack_layout(tr.src_lengths, tr.tgt_lengths, *key), key
+        return self._layout
 
     def spec(self, batching: str | None = None) -> BatchSpec:
         c = self.cfg
-        return BatchSpec(batching or c.batching, c.batch_size, c.max_tokens, c.seq_len, c.pad_multiple)
+        mode = batching or c.batching
+        pack = self.pack_layout() if mode == "packed" else None
+        return BatchSpec(mode, c.batch_size, c.max_tokens, c.seq_len, c.pad_multiple, pack)
 
     def plan(
         self,
@@ -192,9 +208,11 @@ class DataBundle:
         return len(self.plan(split, epoch=epoch, batching=batching, rank=rank, world_size=world_size))
 
     def collator(self, split: str, batching: str | None = None):
-        from .collate import Collator
+        from .collate import Collator, PackedCollator
 
         sp, spec = self.splits[split], self.spec(batching)
+        if spec.mode == "packed":
+            return PackedCollator(sp.src_ids, sp.src_offsets, sp.tgt_ids, sp.tgt_offsets, layout=spec.pack)
         seq_len = None
         if spec.mode == "fixed":
             over = int(((sp.src_lengths > spec.seq_len) | (sp.tgt_lengths > spec.seq_len)).sum())
@@ -337,9 +355,12 @@ def build_data(cfg: DataConfig, log=print) -> DataBundle:
         "tokenizer_key": key,
         "vocab_size": tok.vocab_size,
     }
+    bundle = DataBundle(cfg, tok, splits, report, split_record, log)
+    if len(splits["train"]):  # the packed layout is fixed by corpus + config: recorded with the run
+        split_record["packing"] = bundle.pack_layout().as_dict()
     log("[data] " + str(report).replace("\n", "\n[data] "))
     log(
         f"[data] split {json.dumps(split_record['sizes'])} (seed {cfg.split_seed}, fingerprint {fp}); "
         f"vocab {tok.vocab_size}; ready in {time.perf_counter() - t0:.1f} s"
     )
-    return DataBundle(cfg, tok, splits, report, split_record, log)
+    return bundle

@@ -2,8 +2,9 @@
 
 Prints the cleaning report, token-length percentiles per side, tokens per epoch, and for every batching
 mode over the train split (epoch 0): padding fraction (pad tokens / computed tokens), batches, distinct
-padded shapes (B, S, T). ``--json`` prints one JSON object instead, with ``modes`` mapping each mode to
-``{"padding_fraction", "batches", "shapes"}``. Any DataConfig field can be overridden: ``--max-tokens 4096``.
+padded shapes (B, S, T), and the packed mode's fixed layout (capacities, slots). ``--json`` prints one JSON
+object instead, with ``modes`` mapping each mode to ``{"padding_fraction", "batches", "shapes"}``. Any DataConfig field can be overridden:
+``--max-tokens 4096``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 
 import numpy as np
 
-from .batching import MODES, BatchSpec, plan_batches, plan_stats
+from .batching import MODES, plan_batches, plan_stats
 from .config import DataConfig
 
 PCTS = (50, 90, 95, 99, 100)
@@ -73,10 +74,11 @@ def collect(bundle, epoch: int = 0) -> dict:
             "seq_len": cfg.seq_len,
             "pad_multiple": cfg.pad_multiple,
         },
+        "packing": bundle.pack_layout().as_dict(),
         "modes": {},
     }
     for mode in MODES:
-        spec = BatchSpec(mode, cfg.batch_size, cfg.max_tokens, cfg.seq_len, cfg.pad_multiple)
+        spec = bundle.spec(mode)
         st = plan_stats(
             plan_batches(tr.src_lengths, tr.tgt_lengths, spec, seed=cfg.seed, epoch=epoch),
             tr.src_lengths,
@@ -91,6 +93,8 @@ def collect(bundle, epoch: int = 0) -> dict:
             "computed_tokens": st.computed_tokens,
             "max_batch_tokens": st.max_batch_tokens,
         }
+        if mode == "packed":
+            out["modes"][mode]["full_slots"] = st.full_slots
     return out
 
 
@@ -119,6 +123,12 @@ def format_table(s: dict) -> str:
             f"  {mode:<13} {100 * m['padding_fraction']:7.2f}% {m['batches']:>8} {m['shapes']:>7} {m['seq_shapes']:>6} "
             f"{m['computed_tokens']:>13,} {m['max_batch_tokens']:>14,}"
         )
+    pk = s["packing"]
+    lines.append(
+        f"  packed layout: src (1, {pk['src_capacity']}), tgt (1, {pk['tgt_capacity']}), {pk['slots']} segments "
+        f"({pk['real_slots']} real slots, max_len {pk['max_len']}); batches closed on full slots: "
+        f"{s['modes']['packed']['full_slots']}"
+    )
     return "\n".join(lines)
 
 

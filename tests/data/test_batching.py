@@ -5,7 +5,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from data.batching import MODES, BatchSpec, hilbert_index, plan_batches, plan_stats, round_up
+from data.batching import (
+    MODES,
+    PACK_MULTIPLE,
+    BatchSpec,
+    PackLayout,
+    hilbert_index,
+    pack_layout,
+    plan_batches,
+    plan_stats,
+    round_up,
+)
 
 
 def skewed_lengths(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -14,6 +24,12 @@ def skewed_lengths(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     src = np.clip(np.round(rng.lognormal(np.log(12), 0.7, n)), 1, 199).astype(np.int64) + 1
     tgt = np.clip(np.round((src - 1) * rng.normal(1.1, 0.15, n)), 1, 199).astype(np.int64) + 1
     return src, tgt
+
+
+def spec_for(mode: str, src, tgt, max_len: int = 256, **kw) -> BatchSpec:
+    """A BatchSpec; for packed, with the layout derived from these lengths (as DataBundle.spec does)."""
+    pack = pack_layout(src, tgt, kw.get("max_tokens", 2048), max_len) if mode == "packed" else None
+    return BatchSpec(mode, pack=pack, **kw)
 
 
 lengths = st.integers(1, 60)
@@ -33,7 +49,7 @@ def test_every_example_exactly_once_across_ranks(pairs, mode, world, epoch, pad_
     src, tgt = (np.array(x) for x in zip(*pairs))
     if world > len(src):
         world = len(src)
-    spec = BatchSpec(mode, batch_size=7, max_tokens=256, seq_len=64, pad_multiple=pad_multiple)
+    spec = spec_for(mode, src, tgt, 64, batch_size=7, max_tokens=256, seq_len=64, pad_multiple=pad_multiple)
     per_rank = [
         plan_batches(src, tgt, spec, seed=3, epoch=epoch, shuffle=shuffle, rank=r, world_size=world)
         for r in range(world)
@@ -47,6 +63,9 @@ def test_every_example_exactly_once_across_ranks(pairs, mode, world, epoch, pad_
             if mode == "token_bucket":
                 cost = len(b) * (round_up(src[b].max(), pad_multiple) + round_up(tgt[b].max(), pad_multiple))
                 assert cost <= spec.max_tokens
+            elif mode == "packed":
+                assert src[b].sum() <= spec.pack.src_capacity and tgt[b].sum() <= spec.pack.tgt_capacity
+                assert len(b) <= spec.pack.real_slots
             else:
                 assert len(b) <= spec.batch_size
 
@@ -54,7 +73,7 @@ def test_every_example_exactly_once_across_ranks(pairs, mode, world, epoch, pad_
 @pytest.mark.parametrize("mode", MODES)
 def test_deterministic_per_epoch_and_reshuffled_next_epoch(mode):
     src, tgt = skewed_lengths(3000)
-    spec = BatchSpec(mode, batch_size=32, max_tokens=2048, seq_len=256)
+    spec = spec_for(mode, src, tgt, batch_size=32, max_tokens=2048, seq_len=256)
     a = plan_batches(src, tgt, spec, seed=1, epoch=0)
     b = plan_batches(src, tgt, spec, seed=1, epoch=0)
     c = plan_batches(src, tgt, spec, seed=1, epoch=1)
@@ -79,7 +98,7 @@ def test_token_bucket_padding_under_3_percent_on_skewed_lengths():
     src, tgt = skewed_lengths(20000, seed=5)
     out = {}
     for mode in MODES:
-        spec = BatchSpec(mode, batch_size=32, max_tokens=2048, seq_len=256)
+        spec = spec_for(mode, src, tgt, batch_size=32, max_tokens=2048, seq_len=256)
         out[mode] = plan_stats(plan_batches(src, tgt, spec, seed=0, epoch=0), src, tgt, spec)
     tb = out["token_bucket"]
     assert tb.padding_fraction <= 0.03, {m: round(s.padding_fraction, 4) for m, s in out.items()}
@@ -90,7 +109,63 @@ def test_token_bucket_padding_under_3_percent_on_skewed_lengths():
         < out["fixed"].padding_fraction
     )
     assert tb.max_batch_tokens <= 2048
-    assert tb.real_tokens == int(src.sum() + tgt.sum())  # nothing lost
+    assert tb.real_tokens == out["packed"].real_tokens == int(src.sum() + tgt.sum())  # nothing lost
+    assert out["packed"].padding_fraction < tb.padding_fraction and out["packed"].shapes == 1
+
+
+@pytest.mark.parametrize("budget", [4096, 16384])
+def test_packed_padding_under_3_percent_with_one_shape(budget):
+    src, tgt = skewed_lengths(40000, seed=5)
+    spec = spec_for("packed", src, tgt, max_tokens=budget)
+    plan = plan_batches(src, tgt, spec, seed=0, epoch=0)
+    stats = plan_stats(plan, src, tgt, spec)
+    tb_spec = BatchSpec("token_bucket", max_tokens=budget)
+    tb = plan_stats(plan_batches(src, tgt, tb_spec, seed=0, epoch=0), src, tgt, tb_spec)
+    assert stats.padding_fraction <= 0.03, stats
+    assert stats.padding_fraction < tb.padding_fraction  # and one shape instead of tb.shapes
+    assert stats.shapes == stats.seq_shapes == 1 and tb.shapes > 10
+    cap = spec.pack.src_capacity + spec.pack.tgt_capacity
+    assert stats.computed_tokens == len(plan) * cap and stats.real_tokens == int(src.sum() + tgt.sum())
+    assert stats.full_slots == 0  # the slot rule leaves room: batches close on capacity
+
+
+def test_packed_lookahead_fills_tails():
+    """The look-ahead is kept because it measurably cuts padding (greedy alone: lookahead=1)."""
+    from data.batching import _pack
+
+    src, tgt = skewed_lengths(20000, seed=5)
+    layout = pack_layout(src, tgt, 2048, 256)
+    pad = {}
+    for w in (1, 32):
+        plan = _pack(src, tgt, layout, np.random.default_rng([0, 0]), lookahead=w)
+        pad[w] = plan_stats(plan, src, tgt, BatchSpec("packed", pack=layout)).padding_fraction
+    assert pad[32] < pad[1] - 0.005, pad
+
+
+def test_pack_layout_rule():
+    src, tgt = skewed_lengths(5000, seed=1)
+    share = src.sum() / (src.sum() + tgt.sum())
+    for budget in (2048, 4096, 16384):
+        L = pack_layout(src, tgt, budget, 256)
+        assert L.src_capacity % PACK_MULTIPLE == 0 and L.tgt_capacity % PACK_MULTIPLE == 0
+        assert 0 <= L.src_capacity - budget * share < PACK_MULTIPLE
+        assert 0 <= L.tgt_capacity - budget * (1 - share) < PACK_MULTIPLE
+        assert L.dummy_slots == -(-max(L.src_capacity, L.tgt_capacity) // 256)
+        assert L.real_slots >= L.tgt_capacity / tgt.mean()  # room for more than an average fill
+        assert pack_layout(src, tgt, budget, 256) == L  # a pure function of corpus + config
+    # the max_len floor: any admissible pair fits, even when the proportional share would not hold it
+    L = pack_layout(np.full(10, 2), np.full(10, 30), 512, 256)
+    assert (L.src_capacity, L.tgt_capacity) == (256, 512)  # src share 32 -> floored at max_len
+
+
+def test_packed_closes_on_slots_when_pairs_are_tiny():
+    src = np.ones(1000, dtype=np.int64)
+    tgt = np.ones(1000, dtype=np.int64)
+    layout = PackLayout(src_capacity=256, tgt_capacity=256, slots=20, max_len=64)  # 16 real slots
+    spec = BatchSpec("packed", pack=layout)
+    plan = plan_batches(src, tgt, spec, seed=0, epoch=0)
+    assert sorted(map(len, plan)) == [1000 % 16] + [16] * (1000 // 16)  # batch order is shuffled
+    assert plan_stats(plan, src, tgt, spec).full_slots == len(plan) - 1
 
 
 @pytest.mark.parametrize("pad_multiple", [8, 16])
@@ -122,6 +197,17 @@ def test_bad_arguments_raise_clear_errors():
         plan_batches(src, tgt, BatchSpec(), rank=2, world_size=2)
     with pytest.raises(ValueError, match="world_size"):
         plan_batches(src, tgt, BatchSpec(), world_size=11)
+    with pytest.raises(ValueError, match="pack_layout"):
+        plan_batches(src, tgt, BatchSpec("packed"))
+    layout = pack_layout(src, tgt, 512, 64)
+    with pytest.raises(ValueError, match="max_len"):
+        plan_batches(np.array([65]), np.array([3]), BatchSpec("packed", pack=layout))
+    with pytest.raises(ValueError, match="max_tokens=100"):
+        pack_layout(src, tgt, 100, 64)
+    with pytest.raises(ValueError, match="max_len=64"):
+        PackLayout(src_capacity=32, tgt_capacity=128, slots=10, max_len=64)
+    with pytest.raises(ValueError, match="no real slot"):
+        PackLayout(src_capacity=128, tgt_capacity=128, slots=2, max_len=64)
 
 
 def test_hilbert_index_is_a_unit_step_walk():
