@@ -192,6 +192,127 @@ def test_loader_batches_match_reference_and_cover_epoch(corpus, mode):
     assert sorted(seen) == list(range(len(b.splits["train"])))
 
 
+def _check_packed_batch(b, split, batch):
+    """Every property of the packed contract (docs/ARCHITECTURE.md), rebuilding each pair from the streams."""
+    L = b.pack_layout()
+    N, Cs, Ct = L.slots, L.src_capacity, L.tgt_capacity
+    assert batch.packed and batch.max_src_len == batch.max_tgt_len == L.max_len == b.cfg.max_len
+    assert batch.src.shape == batch.src_pos.shape == (1, Cs)
+    assert batch.tgt_in.shape == batch.tgt_out.shape == batch.tgt_pos.shape == (1, Ct)
+    for name in ("src_lengths", "tgt_lengths"):
+        assert getattr(batch, name).shape == (N,)
+    for name in (
+        "src",
+        "tgt_in",
+        "tgt_out",
+        "src_lengths",
+        "tgt_lengths",
+        "cu_seqlens_src",
+        "cu_seqlens_tgt",
+    ):
+        assert getattr(batch, name).dtype == torch.int32, name
+    assert batch.src_pos.dtype == batch.tgt_pos.dtype == torch.int32
+    src, tin, tout = batch.src[0].tolist(), batch.tgt_in[0].tolist(), batch.tgt_out[0].tolist()
+    used_s = used_t = 0
+    for side, cu, seg, pos, cap in (
+        ("src", batch.cu_seqlens_src, batch.src_lengths, batch.src_pos[0], Cs),
+        ("tgt", batch.cu_seqlens_tgt, batch.tgt_lengths, batch.tgt_pos[0], Ct),
+    ):
+        cu, seg = cu.tolist(), seg.tolist()
+        assert len(cu) == N + 1 and cu[0] == 0 and cu[-1] == cap, side
+        assert all(x <= y for x, y in zip(cu, cu[1:])) and seg == np.diff(cu).tolist(), side
+        assert max(seg) <= L.max_len, side  # dummy tail segments too
+        k = len(batch)
+        real, rest = seg[:k], seg[k:]
+        assert min(real) >= 1 and sum(real) == sum(seg) - sum(rest)
+        nz = [i for i, x in enumerate(rest) if x]  # empty slots first, then the dummy tail segments
+        assert nz == list(range(len(rest) - len(nz), len(rest))), (side, rest)
+        used = sum(real)
+        expect = [j for x in real for j in range(x)] + [0] * (cap - used)  # restarts at 0, 0 on padding
+        assert pos.tolist() == expect, side
+        used_s, used_t = (used, used_t) if side == "src" else (used_s, used)
+    cs, ct = batch.cu_seqlens_src.tolist(), batch.cu_seqlens_tgt.tolist()
+    for j, i in enumerate(batch.index.tolist()):  # segment j of src pairs with segment j of tgt: example i
+        s, t = _reference_rows(b, split, i)
+        assert src[cs[j] : cs[j + 1]] == s + [3]
+        assert tin[ct[j] : ct[j + 1]] == [2] + t
+        assert tout[ct[j] : ct[j + 1]] == t + [3]
+    assert set(src[used_s:]) <= {0} and set(tin[used_t:]) <= {0} and set(tout[used_t:]) <= {0}
+    assert batch.num_real_tokens == used_s + used_t == sum(x != 0 for x in src) + sum(x != 0 for x in tin)
+    assert batch.num_padded_tokens == Cs + Ct
+
+
+def test_packed_loader_streams_shapes_and_coverage(corpus):
+    _, _, b, _ = corpus
+    assert b.split_record["packing"] == b.pack_layout().as_dict()
+    shapes = set()
+    for epoch in (0, 1):
+        seen = []
+        for batch in b.loader("train", epoch=epoch, batching="packed"):
+            _check_packed_batch(b, "train", batch)
+            shapes.add(
+                tuple(tuple(getattr(batch, f).shape) for f in ("src", "tgt_in", "src_lengths", "src_pos"))
+            )
+            seen += batch.index.tolist()
+        assert sorted(seen) == list(range(len(b.splits["train"])))
+    assert len(shapes) == 1  # one compiled graph for the whole run
+    valid = list(b.loader("valid", batching="packed"))  # other splits use the train layout
+    for batch in valid:
+        _check_packed_batch(b, "valid", batch)
+    assert sorted(i for x in valid for i in x.index.tolist()) == list(range(20))
+    epochs = [[x.index.tolist() for x in b.loader("train", epoch=e, batching="packed")] for e in (3, 3, 4)]
+    assert epochs[0] == epochs[1] != epochs[2]  # deterministic in (seed, epoch), reshuffled next epoch
+
+
+def test_packed_loader_sharding_and_exact_resume(corpus):
+    _, _, b, _ = corpus
+    kw = dict(epoch=2, batching="packed")
+    shards = [[x.index.tolist() for x in b.loader("train", rank=r, world_size=3, **kw)] for r in range(3)]
+    assert (
+        len({len(s) for s in shards})
+        == 1
+        == len({b.num_batches("train", rank=r, world_size=3, **kw) for r in range(3)})
+    )
+    assert len(shards[0]) == b.num_batches("train", rank=0, world_size=3, **kw)
+    flat = sorted(i for s in shards for batch in s for i in batch)
+    assert flat == list(range(len(b.splits["train"])))
+    full = [x.index.tolist() for x in b.loader("train", **kw)]
+    assert [x.index.tolist() for x in b.loader("train", start_batch=3, **kw)] == full[3:]
+
+
+def test_packed_collate_tail_cut_into_dummy_segments(corpus):
+    """One short pair in a large stream: the whole tail becomes <= max_len dummy segments after empty slots."""
+    from data.batching import PackLayout
+    from data.collate import PackedCollator
+
+    _, _, b, _ = corpus
+    sp = b.splits["train"]
+    i = int(np.argmin(sp.src_lengths))
+    layout = PackLayout(src_capacity=320, tgt_capacity=256, slots=12, max_len=64)  # 5 dummy, 7 real slots
+    collate = PackedCollator(sp.src_ids, sp.src_offsets, sp.tgt_ids, sp.tgt_offsets, layout=layout)
+    batch = collate([i])
+    seg = batch.src_lengths.tolist()
+    tail = 320 - int(sp.src_lengths[i])
+    assert seg[0] == sp.src_lengths[i] and seg[1 : 12 - 5] == [0] * 6 and sum(seg[7:]) == tail
+    assert seg[7:11] == [64] * 4 and 0 < seg[11] <= 64
+    moved = batch.to("cpu")
+    assert moved.packed and torch.equal(moved.src_pos, batch.src_pos)
+    plain = next(iter(b.loader("valid", batching="token_bucket")))
+    assert plain.src_pos is None and plain.tgt_pos is None and not plain.packed
+    assert plain.to("cpu").src_pos is None
+    if torch.cuda.is_available():
+        assert batch.pin_memory().src_pos.is_pinned() and plain.pin_memory().src_pos is None
+    with pytest.raises(ValueError, match="real slots"):
+        collate(list(range(8)))
+    small = PackedCollator(
+        sp.src_ids, sp.src_offsets, sp.tgt_ids, sp.tgt_offsets, layout=PackLayout(64, 64, 10, 64)
+    )
+    longest = np.argsort(-sp.src_lengths)[:9]
+    assert sp.src_lengths[longest].sum() > 64
+    with pytest.raises(ValueError, match="capacity"):
+        small(longest.tolist())
+
+
 def test_loader_sharding_and_exact_resume(corpus):
     _, _, b, _ = corpus
     shards = [[x.index.tolist() for x in b.loader("train", epoch=2, rank=r, world_size=3)] for r in range(3)]
@@ -312,7 +433,11 @@ def test_stats_cli_json(corpus, capsys):
         == 0
     )
     out = json.loads(capsys.readouterr().out)
-    assert set(out["modes"]) == {"fixed", "dynamic", "sorted", "token_bucket"}
+    assert set(out["modes"]) == {"fixed", "dynamic", "sorted", "token_bucket", "packed"}
+    packed = out["modes"]["packed"]
+    assert packed["shapes"] == 1 and packed["padding_fraction"] < out["modes"]["dynamic"]["padding_fraction"]
+    cap = out["packing"]["src_capacity"] + out["packing"]["tgt_capacity"]
+    assert packed["computed_tokens"] == packed["batches"] * cap
     for m in out["modes"].values():
         assert 0 <= m["padding_fraction"] < 1 and m["batches"] >= 1 and m["shapes"] >= 1
     assert out["modes"]["token_bucket"]["padding_fraction"] < out["modes"]["fixed"]["padding_fraction"]
