@@ -7,7 +7,8 @@ train split: subwords per epoch, mean / p99 length, the share of pieces seen few
 (embeddings that barely train), byte-fallback and unk rates on the valid split, and the training FLOPs
 per epoch of the S18-sized model (6+6 layers, d 512, d_ff 2048): 6 x (body params x tokens) + 6 x d x V x
 target tokens for the tied output projection. Then, at the default vocabulary, token_bucket padding /
-batches / shapes for a grid of max_tokens x pad_multiple.
+batches / shapes for a grid of max_tokens x pad_multiple, and the packed mode's layout and padding at
+2048 / 8192 / 16384 / 32768 tokens (``--only-packing`` prints just that table, at the default vocabulary).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 
 import numpy as np
 
-from data.batching import BatchSpec, plan_batches, plan_stats
+from data.batching import BatchSpec, pack_layout, plan_batches, plan_stats
 from data.config import DataConfig
 from data.pipeline import build_data
 
@@ -61,6 +62,50 @@ def vocab_row(cfg: DataConfig) -> dict:
     }
 
 
+def _stats(tr, spec):
+    plan = plan_batches(tr.src_lengths, tr.tgt_lengths, spec, seed=0, epoch=0)
+    return plan_stats(plan, tr.src_lengths, tr.tgt_lengths, spec)
+
+
+def packing_table(b) -> list[str]:
+    """Packed vs token_bucket (exact lengths / multiples of 8) at the budgets a GPU step would use."""
+    tr, max_len = b.splits["train"], b.cfg.max_len
+    out = [
+        f"## packed at vocab {b.tokenizer.vocab_size} (stand-in corpus): one shape per run",
+        "",
+        f"Capacity C_src + C_tgt from `max_tokens` (split by train token totals, each rounded up to 64), "
+        f"max_len {max_len}; padding = 1 - real / (batches x (C_src + C_tgt)), epoch 0. "
+        "Cells: padding / batches / distinct (B,S,T) shapes.",
+        "",
+        "| max_tokens | C_src + C_tgt | slots (real) | packed | packed w/o the partial last batch "
+        "| closed on slots | token_bucket pad_multiple 1 | token_bucket pad_multiple 8 |",
+        "|---:|---:|---:|---|---:|---:|---|---|",
+    ]
+    for budget in (2048, 8192, 16384, 32768):
+        layout = pack_layout(tr.src_lengths, tr.tgt_lengths, budget, max_len)
+        spec = BatchSpec("packed", max_tokens=budget, pack=layout)
+        plan = plan_batches(tr.src_lengths, tr.tgt_lengths, spec, seed=0, epoch=0)
+        p = plan_stats(plan, tr.src_lengths, tr.tgt_lengths, spec)
+        least = min(
+            int(tr.src_lengths[x].sum() + tr.tgt_lengths[x].sum()) for x in plan
+        )  # the leftover batch
+        rest = 1 - (p.real_tokens - least) / (p.computed_tokens - p.max_batch_tokens)
+        cells = [
+            f"{100 * p.padding_fraction:.2f} % / {p.batches} / {p.shapes}",
+            f"{100 * rest:.2f} %",
+            str(p.full_slots),
+        ]
+        for m in (1, 8):
+            s = _stats(tr, BatchSpec("token_bucket", max_tokens=budget, pad_multiple=m))
+            cells.append(f"{100 * s.padding_fraction:.1f} % / {s.batches} / {s.shapes}")
+        out.append(
+            f"| {budget} | {layout.src_capacity} + {layout.tgt_capacity} | {layout.slots} ({layout.real_slots}) | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.vocab_sweep")
     p.add_argument("--data-files", nargs="+", required=True)
@@ -70,10 +115,14 @@ def main(argv=None) -> int:
     )
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--out", default=None, help="write the markdown here as well")
+    p.add_argument("--only-packing", action="store_true", help="only the packed table, at the default vocab")
     a = p.parse_args(argv)
     base = DataConfig(
         data_files=tuple(a.data_files), num_workers=0, **({"cache_dir": a.cache_dir} if a.cache_dir else {})
     )
+    if a.only_packing:
+        print("\n".join(packing_table(build_data(base, log=lambda *_: None))))
+        return 0
 
     rows = []
     for model, sizes in (("bpe", a.sizes), ("unigram", a.unigram)):
@@ -114,15 +163,10 @@ def main(argv=None) -> int:
     for budget in (1024, 2048, 4096, 8192, 16384):
         cells = []
         for m in (1, 2, 8, 16):
-            spec = BatchSpec("token_bucket", max_tokens=budget, pad_multiple=m)
-            s = plan_stats(
-                plan_batches(tr.src_lengths, tr.tgt_lengths, spec, seed=0, epoch=0),
-                tr.src_lengths,
-                tr.tgt_lengths,
-                spec,
-            )
+            s = _stats(tr, BatchSpec("token_bucket", max_tokens=budget, pad_multiple=m))
             cells.append(f"{100 * s.padding_fraction:.1f} % / {s.batches} / {s.shapes} / {s.seq_shapes}")
         out.append(f"| {budget} | " + " | ".join(cells) + " |")
+    out += ["", *packing_table(b)]
     text = "\n".join(out) + "\n"
     print(text)
     if a.out:
