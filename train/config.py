@@ -73,6 +73,9 @@ class RunConfig:
     out_dir: str = "runs"  # parent folder of all runs
     epochs: int = 18  # passes over the training split (seeds: 18)
     max_steps: int | None = None  # stop after this many optimizer steps in total (None: epochs decide)
+    # smoke runs: an "epoch" is the first N micro-batches of the epoch's shuffled plan (a different random
+    # subset every epoch); None = the whole training split, the honest definition
+    max_batches_per_epoch: int | None = None
     seed: int = 0  # torch/numpy/python seed for init and dropout (data order has data.seed)
     device: Literal["auto", "cuda", "cpu"] = "auto"  # auto: cuda when available
     precision: Precision = "bf16"  # autocast dtype; fp16 adds a GradScaler; fp32 = no autocast
@@ -104,8 +107,10 @@ class RunConfig:
             raise ValueError(f"run.name={self.name!r} must be a non-empty folder name without '/'")
         if self.epochs < 1:
             raise ValueError(f"run.epochs={self.epochs} must be >= 1")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"run.max_steps={self.max_steps} must be >= 1 or None")
+        for name in ("max_steps", "max_batches_per_epoch"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"run.{name}={v} must be >= 1 or None")
         for name in ("log_every", "max_nonfinite", "eval_beam_size", "eval_batch_size", "keep_last"):
             if getattr(self, name) < 1:
                 raise ValueError(f"run.{name}={getattr(self, name)} must be >= 1")
@@ -152,16 +157,20 @@ def _replace(obj, **changes):
 
 
 def tiny() -> Config:
-    """CPU smoke run: the 2+2 x 64 model, fp32 eager, a few minutes on 2 cores."""
+    """CPU smoke run: the 2+2 x 64 model, fp32 eager, a few minutes on 2 shared cores.
+
+    On the stand-in corpus a full epoch (~1M tokens) takes 5-10 min on 2 cores, so an "epoch" here is
+    capped at 60 batches of <= 4096 padded tokens (a fresh random subset each epoch).
+    """
     return Config(
         # the stand-in corpus (23k short pairs): 1000-piece BPE, pairs up to 64 tokens, no worker processes
-        data=_replace(DataConfig(), vocab_size=1000, max_len=64, max_tokens=2048, pad_multiple=8,
+        data=_replace(DataConfig(), vocab_size=1000, max_len=64, max_tokens=4096, pad_multiple=8,
                       valid_size=500, test_size=500, num_workers=0),
         model=get_preset("tiny"),
-        optim=OptimConfig(name="adamw", lr=2e-3, betas=(0.9, 0.98), weight_decay=1e-2, pct_start=0.2),
+        optim=OptimConfig(name="adamw", lr=3e-3, betas=(0.9, 0.98), weight_decay=1e-2, pct_start=0.2),
         run=RunConfig(
-            name="tiny", epochs=5, precision="fp32", compile=False, log_every=10,
-            eval_beam_size=2, eval_max_sentences=100, num_samples=2,
+            name="tiny", epochs=4, max_batches_per_epoch=60, precision="fp32", compile=False, log_every=10,
+            eval_beam_size=2, eval_max_sentences=100, eval_batch_size=100, num_samples=2,
         ),
     )
 

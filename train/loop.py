@@ -91,8 +91,6 @@ class Trainer:
         self.log = log if self.is_main else _quiet
         run = cfg.run
 
-        if run.precision == "fp16" and self.device.type == "cpu":
-            raise ValueError("run.precision='fp16' needs CUDA (CPU autocast is bf16 only); use bf16 or fp32")
         if run.precision == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ValueError("this GPU has no bf16; use --run.precision fp16")
 
@@ -251,8 +249,7 @@ class Trainer:
         stop_reason = None
         while self.epoch < run.epochs and stop_reason is None:
             epoch = self.epoch
-            n_micro = self.data.num_batches("train", epoch=epoch, rank=self.dist.rank,
-                                            world_size=self.dist.world_size)
+            n_micro = self._micro_batches_in_epoch(epoch)
             loader = self.data.loader("train", epoch=epoch, rank=self.dist.rank,
                                       world_size=self.dist.world_size, start_batch=self.batch_index)
             it = iter(loader)
@@ -265,6 +262,8 @@ class Trainer:
             t_last_log, tok_last_log = time.perf_counter(), acc["real_tokens"]
             group: list = []
             for batch in it:
+                if self.batch_index + len(group) >= n_micro:  # run.max_batches_per_epoch reached
+                    break
                 group.append(batch)
                 if len(group) < accum and self.batch_index + len(group) < n_micro:
                     continue
@@ -450,11 +449,15 @@ class Trainer:
                 "sentences": 0,
                 "seconds": 0.0, "t0": time.perf_counter()}
 
-    def _steps_in_epoch(self, epoch: int) -> int:
+    def _micro_batches_in_epoch(self, epoch: int) -> int:
         n = self.data.num_batches("train", epoch=epoch, rank=self.dist.rank, world_size=self.dist.world_size)
         if n == 0:
             raise ValueError("the training split has no batches: check --data-files and data.valid_size/test_size")
-        return math.ceil(n / self.cfg.optim.accum_steps)
+        cap = self.cfg.run.max_batches_per_epoch
+        return n if cap is None else min(n, cap)
+
+    def _steps_in_epoch(self, epoch: int) -> int:
+        return math.ceil(self._micro_batches_in_epoch(epoch) / self.cfg.optim.accum_steps)
 
     def state_dict(self) -> dict[str, Any]:
         acc = self._epoch_acc
