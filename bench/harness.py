@@ -31,6 +31,7 @@ import platform
 import re
 import subprocess
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -524,7 +525,9 @@ def save_figure(fig, path: Path | str, *, suptitle: str = "") -> Path:
 
     if suptitle:
         fig.suptitle(suptitle, fontsize=11)
-    fig.tight_layout()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "tight_layout not applied" on crowded panels
+        fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -27,7 +27,7 @@ Shapes
   train-ragged  H=8, D=64, T in 32..512, B*T = 32768 padded tokens, per-sequence lengths drawn
                 uniformly in [min_fill*T, T] (one sequence of length T); SDPA gets a boolean
                 padding mask ((B,1,1,T) keys only, (B,1,T,T) with causal), built outside the timing.
-  train-dense   the same shapes with every sequence full: no mask.
+  train-dense   the same shapes with every sequence full: no mask (fused providers only).
   long          T in 1k..8k, D in {64, 128}, B*T = 16384 tokens, H*D = 2048, causal or not --
                 FlashAttention-2's benchmark grid, to compare with its published numbers.
   ln            rows x width, bf16: width 512 at 16k and 64k rows, widths 1k..8k at 32k rows.
@@ -41,7 +41,10 @@ Robustness: each provider's errors (OOM, unsupported, not implemented, compile f
 rows with a status; on CUDA the cases run in a worker process, and a crash that poisons the CUDA
 context (an illegal address in a kernel under development) costs that provider's case, not the
 run: the parent restarts a worker for what is left. ``--budget-s`` stops starting new work when
-the budget is spent (the rest is recorded as skipped); SIGTERM (``timeout``) still writes outputs.
+the budget is spent (the rest is recorded as skipped; cases run in priority order: LayerNorm at
+width 512, padded train batches, long hd 64, full train batches, long hd 128, other widths), and
+SIGTERM (``timeout``) still writes outputs. Timing defaults: 10 ms warm-up, 50 ms of repetitions
+(hundreds of samples for the sub-millisecond cases, at least 10 for the slowest).
 
 ``--smoke`` (automatic without CUDA): tiny shapes in seconds, written to ``--out`` or a fresh
 temporary directory, never to bench/results. Our Triton provider is skipped on CPU unless
@@ -78,7 +81,7 @@ from bench import harness as H
 ATTN_GROUPS = ("train-ragged", "train-dense", "long")
 SDPA_PROVIDERS = ("sdpa", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math")
 RAGGED_PROVIDERS = ("ours", "ours-varlen", "torch-varlen", *SDPA_PROVIDERS, "reference", "reference-compile")
-DENSE_PROVIDERS = ("ours", *SDPA_PROVIDERS, "reference")
+DENSE_PROVIDERS = ("ours", "sdpa", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn")
 LONG_PROVIDERS = ("ours", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn")
 LN_PROVIDERS = ("ours", "eager", "compile")
 TRITON_PROVIDERS = ("ours", "ours-varlen")
@@ -88,6 +91,7 @@ MASKED_SPEEDUP_TARGET = 1.5  # ours vs the best SDPA backend that accepts a padd
 LN_TARGET_GBPS = 2000.0  # LayerNorm+GELU fwd+bwd, width 512, bf16
 CHECK_HEADS = 2  # heads compared against the fp32 reference
 CRASHES_BEFORE_EXCLUDING = 2  # a provider that kills its worker this often is left out afterwards
+WORKER_GRACE_S = 45.0  # how long past --budget-s a worker may finish the provider in flight
 FAULT_ENV = "FASTMT_BENCH_FAULT"  # test hook: a worker exits abruptly when it starts this provider
 
 COLUMNS = (
@@ -656,7 +660,7 @@ def run_isolated(ctx: Context, cases: Sequence[Case], sink: list[dict[str, Any]]
             proc = subprocess.Popen([sys.executable, "-m", "bench.kernels", "--worker", str(spec)], cwd=H.REPO_ROOT)
             rc = None
             try:
-                grace = 90.0  # a provider that starts just before the deadline may still compile
+                grace = WORKER_GRACE_S  # a provider that starts just before the deadline may still compile
                 rc = proc.wait(timeout=None if ctx.deadline is None else max(30.0, ctx.deadline - time.time() + grace))
             except subprocess.TimeoutExpired:
                 print(f"bench.kernels: worker {proc.pid} overran the budget; killing it", flush=True)
@@ -937,8 +941,6 @@ def _configure_torch(opts) -> None:
     for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit", "accumulated_recompile_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, max(256, getattr(torch._dynamo.config, name)))
-    if torch.cuda.is_available():
-        torch.backends.cuda.matmul.allow_tf32 = False  # bf16 inputs anyway; keep fp32 references exact
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -950,8 +952,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--providers", help="comma-separated subset of providers")
     p.add_argument("--modes", default=",".join(H.MODES), help="comma-separated subset of fwd,bwd,fwd+bwd")
     p.add_argument("--budget-s", type=float, help="start no new work after this many seconds (rest: skipped)")
-    p.add_argument("--warmup-ms", type=float, help="do_bench warm-up (default 25; smoke 1)")
-    p.add_argument("--rep-ms", type=float, help="do_bench repetition time (default 100; smoke 5)")
+    p.add_argument("--warmup-ms", type=float, help="do_bench warm-up (default 10; smoke 1)")
+    p.add_argument("--rep-ms", type=float, help="do_bench repetition time (default 50; smoke 5)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"), help="input dtype")
     p.add_argument("--min-fill", type=float, default=0.5,
                    help="ragged lengths are uniform in [min_fill*T, T] (default 0.5)")
@@ -968,8 +970,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if not cuda and not opts.smoke:
         print("bench.kernels: no CUDA device: running the --smoke configuration", flush=True)
         opts.smoke = True
-    opts.warmup_ms = opts.warmup_ms if opts.warmup_ms is not None else (1.0 if opts.smoke else 25.0)
-    opts.rep_ms = opts.rep_ms if opts.rep_ms is not None else (5.0 if opts.smoke else 100.0)
+    opts.warmup_ms = opts.warmup_ms if opts.warmup_ms is not None else (1.0 if opts.smoke else 10.0)
+    opts.rep_ms = opts.rep_ms if opts.rep_ms is not None else (5.0 if opts.smoke else 50.0)
     opts.compile_backend = opts.compile_backend or ("inductor" if cuda else "aot_eager")
     opts.modes = [m.strip() for m in opts.modes.split(",") if m.strip()]
     bad = [m for m in opts.modes if m not in H.MODES]
