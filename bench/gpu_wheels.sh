@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# Prepare the payload a bare GPU device machine needs (run on a CPU machine with PyPI access):
+#   .whl/   the wheels the GPU image lacks, for its Python 3.12 on x86_64 (installed offline there
+#           by bench/gpu_run.sh: pip --no-index --no-deps --target /tmp/site)
+#   .data/  the training data (no network there), listed in .data/FILES, checksums in .data/SHA256SUMS
+# Both folders are git-ignored and travel with the device call as `carry: [".whl", ".data"]`.
+#
+#   make gpu-wheels            (or: bash bench/gpu_wheels.sh)
+#
+# What is carried and why (the image's package list: /work/.library/device/KINDS.md, 2026-11-17):
+#   datasets, lion-pytorch   not in the image
+#   dill, multiprocess       datasets' needs that the image lacks
+#   fsspec                   in the image, but datasets pins fsspec<=2026.9.0 and the image's version
+#                            is unknown here (likely newer); ours shadows it on PYTHONPATH (220 KB)
+# datasets' other needs (pyarrow, pandas, numpy, huggingface-hub, xxhash, requests, tqdm, filelock,
+# pyyaml, packaging) are in the image; bench/gpu_run.sh checks every carried wheel's requirements
+# against the versions it finds there and prints any mismatch. If pyarrow turns out older than
+# datasets' floor, add it here with GPU_WHEELS_EXTRA=pyarrow (about 42 MB).
+#
+# Versions come from ONE dependency resolution for the GPU's platform (pip install --dry-run
+# --report: metadata only, nothing installed), so the carried wheels agree with each other; the
+# folder is rebuilt from scratch, so it holds exactly one version of each.
+#
+# Environment:
+#   PYTHON             interpreter whose pip is used (default: .venv/bin/python, else python3)
+#   DATASETS_SPEC      default datasets==5.2.0 (what the CPU machines run, shared/ENV.md)
+#   LION_SPEC          default lion-pytorch==0.2.5
+#   GPU_WHEELS_EXTRA   more distributions to carry, space-separated (resolved versions)
+#   FASTMT_DATA_FILES  data files to copy (whitespace- or comma-separated); default the stand-in
+#                      corpus ../shared/data/opus_mt_testsets/en-it/train.jsonl
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-}
+if [[ -z $PY ]]; then
+    if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+DATASETS_SPEC=${DATASETS_SPEC:-datasets==5.2.0}
+LION_SPEC=${LION_SPEC:-lion-pytorch==0.2.5}
+# shellcheck disable=SC2206  # word splitting of a space-separated list is intended
+CARRY=(datasets dill multiprocess fsspec ${GPU_WHEELS_EXTRA:-})
+STANDIN=../shared/data/opus_mt_testsets/en-it/train.jsonl
+MAX_WHEELS_MB=16    # well under the 64 MiB a device call carries, data included
+PLATFORM=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312
+          --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
+          --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+
+say() { echo "gpu_wheels: $*"; }
+die() { echo "gpu_wheels: ERROR: $*" >&2; exit 1; }
+
+for d in .whl .data; do
+    git check-ignore -q "$d/x" 2>/dev/null || die "$d/ is not git-ignored: add '$d/' to .gitignore first"
+done
+
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+# -- 1. resolve versions for the GPU's platform (metadata only) ---------------------------------
+say "resolving $DATASETS_SPEC for cp312 manylinux x86_64 with $PY ($("$PY" -m pip --version | cut -d' ' -f1-2))"
+if ! "$PY" -m pip install --dry-run --ignore-installed --quiet --report "$tmp/report.json" \
+        "${PLATFORM[@]}" --target "$tmp/target" "$DATASETS_SPEC" >"$tmp/resolve.log" 2>&1; then
+    grep -v "is ignored: it is neither a file nor a directory" "$tmp/resolve.log" >&2 || true
+    die "pip could not resolve $DATASETS_SPEC (network? index?)"
+fi
+mapfile -t PINS < <("$PY" - "$tmp/report.json" "${CARRY[@]}" <<'EOF'
+import json, re, sys
+norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
+report = json.load(open(sys.argv[1]))
+resolved = {norm(i["metadata"]["name"]): i["metadata"]["version"] for i in report["install"]}
+for name in sys.argv[2:]:
+    if norm(name) not in resolved:
+        sys.exit(f"{name} is not in the resolution of datasets' dependencies: {sorted(resolved)}")
+    print(f"{norm(name)}=={resolved[norm(name)]}")
+EOF
+)
+say "carrying: ${PINS[*]} $LION_SPEC"
+
+# -- 2. download exactly those wheels into a fresh folder ---------------------------------------
+mkdir -p "$tmp/whl"
+if ! "$PY" -m pip download --quiet --no-deps "${PLATFORM[@]}" -d "$tmp/whl" "${PINS[@]}" "$LION_SPEC" \
+        >"$tmp/download.log" 2>&1; then
+    grep -v "is ignored: it is neither a file nor a directory" "$tmp/download.log" >&2 || true
+    die "pip download failed"
+fi
+dups=$(find "$tmp/whl" -type f -name '*.whl' -printf '%f\n' | cut -d- -f1 | tr 'A-Z_.' 'a-z--' | sort | uniq -d)
+[[ -z $dups ]] || die "more than one version of: $dups"
+rm -rf .whl
+mkdir -p .whl
+mv "$tmp"/whl/*.whl .whl/
+
+# -- 3. show what the wheels need, for the check against the image --------------------------------
+for w in .whl/*.whl; do
+    reqs=$(unzip -p "$w" '*.dist-info/METADATA' | sed -n 's/^Requires-Dist: //p' | grep -v 'extra ==' | paste -sd';' - || true)
+    printf '  %-48s %6s KB  needs: %s\n' "$(basename "$w")" "$(( $(stat -c %s "$w") / 1024 ))" "${reqs:--}"
+done
+whl_kb=$(du -sk .whl | cut -f1)
+(( whl_kb <= MAX_WHEELS_MB * 1024 )) || die ".whl/ is ${whl_kb} KB, over ${MAX_WHEELS_MB} MB"
+
+# -- 4. training data -------------------------------------------------------------------------------
+declare -a SRC=()
+if [[ -n ${FASTMT_DATA_FILES:-} ]]; then
+    read -r -a SRC <<<"${FASTMT_DATA_FILES//,/ }"
+elif [[ -f $STANDIN ]]; then
+    SRC=("$STANDIN")
+fi
+rm -rf .data
+mkdir -p .data
+: >.data/FILES
+if ((${#SRC[@]} == 0)); then
+    say "WARNING: no data (set FASTMT_DATA_FILES; the stand-in $STANDIN is absent): training steps will need the Hub"
+else
+    for f in "${SRC[@]}"; do
+        [[ -f $f ]] || die "data file $f does not exist"
+        base=$(basename "$f")
+        [[ ! -e .data/$base ]] || die "two data files are named $base"
+        cp "$f" ".data/$base"
+        chmod 644 ".data/$base"
+        echo "$base" >>.data/FILES
+    done
+    (cd .data && xargs -d '\n' sha256sum <FILES >SHA256SUMS)
+fi
+
+# -- 5. sizes ---------------------------------------------------------------------------------------
+data_kb=$(du -sk .data | cut -f1)
+mb() { echo "$(( $1 / 1024 )).$(( $1 % 1024 * 10 / 1024 )) MB"; }
+say "$(find .whl -type f -name '*.whl' | wc -l) wheels, $(mb "$whl_kb") in .whl/;" \
+    "$(wc -l <.data/FILES) data file(s), $(mb "$data_kb") in .data/"
+total_kb=$(( whl_kb + data_kb ))
+(( total_kb < 48 * 1024 )) || say "WARNING: .whl + .data = ${total_kb} KB; the device call carries 64 MiB with the working tree"
+say "done: carry [\".whl\", \".data\"] with bench/gpu_run.sh (bench/README.md)"
