@@ -103,25 +103,26 @@ def attention_reference(
 
 
 def pad_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
-    """(total, H, D) packed -> (B, H, max_seqlen, D) zero-padded."""
-    B = cu_seqlens.numel() - 1
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    pos = torch.arange(max_seqlen, device=x.device)
+    """(total, H, D) packed -> (B, H, max_seqlen, D) zero-padded. Static shapes only (compile-friendly)."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # (B,)
+    pos = torch.arange(max_seqlen, device=x.device)  # (T,)
     valid = pos[None, :] < lengths[:, None]  # (B, T)
-    index = (cu_seqlens[:-1].long()[:, None] + pos[None, :]).clamp(max=max(x.shape[0] - 1, 0))
+    index = (cu_seqlens[:-1].long()[:, None] + pos[None, :]).clamp(max=max(x.shape[0] - 1, 0))  # (B, T)
     out = x[index] * valid[:, :, None, None].to(x.dtype)  # (B, T, H, D)
-    del B
     return rearrange(out, "b t h d -> b h t d")
 
 
 def unpad_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """(B, H, T, D) padded -> (total, H, D) packed, keeping the first length of every sequence."""
-    T = x.shape[2]
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    valid = torch.arange(T, device=x.device)[None, :] < lengths[:, None]  # (B, T)
-    packed = rearrange(x, "b h t d -> b t h d")[valid]  # (total, H, D)
-    assert packed.shape[0] == total, (packed.shape, total)
-    return packed
+    """(B, H, T, D) padded -> (total, H, D) packed: a gather by (sequence, position) of every packed
+    token, so the output shape is static (no boolean indexing). Tokens past cu_seqlens[-1] give 0."""
+    B, T = x.shape[0], x.shape[2]
+    t = torch.arange(total, device=x.device)  # (total,) packed token index
+    seq = torch.searchsorted(cu_seqlens[1:].long(), t, right=True)  # (total,) first segment ending after t
+    inside = seq < B
+    seq = seq.clamp(max=B - 1)
+    pos = (t - cu_seqlens.long()[seq]).clamp(0, T - 1)  # (total,) position inside its segment
+    packed = rearrange(x, "b h t d -> b t h d")[seq, pos]  # (total, H, D)
+    return packed * inside[:, None, None].to(x.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
