@@ -16,7 +16,7 @@ POSITIONS = ("sinusoidal", "learned")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 ATTN_BACKENDS = ("auto", "triton", "sdpa", "reference")
 NORMS = ("fused", "torch")
-LAYOUTS = ("padded", "varlen")
+LAYOUTS = ("padded", "varlen", "packed")
 TRITON_HEAD_DIMS = (16, 32, 64, 128)  # what kernels/flash_attention.py's Triton kernel supports
 DEFAULT_VOCAB = 8000  # the data package's joint SentencePiece default
 
@@ -59,7 +59,9 @@ class ModelConfig:
     ffn_norm: bool = True  # mid-FFN LayerNorm: W2 act(LN(W1 x)); LN+GELU is one fused kernel
     attn_backend: str = "auto"  # kernels.attention backend: "auto" | "triton" | "sdpa" | "reference"
     norm: str = "fused"  # "fused": kernels.LayerNorm(+residual)(+GELU); "torch": nn.LayerNorm + adds
-    layout: str = "padded"  # "padded": (B, T, D) with lengths; "varlen": packed (total, D) with cu_seqlens
+    # "padded": (B, T, D) with lengths; "varlen": padded batches run as (total, D) with cu_seqlens;
+    # "packed": data.batching="packed" streams, (1, C) -> (C, D) with cu_seqlens and positions from the batch
+    layout: str = "padded"
     checkpointing: bool = False  # activation checkpointing per applied block while training
 
     def __post_init__(self):
@@ -81,6 +83,9 @@ class ModelConfig:
              f"dropout={self.dropout!r} must be in [0, 1)")
         need(self.d_model % self.n_heads == 0,
              f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; pick n_heads dividing d_model")
+        need(not (self.layout == "packed" and self.attn_backend == "sdpa"),
+             "layout='packed' needs varlen attention, which SDPA does not have (kernels.attention would pad "
+             "every segment to max_len); use attn_backend='auto' (our kernel on CUDA), 'triton' or 'reference'")
         if self.attn_backend == "triton":
             need(self.head_dim in TRITON_HEAD_DIMS,
                  f"head dim d_model/n_heads={self.head_dim} is not one of {TRITON_HEAD_DIMS} supported by "

@@ -9,10 +9,18 @@ Architecture (all switches in ``ModelConfig``):
   each sublayer starts with ``x, res = norm(h, residual=res)`` (one fused kernel computes the add
   and the LayerNorm and returns the new stream ``res``) and ends with ``h = dropout(sublayer(x))``.
   The first block has ``res=None``; each stack ends with its own final LayerNorm of ``h + res``.
-- Attention: bias-free fused QKV (self) or Q + fused KV (cross) projections, ``kernels.attention``
-  with the batch's lengths (padded layout) or cu_seqlens (varlen layout: every per-token op runs on
-  the packed (total, D) activations, only the final decoder states are re-padded), bias-free output
-  projection. Encoder self, decoder causal self (bottom-right convention), cross (q = tgt, k = src).
+- Layouts (``cfg.layout``): ``padded`` runs (B, T, D) activations and gives ``kernels.attention`` the
+  batch's lengths; ``varlen`` gathers a padded batch's real tokens into (total, D) activations, runs
+  attention with cu_seqlens and re-pads only the final decoder states; ``packed`` consumes the
+  fixed-shape token streams of ``data.batching="packed"`` (docs/ARCHITECTURE.md "Packed batches"):
+  (1, C) -> (C, D) activations, positions gathered from the batch's ``src_pos``/``tgt_pos``,
+  attention varlen with the batch's cu_seqlens and the static ``max_len`` bound, logits (1, C, V).
+  The packed path has no data-dependent shapes (no boolean indexing, no host syncs), so the whole
+  forward compiles to one graph; tail-padding tokens form their own dummy segments and never mix
+  with real ones.
+- Attention: bias-free fused QKV (self) or Q + fused KV (cross) projections, ``kernels.attention``,
+  bias-free output projection. Encoder self, decoder causal self (bottom-right convention), cross
+  (q = tgt, k = src; segment k of tgt attends to segment k of src).
 - FFN: ``W2 act(LN(W1 x))`` with ``ffn_norm`` (a NormFormer-style mid-FFN LayerNorm, placed before
   the activation so that LN+GELU is one fused kernel), ``W2 act(W1 x)`` without. Bias-free linears
   (the LayerNorms carry the biases). ReLU has no fused form: LN kernel, then ``F.relu``.
@@ -20,7 +28,7 @@ Architecture (all switches in ``ModelConfig``):
   same math and the same parameter names (state dicts load across the switch).
 - Parameter sharing: each stack holds a ModuleList of its unique blocks and applies them following
   ``cfg.schedule(side)``; a shared block is one module object called several times.
-- Decoding: ``encode`` -> ``start_decoding`` (cross-attention K/V per unique decoder block, which is
+- Decoding (padded batches in every layout: the weights do not depend on it): ``start_decoding`` (cross-attention K/V per unique decoder block, which is
   the same for every application of a shared block, plus a preallocated self-attention KV cache per
   applied layer) -> ``decode_step`` one token at a time (query length 1, all cached keys visible).
 """
@@ -42,11 +50,11 @@ from models.config import ModelConfig
 
 
 class Side(NamedTuple):
-    """Lengths of one side of the batch, in both layouts' terms."""
+    """Lengths of one side of the batch, in every layout's terms."""
 
-    lengths: torch.Tensor  # int32 (B,) real tokens per sequence
-    cu_seqlens: torch.Tensor | None  # int32 (B+1,) cumulative lengths (varlen layout only)
-    max_len: int | None  # longest sequence, python int (varlen layout only)
+    lengths: torch.Tensor  # int32 (B,) real tokens per sequence; packed: (N,) segment lengths
+    cu_seqlens: torch.Tensor | None  # int32 (B+1,) cumulative lengths (varlen and packed layouts)
+    max_len: int | None  # longest sequence (packed: the static bound), python int (varlen and packed)
     index: torch.Tensor | None  # int64 (total,) flat (b*T + t) positions of real tokens (varlen only)
 
 
@@ -325,6 +333,8 @@ class Transformer(nn.Module):
     def _side(self, tokens, lengths, cu_seqlens, max_len) -> Side:
         if self.cfg.layout == "padded":
             return Side(lengths, None, None, None)
+        if self.cfg.layout == "packed":  # the batch's segments as they are: no gather, static shapes
+            return Side(lengths, cu_seqlens, max_len, None)
         B, T = tokens.shape
         if cu_seqlens is None:
             cu_seqlens = F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
@@ -332,15 +342,21 @@ class Transformer(nn.Module):
         index = rearrange(valid, "b t -> (b t)").nonzero().squeeze(1)  # (total,) row-major = cu_seqlens order
         return Side(lengths, cu_seqlens, T if max_len is None else max_len, index)
 
-    def _embed(self, tokens, side: Side, table: nn.Embedding, pos_table: nn.Embedding | None) -> torch.Tensor:
-        """tokens (B, T) -> (B, T, d_model), or (total, d_model) packed in the varlen layout."""
-        T = tokens.shape[1]
-        if T > self.cfg.max_positions:
-            raise ValueError(f"sequence length {T} > max_positions={self.cfg.max_positions}; raise max_positions")
-        pos = torch.arange(T, device=tokens.device).expand_as(tokens)  # (B, T)
-        if side.index is not None:
-            tokens = rearrange(tokens, "b t -> (b t)")[side.index]  # (total,)
-            pos = rearrange(pos, "b t -> (b t)")[side.index]
+    def _embed(self, tokens, side: Side, table: nn.Embedding, pos_table: nn.Embedding | None,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T) -> (B, T, d_model), or (total, d_model) in the varlen layout; packed:
+        tokens and ``positions`` (1, C) -> (C, d_model)."""
+        if positions is not None:  # packed: positions inside each segment come with the batch
+            tokens = rearrange(tokens, "1 c -> c")  # (C,)
+            pos = rearrange(positions, "1 c -> c")  # (C,)
+        else:
+            T = tokens.shape[1]
+            if T > self.cfg.max_positions:
+                raise ValueError(f"sequence length {T} > max_positions={self.cfg.max_positions}; raise max_positions")
+            pos = torch.arange(T, device=tokens.device).expand_as(tokens)  # (B, T)
+            if side.index is not None:
+                tokens = rearrange(tokens, "b t -> (b t)")[side.index]  # (total,)
+                pos = rearrange(pos, "b t -> (b t)")[side.index]
         x = table(tokens) * self.embed_scale
         x = x + (pos_table(pos) if pos_table is not None else self.pos_table[pos])
         return self.drop(x)
@@ -349,29 +365,64 @@ class Transformer(nn.Module):
         w = self.src_embed.weight if self.lm_head is None else self.lm_head.weight  # (V, d_model)
         return F.linear(h, w)
 
-    def encode(self, src, src_lengths, cu_seqlens_src=None, max_src_len=None) -> tuple[torch.Tensor, Side]:
-        """Encoder states (B, S, d_model) (padded) or (total_src, d_model) (varlen), and the src Side."""
+    def _check_packed_inputs(self, src, tgt_in, cu_seqlens_src, cu_seqlens_tgt, max_src_len, max_tgt_len,
+                             src_pos, tgt_pos) -> None:
+        """Static checks of a packed batch (shapes and python ints only: no host sync, no graph break)."""
+        given = dict(cu_seqlens_src=cu_seqlens_src, cu_seqlens_tgt=cu_seqlens_tgt, max_src_len=max_src_len,
+                     max_tgt_len=max_tgt_len, src_pos=src_pos, tgt_pos=tgt_pos)
+        missing = [name for name, v in given.items() if v is None]
+        if missing:
+            raise ValueError(f"layout='packed' needs {missing} (None given): pass every field of a packed Batch "
+                             f"(data batching='packed'), or use layout='padded'/'varlen' for padded batches")
+        if cu_seqlens_src.dim() != 1 or cu_seqlens_src.shape != cu_seqlens_tgt.shape:
+            raise ValueError(f"layout='packed' needs cu_seqlens_src/cu_seqlens_tgt of one shape (N+1,) (segment k "
+                             f"of src pairs with segment k of tgt), got {tuple(cu_seqlens_src.shape)} and "
+                             f"{tuple(cu_seqlens_tgt.shape)}")
+        for name, tokens, pos, max_len in (("src", src, src_pos, max_src_len), ("tgt_in", tgt_in, tgt_pos, max_tgt_len)):
+            if tokens.dim() != 2 or tokens.shape[0] != 1 or pos.shape != tokens.shape:
+                raise ValueError(f"layout='packed' needs {name} and its positions as (1, C) streams, got "
+                                 f"{tuple(tokens.shape)} and {tuple(pos.shape)}")
+            if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len > self.cfg.max_positions:
+                raise ValueError(f"layout='packed': the {name} max_len bound {max_len!r} must be a python int <= "
+                                 f"max_positions={self.cfg.max_positions}")
+
+    def encode(self, src, src_lengths, cu_seqlens_src=None, max_src_len=None, src_pos=None) -> tuple[torch.Tensor, Side]:
+        """Encoder states (B, S, d_model) (padded), (total_src, d_model) (varlen) or (C_src, d_model)
+        (packed), and the src Side."""
         side = self._side(src, src_lengths, cu_seqlens_src, max_src_len)
         pos = self.src_pos if self.cfg.positions == "learned" else None
-        return self.encoder(self._embed(src, side, self.src_embed, pos), side), side
+        return self.encoder(self._embed(src, side, self.src_embed, pos, src_pos), side), side
 
     # -- training forward ---------------------------------------------------------------------------
     def forward(self, src, tgt_in, src_lengths, tgt_lengths, cu_seqlens_src=None, cu_seqlens_tgt=None,
-                max_src_len=None, max_tgt_len=None) -> torch.Tensor:
+                max_src_len=None, max_tgt_len=None, src_pos=None, tgt_pos=None) -> torch.Tensor:
         """src (B, S), tgt_in (B, T) int token ids; lengths int32 (B,) -> logits (B, T, V).
 
-        Logits at padded target positions are unspecified (the loss ignores them). No log_softmax:
-        the cross-entropy applies it.
+        Packed layout: src (1, C_src), tgt_in (1, C_tgt) streams; lengths (N,), cu_seqlens (N+1,) int32;
+        ``max_*_len`` the static max_len bound; ``src_pos``/``tgt_pos`` (1, C) int32 positions inside
+        each segment -> logits (1, C_tgt, V).
+
+        Logits at padded target positions (packed: tail padding) are unspecified (the loss ignores
+        them). No log_softmax: the cross-entropy applies it.
         """
-        memory, src_side = self.encode(src, src_lengths, cu_seqlens_src, max_src_len)
+        packed = self.cfg.layout == "packed"
+        if packed:
+            self._check_packed_inputs(src, tgt_in, cu_seqlens_src, cu_seqlens_tgt, max_src_len, max_tgt_len,
+                                      src_pos, tgt_pos)
+        elif src_pos is not None or tgt_pos is not None:
+            raise ValueError(f"src_pos/tgt_pos are packed-batch fields but layout={self.cfg.layout!r}; "
+                             f"build the model with layout='packed' for data batching='packed'")
+        memory, src_side = self.encode(src, src_lengths, cu_seqlens_src, max_src_len, src_pos)
         tgt_side = self._side(tgt_in, tgt_lengths, cu_seqlens_tgt, max_tgt_len)
         pos = self.tgt_pos if self.cfg.positions == "learned" else None
-        h = self.decoder(self._embed(tgt_in, tgt_side, self.tgt_embed, pos), memory, tgt_side, src_side)
-        if tgt_side.index is not None:  # re-pad (total_tgt, d) -> (B, T, d), zeros at padded positions
+        h = self.decoder(self._embed(tgt_in, tgt_side, self.tgt_embed, pos, tgt_pos), memory, tgt_side, src_side)
+        if packed:
+            h = rearrange(h, "c d -> 1 c d")  # (1, C_tgt, d)
+        elif tgt_side.index is not None:  # re-pad (total_tgt, d) -> (B, T, d), zeros at padded positions
             B, T = tgt_in.shape
             flat = h.new_zeros(B * T, h.shape[-1]).index_copy(0, tgt_side.index, h)
             h = rearrange(flat, "(b t) d -> b t d", b=B)
-        return self._project(h)  # (B, T, V)
+        return self._project(h)  # (B, T, V); packed (1, C_tgt, V)
 
     # -- incremental decoding -------------------------------------------------------------------
     def start_decoding(self, src, src_lengths, max_len: int) -> DecodeState:

@@ -5,54 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import ModelConfig, Transformer
-from tests.models.utils import make_batch, model_inputs, tgt_mask
+from models import Transformer
+from tests.models.utils import VOCAB, assert_same, build, clone_as, logits_and_grads, make_batch, model_inputs, small_cfg, tgt_mask
 
-VOCAB = 40
 SRC_LENS, TGT_LENS = [9, 4, 1, 6], [7, 7, 2, 1]  # ragged, incl. length-1 sequences
-
-
-def small_cfg(**kw) -> ModelConfig:
-    base = dict(vocab_size=VOCAB, d_model=32, n_heads=2, d_ff=48, enc_layers=2, dec_layers=2, dropout=0.0,
-                max_positions=32)
-    return ModelConfig(**{**base, **kw})
-
-
-def build(seed: int = 0, **kw) -> Transformer:
-    torch.manual_seed(seed)
-    return Transformer(small_cfg(**kw))
-
-
-def clone_as(model: Transformer, **kw) -> Transformer:
-    """Same weights, other switches (layout, backend, norm: none of them changes parameter names)."""
-    other = Transformer(small_cfg(**{**_fields(model.cfg), **kw}))
-    other.load_state_dict(model.state_dict())
-    return other
-
-
-def _fields(cfg: ModelConfig) -> dict:
-    return {k: getattr(cfg, k) for k in ("d_model", "n_heads", "d_ff", "enc_layers", "dec_layers", "enc_unique",
-                                         "dec_unique", "sharing", "positions", "tie_embeddings", "activation",
-                                         "ffn_norm", "norm", "layout", "attn_backend")}
-
-
-def logits_and_grads(model: Transformer, batch: dict):
-    """Logits at real target positions and the gradients of a CE loss over them, by parameter name."""
-    model.zero_grad(set_to_none=True)
-    logits = model(**model_inputs(batch))
-    mask = tgt_mask(batch)
-    real = logits[mask]  # (N, V)
-    loss = torch.nn.functional.cross_entropy(real.float(), batch["tgt_out"][mask].long())
-    loss.backward()
-    return real.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def assert_same(a, b, atol=1e-5, rtol=1e-4):
-    (la, ga), (lb, gb) = a, b
-    torch.testing.assert_close(la, lb, atol=atol, rtol=rtol)
-    assert ga.keys() == gb.keys()
-    for name in ga:
-        torch.testing.assert_close(ga[name], gb[name], atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("layout", ["padded", "varlen"])
@@ -203,9 +159,4 @@ def test_compiled_forward_backward_has_no_graph_break_and_matches_eager():
     batch = make_batch(SRC_LENS, TGT_LENS, VOCAB, seed=11)
     eager = logits_and_grads(model, batch)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")  # fullgraph: a graph break raises
-    model.zero_grad(set_to_none=True)
-    logits = compiled(**model_inputs(batch))
-    mask = tgt_mask(batch)
-    torch.nn.functional.cross_entropy(logits[mask], batch["tgt_out"][mask].long()).backward()
-    got = (logits[mask].detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-    assert_same(eager, got)
+    assert_same(eager, logits_and_grads(model, batch, forward=compiled))
