@@ -18,6 +18,8 @@ from importlib import import_module
 _EXPORTS = {
     "attention": "kernels.flash_attention",
     "attention_reference": "kernels.flash_attention",
+    "FlashAttention": "kernels.flash_attention",
+    "triton_supports": "kernels.flash_attention",
     "layer_norm": "kernels.layernorm",
     "layer_norm_reference": "kernels.layernorm",
     "LayerNorm": "kernels.layernorm",
