@@ -90,6 +90,8 @@ class Trainer:
         self.is_main = self.dist.is_main
         self.log = log if self.is_main else _quiet
         run = cfg.run
+        if self.device.type == "cpu" and run.cpu_threads is not None:
+            torch.set_num_threads(run.cpu_threads)
 
         if run.precision == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ValueError("this GPU has no bf16; use --run.precision fp16")

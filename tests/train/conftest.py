@@ -22,3 +22,15 @@ def bundle(corpus, workdir):
     from data import build_data
 
     return build_data(tiny_config(corpus, workdir).data, log=lambda *a: None)
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tiny models gain nothing from a 2nd thread, and on shared 2-core machines OpenMP threads
+    contending made a 512x32x32 matmul ~25x slower; restore the setting for other packages' tests."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -102,7 +102,7 @@ def test_accumulation_equals_one_big_batch(bundle, corpus, tmp_path):
         captured = {}
         step = tr.optimizer.step
 
-        def capture_then_step():
+        def capture_then_step(tr=tr, captured=captured, step=step):
             captured.update({n: p.grad.clone() for n, p in tr.model.named_parameters()})
             step()
 

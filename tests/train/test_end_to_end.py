@@ -1,0 +1,45 @@
+"""A whole tiny run on the synthetic corpus: loss falls, records and checkpoints exist, translate works."""
+
+from __future__ import annotations
+
+import json
+
+from tests.train.helpers import tiny_config
+from train.checkpoint import step_checkpoints
+from train.loop import Trainer
+from train.translate import main as translate_main
+
+REQUIRED = {"epoch", "train_loss", "train_loss_last_batch", "valid_loss", "bleu", "chrf", "epoch_seconds",
+            "tokens_per_second", "padding_fraction", "mfu", "peak_memory_gb", "lr"}
+
+
+def test_tiny_run_end_to_end(bundle, corpus, tmp_path, capsys):
+    cfg = tiny_config(corpus, tmp_path, epochs=3, plot=True, tensorboard=True, test_at_end=True, keep_last=2,
+                      num_samples=1)
+    trainer = Trainer(cfg, data=bundle)
+    summary = trainer.fit()
+    run = trainer.run_dir
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    epochs = [r for r in rows if r["kind"] == "epoch"]
+    assert [r["epoch"] for r in epochs] == [1, 2, 3]
+    for r in epochs:
+        assert REQUIRED <= set(r), REQUIRED - set(r)
+        assert r["mfu"] is None and r["tokens_per_second"] > 0 and 0 <= r["padding_fraction"] < 0.5
+    assert epochs[-1]["train_loss"] < epochs[0]["train_loss"] - 0.5
+    assert epochs[-1]["valid_loss"] < epochs[0]["valid_loss"]
+    assert 0 <= epochs[-1]["bleu"] <= 100
+    test = [r for r in rows if r["kind"] == "test"]
+    assert len(test) == 1 and summary["test"]["test_bleu"] == test[0]["test_bleu"]
+
+    prov = json.loads((run / "provenance.json").read_text())
+    assert prov["config"]["run"]["epochs"] == 3 and prov["torch"] and "git_sha" in prov
+    assert prov["data_split"]["sizes"]["train"] == len(bundle.splits["train"])
+    assert (run / "curves.png").stat().st_size > 1000
+    assert any((run / "tensorboard").iterdir())
+    assert len(step_checkpoints(run / "checkpoints")) == 2 and (run / "checkpoints" / "best.pt").is_file()
+    out = capsys.readouterr().out
+    assert "epoch 3/3: train_loss" in out and "BLEU" in out and "hyp:" in out and "provenance" in out
+
+    assert translate_main(["--ckpt", str(run / "checkpoints" / "best.pt"), "--beam", "2", "the cat", "a dog"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all(isinstance(s, str) for s in lines)
