@@ -197,12 +197,14 @@ class LNInputs:
     ref: torch.Tensor | None = None  # fp32 reference y
 
 
-def _generator(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
+def _generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def _leaf(shape, dtype, device, gen, scale=1.0) -> torch.Tensor:
-    return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype).requires_grad_()
+    """Random N(0, scale^2) leaf drawn on ``device`` (never zeros: they hide bugs and time faster)."""
+    x = torch.randn(*shape, generator=gen, device=device, dtype=torch.float32)
+    return x.mul_(scale).to(dtype).requires_grad_()
 
 
 def ragged_lengths(B: int, T: int, min_fill: float, gen: torch.Generator) -> list[int]:
@@ -214,12 +216,12 @@ def ragged_lengths(B: int, T: int, min_fill: float, gen: torch.Generator) -> lis
 
 
 def make_attention_inputs(case: Case, dtype: torch.dtype, device: torch.device, min_fill: float) -> AttnInputs:
-    gen = _generator(case.seed)
+    gen = _generator(case.seed, device)
     shape = (case.B, case.H, case.T, case.D)
     q, k, v = (_leaf(shape, dtype, device, gen) for _ in range(3))
     if not case.ragged:
         return AttnInputs(q, k, v, [case.T] * case.B, None, None)
-    lengths = ragged_lengths(case.B, case.T, min_fill, gen)
+    lengths = ragged_lengths(case.B, case.T, min_fill, _generator(case.seed))
     lengths_t = torch.tensor(lengths, dtype=torch.int32, device=device)
     j = torch.arange(case.T, device=device)
     keys = j[None, :] < lengths_t[:, None].long()  # (B, Tk)
@@ -240,10 +242,10 @@ def make_attention_inputs(case: Case, dtype: torch.dtype, device: torch.device, 
 
 
 def make_ln_inputs(case: Case, dtype: torch.dtype, device: torch.device) -> LNInputs:
-    gen = _generator(case.seed)
+    gen = _generator(case.seed, device)
     x = _leaf((case.rows, case.width), dtype, device, gen)
     r = _leaf((case.rows, case.width), dtype, device, gen)
-    w = (1 + 0.1 * torch.randn(case.width, generator=gen)).to(device=device, dtype=dtype).requires_grad_()
+    w = _leaf((case.width,), dtype, device, gen, scale=0.1).detach().add_(1).requires_grad_()
     b = _leaf((case.width,), dtype, device, gen, scale=0.1)
     return LNInputs(x, r, w, b)
 
@@ -392,6 +394,11 @@ def _as_tuple(out) -> tuple[torch.Tensor, ...]:
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
+def _pick(out, keep: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    outs = _as_tuple(out)
+    return tuple(outs[i] for i in keep)
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out = out.detach().float()
     if not torch.isfinite(out).all():
@@ -512,7 +519,9 @@ def run_provider(ctx: Context, case: Case, name: str, inputs, base: dict[str, An
                 if inputs.ref is None:
                     inputs.ref = ln_reference(inputs)
                 err = rel_err(outs[0], inputs.ref)
-            douts = tuple(torch.randn_like(o) for o in outs)
+            # random upstream gradients for every differentiable output (y and s for LayerNorm)
+            keep = tuple(i for i, o in enumerate(outs) if o.requires_grad)
+            douts = tuple(torch.randn_like(outs[i]) for i in keep)
             del outs
         except Exception as e:  # noqa: BLE001 - every failure becomes a row
             status, msg = classify(e), _message(e, caught)
@@ -528,13 +537,13 @@ def run_provider(ctx: Context, case: Case, name: str, inputs, base: dict[str, An
                 if mode == "fwd":
                     fn = prep.fn
                 elif mode == "bwd":
-                    graph_outs = _as_tuple(prep.fn())
+                    graph_outs = _pick(prep.fn(), keep)
 
                     def fn(outs=graph_outs):
                         torch.autograd.backward(outs, douts, retain_graph=True)
                 else:
                     def fn():
-                        torch.autograd.backward(_as_tuple(prep.fn()), douts)
+                        torch.autograd.backward(_pick(prep.fn(), keep), douts)
                 t = H.bench(fn, device=device, warmup_ms=opts.warmup_ms, rep_ms=opts.rep_ms, grad_to_none=prep.leaves)
                 mem = H.peak_memory_mb(fn, device, prep.leaves)
                 counted = work(case, mode, inputs, ctx.dtype)
@@ -967,6 +976,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if opts.worker:
         return opts
     cuda = torch.cuda.is_available()
+    if opts.cpu_triton and not cuda:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
     if not cuda and not opts.smoke:
         print("bench.kernels: no CUDA device: running the --smoke configuration", flush=True)
         opts.smoke = True

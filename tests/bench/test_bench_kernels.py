@@ -180,3 +180,18 @@ def test_isolated_worker_crash_is_recorded(tmp_path, monkeypatch):
     assert flash == {("train-ragged", "crash"), ("train-dense", "crash"), ("long", "skipped")}
     sdpa = [r for r in rows if r["provider"] == "sdpa"]
     assert len(sdpa) == 2 * len(H.MODES) and all(r["status"] == "ok" for r in sdpa)
+
+
+@pytest.mark.slow
+def test_our_layernorm_provider_through_the_interpreter(tmp_path):
+    """Our Triton LayerNorm as the benchmark calls it (residual, GELU, both outputs differentiated)."""
+    if torch.cuda.is_available():
+        pytest.skip("the CUDA run covers it")
+    rc = K.main(["--smoke", "--cpu-triton", "--only", "layernorm", "--providers", "ours", "--out", str(tmp_path),
+                 "--isolate", "none", "--no-plot"])
+    assert rc == 0
+    rows = H.read_csv(next(tmp_path.glob("kernels-*.csv")))
+    assert len(rows) == len(H.MODES)
+    if any(r["status"] == "not-implemented" for r in rows):
+        pytest.skip("the Triton LayerNorm has not landed")
+    assert all(r["status"] == "ok" and float(r["rel_err"]) < 2e-2 for r in rows), rows

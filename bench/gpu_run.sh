@@ -1,0 +1,310 @@
+#!/usr/bin/env bash
+# The GPU runbook: everything fastmt measures on a GPU, from one command on a bare device machine
+# (torch 2.11 + triton 3.6 in the image's python3, no network). See bench/README.md for the call.
+#
+#   bash bench/gpu_run.sh [STEP ...]        (no STEP, or "all": every step, in this order)
+#
+#   kernel-test     make kernel-test SETUP=none PYTHON=python3  (the full CUDA grid of tests/kernels)
+#   bench-kernels   python3 -m bench.kernels --budget-s ...     (bench/results/kernels-<gpu>.*)
+#   ladder          python3 -m bench.ladder --data-files ...     (bench/results/ladder-<gpu>.*)
+#   profile         python3 -m bench.profile --data-files ...    (bench/results/profile-<gpu>/)
+#   train-fast      python3 -m train --preset fast --epochs 18 --data-files ...   (runs/fast-18ep/)
+#
+# Setup (always): install the carried wheels (.whl/*.whl, from `make gpu-wheels`) offline into
+# /tmp/site and put it first on PYTHONPATH; export FASTMT_DATA_FILES from the carried .data/; set the
+# Hugging Face libraries offline; print nvidia-smi, versions and a check of the carried wheels'
+# requirements against the image.
+#
+# Each step runs under its own time limit with its own log, and the script goes on after a failure.
+# Limits fit one 10-minute device call: the whole script stops starting steps at GPU_RUN_DEADLINE_S
+# (default 570 s), each step gets min(its limit, what is left), and after every step the results
+# are packed again, so what finished comes back even if the call is cut short:
+#   $OUT/results.tgz   bench/results/, this run's logs (runs/gpu_run/<id>/), runs/*/metrics.jsonl,
+#                      provenance.json and *.png; files over 2 MiB are left out if the tarball would
+#                      pass 15 MiB (the device returns 8 files of at most 16 MiB)
+#   $OUT/summary.txt   setup facts, one line per step, the tail of every step's log
+# Without $OUT (by hand), both land in runs/gpu_run/.
+#
+# Environment: PYTHON (default python3); GPU_RUN_DEADLINE_S; LIMIT_<STEP> to change a step's limit
+# in seconds (LIMIT_KERNEL_TEST, LIMIT_BENCH_KERNELS, LIMIT_LADDER, LIMIT_PROFILE, LIMIT_TRAIN_FAST);
+# BENCH_KERNELS_ARGS, LADDER_ARGS, PROFILE_ARGS, TRAIN_ARGS, KERNEL_TEST_ARGS: extra arguments;
+# FASTMT_GIT_SHA: the commit, recorded in results when the copy on the machine has no .git.
+set -uo pipefail
+
+ALL_STEPS=(kernel-test bench-kernels ladder profile train-fast)
+declare -A DEFAULT_LIMIT=([kernel-test]=210 [bench-kernels]=330 [ladder]=300 [profile]=150 [train-fast]=540)
+DEADLINE_S=${GPU_RUN_DEADLINE_S:-570}
+PACK_RESERVE_S=20     # kept back from the last step for the final pack
+MAX_TGZ_BYTES=$((15 * 1024 * 1024))
+BIG_FILE_BYTES=$((2 * 1024 * 1024))
+
+usage() { sed -n '2,14p' "$0"; exit 2; }
+
+STEPS=()
+for arg in "$@"; do
+    case $arg in
+        all) STEPS+=("${ALL_STEPS[@]}") ;;
+        -h | --help) usage ;;
+        *) [[ -n ${DEFAULT_LIMIT[$arg]+x} ]] || { echo "gpu_run: unknown step '$arg'" >&2; usage; }
+           STEPS+=("$arg") ;;
+    esac
+done
+((${#STEPS[@]})) || STEPS=("${ALL_STEPS[@]}")
+
+cd "$(dirname "$0")/.." || exit 2
+ROOT=$PWD
+PY=${PYTHON:-python3}
+RUN_ID=$(date -u +%Y%m%dT%H%M%SZ)
+LOGDIR=runs/gpu_run/$RUN_ID
+mkdir -p "$LOGDIR"
+SUMMARY=$LOGDIR/summary.txt
+DEST=${OUT:-$ROOT/runs/gpu_run}
+mkdir -p "$DEST"
+declare -A STATUS=() SECS=()
+
+log() { echo "[gpu_run +$((SECONDS))s] $*" | tee -a "$SUMMARY"; }
+left() { echo $((DEADLINE_S - SECONDS - PACK_RESERVE_S)); }
+
+# ---------------------------------------------------------------------------------------------
+# Setup
+# ---------------------------------------------------------------------------------------------
+setup() {
+    log "steps: ${STEPS[*]} | deadline ${DEADLINE_S}s | logs $LOGDIR | results -> $DEST"
+    export PYTHONUNBUFFERED=1 MPLBACKEND=Agg TOKENIZERS_PARALLELISM=false
+    export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
+    export HF_HOME=${HF_HOME:-/tmp/hf-home}
+    local site=/tmp/site wheels=()
+    shopt -s nullglob
+    wheels=(.whl/*.whl)
+    shopt -u nullglob
+    if ((${#wheels[@]})); then
+        if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+                --target "$site" "${wheels[@]}" >"$LOGDIR/setup-pip.log" 2>&1; then
+            log "installed ${#wheels[@]} carried wheels into $site: $(cd .whl && echo *.whl)"
+        else
+            log "WARNING: installing .whl/*.whl failed (setup-pip.log): $(tail -n 2 "$LOGDIR/setup-pip.log" | tr '\n' ' ')"
+        fi
+        export PYTHONPATH=$site:$ROOT${PYTHONPATH:+:$PYTHONPATH}
+    else
+        log "WARNING: no .whl/*.whl: run 'make gpu-wheels' on a CPU machine and carry .whl (datasets, lion-pytorch are missing here)"
+        export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+    fi
+
+    DATA_FILES=()
+    if [[ -f .data/FILES ]]; then
+        local f
+        while IFS= read -r f; do
+            [[ -n $f ]] || continue
+            if [[ -f .data/$f ]]; then DATA_FILES+=("$ROOT/.data/$f"); else log "WARNING: .data/$f is listed but missing"; fi
+        done <.data/FILES
+        if [[ -f .data/SHA256SUMS ]]; then
+            (cd .data && sha256sum --quiet -c SHA256SUMS) >>"$SUMMARY" 2>&1 || log "WARNING: .data checksums differ"
+        fi
+    fi
+    if ((${#DATA_FILES[@]})); then
+        export FASTMT_DATA_FILES="${DATA_FILES[*]}"
+        log "data: FASTMT_DATA_FILES=$FASTMT_DATA_FILES ($(du -ch "${DATA_FILES[@]}" | tail -n 1 | cut -f1))"
+    else
+        log "WARNING: no .data/FILES: ladder, profile and training have no local data and no network"
+    fi
+
+    if [[ -z ${FASTMT_GIT_SHA:-} ]]; then
+        FASTMT_GIT_SHA=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+        export FASTMT_GIT_SHA
+    fi
+    log "git: $FASTMT_GIT_SHA$(git status --porcelain --untracked-files=no 2>/dev/null | grep -q . && echo ' (uncommitted changes)')"
+
+    {
+        echo "---- nvidia-smi"
+        nvidia-smi 2>&1 || echo "nvidia-smi failed"
+        nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw,power.limit \
+            --format=csv 2>&1 || true
+        echo "---- versions and carried wheels"
+        "$PY" - <<'EOF' 2>&1
+import importlib.metadata as md
+import platform, sys
+print(f"python {platform.python_version()} at {sys.executable}")
+try:
+    import torch, triton
+    print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}, "
+          f"GPU: {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'NONE'}")
+except Exception as e:  # noqa: BLE001
+    print(f"torch/triton import failed: {e!r}")
+for name in ("numpy", "pyarrow", "pandas", "fsspec", "huggingface-hub", "xxhash", "dill", "multiprocess",
+             "datasets", "lion-pytorch", "sentencepiece", "sacrebleu", "einops", "matplotlib", "pytest",
+             "pytest-timeout", "hypothesis"):
+    try:
+        dist = md.distribution(name)
+        print(f"  {name:<16} {dist.version:<12} {dist.locate_file('')}")
+    except md.PackageNotFoundError:
+        print(f"  {name:<16} MISSING")
+try:
+    from packaging.markers import default_environment
+    from packaging.requirements import Requirement
+except ImportError:
+    sys.exit("packaging is missing: requirements not checked")
+env = dict(default_environment(), extra="")
+problems = 0
+for name in ("datasets", "lion-pytorch", "dill", "multiprocess", "fsspec"):
+    try:
+        reqs = md.requires(name) or []
+    except md.PackageNotFoundError:
+        continue
+    for text in reqs:
+        req = Requirement(text)
+        if req.marker is not None and not req.marker.evaluate(env):
+            continue
+        try:
+            have = md.version(req.name)
+        except md.PackageNotFoundError:
+            print(f"  REQUIREMENT MISSING: {name} needs {req}"); problems += 1; continue
+        if req.specifier and not req.specifier.contains(have, prereleases=True):
+            print(f"  REQUIREMENT MISMATCH: {name} needs {req}, found {req.name} {have}"); problems += 1
+print(f"carried wheels' requirements: {'all met' if not problems else f'{problems} problem(s)'}")
+for mod in ("datasets", "lion_pytorch"):
+    try:
+        __import__(mod)
+        print(f"import {mod}: ok")
+    except Exception as e:  # noqa: BLE001
+        print(f"import {mod}: FAILED {e!r}")
+EOF
+    } >"$LOGDIR/setup-env.log" 2>&1
+    cat "$LOGDIR/setup-env.log" >>"$SUMMARY"
+    grep -E "^torch |^python |REQUIREMENT|requirements:|^import |NVIDIA-SMI|MiB /" "$LOGDIR/setup-env.log" | sed 's/^/  /'
+}
+
+# ---------------------------------------------------------------------------------------------
+# Steps
+# ---------------------------------------------------------------------------------------------
+has_flag() { grep -q -- "\"$2\"" "$1" 2>/dev/null; }   # does the module's source define this option?
+
+step_command() {  # fills CMD for step $1 given its time limit $2
+    local step=$1 limit=$2 extra=()
+    local data_arg=()
+    ((${#DATA_FILES[@]})) && data_arg=(--data-files "${DATA_FILES[@]}")
+    case $step in
+        kernel-test)
+            read -r -a extra <<<"${KERNEL_TEST_ARGS:-}"
+            local args="-rfE --durations=15 --junitxml=$ROOT/$LOGDIR/kernel-test.xml ${extra[*]}"
+            if command -v make >/dev/null; then
+                CMD=(make kernel-test SETUP=none "PYTHON=$PY" "ARGS=$args")
+            else  # the same command as the Makefile's target
+                read -r -a extra <<<"$args"
+                CMD=("$PY" -m pytest -q tests/kernels --timeout=1800 "${extra[@]}")
+            fi ;;
+        bench-kernels)
+            read -r -a extra <<<"${BENCH_KERNELS_ARGS:-}"
+            # leave room for the worker's grace period and the writing of the outputs
+            local budget=$((limit > 150 ? limit - 75 : limit / 2))
+            CMD=("$PY" -m bench.kernels --budget-s "$budget" "${extra[@]}") ;;
+        ladder)
+            read -r -a extra <<<"${LADDER_ARGS:-}"
+            CMD=("$PY" -m bench.ladder "${data_arg[@]}")
+            has_flag bench/ladder.py --budget-s && CMD+=(--budget-s $((limit > 150 ? limit - 60 : limit * 2 / 3)))
+            CMD+=("${extra[@]}") ;;
+        profile)
+            read -r -a extra <<<"${PROFILE_ARGS:-}"
+            CMD=("$PY" -m bench.profile "${data_arg[@]}" "${extra[@]}") ;;
+        train-fast)
+            read -r -a extra <<<"${TRAIN_ARGS:-}"
+            CMD=("$PY" -m train --preset fast --epochs 18 --run.name fast-18ep "${data_arg[@]}" "${extra[@]}") ;;
+    esac
+}
+
+run_step() {
+    local step=$1 var limit remaining rc t0
+    var=LIMIT_${step//-/_}
+    var=${var^^}
+    limit=${!var:-${DEFAULT_LIMIT[$step]}}
+    remaining=$(left)
+    if ((remaining < 30)); then
+        STATUS[$step]="skipped (${remaining}s left before the deadline)"
+        SECS[$step]=0
+        log "SKIP $step: ${remaining}s left before the deadline"
+        return
+    fi
+    ((limit > remaining)) && limit=$remaining
+    step_command "$step" "$limit"
+    log "START $step (limit ${limit}s): ${CMD[*]}"
+    t0=$SECONDS
+    timeout --signal=TERM --kill-after=15 "$limit" "${CMD[@]}" >"$LOGDIR/$step.log" 2>&1
+    rc=$?
+    SECS[$step]=$((SECONDS - t0))
+    case $rc in
+        0) STATUS[$step]=ok ;;
+        124 | 137) STATUS[$step]="TIMEOUT after ${limit}s (rc $rc)" ;;
+        *) STATUS[$step]="FAILED (rc $rc)" ;;
+    esac
+    log "END $step: ${STATUS[$step]} in ${SECS[$step]}s -> $LOGDIR/$step.log"
+    tail -n 12 "$LOGDIR/$step.log" | sed 's/^/    /'
+}
+
+# ---------------------------------------------------------------------------------------------
+# Packing: one tarball + summary.txt (the device returns at most 8 files of 16 MiB)
+# ---------------------------------------------------------------------------------------------
+pack() {
+    local list=$LOGDIR/.pack-list tgz=$DEST/results.tgz size
+    {
+        find bench/results -type f 2>/dev/null
+        find "$LOGDIR" -type f ! -name '.pack-list' 2>/dev/null
+        find runs -mindepth 2 -maxdepth 2 -type f \( -name metrics.jsonl -o -name provenance.json -o -name '*.png' \) \
+            ! -path 'runs/gpu_run/*' 2>/dev/null
+    } | sort -u >"$list"
+    tar -czf "$tgz.tmp" -T "$list" 2>>"$LOGDIR/pack.log"
+    size=$(stat -c %s "$tgz.tmp" 2>/dev/null || echo 0)
+    if ((size > MAX_TGZ_BYTES)); then
+        local kept=$LOGDIR/.pack-kept
+        : >"$kept"
+        while IFS= read -r f; do
+            if (($(stat -c %s "$f") > BIG_FILE_BYTES)); then
+                echo "left out of results.tgz (over $((BIG_FILE_BYTES / 1048576)) MiB): $f" >>"$LOGDIR/pack.log"
+            else
+                echo "$f" >>"$kept"
+            fi
+        done <"$list"
+        tar -czf "$tgz.tmp" -T "$kept" 2>>"$LOGDIR/pack.log"
+        size=$(stat -c %s "$tgz.tmp" 2>/dev/null || echo 0)
+    fi
+    mv -f "$tgz.tmp" "$tgz"
+    cp -f "$SUMMARY" "$DEST/summary.txt"
+    PACKED_BYTES=$size
+}
+
+finish() {
+    {
+        echo
+        echo "==== steps"
+        for s in "${STEPS[@]}"; do printf '  %-14s %-40s %6ss\n' "$s" "${STATUS[$s]:-not run}" "${SECS[$s]:-0}"; done
+        for s in "${STEPS[@]}"; do
+            [[ -f $LOGDIR/$s.log ]] || continue
+            echo
+            echo "==== tail of $s.log"
+            if [[ $s == bench-kernels ]] && grep -q "== bench.kernels summary" "$LOGDIR/$s.log"; then
+                sed -n '/== bench.kernels summary/,$p' "$LOGDIR/$s.log" | tail -n 60
+            else
+                tail -n 30 "$LOGDIR/$s.log"
+            fi
+        done
+        echo
+        [[ -f $LOGDIR/pack.log ]] && cat "$LOGDIR/pack.log"
+    } >>"$SUMMARY"
+    pack
+    echo "[gpu_run +${SECONDS}s] packed $DEST/results.tgz ($((PACKED_BYTES / 1024)) KB) and $DEST/summary.txt" | tee -a "$SUMMARY"
+    cp -f "$SUMMARY" "$DEST/summary.txt"
+    sed -n '/^==== steps/,$p' "$SUMMARY" | tail -n 120
+}
+
+DATA_FILES=()
+CMD=()
+PACKED_BYTES=0
+setup
+pack
+for step in "${STEPS[@]}"; do
+    run_step "$step"
+    pack
+done
+finish
+for s in "${STEPS[@]}"; do
+    [[ ${STATUS[$s]:-} == ok ]] || exit 1
+done
+exit 0
