@@ -3,7 +3,8 @@
 Public API (imported lazily: ``import models`` loads neither torch nor the kernels):
 
 - ``ModelConfig``, presets ``tiny``/``s18``/``s16``, ``get_preset(name, vocab_size=..., **overrides)``
-- ``Transformer(cfg)``: ``model(src, tgt_in, src_lengths, tgt_lengths, ...) -> logits (B, T, V)``
+- ``Transformer(cfg)``: ``model(src, tgt_in, src_lengths, tgt_lengths, ...) -> logits (B, T, V)``;
+  ``layout="packed"`` takes data's packed streams (+ cu_seqlens, ``src_pos``/``tgt_pos``) -> (1, C_tgt, V)
 - ``count_params(model)``, ``flops_per_token(cfg, src_len, tgt_len)``
 - ``models.decoding.greedy_decode`` / ``models.decoding.beam_search``
 

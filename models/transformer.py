@@ -28,9 +28,10 @@ Architecture (all switches in ``ModelConfig``):
   same math and the same parameter names (state dicts load across the switch).
 - Parameter sharing: each stack holds a ModuleList of its unique blocks and applies them following
   ``cfg.schedule(side)``; a shared block is one module object called several times.
-- Decoding (padded batches in every layout: the weights do not depend on it): ``start_decoding`` (cross-attention K/V per unique decoder block, which is
-  the same for every application of a shared block, plus a preallocated self-attention KV cache per
-  applied layer) -> ``decode_step`` one token at a time (query length 1, all cached keys visible).
+- Decoding runs padded batches in every layout (the weights do not depend on it): ``start_decoding``
+  (cross-attention K/V per unique decoder block, which is the same for every application of a shared
+  block, plus a preallocated self-attention KV cache per applied layer) -> ``decode_step`` one token
+  at a time (query length 1, all cached keys visible).
 """
 
 from __future__ import annotations
@@ -375,10 +376,11 @@ class Transformer(nn.Module):
             raise ValueError(f"layout='packed' needs {missing} (None given): pass every field of a packed Batch "
                              f"(data batching='packed'), or use layout='padded'/'varlen' for padded batches")
         if cu_seqlens_src.dim() != 1 or cu_seqlens_src.shape != cu_seqlens_tgt.shape:
-            raise ValueError(f"layout='packed' needs cu_seqlens_src/cu_seqlens_tgt of one shape (N+1,) (segment k "
-                             f"of src pairs with segment k of tgt), got {tuple(cu_seqlens_src.shape)} and "
+            raise ValueError(f"layout='packed' needs cu_seqlens_src/cu_seqlens_tgt of one shape (N+1,) "
+                             f"(segment k of src pairs with segment k of tgt), got {tuple(cu_seqlens_src.shape)} and "
                              f"{tuple(cu_seqlens_tgt.shape)}")
-        for name, tokens, pos, max_len in (("src", src, src_pos, max_src_len), ("tgt_in", tgt_in, tgt_pos, max_tgt_len)):
+        for name, tokens, pos, max_len in (("src", src, src_pos, max_src_len),
+                                           ("tgt_in", tgt_in, tgt_pos, max_tgt_len)):
             if tokens.dim() != 2 or tokens.shape[0] != 1 or pos.shape != tokens.shape:
                 raise ValueError(f"layout='packed' needs {name} and its positions as (1, C) streams, got "
                                  f"{tuple(tokens.shape)} and {tuple(pos.shape)}")
@@ -386,7 +388,8 @@ class Transformer(nn.Module):
                 raise ValueError(f"layout='packed': the {name} max_len bound {max_len!r} must be a python int <= "
                                  f"max_positions={self.cfg.max_positions}")
 
-    def encode(self, src, src_lengths, cu_seqlens_src=None, max_src_len=None, src_pos=None) -> tuple[torch.Tensor, Side]:
+    def encode(self, src, src_lengths, cu_seqlens_src=None, max_src_len=None,
+               src_pos=None) -> tuple[torch.Tensor, Side]:
         """Encoder states (B, S, d_model) (padded), (total_src, d_model) (varlen) or (C_src, d_model)
         (packed), and the src Side."""
         side = self._side(src, src_lengths, cu_seqlens_src, max_src_len)

@@ -6,7 +6,17 @@ import pytest
 import torch
 
 from models import Transformer
-from tests.models.utils import VOCAB, assert_same, build, clone_as, logits_and_grads, make_batch, model_inputs, small_cfg, tgt_mask
+from tests.models.utils import (
+    VOCAB,
+    assert_same,
+    build,
+    clone_as,
+    logits_and_grads,
+    make_batch,
+    model_inputs,
+    small_cfg,
+    tgt_mask,
+)
 
 SRC_LENS, TGT_LENS = [9, 4, 1, 6], [7, 7, 2, 1]  # ragged, incl. length-1 sequences
 

@@ -8,8 +8,21 @@ import pytest
 import torch
 
 from models.decoding import beam_search, greedy_decode
-from tests.models.utils import (BOS, EOS, PAD, VOCAB, assert_same, build, clone_as, logits_and_grads, make_batch,
-                                model_inputs, pack_batch, small_cfg, tgt_mask)
+from tests.models.utils import (
+    BOS,
+    EOS,
+    PAD,
+    VOCAB,
+    assert_same,
+    build,
+    clone_as,
+    logits_and_grads,
+    make_batch,
+    model_inputs,
+    pack_batch,
+    small_cfg,
+    tgt_mask,
+)
 
 # 3 real pairs (incl. a length-1 target), 1 empty slot, and tails cut into dummies: src 21 + 11 pad
 # tokens (segments of 9 + 2), tgt 14 + 10 pad tokens (9 + 1); max_len 9 bounds every segment.
