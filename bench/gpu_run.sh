@@ -170,7 +170,8 @@ for mod in ("datasets", "lion_pytorch"):
 EOF
     } >"$LOGDIR/setup-env.log" 2>&1
     cat "$LOGDIR/setup-env.log" >>"$SUMMARY"
-    grep -E "^torch |^python |REQUIREMENT|requirements:|^import |NVIDIA-SMI|MiB /" "$LOGDIR/setup-env.log" | sed 's/^/  /'
+    grep -A1 -E "^name, driver_version" "$LOGDIR/setup-env.log" | sed 's/^/  /'
+    grep -E "^torch |^python |REQUIREMENT|requirements:|^import " "$LOGDIR/setup-env.log" | sed 's/^/  /'
 }
 
 # ---------------------------------------------------------------------------------------------

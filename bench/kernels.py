@@ -60,6 +60,7 @@ import inspect
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -697,6 +698,7 @@ def run_isolated(ctx: Context, cases: Sequence[Case], sink: list[dict[str, Any]]
             if rc is None:
                 break  # killed at the deadline
     finally:
+        shutil.rmtree(workdir, ignore_errors=True)
         sink.extend(r for pair_rows in rows.values() for r in pair_rows)
         for case_id, provider in sorted(excluded - set(rows)):
             base = case_columns(by_id[case_id], ctx.dtype, None)
@@ -1054,7 +1056,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _fill_skipped(ctx: Context, cases: Sequence[Case], rows: list[dict[str, Any]], interrupted: bool) -> list[dict]:
     """Record every (case, provider, mode) that never ran, so the CSV shows what is missing and why."""
     have = {(r["case"], r["provider"], r["mode"]) for r in rows}
-    why = "interrupted (SIGTERM)" if interrupted else f"time budget (--budget-s {ctx.opts.budget_s}) spent"
+    if interrupted:
+        why = "interrupted (SIGTERM)"
+    elif ctx.deadline is not None and time.time() > ctx.deadline:
+        why = f"time budget (--budget-s {ctx.opts.budget_s:g}) spent"
+    else:
+        why = "not run: the worker stopped early (see the log)"
     out = list(rows)
     for c in cases:
         base = case_columns(c, ctx.dtype, None)
