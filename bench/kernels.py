@@ -1034,6 +1034,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (Terminated, KeyboardInterrupt):
         interrupted = True
         print("bench.kernels: interrupted; writing what was measured", flush=True)
+    except Exception:  # noqa: BLE001 - e.g. a lost CUDA context with --isolate none: keep the rows
+        interrupted = True
+        traceback.print_exc()
+        print("bench.kernels: aborted; writing what was measured", flush=True)
     finally:
         signal.signal(signal.SIGTERM, previous)
     rows = _fill_skipped(ctx, cases, rows, interrupted)
@@ -1057,7 +1061,7 @@ def _fill_skipped(ctx: Context, cases: Sequence[Case], rows: list[dict[str, Any]
     """Record every (case, provider, mode) that never ran, so the CSV shows what is missing and why."""
     have = {(r["case"], r["provider"], r["mode"]) for r in rows}
     if interrupted:
-        why = "interrupted (SIGTERM)"
+        why = "interrupted or aborted (see the log)"
     elif ctx.deadline is not None and time.time() > ctx.deadline:
         why = f"time budget (--budget-s {ctx.opts.budget_s:g}) spent"
     else:
