@@ -848,8 +848,10 @@ def write_markdown(path: Path, rows, prov, peaks: H.Peaks, opts) -> None:
         "",
         H.provenance_markdown(prov, peaks),
         "",
-        "Written by `python -m bench.kernels` (see its docstring). Times are `triton.testing.do_bench` medians "
-        f"(warm-up {opts.warmup_ms} ms, {opts.rep_ms} ms of repetitions, L2 flushed); cells are rate "
+        "Written by `python -m bench.kernels` (see its docstring). Times are "
+        + ("`triton.testing.do_bench` medians (L2 flushed before each repetition, " if prov.get("gpu_slug") != "cpu"
+           else "wall-clock medians of a CPU smoke run (")
+        + f"warm-up {opts.warmup_ms:g} ms, {opts.rep_ms:g} ms of repetitions); cells are rate "
         "(% of the ceiling measured above). Attention TFLOP/s count real (unmasked) positions only, causal "
         "halved, bwd = 2.5x and fwd+bwd = 3.5x the forward (FlashAttention-2's convention): padding a "
         "provider computes is never counted. LayerNorm GB/s count the minimal bytes (inputs read once, "
