@@ -26,6 +26,8 @@ import json
 import math
 import os
 import resource
+import signal
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -158,6 +160,7 @@ class Trainer:
                                        mode="max" if run.best_metric == "bleu" else "min")
         self.metrics = MetricsLogger(self.run_dir, tensorboard=run.tensorboard, enabled=self.is_main)
         self._pending_rng = None
+        self._stop_requested = False
         if ckpt is not None:
             self._load_state(ckpt)
             self.log(f"resumed from {resume_path}: epoch {self.epoch}, batch {self.batch_index}, step {self.step}")
@@ -244,6 +247,14 @@ class Trainer:
         ``stop_after``: interrupt after this many optimizer steps *in this call*, writing a checkpoint
         (a preemption drill: the run resumes exactly from it). Returns a summary dict.
         """
+        previous_handler = self._install_sigint()
+        try:
+            return self._fit(stop_after)
+        finally:
+            if previous_handler is not None:
+                signal.signal(signal.SIGINT, previous_handler)
+
+    def _fit(self, stop_after: int | None) -> dict[str, Any]:
         run, accum = self.cfg.run, self.cfg.optim.accum_steps
         self._write_provenance()
         t_fit = time.perf_counter()
@@ -303,7 +314,7 @@ class Trainer:
                     stop_reason = "nonfinite"
                 if run.max_steps is not None and self.step >= run.max_steps:
                     stop_reason = stop_reason or "max_steps"
-                if stop_after is not None and steps_this_call >= stop_after:
+                if (stop_after is not None and steps_this_call >= stop_after) or self._stop_requested:
                     stop_reason = stop_reason or "interrupted"
                 if stop_reason is not None:
                     break
@@ -322,7 +333,7 @@ class Trainer:
                         f"{run.max_nonfinite}) at step {self.step}; state saved to {path}. Lower --optim.lr, "
                         f"keep --optim.grad_clip, or use --run.precision bf16/fp32"
                     )
-                self.log(f"stopped ({stop_reason}) at epoch {epoch}, batch {self.batch_index}/{n_micro}, "
+                self.log(f"stopped ({stop_reason}) in epoch {epoch + 1}, after batch {self.batch_index}/{n_micro}, "
                          f"step {self.step}; checkpoint {path}")
         summary: dict[str, Any] = {"steps": self.step, "skipped_steps": self.skipped_steps,
                                    "epochs_done": self.epoch, "wall_seconds": time.perf_counter() - t_fit,
@@ -337,6 +348,20 @@ class Trainer:
         barrier()
         self.metrics.close()
         return summary
+
+    def _install_sigint(self):
+        """First Ctrl-C: finish the current step, checkpoint, return (``--resume auto`` continues exactly).
+        A second Ctrl-C interrupts at once."""
+        self._stop_requested = False
+        if threading.current_thread() is not threading.main_thread():
+            return None
+
+        def request_stop(signum, frame):
+            self._stop_requested = True
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            self.log("\nCtrl-C: stopping after this step with a checkpoint (Ctrl-C again to abort)")
+
+        return signal.signal(signal.SIGINT, request_stop)
 
     # ------------------------------------------------------------------------------------------
     # end of epoch: evaluation, metrics line, checkpoint
@@ -486,6 +511,12 @@ class Trainer:
         }
 
     def _load_state(self, ckpt: dict[str, Any]) -> None:
+        planned = ckpt["scheduler"].get("total_steps")
+        if planned is not None and planned != self.total_steps:
+            raise ValueError(
+                f"the checkpoint's OneCycle schedule spans {planned} steps but this config plans {self.total_steps}: "
+                f"resume with the run's --epochs/--max-steps/data settings (the checkpoint holds its config)"
+            )
         self.model.load_state_dict(ckpt["model"])
         self.optimizer.load_state_dict(ckpt["optimizer"])
         self.scheduler.load_state_dict(ckpt["scheduler"])

@@ -127,6 +127,7 @@ def plot_curves(metrics_path: str | os.PathLike, out_png: str | os.PathLike) -> 
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         print("metrics: matplotlib is not installed; no curves.png")
         return None
@@ -149,6 +150,8 @@ def plot_curves(metrics_path: str | os.PathLike, out_png: str | os.PathLike) -> 
         ys = [r.get(key) for r in rows]
         if any(y is not None for y in ys):
             ax_b.plot(ep, [float("nan") if y is None else y for y in ys], marker="o", label=key)
+    for ax in (ax_l, ax_b):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax_b.set_xlabel("epoch")
     ax_b.set_ylabel("validation score")
     ax_b.legend(fontsize=8)

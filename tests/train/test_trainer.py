@@ -176,3 +176,35 @@ def test_missing_data_file(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
         Trainer(cfg_for(tmp_path / "missing.jsonl", tmp_path), log=lambda *a: None)
+
+
+def test_sigint_stops_at_a_step_boundary_with_checkpoint(bundle, corpus, tmp_path):
+    import os
+    import signal
+
+    tr = Recording(tiny_config(corpus, tmp_path), data=bundle, log=lambda *a: None)
+    step = tr.train_step
+
+    def step_then_ctrl_c(batches):
+        loss = step(batches)
+        if tr.step == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C: handled, not raised
+        return loss
+
+    tr.train_step = step_then_ctrl_c
+    assert tr.fit()["stop_reason"] == "interrupted"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    assert load_checkpoint(step_checkpoints(tr.run_dir / "checkpoints")[-1])["position"]["step"] == 2
+
+
+@pytest.mark.slow  # ~3 min here: one aot_eager compile per new shape class on 2 shared cores
+def test_compiled_step_matches_eager(bundle, corpus, tmp_path):
+    """torch.compile (aot_eager on CPU) gives the eager losses; shapes and graphs are counted."""
+    losses = {}
+    for compiled in (False, True):
+        tr = _trainer(bundle, corpus, tmp_path / str(compiled), model={"dropout": 0.0}, compile=compiled,
+                      compile_backend="aot_eager")
+        assert tr.compiled is compiled
+        losses[compiled] = [tr.train_step(b).item() for b in _first_batches(tr, 3)]
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+    assert len(tr.shapes_seen) >= 2
