@@ -228,8 +228,11 @@ class Trainer:
             stepped = True
 
         if stepped:
-            self.scheduler.step()  # only after a real optimizer step (seeds: skipped with the scaler)
             self.step += 1
+            # only after a real optimizer step (seeds: skipped with the scaler), and not past the plan:
+            # OneCycle extrapolates (a negative lr) and then raises beyond total_steps
+            if self.step < self.total_steps:
+                self.scheduler.step()
             self.nonfinite_in_row = 0
         else:
             self.skipped_steps += 1

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.train.helpers import tiny_config
 from train.checkpoint import step_checkpoints
 from train.loop import Trainer
@@ -25,6 +27,8 @@ def test_tiny_run_end_to_end(bundle, corpus, tmp_path, capsys):
     for r in epochs:
         assert REQUIRED <= set(r), REQUIRED - set(r)
         assert r["mfu"] is None and r["tokens_per_second"] > 0 and 0 <= r["padding_fraction"] < 0.5
+    # OneCycle ends at lr / div_factor / final_div_factor and never extrapolates past its plan
+    assert epochs[-1]["lr"] == pytest.approx(cfg.optim.lr / cfg.optim.div_factor / cfg.optim.final_div_factor)
     assert epochs[-1]["train_loss"] < epochs[0]["train_loss"] - 0.5
     assert epochs[-1]["valid_loss"] < epochs[0]["valid_loss"]
     assert 0 <= epochs[-1]["bleu"] <= 100
