@@ -178,19 +178,29 @@ def base_config(s: LadderSettings):
 def rung_overrides(rung: Rung, done: dict[str, dict[str, str]], by_id: dict[str, Rung]) -> tuple[str | None, dict]:
     """(parent actually used, cumulative overrides): the nominal parent, or -- when it did not run --
     the nearest ancestor that did (``done`` maps rung id -> its cumulative overrides)."""
+    known = {**{r.id: r for r in RUNGS}, **by_id}  # ancestry through the standard rungs too (--rungs subsets)
     parent = rung.parent
     while parent is not None and parent not in done:
-        parent = by_id[parent].parent if parent in by_id else None
+        parent = known[parent].parent if parent in known else None
     base = dict(done[parent]) if parent is not None else {}
     base.update(rung.changes)
     return parent, base
 
 
-def smoke_substitutions(overrides: dict[str, str], smoke: bool, device: torch.device) -> tuple[dict, str]:
-    """On CPU our Triton attention would run in the interpreter (minutes): use "auto" (the reference)."""
-    if device.type == "cuda" or overrides.get("model.attn_backend") != "triton":
-        return overrides, ""
-    return {**overrides, "model.attn_backend": "auto"}, "cpu: attn_backend triton -> auto (reference)"
+def adapt_overrides(overrides: dict[str, str], base, device: torch.device) -> tuple[dict, list[str]]:
+    """Fit a rung's overrides to the machine and model: on CPU our Triton attention would run in the
+    interpreter (minutes), so "auto" (the reference) replaces it; unique-block counts larger than the
+    base model's layers (the tiny smoke model has 2+2) become half its layers."""
+    out, notes = dict(overrides), []
+    if device.type != "cuda" and out.get("model.attn_backend") == "triton":
+        out["model.attn_backend"] = "auto"
+        notes.append("cpu: attn_backend triton -> auto (reference)")
+    for side in ("enc", "dec"):
+        key, layers = f"model.{side}_unique", getattr(base.model, f"{side}_layers")
+        if key in out and int(out[key]) > layers:
+            out[key] = str(max(1, layers // 2))
+            notes.append(f"{side}_unique -> {out[key]} ({layers} layers)")
+    return out, notes
 
 
 def build_rung_config(base, overrides: dict[str, str]):
@@ -342,7 +352,7 @@ COLUMNS = (
     "rung", "technique", "parent", "status", "tokens_per_second", "speedup_vs_baseline", "speedup_vs_previous",
     "step_ms", "step_ms_p20", "step_ms_p80", "epoch_seconds_projected", "peak_memory_gb", "padding_fraction",
     "epoch_padding_fraction", "mfu", "model_tflops", "tgt_tokens_per_second", "graphs", "graph_breaks",
-    "recompiles_timed", "warmup_s", "steps", "warmup", "real_tokens_per_step", "sentences_per_step",
+    "recompiles_timed", "warmup_s", "rung_s", "steps", "warmup", "real_tokens_per_step", "sentences_per_step",
     "precision", "batching", "max_tokens", "attn_backend", "norm", "layout", "compile", "compile_mode",
     "sharing", "params_unique", "params_applied", "final_loss", "overrides", "note", "error", "corpus",
     "peak_tflops", *H.PROVENANCE_COLUMNS, "timestamp",
@@ -380,8 +390,14 @@ def corpus_label(bundle) -> str:
 
 
 def run_ladder(s: LadderSettings, rungs: Sequence[Rung] = RUNGS, log: Callable[[str], None] = print,
+               on_row: Callable[[list[dict[str, Any]], dict[str, Any]], None] | None = None,
                ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Run ``rungs`` in order; never raises for a rung's failure. Returns (rows, context)."""
+    """Run ``rungs`` in order; never raises for a rung's failure. Returns (rows, context).
+
+    ``on_row(rows_so_far, context)`` runs after every rung (the CLI rewrites the outputs each time, so a
+    run killed by a time limit keeps what it measured). With ``s.budget_s``, a rung is skipped when
+    the time spent plus its estimated cost (the costliest earlier rung of the same kind, compiled or
+    eager) would pass the budget."""
     from data import build_data
 
     t_start = time.perf_counter()
@@ -394,6 +410,9 @@ def run_ladder(s: LadderSettings, rungs: Sequence[Rung] = RUNGS, log: Callable[[
     corpus = corpus_label(bundle)
     log(f"[ladder] data: {corpus}, train {len(bundle.splits['train']):,} pairs, vocab {bundle.tokenizer.vocab_size}")
 
+    ctx = {"prov": prov, "peaks": peaks, "corpus": corpus, "base": base, "wall_s": 0.0,
+           "bundle_sizes": {k: len(v) for k, v in bundle.splits.items()}}
+    cost: dict[bool, float] = {}  # compiled? -> the longest rung so far (seconds)
     by_id = {r.id: r for r in rungs}
     done: dict[str, dict[str, str]] = {}  # rung id -> cumulative overrides, for rungs that ran
     rows: list[dict[str, Any]] = []
@@ -406,14 +425,17 @@ def run_ladder(s: LadderSettings, rungs: Sequence[Rung] = RUNGS, log: Callable[[
         if rung.parent is not None and parent != rung.parent:
             notes.append(f"built on rung {parent or 'baseline'}: rung {rung.parent} did not run")
         elapsed = time.perf_counter() - t_start
+        compiled = overrides.get("run.compile", "false") == "true"
+        estimate = cost.get(compiled, max(cost.values(), default=0.0))
         if rung.cuda_only and s.device.type != "cuda":
             row.update(status="skipped", note="; ".join(notes + ["CUDA only"]))
-        elif s.budget_s is not None and elapsed > s.budget_s:
-            row.update(status="skipped", note="; ".join(notes + [f"time budget {s.budget_s:.0f} s spent"]))
+        elif s.budget_s is not None and elapsed + estimate > s.budget_s:
+            row.update(status="skipped", note="; ".join(
+                notes + [f"time budget: {elapsed:.0f} s spent + ~{estimate:.0f} s > --budget-s {s.budget_s:.0f}"]))
         else:
-            eff, sub = smoke_substitutions(overrides, s.smoke, s.device)
-            if sub:
-                notes.append(sub)
+            t_rung = time.perf_counter()
+            eff, subs = adapt_overrides(overrides, base, s.device)
+            notes += subs
             log(f"[ladder] rung {rung.id}: {rung.name} {json.dumps(eff, sort_keys=True)}")
             try:
                 cfg = build_rung_config(base, eff)
@@ -434,13 +456,16 @@ def run_ladder(s: LadderSettings, rungs: Sequence[Rung] = RUNGS, log: Callable[[
                     traceback.print_exc()
                 free_memory(s.device)
             row["note"] = "; ".join(notes)
+            row["rung_s"] = time.perf_counter() - t_rung
+            cost[compiled] = max(cost.get(compiled, 0.0), row["rung_s"])
         if row.get("status") == "ok":
             log(f"[ladder] rung {rung.id}: {row['tokens_per_second']:,.0f} tok/s, step {row['step_ms']:.1f} ms, "
                 f"pad {100 * row['padding_fraction']:.1f}%, MFU {100 * row['mfu']:.1f}%, warm-up {row['warmup_s']:.1f} s")
         rows.append(row)
-    add_speedups(rows)
-    ctx = {"prov": prov, "peaks": peaks, "corpus": corpus, "base": base, "bundle_sizes":
-           {k: len(v) for k, v in bundle.splits.items()}, "wall_s": time.perf_counter() - t_start}
+        add_speedups(rows)
+        ctx["wall_s"] = time.perf_counter() - t_start
+        if on_row is not None:
+            on_row(rows, ctx)
     return rows, ctx
 
 
@@ -615,8 +640,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny CPU version (automatic without CUDA)")
     p.add_argument("--data-files", nargs="+", metavar="F", help="local jsonl/parquet/tsv files instead of the Hub")
-    p.add_argument("--steps", type=int, help="timed optimizer steps per rung (default 30; smoke 2)")
-    p.add_argument("--warmup", type=int, help="untimed steps per rung, compile included (default 8; smoke 1)")
+    p.add_argument("--steps", type=int, help="timed optimizer steps per rung (default 20; smoke 2)")
+    p.add_argument("--warmup", type=int, help="untimed steps per rung, compile included (default 5; smoke 1)")
     p.add_argument("--out", type=Path, help="output folder (default bench/results; a temp dir with --smoke)")
     p.add_argument("--rungs", help=f"comma-separated subset of {','.join(r.id for r in RUNGS)} (0 always runs)")
     p.add_argument("--max-tokens", type=int, help="padded-token budget per step (default: the baseline's 22400)")
@@ -637,8 +662,8 @@ def parse_settings(argv: Sequence[str] | None) -> tuple[LadderSettings, argparse
     missing = [f for f in files if not Path(f).is_file()]
     if missing:
         p.error(f"--data-files: no such file(s) {missing}")
-    steps = a.steps if a.steps is not None else (2 if a.smoke else 30)
-    warmup = a.warmup if a.warmup is not None else (1 if a.smoke else 8)
+    steps = a.steps if a.steps is not None else (2 if a.smoke else 20)
+    warmup = a.warmup if a.warmup is not None else (1 if a.smoke else 5)
     if steps < 1 or warmup < 0:
         p.error(f"--steps {steps} must be >= 1 and --warmup {warmup} >= 0")
     work = Path(tempfile.mkdtemp(prefix="fastmt-ladder-"))
@@ -657,7 +682,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if s.device.type == "cpu":
         torch.set_flush_denormal(True)  # denormals made eager CPU steps ~3x slower (shared/ENV.md)
     rungs = select_rungs(a.rungs)
-    rows, ctx = run_ladder(s, rungs)
+
+    def checkpoint(rows_so_far, ctx_so_far):  # partial outputs after every rung (no PNG: seconds each)
+        write_outputs(rows_so_far, ctx_so_far, s.out, smoke=s.smoke, plot=False)
+
+    rows, ctx = run_ladder(s, rungs, on_row=checkpoint)
     paths = write_outputs(rows, ctx, s.out, smoke=s.smoke, plot=not a.no_plot)
     cols, heads = zip(*TABLE)
     print(H.text_table(_display_rows(rows), cols, heads), flush=True)

@@ -1,0 +1,158 @@
+"""The time-to-quality record of a training run (the ``fast`` preset, 18 epochs, in the runbook).
+
+    python -m bench.quality --run runs/<name> [--out DIR]
+
+Reads ``<run>/metrics.jsonl`` (one ``kind: epoch`` record per epoch, one ``kind: test`` at the end)
+and ``<run>/provenance.json`` (config, git sha, versions, GPU) written by ``train.loop.Trainer``, and
+writes ``<out>/quality-<gpu>.md`` and ``.csv`` (default out: bench/results):
+  per epoch   wall seconds so far (training incl. torch.compile's first-step compile, plus evaluation),
+              the seeds' metric -- the loss of the epoch's *last training batch* (label-smoothed) --
+              next to our epoch-mean training loss, the validation loss (no smoothing), validation
+              sacreBLEU and chrF, real tokens/s and MFU;
+  at the end  test loss, sacreBLEU and chrF; the epoch at which the seeds' goal "loss < 1.8" was first
+              met, and the wall time to it.
+Labelled with the GPU and git sha of the run, and "stand-in corpus" when the data were local files
+that are not OPUS Books.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench import harness as H
+
+SEED_GOAL = 1.8  # S18's stated goal: last-batch training loss < 1.8 within 18 epochs
+COLUMNS = ("epoch", "wall_seconds", "epoch_seconds", "eval_seconds", "train_loss_last_batch", "train_loss",
+           "valid_loss", "bleu", "chrf", "tokens_per_second", "mfu", "padding_fraction", "peak_memory_gb")
+HEADERS = ("epoch", "wall s (cum.)", "train s", "eval s", "last-batch loss (seeds)", "mean train loss",
+           "valid loss", "valid BLEU", "valid chrF", "real tok/s", "MFU", "pad", "peak GiB")
+
+
+def read_run(run: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None, dict[str, Any]]:
+    """(epoch records, test record or None, provenance) of a run folder; loud errors when missing."""
+    metrics, prov_path = run / "metrics.jsonl", run / "provenance.json"
+    if not metrics.is_file():
+        raise FileNotFoundError(f"{metrics} not found: give --run the folder of a training run (runs/<name>)")
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    epochs = sorted((r for r in records if r.get("kind", "epoch") == "epoch"), key=lambda r: r["epoch"])
+    # a resumed run may log an epoch twice: keep the last record of each
+    epochs = list({r["epoch"]: r for r in epochs}.values())
+    tests = [r for r in records if r.get("kind") == "test"]
+    prov = json.loads(prov_path.read_text()) if prov_path.is_file() else {}
+    return epochs, (tests[-1] if tests else None), prov
+
+
+def corpus_label(prov: dict[str, Any]) -> str:
+    source = str((prov.get("data_split") or {}).get("source", ""))
+    files = ((prov.get("config") or {}).get("data") or {}).get("data_files") or []
+    if "opus_books" in source.lower() or "opus-books" in source.lower():
+        return "OPUS Books"
+    if files or source.startswith("files:"):
+        names = ",".join(Path(f).name for f in files) or source.removeprefix("files:")
+        return f"stand-in corpus ({names})"
+    return source or "unknown corpus"
+
+
+def quality_rows(epochs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows, wall = [], 0.0
+    for r in epochs:
+        wall += float(r.get("epoch_seconds") or 0.0) + float(r.get("eval_seconds") or 0.0)
+        rows.append({"epoch": r["epoch"], "wall_seconds": wall, **{k: r.get(k) for k in COLUMNS[2:]}})
+    return rows
+
+
+def _num(v: Any) -> float:
+    return float(v) if isinstance(v, (int, float)) else math.nan
+
+
+def summary(rows: Sequence[dict[str, Any]], test: dict[str, Any] | None, planned: int | None) -> dict[str, Any]:
+    goal = next((r for r in rows if _num(r.get("train_loss_last_batch")) < SEED_GOAL), None)
+    total = (rows[-1]["wall_seconds"] if rows else 0.0) + float((test or {}).get("eval_seconds") or 0.0)
+    best = max(rows, key=lambda r: _num(r.get("bleu")) if not math.isnan(_num(r.get("bleu"))) else -1.0,
+               default=None)
+    return {"epochs_done": len(rows), "epochs_planned": planned, "wall_seconds_total": total,
+            "first_epoch_train_seconds": rows[0].get("epoch_seconds") if rows else None,
+            "goal_epoch": goal["epoch"] if goal else None, "goal_wall_seconds": goal["wall_seconds"] if goal else None,
+            "best_valid_bleu": best.get("bleu") if best else None, "best_epoch": best["epoch"] if best else None,
+            "test_loss": (test or {}).get("test_loss"), "test_bleu": (test or {}).get("test_bleu"),
+            "test_chrf": (test or {}).get("test_chrf"), "test_sentences": (test or {}).get("test_sentences")}
+
+
+def quality_markdown(run: Path, rows, summ: dict[str, Any], prov: dict[str, Any]) -> str:
+    gpu = prov.get("gpu") or "cpu"
+    sha = prov.get("git_sha") or "unknown"
+    cfg = prov.get("config") or {}
+    name = (cfg.get("run") or {}).get("name", run.name)
+    done, planned = summ["epochs_done"], summ["epochs_planned"]
+    lines = [
+        f"# Time to quality — `{name}` on {gpu}",
+        "",
+        f"- GPU: **{gpu}**; git `{sha}`; torch {prov.get('torch', '?')}, triton {prov.get('triton', '?')}, "
+        f"CUDA {prov.get('cuda') or '-'}; started {prov.get('time', '?')}",
+        f"- data: **{corpus_label(prov)}**; run folder `{run}`",
+        f"- epochs: {done}" + (f" of {planned} planned" + (" (**incomplete run**)" if planned and done < planned else "")
+                               if planned else ""),
+        f"- wall time incl. compile and evaluation: **{summ['wall_seconds_total']:.0f} s** "
+        f"({summ['wall_seconds_total'] / 60:.1f} min); epoch 1 (with the compile) took "
+        f"{H.fmt(summ['first_epoch_train_seconds'])} s of training",
+        "- seeds' goal, last-batch loss < 1.8: "
+        + (f"met at epoch {summ['goal_epoch']} after {summ['goal_wall_seconds']:.0f} s"
+           if summ["goal_epoch"] is not None else "not met"),
+        f"- best validation BLEU {H.fmt(summ['best_valid_bleu'])} (epoch {H.fmt(summ['best_epoch'])}); "
+        f"test: loss {H.fmt(summ['test_loss'])}, sacreBLEU **{H.fmt(summ['test_bleu'])}**, "
+        f"chrF **{H.fmt(summ['test_chrf'])}** ({H.fmt(summ['test_sentences'])} sentences)",
+        "",
+        H.markdown_table(rows, COLUMNS, HEADERS),
+        "",
+        "*last-batch loss (seeds)*: label-smoothed loss of the epoch's last training batch, the number the "
+        "seed projects reported; *mean train loss*: label-smoothed, averaged over the epoch's target tokens; "
+        "*valid loss*: unsmoothed. BLEU/chrF: sacreBLEU on beam-search translations of the validation "
+        "split (capped by run.eval_max_sentences) and the test split.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_quality(run: Path, out: Path) -> dict[str, Path]:
+    epochs, test, prov = read_run(run)
+    if not epochs:
+        raise ValueError(f"{run}/metrics.jsonl has no epoch records yet (the run has not finished an epoch)")
+    rows = quality_rows(epochs)
+    planned = ((prov.get("config") or {}).get("run") or {}).get("epochs")
+    summ = summary(rows, test, planned)
+    slug = H.gpu_slug(prov.get("gpu") or "cpu")
+    out.mkdir(parents=True, exist_ok=True)
+    csv_path = H.result_path(out, "quality", slug, "csv")
+    if csv_path.exists():
+        csv_path.unlink()  # one record per device: the latest run
+    extra = {"run": str(run), "gpu": prov.get("gpu") or "cpu", "git_sha": prov.get("git_sha"),
+             "corpus": corpus_label(prov), **{f"final_{k}": v for k, v in summ.items()}}
+    H.append_csv(csv_path, [{**r, **extra} for r in rows], COLUMNS)
+    md_path = H.result_path(out, "quality", slug, "md")
+    md_path.write_text(quality_markdown(run, rows, summ, prov))
+    return {"csv": csv_path, "md": md_path}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.quality", description=__doc__.split("\n\n")[0])
+    p.add_argument("--run", type=Path, required=True, help="run folder (runs/<name>) with metrics.jsonl")
+    p.add_argument("--out", type=Path, default=H.RESULTS_DIR, help="output folder (default bench/results)")
+    a = p.parse_args(argv)
+    try:
+        paths = write_quality(a.run, a.out)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"bench.quality: {e}", file=sys.stderr)
+        return 2
+    print(paths["md"].read_text())
+    for kind, path in paths.items():
+        print(f"[quality] {kind}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

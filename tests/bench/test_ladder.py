@@ -1,0 +1,166 @@
+"""CPU smoke of the speedup ladder (bench/ladder.py) and the time-to-quality record (bench/quality.py).
+
+One module-scoped ladder run (eager rungs 0, 1, 3, a rung forced to fail and one built past it) keeps
+this file at ~20 s on 2 cores; the full smoke ladder (compile rungs included) is marked slow.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import ladder as L
+
+REQUIRED = ("rung", "tokens_per_second", "speedup_vs_baseline", "mfu", "padding_fraction", "peak_memory_gb",
+            "gpu", "git_sha")
+
+
+@pytest.fixture(scope="module")
+def ladder_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ladder")
+    corpus = L.write_toy_corpus(tmp / "toy.jsonl", n=600)
+    s = L.LadderSettings(smoke=True, device=torch.device("cpu"), data_files=(str(corpus),), out=tmp / "out",
+                         steps=2, warmup=1, readme=False, work_dir=tmp / "work")
+    by_id = {r.id: r for r in L.RUNGS}
+    rungs = [by_id["0"], by_id["1"], by_id["3"],
+             L.Rung("x", "+ forced failure", {"model.d_model": "-1"}, "3"),  # ModelConfig rejects it
+             L.Rung("y", "+ SDPA after the failure", {"model.attn_backend": "sdpa"}, "x")]
+    rows, ctx = L.run_ladder(s, rungs, log=lambda *_: None)
+    paths = L.write_outputs(rows, ctx, s.out, smoke=True)
+    return rows, ctx, paths
+
+
+def _csv(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_outputs_written_with_required_columns(ladder_run):
+    rows, ctx, paths = ladder_run
+    assert set(paths) == {"csv", "md", "png"}
+    assert all(p.is_file() and p.stat().st_size > 0 for p in paths.values())
+    assert paths["csv"].name == "ladder-cpu.csv"
+    table = _csv(paths["csv"])
+    assert [r["rung"] for r in table] == ["0", "1", "3", "x", "y"]
+    for col in REQUIRED:
+        assert col in table[0], col
+    assert all(r["gpu"] == "cpu" and r["git_sha"] for r in table)
+    md = paths["md"].read_text()
+    assert "| rung |" in md and "forced failure" in md and "stand-in corpus" in md
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_rung0_and_measurements_are_sane(ladder_run):
+    rows, _, _ = ladder_run
+    by = {r["rung"]: r for r in rows}
+    r0 = by["0"]
+    assert r0["status"] == "ok" and r0["precision"] == "fp32" and r0["batching"] == "fixed"
+    assert r0["tokens_per_second"] > 0 and r0["step_ms"] > 0 and r0["steps"] == 2
+    assert 0 < r0["padding_fraction"] < 1 and 0 < r0["mfu"] < 1
+    assert math.isnan(r0["peak_memory_gb"])  # CPU: no device memory counter
+    assert r0["epoch_seconds_projected"] == pytest.approx(r0["epoch_real_tokens"] / r0["tokens_per_second"])
+    assert by["3"]["batching"] == "token_bucket" and by["3"]["precision"] == "bf16"  # cumulative
+    assert by["3"]["padding_fraction"] < r0["padding_fraction"]
+    assert all(math.isfinite(by[k]["final_loss"]) for k in ("0", "1", "3", "y"))
+
+
+def test_speedups_relative_to_rung0_and_parent(ladder_run):
+    rows, _, paths = ladder_run
+    by = {r["rung"]: r for r in _csv(paths["csv"])}
+    t = {k: float(v["tokens_per_second"]) for k, v in by.items() if v["status"] == "ok"}
+    assert float(by["0"]["speedup_vs_baseline"]) == pytest.approx(1.0)
+    for k in ("1", "3", "y"):
+        assert float(by[k]["speedup_vs_baseline"]) == pytest.approx(t[k] / t["0"], rel=1e-4)
+    assert float(by["1"]["speedup_vs_previous"]) == pytest.approx(t["1"] / t["0"], rel=1e-4)
+    assert float(by["3"]["speedup_vs_previous"]) == pytest.approx(t["3"] / t["1"], rel=1e-4)  # 2 not run
+    # y builds on 3 because x failed, and says so
+    assert by["y"]["parent"] == "3" and "rung x did not run" in by["y"]["note"]
+    assert float(by["y"]["speedup_vs_previous"]) == pytest.approx(t["y"] / t["3"], rel=1e-4)
+    assert by["y"]["attn_backend"] == "sdpa" and by["y"]["batching"] == "token_bucket"
+
+
+def test_failed_rung_is_an_error_row(ladder_run):
+    rows, _, _ = ladder_run
+    x = next(r for r in rows if r["rung"] == "x")
+    assert x["status"] == "error" and "d_model" in x["error"] and x["error"].startswith("unsupported")
+    assert math.isnan(x["speedup_vs_baseline"]) and "tokens_per_second" not in x
+
+
+def test_add_speedups_arithmetic():
+    rows = [{"rung": "0", "status": "ok", "tokens_per_second": 100.0, "parent": ""},
+            {"rung": "1", "status": "ok", "tokens_per_second": 250.0, "parent": "0"},
+            {"rung": "2", "status": "error", "parent": "1"},
+            {"rung": "3", "status": "ok", "tokens_per_second": 1000.0, "parent": "1"}]
+    L.add_speedups(rows)
+    assert [r["speedup_vs_baseline"] for r in rows[:2]] == [1.0, 2.5]
+    assert rows[3]["speedup_vs_baseline"] == 10.0 and rows[3]["speedup_vs_previous"] == 4.0
+    assert math.isnan(rows[0]["speedup_vs_previous"]) and math.isnan(rows[2]["speedup_vs_baseline"])
+    rows[0]["status"] = "error"  # no baseline: no speedups at all, never a division by a missing rung
+    L.add_speedups(rows)
+    assert math.isnan(rows[1]["speedup_vs_baseline"])
+
+
+def test_rung_chain_falls_back_past_failures():
+    by_id = {r.id: r for r in L.RUNGS}
+    done = {"0": {}, "5": {"run.compile": "true"}, "6a": {"run.compile": "true", "model.layout": "varlen"}}
+    parent, ov = L.rung_overrides(by_id["7"], done, by_id)  # 6b missing -> 6a
+    assert parent == "6a" and ov == {"run.compile": "true", "model.layout": "varlen", "model.norm": "fused"}
+    assert L.select_rungs("3,5") == [by_id["0"], by_id["3"], by_id["5"]]
+    with pytest.raises(ValueError, match="unknown rung"):
+        L.select_rungs("42")
+
+
+def test_readme_region_rewritten_only_between_markers(ladder_run, tmp_path):
+    rows, ctx, paths = ladder_run
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\nbefore\n{L.README_START}\nold\n{L.README_END}\nafter\n")
+    assert L.update_readme(rows, ctx, paths, readme=readme)
+    text = readme.read_text()
+    assert text.startswith("# title\nbefore\n") and text.endswith(f"{L.README_END}\nafter\n")
+    assert "old" not in text and "stand-in corpus" in text and "| rung |" in text
+    other = tmp_path / "NOMARK.md"
+    other.write_text("no markers\n")
+    assert not L.update_readme(rows, ctx, paths, readme=other) and other.read_text() == "no markers\n"
+
+
+@pytest.mark.slow
+def test_full_smoke_cli(tmp_path):
+    """Every rung through the command line (compile rungs via aot_eager: ~1-2 min on 2 cores)."""
+    assert L.main(["--smoke", "--out", str(tmp_path)]) == 0
+    table = _csv(tmp_path / "ladder-cpu.csv")
+    assert [r["rung"] for r in table] == [r.id for r in L.RUNGS]
+    by = {r["rung"]: r for r in table}
+    assert by["5"]["status"] == "ok" and by["5"]["graph_breaks"] == "0"
+    assert by["9a"]["status"] == "skipped"
+
+
+# ----------------------------------------------------------------------------------------------
+# bench/quality.py: the time-to-quality record of a run folder
+# ----------------------------------------------------------------------------------------------
+def test_quality_record(tmp_path):
+    from bench import quality as Q
+
+    run = tmp_path / "runs" / "fast-18ep"
+    run.mkdir(parents=True)
+    (run / "provenance.json").write_text(json.dumps({
+        "git_sha": "abc123", "gpu": None, "torch": "2.13", "config": {"run": {"epochs": 3, "name": "fast-18ep"},
+                                                                        "data": {"data_files": ["x/train.jsonl"]}},
+        "data_split": {"source": "files:x/train.jsonl"}}))
+    recs = [{"kind": "epoch", "epoch": e, "train_loss": 3.0 - e / 2, "train_loss_last_batch": 2.9 - e / 2,
+             "valid_loss": 3.1 - e / 2, "bleu": 5.0 * e, "chrf": 20.0 + e, "epoch_seconds": 10.0 + (30 if e == 1 else 0),
+             "eval_seconds": 2.0, "tokens_per_second": 1e5, "mfu": 0.3} for e in (1, 2, 3)]
+    recs.append({"kind": "test", "epoch": 3, "test_loss": 1.9, "test_bleu": 17.5, "test_chrf": 40.1,
+                 "eval_seconds": 3.0})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    paths = Q.main(["--run", str(run), "--out", str(tmp_path / "res")])
+    md = (tmp_path / "res" / "quality-cpu.md").read_text()
+    assert "stand-in corpus" in md and "abc123" in md and "17.5" in md
+    rows = _csv(tmp_path / "res" / "quality-cpu.csv")
+    assert [r["epoch"] for r in rows] == ["1", "2", "3"]
+    assert float(rows[-1]["wall_seconds"]) == pytest.approx(40 + 10 + 10 + 3 * 2.0)
+    assert paths == 0
