@@ -5,7 +5,9 @@ One optimizer step (``train_step``), in order:
   2. per micro-batch: non-blocking copy to the device, forward under the autocast context built once
      in ``__init__``, summed label-smoothed cross-entropy / total target tokens of the step (so k
      micro-batches give the gradient of one big batch), ``scaler.scale(loss).backward()``; DDP
-     all-reduces only on the last micro-batch (``no_sync`` before);
+     all-reduces only on the last micro-batch (``no_sync`` before). Under DDP each rank normalises
+     by its own token count and DDP averages, i.e. a mean of per-rank token means (an all-reduce of
+     the counts would cost a sync per step; the token-bucket batches make the counts near-equal);
   3. fp16: ``scaler.unscale_``; clip the global grad norm (after unscale);
   4. non-finite guard, then ``optimizer.step()``; the scheduler steps only if the optimizer did;
   5. ``zero_grad(set_to_none=True)``.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -15,7 +16,7 @@ REQUIRED = {"epoch", "train_loss", "train_loss_last_batch", "valid_loss", "bleu"
             "tokens_per_second", "padding_fraction", "mfu", "peak_memory_gb", "lr"}
 
 
-def test_tiny_run_end_to_end(bundle, corpus, tmp_path, capsys):
+def test_tiny_run_end_to_end(bundle, corpus, tmp_path, capsys, monkeypatch):
     cfg = tiny_config(corpus, tmp_path, epochs=3, plot=True, tensorboard=True, test_at_end=True, keep_last=2,
                       num_samples=1)
     trainer = Trainer(cfg, data=bundle)
@@ -45,5 +46,8 @@ def test_tiny_run_end_to_end(bundle, corpus, tmp_path, capsys):
     assert "epoch 3/3: train_loss" in out and "BLEU" in out and "hyp:" in out and "provenance" in out
 
     assert translate_main(["--ckpt", str(run / "checkpoints" / "best.pt"), "--beam", "2", "the cat", "a dog"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 2 and all(isinstance(s, str) for s in lines)
+    by_args = capsys.readouterr().out.splitlines()
+    assert len(by_args) == 2
+    monkeypatch.setattr("sys.stdin", io.StringIO("the cat\n\na dog\n"))  # blank lines are skipped
+    assert translate_main(["--ckpt", str(run / "checkpoints" / "best.pt"), "--beam", "2"]) == 0
+    assert capsys.readouterr().out.splitlines() == by_args  # stdin lines = the same sentences as arguments

@@ -208,3 +208,14 @@ def test_compiled_step_matches_eager(bundle, corpus, tmp_path):
         losses[compiled] = [tr.train_step(b).item() for b in _first_batches(tr, 3)]
     assert losses[True] == pytest.approx(losses[False], rel=1e-5)
     assert len(tr.shapes_seen) >= 2
+
+
+def test_out_of_memory_suggests_a_smaller_budget(bundle, corpus, tmp_path):
+    tr = _trainer(bundle, corpus, tmp_path)
+
+    def oom(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    tr.step_module = oom
+    with pytest.raises(torch.OutOfMemoryError, match=r"--data.max_tokens 256, with --optim.accum_steps 2"):
+        tr.train_step(_first_batches(tr, 1))
