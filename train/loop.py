@@ -96,6 +96,9 @@ class Trainer:
         run = cfg.run
         if self.device.type == "cpu" and run.cpu_threads is not None:
             torch.set_num_threads(run.cpu_threads)
+        if self.device.type == "cuda" and run.precision != "fp32":
+            # fp32 matmuls left outside autocast may use TF32; the fp32 baseline keeps full precision
+            torch.set_float32_matmul_precision("high")
 
         if run.precision == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ValueError("this GPU has no bf16; use --run.precision fp16")
@@ -164,6 +167,7 @@ class Trainer:
         self._pending_rng = None
         self._stop_requested = False
         if ckpt is not None:
+            _warn_config_changes(ckpt["config"], cfg.to_dict(), self.log)
             self._load_state(ckpt)
             self.log(f"resumed from {resume_path}: epoch {self.epoch}, batch {self.batch_index}, step {self.step}")
 
@@ -592,6 +596,15 @@ def _check_tokenizer(ckpt: dict[str, Any], tok, path) -> None:
             f"Resume with the same data files and data.* settings as the checkpoint's run (its config is stored "
             f"in the checkpoint), or start a new run with a different --run.name"
         )
+
+
+def _warn_config_changes(saved: dict[str, Any], now: dict[str, Any], log) -> None:
+    """Resuming with different settings is allowed (e.g. a new eval beam) but never silent."""
+    changed = {f"{sec}.{k}": (v, now.get(sec, {}).get(k)) for sec, fields in saved.items()
+               for k, v in fields.items() if json.dumps(v, default=str) != json.dumps(now.get(sec, {}).get(k), default=str)}
+    if changed:
+        log("resume: config differs from the checkpoint's (saved -> now): "
+            + ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items())))
 
 
 def _compiled_graphs() -> int | None:
