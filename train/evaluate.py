@@ -12,6 +12,8 @@ import torch.nn.functional as F
 @torch.no_grad()
 def split_loss(model, bundle, split: str, device: torch.device, autocast) -> float:
     """Mean cross-entropy per real target token over ``split`` (no label smoothing, pad ignored)."""
+    from train.loop import target_tokens
+
     was_training = model.training
     model.eval()
     pad = bundle.tokenizer.pad_id
@@ -21,10 +23,10 @@ def split_loss(model, bundle, split: str, device: torch.device, autocast) -> flo
         b = batch.to(device, non_blocking=True)
         with autocast:
             logits = model(b.src, b.tgt_in, b.src_lengths, b.tgt_lengths, b.cu_seqlens_src, b.cu_seqlens_tgt,
-                           b.max_src_len, b.max_tgt_len)
+                           b.max_src_len, b.max_tgt_len, getattr(b, "src_pos", None), getattr(b, "tgt_pos", None))
         total += F.cross_entropy(logits.float().flatten(0, 1), b.tgt_out.long().flatten(), ignore_index=pad,
                                  reduction="sum")
-        n_tokens += int(batch.tgt_lengths.sum())  # host-side count from the CPU batch
+        n_tokens += target_tokens(batch)  # host-side count from the CPU batch
     model.train(was_training)
     return float(total) / max(n_tokens, 1)  # host sync: once per evaluation
 

@@ -66,11 +66,22 @@ class SmoothedCrossEntropy(nn.Module):
         self.label_smoothing = label_smoothing
 
     def forward(self, src, tgt_in, tgt_out, src_lengths, tgt_lengths, cu_seqlens_src, cu_seqlens_tgt,
-                max_src_len, max_tgt_len) -> torch.Tensor:
+                max_src_len, max_tgt_len, src_pos=None, tgt_pos=None) -> torch.Tensor:
         logits = self.model(src, tgt_in, src_lengths, tgt_lengths, cu_seqlens_src, cu_seqlens_tgt,
-                            max_src_len, max_tgt_len)  # (B, T, V)
+                            max_src_len, max_tgt_len, src_pos, tgt_pos)  # (B, T, V); packed (1, C_tgt, V)
         return F.cross_entropy(logits.float().flatten(0, 1), tgt_out.long().flatten(), ignore_index=self.pad_id,
                                reduction="sum", label_smoothing=self.label_smoothing)
+
+
+def target_tokens(batch) -> int:
+    """Real target tokens of a CPU batch, by host arithmetic (no device sync).
+
+    Padded modes: the sum of ``tgt_lengths``. Packed streams: their lengths also cover the dummy tail
+    segments, so count the non-pad positions of ``tgt_out`` (pad id 0, the data contract).
+    """
+    if getattr(batch, "packed", False):
+        return int(batch.tgt_out.count_nonzero())
+    return int(batch.tgt_lengths.sum())
 
 
 def _amp_dtype(precision: str) -> torch.dtype | None:
@@ -182,13 +193,13 @@ class Trainer:
         """
         if not isinstance(batches, Sequence):
             batches = [batches]
-        n_tgt = sum(int(b.tgt_lengths.sum()) for b in batches)  # CPU tensors: host arithmetic, no sync
+        n_tgt = sum(target_tokens(b) for b in batches)  # CPU tensors: host arithmetic, no sync
         self.model.train()
         total = torch.zeros((), device=self.device)
         try:
             for i, cpu_batch in enumerate(batches):
                 b = cpu_batch.to(self.device, non_blocking=True)  # pinned memory -> async H2D copy
-                if self.compiled:
+                if self.compiled and not getattr(b, "packed", False):  # packed: already the static max_len
                     # pass the padded widths (a bounded set) as max lengths: an upper bound is valid, and
                     # the unpadded maxima would be new python ints almost every batch (recompiles)
                     max_src, max_tgt = b.src.shape[1], b.tgt_in.shape[1]
@@ -200,7 +211,8 @@ class Trainer:
                 with sync:
                     with self.autocast:
                         loss_sum = self.step_module(b.src, b.tgt_in, b.tgt_out, b.src_lengths, b.tgt_lengths,
-                                                    b.cu_seqlens_src, b.cu_seqlens_tgt, max_src, max_tgt)
+                                                    b.cu_seqlens_src, b.cu_seqlens_tgt, max_src, max_tgt,
+                                                    getattr(b, "src_pos", None), getattr(b, "tgt_pos", None))
                     loss = loss_sum / n_tgt
                     self.scaler.scale(loss).backward()
                 total += loss.detach()
@@ -289,7 +301,7 @@ class Trainer:
                 group.append(batch)
                 if len(group) < accum and self.batch_index + len(group) < n_micro:
                     continue
-                n_tgt = sum(int(b.tgt_lengths.sum()) for b in group)
+                n_tgt = sum(target_tokens(b) for b in group)
                 loss = self.train_step(group)
                 self.batch_index += len(group)
                 steps_this_call += 1
@@ -298,7 +310,7 @@ class Trainer:
                 acc["tgt_tokens"] += n_tgt
                 acc["real_tokens"] += sum(b.num_real_tokens for b in group)
                 acc["padded_tokens"] += sum(b.num_padded_tokens for b in group)
-                acc["src_tokens"] += sum(int(b.src_lengths.sum()) for b in group)
+                acc["src_tokens"] += sum(b.num_real_tokens for b in group) - n_tgt
                 acc["micro_batches"] += len(group)
                 acc["sentences"] += sum(len(b) for b in group)
                 group = []

@@ -219,3 +219,23 @@ def test_out_of_memory_suggests_a_smaller_budget(bundle, corpus, tmp_path):
     tr.step_module = oom
     with pytest.raises(torch.OutOfMemoryError, match=r"--data.max_tokens 256, with --optim.accum_steps 2"):
         tr.train_step(_first_batches(tr, 1))
+
+
+@pytest.mark.parametrize("batching, layout", [("token_bucket", "padded"), ("packed", "packed")])
+def test_token_counts_and_packed_batches(bundle, corpus, tmp_path, batching, layout):
+    """The loss normaliser counts real target tokens (packed streams: not their dummy tail segments),
+    and a packed run trains and evaluates end to end."""
+    from train.loop import target_tokens
+
+    cfg = tiny_config(corpus, tmp_path, epochs=1, max_batches_per_epoch=3)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batching=batching),
+                              model=dataclasses.replace(cfg.model, layout=layout))
+    from data import build_data
+
+    data = bundle if batching == "token_bucket" else build_data(cfg.data, log=lambda *a: None)
+    tr = Trainer(cfg, data=data, log=lambda *a: None)
+    lengths = data.splits["train"].tgt_lengths
+    for b in _first_batches(tr, 3):
+        assert target_tokens(b) == int(lengths[b.index.numpy()].sum())
+    tr.fit()
+    assert tr.history[-1]["valid_loss"] > 0 and tr.step == 3
