@@ -1,0 +1,283 @@
+"""Profile the compiled training step and check it for graph breaks.
+
+    python -m bench.profile [--preset P] [--smoke] [--data-files F ...] [--out DIR] [--active N]
+
+Default: the ``fast`` preset on CUDA; ``--smoke`` (automatic without CUDA) the ``tiny`` preset on a
+generated toy corpus, compiled with ``aot_eager``. Protocol: a fresh ``Trainer`` (compile on, the
+non-finite guard off), ``--warmup`` untimed optimizer steps (compilation and the dynamic-shape
+recompile land here), then ``torch.profiler`` with ``schedule(wait=1, warmup=1, active=N)`` over
+N + 2 more steps. Writes into ``<out>/profile-<gpu>/`` (default out: bench/results):
+  trace.json[.gz]     Chrome / Perfetto trace of the active steps (gzipped above 8 MB)
+  top_kernels.md/.txt the top ops/kernels by self device time (CPU: self CPU time)
+  dynamo.log          graph-break and recompile logs (TORCH_LOGS="graph_breaks,recompiles")
+  report.md           graphs compiled, graph breaks with reasons (dynamo counters of the real steps
+                      and ``torch._dynamo.explain`` of the loss module on one batch), recompiles
+Exit status 3, with a loud message, if the configuration has any graph break.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gzip
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench import harness as H
+
+TRACE_GZIP_BYTES = 8 * 2**20
+
+
+class GraphBreakError(RuntimeError):
+    pass
+
+
+# ----------------------------------------------------------------------------------------------
+# Graph breaks
+# ----------------------------------------------------------------------------------------------
+def explain(fn: Callable, *args, **kwargs) -> dict[str, Any]:
+    """``torch._dynamo.explain`` of one call: graph count, graph-break count and the reasons."""
+    torch._dynamo.reset()
+    out = torch._dynamo.explain(fn)(*args, **kwargs)
+    reasons = []
+    for r in out.break_reasons:
+        where = ""
+        if getattr(r, "user_stack", None):
+            fr = r.user_stack[-1]
+            where = f" ({fr.filename}:{fr.lineno})"
+        reasons.append(" ".join(str(r.reason).split())[:300] + where)
+    return {"graphs": int(out.graph_count), "graph_breaks": int(out.graph_break_count), "reasons": reasons}
+
+
+def dynamo_counters() -> dict[str, Any]:
+    """Graphs and graph breaks counted by dynamo since the last ``counters.clear()``."""
+    from torch._dynamo.utils import counters
+
+    breaks = dict(counters["graph_break"])
+    return {"graphs": int(counters["stats"]["unique_graphs"]), "graph_breaks": int(sum(breaks.values())),
+            "reasons": [" ".join(k.split())[:300] + f" (x{v})" for k, v in breaks.items()]}
+
+
+def check_no_graph_breaks(*reports: dict[str, Any], what: str = "the training step") -> None:
+    """Raise ``GraphBreakError`` listing the reasons if any report counts a graph break."""
+    n = sum(r["graph_breaks"] for r in reports)
+    if n:
+        reasons = sorted({x for r in reports for x in r["reasons"]})
+        raise GraphBreakError(f"{n} graph break(s) in {what}:\n  - " + "\n  - ".join(reasons))
+
+
+@contextlib.contextmanager
+def capture_dynamo_logs(path: Path):
+    """TORCH_LOGS="graph_breaks,recompiles" into ``path`` (and not onto the console)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path, mode="w")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+    logger = logging.getLogger("torch._dynamo")
+    torch._logging.set_logs(graph_breaks=True, recompiles=True)
+    logger.addHandler(handler)
+    try:
+        yield path
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+        torch._logging.set_logs()
+
+
+# ----------------------------------------------------------------------------------------------
+# Configuration
+# ----------------------------------------------------------------------------------------------
+def profile_config(preset: str, *, smoke: bool, data_files: Sequence[str], work: Path):
+    from train.config import get_config
+
+    cfg = get_config(preset)
+    run = dataclasses.replace(cfg.run, name="profile", out_dir=str(work / "runs"), compile=True,
+                              nonfinite_guard=False, tensorboard=False, progress=False, plot=False,
+                              test_at_end=False)
+    data = dataclasses.replace(cfg.data, data_files=tuple(data_files), num_workers=0)
+    if smoke:
+        run = dataclasses.replace(run, device="cpu", compile_backend="aot_eager")
+        data = dataclasses.replace(data, vocab_size=400, max_len=32, max_tokens=512, pad_multiple=8,
+                                   valid_size=40, test_size=40, cache_dir=str(work / "cache"))
+    return dataclasses.replace(cfg, data=data, run=run)
+
+
+# ----------------------------------------------------------------------------------------------
+# Profiling
+# ----------------------------------------------------------------------------------------------
+def _self_time(evt, cuda: bool) -> float:
+    if cuda:
+        for name in ("self_device_time_total", "self_cuda_time_total"):
+            if hasattr(evt, name):
+                return float(getattr(evt, name))
+        return 0.0
+    return float(evt.self_cpu_time_total)
+
+
+def top_kernels(prof, cuda: bool, limit: int = 25) -> tuple[list[dict[str, Any]], str]:
+    """Rows (name, calls, self time) sorted by self device time (CPU: self CPU time), and torch's table."""
+    avgs = prof.key_averages()
+    total = sum(_self_time(e, cuda) for e in avgs) or 1.0
+    rows = sorted(({"name": e.key[:90], "calls": int(e.count), "self_ms": _self_time(e, cuda) / 1e3,
+                    "pct": 100.0 * _self_time(e, cuda) / total} for e in avgs), key=lambda r: -r["self_ms"])
+    rows = [r for r in rows if r["self_ms"] > 0][:limit]
+    sort_by = "self_cpu_time_total"
+    if cuda:
+        sort_by = "self_device_time_total" if hasattr(avgs[0], "self_device_time_total") else "self_cuda_time_total"
+    try:
+        text = avgs.table(sort_by=sort_by, row_limit=limit, max_name_column_width=90)
+    except (KeyError, AttributeError):  # older/newer key names
+        text = avgs.table(row_limit=limit)
+    return rows, text
+
+
+def run_profile(preset: str, *, smoke: bool, data_files: Sequence[str], out_dir: Path, warmup: int, active: int,
+                work: Path, log=print) -> dict[str, Any]:
+    from data import build_data
+    from torch._dynamo.utils import counters
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from train.loop import Trainer
+
+    cfg = profile_config(preset, smoke=smoke, data_files=data_files, work=work)
+    device = torch.device("cuda" if cfg.run.device != "cpu" and torch.cuda.is_available() else "cpu")
+    cuda = device.type == "cuda"
+    prov = H.provenance(device)
+    out = out_dir / f"profile-{prov['gpu_slug']}"
+    out.mkdir(parents=True, exist_ok=True)
+    bundle = build_data(cfg.data, log=lambda m: log(str(m)))
+    wait_s, warm_s = 1, 1
+    batches = list(islice(iter(bundle.loader("train", epoch=0)), warmup + wait_s + warm_s + active))
+    if len(batches) < warmup + wait_s + warm_s + active:
+        raise ValueError(f"only {len(batches)} training batches; need {warmup + wait_s + warm_s + active}")
+
+    torch._dynamo.reset()
+    counters.clear()
+    with capture_dynamo_logs(out / "dynamo.log"):
+        trainer = Trainer(cfg, data=bundle, log=lambda *a, **k: None)
+        if not trainer.compiled:
+            raise ValueError(f"preset {preset!r} does not compile on {device}: nothing to check")
+        t0 = time.perf_counter()
+        for b in batches[:warmup]:
+            trainer.train_step(b)
+        H.synchronize(device)
+        compile_s = time.perf_counter() - t0
+        graphs_after_warmup = dynamo_counters()["graphs"]
+        trace_path = out / "trace.json"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities, schedule=schedule(wait=wait_s, warmup=warm_s, active=active, repeat=1),
+                     on_trace_ready=lambda p: p.export_chrome_trace(str(trace_path)),
+                     record_shapes=False, with_stack=False, profile_memory=False) as prof:
+            for b in batches[warmup:]:
+                trainer.train_step(b)
+                prof.step()
+        H.synchronize(device)
+        steps_counters = dynamo_counters()
+        # explain: dynamo's own account of one forward of the compiled module on the first batch
+        b = batches[0].to(device)
+        with trainer.autocast:
+            expl = explain(trainer.loss_module, b.src, b.tgt_in, b.tgt_out, b.src_lengths, b.tgt_lengths,
+                           b.cu_seqlens_src, b.cu_seqlens_tgt, b.src.shape[1], b.tgt_in.shape[1])
+    rows, text = top_kernels(prof, cuda)
+    del trainer, prof
+    if trace_path.stat().st_size > TRACE_GZIP_BYTES:
+        with trace_path.open("rb") as f, gzip.open(str(trace_path) + ".gz", "wb") as g:
+            shutil.copyfileobj(f, g)
+        trace_path.unlink()
+        trace_path = Path(str(trace_path) + ".gz")
+    (out / "top_kernels.txt").write_text(text + "\n")
+    unit = "self device ms" if cuda else "self CPU ms"
+    (out / "top_kernels.md").write_text(
+        f"# Top {'kernels' if cuda else 'ops'} by {unit} — {prov['gpu']}, preset `{preset}`, {active} active steps\n\n"
+        + H.markdown_table(rows, ("name", "calls", "self_ms", "pct"), ("name", "calls", unit, "% of total")) + "\n")
+    result = {"preset": preset, "device": prov["gpu"], "out": out, "trace": trace_path, "compile_s": compile_s,
+              "graphs_after_warmup": graphs_after_warmup, "steps": steps_counters, "explain": expl,
+              "recompiles_while_profiling": steps_counters["graphs"] - graphs_after_warmup, "prov": prov,
+              "shapes": len({tuple(x.src.shape) + tuple(x.tgt_in.shape) for x in batches})}
+    (out / "report.md").write_text(report_markdown(result, rows, cfg))
+    return result
+
+
+def report_markdown(r: dict[str, Any], rows, cfg) -> str:
+    st, ex, prov = r["steps"], r["explain"], r["prov"]
+    ok = st["graph_breaks"] == 0 and ex["graph_breaks"] == 0
+    lines = [
+        f"# Profile of the compiled training step — preset `{r['preset']}` on {prov['gpu']}",
+        "",
+        H.provenance_markdown(prov, None),
+        f"- compile: backend {cfg.run.compile_backend}, mode {cfg.run.compile_mode}, dynamic {cfg.run.compile_dynamic}; "
+        f"batching {cfg.data.batching}, layout {cfg.model.layout}, attention {cfg.model.attn_backend}, "
+        f"norm {cfg.model.norm}, precision {cfg.run.precision}",
+        f"- warm-up (compile included): {r['compile_s']:.1f} s; {r['shapes']} distinct batch shapes in the profiled batches",
+        "",
+        f"## Graph breaks: **{'none' if ok else 'FOUND'}**",
+        "",
+        f"- training steps (dynamo counters): {st['graphs']} graph(s) compiled, {st['graph_breaks']} graph break(s); "
+        f"{r['graphs_after_warmup']} after warm-up, {r['recompiles_while_profiling']} compiled during profiling",
+        f"- `torch._dynamo.explain` of the loss module on one batch: {ex['graphs']} graph(s), "
+        f"{ex['graph_breaks']} graph break(s)",
+    ]
+    for reason in sorted(set(st["reasons"] + ex["reasons"])):
+        lines.append(f"  - {reason}")
+    lines += ["- logs: `dynamo.log` (graph_breaks, recompiles)", "",
+              f"## Top {len(rows)} by self time", "", H.markdown_table(rows, ("name", "calls", "self_ms", "pct"),
+                                                                      ("name", "calls", "self ms", "%")),
+              "", f"Trace: `{r['trace'].name}` (open in https://ui.perfetto.dev or chrome://tracing)."]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", help="training preset (default: fast on CUDA, tiny with --smoke)")
+    p.add_argument("--smoke", action="store_true", help="tiny preset, aot_eager, CPU (automatic without CUDA)")
+    p.add_argument("--data-files", nargs="+", metavar="F", help="local jsonl/parquet/tsv files instead of the Hub")
+    p.add_argument("--out", type=Path, help="parent folder of profile-<gpu>/ (default bench/results; temp with --smoke)")
+    p.add_argument("--warmup", type=int, help="untimed steps before profiling, compile included (default 4; smoke 2)")
+    p.add_argument("--active", type=int, default=3, help="profiled steps (keep the trace small)")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available() and not a.smoke:
+        print("bench.profile: no CUDA device: running the --smoke configuration", flush=True)
+        a.smoke = True
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    if a.smoke:
+        torch.set_flush_denormal(True)
+    work = Path(tempfile.mkdtemp(prefix="fastmt-profile-"))
+    files = list(a.data_files or [])
+    missing = [f for f in files if not Path(f).is_file()]
+    if missing:
+        p.error(f"--data-files: no such file(s) {missing}")
+    if a.smoke and not files:
+        from bench.ladder import write_toy_corpus
+
+        files = [str(write_toy_corpus(work / "toy.jsonl", n=400))]
+    preset = a.preset or ("tiny" if a.smoke else "fast")
+    out = a.out or (work / "out" if a.smoke else H.RESULTS_DIR)
+    warmup = a.warmup if a.warmup is not None else (2 if a.smoke else 4)
+    r = run_profile(preset, smoke=a.smoke, data_files=files, out_dir=out, warmup=warmup, active=a.active, work=work)
+    print((r["out"] / "report.md").read_text(), flush=True)
+    print(f"[profile] outputs in {r['out']}")
+    try:
+        check_no_graph_breaks(r["steps"], r["explain"], what=f"the compiled training step of preset {preset!r}")
+    except GraphBreakError as e:
+        bar = "!" * 100
+        print(f"\n{bar}\nGRAPH BREAK(S) IN THE DEFAULT CONFIGURATION -- {e}\nSee {r['out'] / 'dynamo.log'}\n{bar}",
+              file=sys.stderr, flush=True)
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

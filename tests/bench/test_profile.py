@@ -1,0 +1,64 @@
+"""CPU smoke of bench/profile.py: trace and reports written, no graph break in the tiny model's compiled
+step (aot_eager), and the checker failing loudly on a function that does break."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bench import profile as P
+from bench.ladder import write_toy_corpus
+
+
+def test_profile_smoke_tiny_has_no_graph_breaks(tmp_path):
+    corpus = write_toy_corpus(tmp_path / "toy.jsonl", n=300)
+    r = P.run_profile("tiny", smoke=True, data_files=[str(corpus)], out_dir=tmp_path / "out", warmup=1, active=1,
+                      work=tmp_path / "work", log=lambda *_: None)
+    out = r["out"]
+    assert out.name == "profile-cpu"
+    for name in ("report.md", "top_kernels.md", "top_kernels.txt", "dynamo.log"):
+        assert (out / name).is_file(), name
+    trace = json.loads(r["trace"].read_text())
+    assert trace["traceEvents"] and r["trace"].stat().st_size < 10 * 2**20
+    assert r["steps"]["graph_breaks"] == 0 and r["explain"]["graph_breaks"] == 0
+    assert r["steps"]["graphs"] >= 1 and r["explain"]["graphs"] == 1
+    P.check_no_graph_breaks(r["steps"], r["explain"])  # does not raise
+    report = (out / "report.md").read_text()
+    assert "Graph breaks: **none**" in report and "| name |" in (out / "top_kernels.md").read_text()
+
+
+def _breaks(x):
+    y = x.sin()
+    print("a print is a graph break")  # noqa: T201 - the point of this function
+    return y.cos()
+
+
+def _clean(x):
+    return x.sin().cos() * 2
+
+
+def test_checker_fails_on_a_graph_break(tmp_path):
+    bad = P.explain(_breaks, torch.randn(4))
+    assert bad["graph_breaks"] >= 1 and bad["graphs"] >= 2 and "print" in " ".join(bad["reasons"])
+    with pytest.raises(P.GraphBreakError, match="graph break"):
+        P.check_no_graph_breaks(bad, what="_breaks")
+    good = P.explain(_clean, torch.randn(4))
+    assert good == {"graphs": 1, "graph_breaks": 0, "reasons": []}
+    P.check_no_graph_breaks(good)
+
+
+def test_counters_and_log_capture_see_a_break(tmp_path):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    with P.capture_dynamo_logs(tmp_path / "dynamo.log") as log:
+        torch.compile(_breaks, backend="eager")(torch.randn(3))
+    c = P.dynamo_counters()
+    assert c["graph_breaks"] >= 1
+    with pytest.raises(P.GraphBreakError):
+        P.check_no_graph_breaks(c)
+    assert "Graph break" in log.read_text()
+    torch._dynamo.reset()
