@@ -143,10 +143,10 @@ def top_kernels(prof, cuda: bool, limit: int = 25) -> tuple[list[dict[str, Any]]
 
 def run_profile(preset: str, *, smoke: bool, data_files: Sequence[str], out_dir: Path, warmup: int, active: int,
                 work: Path, log=print) -> dict[str, Any]:
-    from data import build_data
     from torch._dynamo.utils import counters
     from torch.profiler import ProfilerActivity, profile, schedule
 
+    from data import build_data
     from train.loop import Trainer
 
     cfg = profile_config(preset, smoke=smoke, data_files=data_files, work=work)
