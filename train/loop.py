@@ -152,7 +152,8 @@ class Trainer:
 
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
         self.steps_per_epoch = self._steps_in_epoch(0)
-        planned = self.steps_per_epoch * run.epochs
+        # token buckets are re-cut every epoch, so batch counts differ a little: plan each epoch
+        planned = sum(self._steps_in_epoch(e) for e in range(run.epochs))
         self.total_steps = min(planned, run.max_steps) if run.max_steps is not None else planned
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
         self.amp_dtype = _amp_dtype(run.precision)
