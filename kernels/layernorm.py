@@ -10,9 +10,12 @@ pre-activation instead of saving them, and writes ds_total = ds + d LN / d s (th
 x and residual) plus one fp32 partial dW/dB row per program. A single ``sum`` over those rows
 gives dW/dB: deterministic, no atomics, no locks.
 
-Dtypes: x / residual fp32, bf16 or fp16 (the same dtype); weight / bias of any float dtype
-(fp32 master weights with bf16 activations are fine). All math in fp32; y, s and dx in x's dtype,
-dW / dB in the parameters' dtypes. ``s`` is rounded to x's dtype before the statistics are taken,
+Dtypes: x / residual fp32, bf16 or fp16; weight / bias of any float dtype (fp32 master weights
+with bf16 activations are fine). x and residual may differ: ``s`` takes PyTorch's promoted dtype of
+``x + residual`` (under autocast the residual stream stays fp32 while sublayer outputs are bf16, as
+flash-attn's ``residual_in_fp32``). All math in fp32; y in x's dtype, s in the promoted dtype, each
+input's gradient in its own dtype, dW / dB in the parameters' dtypes. ``s`` is rounded to its dtype
+before the statistics are taken,
 so the forward and the backward (which reads the stored ``s``) see the same numbers, as PyTorch's
 ``x + residual`` then LayerNorm does.
 
@@ -278,7 +281,8 @@ def ln_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res
     r2 = _rows(residual, N) if residual is not None else None
     M = x2.shape[0]
     y = empty(*x.shape, dtype=x.dtype, device=x.device)
-    s = empty(*x.shape, dtype=x.dtype, device=x.device) if residual is not None else x.new_empty(0)
+    s = (empty(*x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+         if residual is not None else x.new_empty(0))
     mean = empty(*x.shape[:-1], dtype=torch.float32, device=x.device)
     rstd = empty(*x.shape[:-1], dtype=torch.float32, device=x.device)
     if M == 0:
@@ -340,7 +344,8 @@ def _layer_norm_fwd_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 @_layer_norm_fwd_op.register_fake
 def _(x, weight, bias, residual, eps, activation):
-    s = torch.empty_like(x) if residual is not None else x.new_empty(0)
+    s = (x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype))
+         if residual is not None else x.new_empty(0))
     stats = x.new_empty(x.shape[:-1], dtype=torch.float32)
     return torch.empty_like(x), s, stats, torch.empty_like(stats)
 
@@ -362,6 +367,8 @@ def _layer_norm_setup_context(ctx, inputs, output):
     x, weight, bias, residual, eps, activation = inputs
     _, s, mean, rstd = output
     ctx.has_residual = residual is not None
+    ctx.x_dtype = x.dtype
+    ctx.residual_dtype = residual.dtype if residual is not None else None
     ctx.activation = activation
     ctx.save_for_backward(s if residual is not None else x, weight, bias, mean, rstd)
     ctx.mark_non_differentiable(mean, rstd)
@@ -374,7 +381,9 @@ def _layer_norm_backward(ctx, dy, ds, _dmean, _drstd):
         dy = torch.zeros_like(s)
     ds = ds if ctx.has_residual else None
     dx, dw, db = torch.ops.fastmt.layer_norm_bwd(dy, ds, s, weight, bias, mean, rstd, ctx.activation)
-    return dx, dw, db if bias is not None else None, dx if ctx.has_residual else None, None, None
+    # dx is the gradient of s (s's dtype); x and residual each get it in their own dtype
+    dres = dx.to(ctx.residual_dtype) if ctx.has_residual else None
+    return dx.to(ctx.x_dtype), dw, db if bias is not None else None, dres, None, None
 
 
 _layer_norm_fwd_op.register_autograd(_layer_norm_backward, setup_context=_layer_norm_setup_context)
@@ -431,8 +440,8 @@ def _check_inputs(x, weight, bias, residual, activation):
     if residual is not None:
         if residual.shape != x.shape:
             raise ValueError(f"layer_norm: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
-        if residual.dtype != x.dtype:
-            raise TypeError(f"layer_norm: residual dtype {residual.dtype} != x dtype {x.dtype}")
+        if not residual.is_floating_point():
+            raise TypeError(f"layer_norm: residual must be floating point, got {residual.dtype}")
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and not t.is_floating_point():
             raise TypeError(f"layer_norm: {name} must be floating point, got {t.dtype}")
@@ -443,14 +452,16 @@ def _check_inputs(x, weight, bias, residual, activation):
         raise ValueError(f"layer_norm: activation={activation!r} is not one of {ACTIVATIONS}")
 
 
-def _check_triton_supported(x: torch.Tensor) -> None:
-    """Why ``backend="triton"`` cannot serve x, as a ValueError/TypeError; None when it can."""
+def _check_triton_supported(x: torch.Tensor, residual: torch.Tensor | None) -> None:
+    """Why ``backend="triton"`` cannot serve x (+ residual), as a ValueError/TypeError; None when it can."""
     N = x.shape[-1]
     if N > MAX_TRITON_N:
         raise ValueError(f"layer_norm: backend='triton' supports widths N <= {MAX_TRITON_N}, got N={N} "
                          f"(use backend='auto' or 'reference')")
     if x.dtype not in _KERNEL_DTYPES:
         raise TypeError(f"layer_norm: backend='triton' supports {_KERNEL_DTYPES}, got {x.dtype}")
+    if residual is not None and residual.dtype not in _KERNEL_DTYPES:
+        raise TypeError(f"layer_norm: backend='triton' supports residuals in {_KERNEL_DTYPES}, got {residual.dtype}")
     if not triton_usable(x):
         raise ValueError(f"layer_norm: backend='triton' needs a CUDA tensor (or TRITON_INTERPRET=1), "
                          f"x is on {x.device}")
@@ -476,10 +487,10 @@ def layer_norm(
     _check_inputs(x, weight, bias, residual, activation)
     backend = resolve_backend(backend, "FASTMT_NORM_BACKEND", NORM_BACKENDS)
     if backend == "auto":
-        backend = ("triton" if x.is_cuda and x.shape[-1] <= MAX_TRITON_N and x.dtype in _KERNEL_DTYPES
-                   else "reference")
+        kernel_dtypes = x.dtype in _KERNEL_DTYPES and (residual is None or residual.dtype in _KERNEL_DTYPES)
+        backend = "triton" if x.is_cuda and x.shape[-1] <= MAX_TRITON_N and kernel_dtypes else "reference"
     if backend == "triton":
-        _check_triton_supported(x)
+        _check_triton_supported(x, residual)
         y, s, _, _ = torch.ops.fastmt.layer_norm_fwd(x, weight, bias, residual, float(eps), activation or "none")
         if residual is None:
             s = x

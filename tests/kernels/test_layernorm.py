@@ -261,8 +261,8 @@ def test_validation_messages_name_the_values(monkeypatch):
         layer_norm(x, w, torch.randn(3))
     with pytest.raises(ValueError, match=r"residual shape \(4, 8\)"):
         layer_norm(x, w, residual=torch.randn(4, 8))
-    with pytest.raises(TypeError, match="residual dtype torch.float16"):
-        layer_norm(x, w, residual=torch.randn(4, 16, dtype=F16))
+    with pytest.raises(TypeError, match="residual must be floating point, got torch.int64"):
+        layer_norm(x, w, residual=torch.ones(4, 16, dtype=torch.long))
     with pytest.raises(ValueError, match="'relu'"):
         layer_norm(x, w, activation="relu")
     with pytest.raises(TypeError, match="torch.int64"):
@@ -392,3 +392,29 @@ def test_gpu_compile_fullgraph_matches_eager():
         results.append([loss.detach()] + [t.grad for t in leaves])
     for eager, compiled in zip(*results):
         torch.testing.assert_close(compiled, eager)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("x_dtype, r_dtype", [(BF16, F32), (F16, F32), (F32, BF16)],
+                         ids=["x-bf16-res-fp32", "x-fp16-res-fp32", "x-fp32-res-bf16"])
+def test_mixed_residual_dtype_matches_reference(x_dtype, r_dtype):
+    """Under autocast the residual stream is fp32 while sublayer outputs are bf16: s takes the
+    promoted dtype (as ``x + residual`` does), y x's dtype, and each input's gradient its own dtype."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 200, generator=gen).to(x_dtype).requires_grad_()
+    r = torch.randn(37, 200, generator=gen).to(r_dtype).requires_grad_()
+    w, b = (torch.randn(200, generator=gen).requires_grad_() for _ in range(2))
+    dy, ds = torch.randn(37, 200, generator=gen), torch.randn(37, 200, generator=gen)
+    results = {}
+    for backend in ("triton", "reference"):
+        y, s = layer_norm(x, w, b, r, activation="gelu", return_residual=True, backend=backend)
+        grads = torch.autograd.grad((y.float() * dy).sum() + (s.float() * ds).sum(), (x, r, w, b))
+        results[backend] = (y, s, *grads)
+    promoted = torch.promote_types(x_dtype, r_dtype)
+    for name, got, want, dtype in zip(("y", "s", "dx", "dres", "dw", "db"), results["triton"],
+                                      results["reference"], (x_dtype, promoted, x_dtype, r_dtype, F32, F32)):
+        assert got.dtype == want.dtype == dtype, (name, got.dtype, want.dtype, dtype)
+        # both compute in fp32; the only difference is rounding to the low-precision dtypes
+        tol = 4 * torch.finfo(torch.bfloat16 if BF16 in (x_dtype, r_dtype) else F16).eps
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * want.float().abs().max().item(),
+                                   msg=lambda m, name=name: f"{name}: {m}")
