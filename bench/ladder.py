@@ -74,6 +74,7 @@ from typing import Any
 import torch
 
 from bench import harness as H
+from train import flush_denormals
 
 README = H.REPO_ROOT / "README.md"
 README_START, README_END = "<!-- ladder:start -->", "<!-- ladder:end -->"
@@ -680,7 +681,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     s, a = parse_settings(argv)
     if s.device.type == "cpu":
-        torch.set_flush_denormal(True)  # denormals made eager CPU steps ~3x slower (shared/ENV.md)
+        flush_denormals()
     rungs = select_rungs(a.rungs)
 
     def checkpoint(rows_so_far, ctx_so_far):  # partial outputs after every rung (no PNG: seconds each)

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from bench import harness as H
+from train import flush_denormals
 
 TRACE_GZIP_BYTES = 8 * 2**20
 
@@ -253,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         a.smoke = True
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     if a.smoke:
-        torch.set_flush_denormal(True)
+        flush_denormals()
     work = Path(tempfile.mkdtemp(prefix="fastmt-profile-"))
     files = list(a.data_files or [])
     missing = [f for f in files if not Path(f).is_file()]

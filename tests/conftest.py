@@ -8,12 +8,14 @@ import os
 
 import torch
 
+from train import flush_denormals
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_flush_denormal(True)  # denormals made eager CPU steps ~3x slower (shared/ENV.md)
+flush_denormals()  # denormals made eager CPU steps ~3x slower (shared/ENV.md)
 
 import pytest  # noqa: E402
 

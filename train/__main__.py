@@ -107,9 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(cfg.to_dict(), indent=2, default=str))
         return 0
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    import torch
 
-    torch.set_flush_denormal(True)  # denormals made eager CPU steps ~3x slower (shared/ENV.md); no-op on GPU
+    from train import flush_denormals
+
+    flush_denormals()
     from train.distributed import cleanup
     from train.loop import Trainer
 

@@ -202,11 +202,17 @@ def s16() -> Config:
 
 
 def fast() -> Config:
-    """Best settings for one H100: bf16, token buckets, varlen Triton attention, fused norms, compile, Lion."""
+    """Best settings for one H100: bf16, packed token streams, varlen Triton attention, fused norms,
+    compile, Lion.
+
+    Packed batches (docs/ARCHITECTURE.md) give every step the same tensor shapes (one compiled graph,
+    no recompiles) and ~0.5 % padding at a 16k-token budget on the stand-in corpus, where token
+    buckets pad 12.7 % at that budget (bench/results/vocab-sweep.md).
+    """
     return Config(
-        data=_replace(DataConfig(), batching="token_bucket", max_tokens=32768, pad_multiple=16, num_workers=4),
-        model=_replace(get_preset("s18"), attn_backend="auto", norm="fused", layout="varlen"),
-        # Lion's authors: lr 3-10x below AdamW's; the larger token budget (~4x the seed's batch) lifts it.
+        data=_replace(DataConfig(), batching="packed", max_tokens=16384, num_workers=4),
+        model=_replace(get_preset("s18"), attn_backend="auto", norm="fused", layout="packed"),
+        # Lion's authors: lr 3-10x below AdamW's; the larger token budget (~8x the seed's batch) lifts it.
         optim=OptimConfig(name="lion", lr=3e-4, weight_decay=1e-1, pct_start=0.1),
         run=RunConfig(name="fast", epochs=18, precision="bf16", compile=True),
     )

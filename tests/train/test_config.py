@@ -23,7 +23,8 @@ def test_preset_contents():
     assert (m.enc_layers, m.dec_layers, m.d_model, m.n_heads, m.d_ff) == (6, 6, 512, 8, 2048)
     assert (s16.model.enc_unique, s16.model.sharing, s16.model.d_ff) == (3, "cycle_rev", 128)
     assert (s18.optim.name, s18.optim.lr, s18.optim.weight_decay, s18.optim.pct_start) == ("lion", 1e-4, 1e-2, 0.28)
-    assert (fast.run.precision, fast.run.compile, fast.data.batching, fast.model.norm) == ("bf16", True, "token_bucket", "fused")
+    assert (fast.run.precision, fast.run.compile, fast.data.batching, fast.model.norm, fast.model.layout) == (
+        "bf16", True, "packed", "fused", "packed")
     assert (base.run.precision, base.run.compile, base.data.batching, base.data.seq_len) == ("fp32", False, "fixed", 350)
     assert (base.optim.name, base.optim.lr, base.model.attn_backend, base.model.norm) == ("adam", 1e-4, "reference", "torch")
     assert get_config("tiny").run.compile is False
