@@ -9,6 +9,7 @@
 #   ladder          python3 -m bench.ladder --data-files ...     (bench/results/ladder-<gpu>.*)
 #   profile         python3 -m bench.profile --data-files ...    (bench/results/profile-<gpu>/)
 #   train-fast      python3 -m train --preset fast --epochs 18 --data-files ...   (runs/fast-18ep/)
+#   quality         python3 -m bench.quality --run runs/fast-18ep   (bench/results/quality-<gpu>.*)
 #
 # Setup (always): install the carried wheels (.whl/*.whl, from `make gpu-wheels`) offline into
 # /tmp/site and put it first on PYTHONPATH; export FASTMT_DATA_FILES from the carried .data/; set the
@@ -31,14 +32,14 @@
 # FASTMT_GIT_SHA: the commit, recorded in results when the copy on the machine has no .git.
 set -uo pipefail
 
-ALL_STEPS=(kernel-test bench-kernels ladder profile train-fast)
-declare -A DEFAULT_LIMIT=([kernel-test]=210 [bench-kernels]=330 [ladder]=300 [profile]=150 [train-fast]=540)
+ALL_STEPS=(kernel-test bench-kernels ladder profile train-fast quality)
+declare -A DEFAULT_LIMIT=([kernel-test]=210 [bench-kernels]=330 [ladder]=540 [profile]=240 [train-fast]=300 [quality]=30)
 DEADLINE_S=${GPU_RUN_DEADLINE_S:-570}
 PACK_RESERVE_S=20     # kept back from the last step for the final pack
 MAX_TGZ_BYTES=$((15 * 1024 * 1024))
 BIG_FILE_BYTES=$((2 * 1024 * 1024))
 
-usage() { sed -n '2,14p' "$0"; exit 2; }
+usage() { sed -n '2,15p' "$0"; exit 2; }
 
 STEPS=()
 for arg in "$@"; do
@@ -209,6 +210,8 @@ step_command() {  # fills CMD for step $1 given its time limit $2
         train-fast)
             read -r -a extra <<<"${TRAIN_ARGS:-}"
             CMD=("$PY" -m train --preset fast --epochs 18 --run.name fast-18ep "${data_arg[@]}" "${extra[@]}") ;;
+        quality)
+            CMD=("$PY" -m bench.quality --run runs/fast-18ep) ;;
     esac
 }
 
