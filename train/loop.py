@@ -173,6 +173,8 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
 
         self.run_dir = Path(run.out_dir) / run.name
+        if ckpt is None and self.is_main:
+            _move_aside_previous_run(self.run_dir, self.log)
         self.ckpts = CheckpointManager(self.run_dir / "checkpoints", run.keep_last,
                                        mode="max" if run.best_metric == "bleu" else "min")
         self.metrics = MetricsLogger(self.run_dir, tensorboard=run.tensorboard, enabled=self.is_main)
@@ -598,6 +600,20 @@ class Trainer:
 
         return tqdm(total=math.ceil(n_micro / accum), initial=self.batch_index // accum,
                     desc=f"epoch {epoch + 1}/{self.cfg.run.epochs}", dynamic_ncols=True, leave=False)
+
+
+def _move_aside_previous_run(run_dir: Path, log) -> None:
+    """A fresh start never mixes with (or overwrites) an earlier run of the same name: its folder is
+    renamed ``<name>.prev-<UTC time>`` first, so nothing is lost."""
+    if not run_dir.is_dir() or not any(run_dir.iterdir()):
+        return
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target = run_dir.with_name(f"{run_dir.name}.prev-{stamp}")
+    n = 1
+    while target.exists():
+        target, n = run_dir.with_name(f"{run_dir.name}.prev-{stamp}-{n}"), n + 1
+    run_dir.rename(target)
+    log(f"{run_dir} held an earlier run: moved to {target} (to continue a run instead, pass --resume auto)")
 
 
 def _check_tokenizer(ckpt: dict[str, Any], tok, path) -> None:

@@ -131,7 +131,9 @@ def plot_curves(metrics_path: str | os.PathLike, out_png: str | os.PathLike) -> 
     except ImportError:
         print("metrics: matplotlib is not installed; no curves.png")
         return None
-    rows = [r for r in read_metrics(metrics_path) if r.get("kind", "epoch") == "epoch"]
+    # one point per epoch: the last record wins (a run resumed from an earlier checkpoint re-logs epochs)
+    by_epoch = {r["epoch"]: r for r in read_metrics(metrics_path) if r.get("kind", "epoch") == "epoch"}
+    rows = [by_epoch[e] for e in sorted(by_epoch)]
     if not rows:
         return None
     ep = [r["epoch"] for r in rows]

@@ -239,3 +239,20 @@ def test_token_counts_and_packed_batches(bundle, corpus, tmp_path, batching, lay
         assert target_tokens(b) == int(lengths[b.index.numpy()].sum())
     tr.fit()
     assert tr.history[-1]["valid_loss"] > 0 and tr.step == 3
+
+
+def test_fresh_run_moves_an_earlier_run_of_the_same_name_aside(bundle, corpus, tmp_path):
+    """A second fresh start named like an earlier run neither mixes its metrics into the old file nor
+    deletes anything: the old folder is renamed; --resume auto (tested above) is the way to continue."""
+    kw = dict(epochs=1, max_batches_per_epoch=2)
+    first = Trainer(tiny_config(corpus, tmp_path, **kw), data=bundle, log=lambda *a: None)
+    first.fit()
+    old_lines = (first.run_dir / "metrics.jsonl").read_text().splitlines()
+    logs = []
+    second = Trainer(tiny_config(corpus, tmp_path, **kw), data=bundle, log=logs.append)
+    second.fit()
+    moved = [p for p in first.run_dir.parent.iterdir() if p.name.startswith(f"{first.run_dir.name}.prev-")]
+    assert len(moved) == 1 and any("moved to" in str(m) and "--resume auto" in str(m) for m in logs)
+    assert (moved[0] / "metrics.jsonl").read_text().splitlines() == old_lines
+    assert any((moved[0] / "checkpoints").iterdir())
+    assert len((second.run_dir / "metrics.jsonl").read_text().splitlines()) == 1  # its own epoch only
