@@ -346,6 +346,17 @@ class Trainer:
                 bar.close()
             del it, loader
 
+            unguarded_nonfinite = (stop_reason == "nonfinite" and not self.cfg.run.nonfinite_guard
+                                   and not self.scaler.is_enabled())
+            if unguarded_nonfinite:
+                # without the per-step guard the bad steps were applied: saving now would make
+                # `--resume auto` continue from corrupted weights
+                last_good = latest_checkpoint(self.run_dir / "checkpoints")
+                raise NonFiniteLossError(
+                    f"non-finite loss read at step {self.step} with run.nonfinite_guard off, so non-finite steps "
+                    f"were not skipped and the weights may be corrupted; nothing was saved. Resume from the last "
+                    f"good checkpoint ({last_good or 'none yet'}) with --run.nonfinite_guard true, or lower --optim.lr"
+                )
             if self.batch_index >= n_micro:
                 path = self._end_epoch(epoch)
             else:

@@ -69,6 +69,16 @@ def test_fp32_nonfinite_skips_then_stops_with_checkpoint(bundle, corpus, tmp_pat
     assert ckpt["position"]["batch_index"] == 3 and ckpt["position"]["skipped_steps"] == 3
 
 
+def test_unguarded_nonfinite_stops_without_saving_corrupted_weights(bundle, corpus, tmp_path):
+    """With the per-step guard off (no host sync per step), a non-finite loss is found at the next
+    read-back; those steps were applied, so nothing is saved for --resume auto to pick up."""
+    tr = _trainer(bundle, corpus, tmp_path, nonfinite_guard=False, log_every=2)
+    _poison(tr)
+    with pytest.raises(NonFiniteLossError, match="nonfinite_guard off.*nothing was saved.*none yet"):
+        tr.fit()
+    assert tr.step == 2 and not step_checkpoints(tr.run_dir / "checkpoints")
+
+
 def _merge(batches):
     """One Batch holding the rows of ``batches``, padded to the widest."""
     from data import Batch
