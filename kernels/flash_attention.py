@@ -610,7 +610,7 @@ def flash_attn_fwd(
     if out.numel() == 0 or rows_q == 0:
         return out.zero_(), lse.fill_(float("inf"))
     grid = lambda meta: (triton.cdiv(rows_q, meta["BLOCK_M"]), H, B)  # noqa: E731
-    torch.library.wrap_triton(_attn_fwd_kernel)[grid](
+    _attn_fwd_kernel[grid](
         q, k, v, out, lse, seq_q, seq_k,
         *_row_strides(q), *_row_strides(k), *_row_strides(v), *_row_strides(out), *_stats_strides(lse),
         ext_q, ext_k, softmax_scale * LOG2E, _bucket(rows_q),
@@ -635,20 +635,20 @@ def flash_attn_bwd(
     delta = empty(*lse.shape, dtype=torch.float32, device=q.device)
     stats = _stats_strides(lse)
     BLOCK = 16 if interpreting() else 64
-    torch.library.wrap_triton(_attn_bwd_preprocess_kernel)[(triton.cdiv(rows_q, BLOCK), H, B)](
+    _attn_bwd_preprocess_kernel[(triton.cdiv(rows_q, BLOCK), H, B)](
         out, do, delta, seq_q, *_row_strides(out), *_row_strides(do), *stats, ext_q,
         HEAD_DIM=D, VARLEN=varlen, BLOCK_M=BLOCK,
     )
     common = dict(HEAD_DIM=D, CAUSAL=causal, VARLEN=varlen, FP32_DOT=_fp32_dot(q.dtype))
     strides_in = (*_row_strides(q), *_row_strides(k), *_row_strides(v), *_row_strides(do))
     grid_kv = lambda meta: (triton.cdiv(rows_k, meta["BLOCK_N"]), H, B)  # noqa: E731
-    torch.library.wrap_triton(_attn_bwd_dkdv_kernel)[grid_kv](
+    _attn_bwd_dkdv_kernel[grid_kv](
         q, k, v, do, lse, delta, dk, dv, seq_q, seq_k,
         *strides_in, *_row_strides(dk), *_row_strides(dv), *stats,
         ext_q, ext_k, softmax_scale * LOG2E, softmax_scale, _bucket(rows_k), **common,
     )
     grid_q = lambda meta: (triton.cdiv(rows_q, meta["BLOCK_M"]), H, B)  # noqa: E731
-    torch.library.wrap_triton(_attn_bwd_dq_kernel)[grid_q](
+    _attn_bwd_dq_kernel[grid_q](
         q, k, v, do, lse, delta, dq, seq_q, seq_k,
         *strides_in, *_row_strides(dq), *stats,
         ext_q, ext_k, softmax_scale * LOG2E, softmax_scale, _bucket(rows_q), **common,

@@ -288,7 +288,7 @@ def ln_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res
     if M == 0:
         return y, s, mean, rstd
     grid = lambda meta: (triton.cdiv(M, meta["ROWS"]),)  # noqa: E731
-    torch.library.wrap_triton(_ln_fwd_kernel)[grid](
+    _ln_fwd_kernel[grid](
         x2, r2 if r2 is not None else x2, weight, bias if bias is not None else weight,
         y, s if residual is not None else y, mean, rstd,
         x2.stride(0), r2.stride(0) if r2 is not None else 0, N, N,
@@ -317,7 +317,7 @@ def ln_bwd(dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, weight: t
     dw_partial = empty(G, N, dtype=torch.float32, device=s.device)
     db_partial = empty(G, N, dtype=torch.float32, device=s.device)
     if M > 0:
-        torch.library.wrap_triton(_ln_bwd_kernel)[(G,)](
+        _ln_bwd_kernel[(G,)](
             dy2, ds2 if ds2 is not None else dy2, s2, weight, bias if bias is not None else weight,
             mean, rstd, dx, dw_partial, db_partial,
             dy2.stride(0), ds2.stride(0) if ds2 is not None else 0, s2.stride(0), N,
