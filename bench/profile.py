@@ -106,11 +106,14 @@ def profile_config(preset: str, *, smoke: bool, data_files: Sequence[str], work:
                               nonfinite_guard=False, tensorboard=False, progress=False, plot=False,
                               test_at_end=False)
     data = dataclasses.replace(cfg.data, data_files=tuple(data_files), num_workers=0)
-    if smoke:
+    model = cfg.model
+    if smoke:  # the tiny model, keeping the preset's layout and kernel switches (packed stays packed)
         run = dataclasses.replace(run, device="cpu", compile_backend="aot_eager")
         data = dataclasses.replace(data, vocab_size=400, max_len=32, max_tokens=512, pad_multiple=8,
                                    valid_size=40, test_size=40, cache_dir=str(work / "cache"))
-    return dataclasses.replace(cfg, data=data, run=run)
+        model = dataclasses.replace(get_config("tiny").model, layout=model.layout, norm=model.norm,
+                                    attn_backend=model.attn_backend, ffn_norm=model.ffn_norm)
+    return dataclasses.replace(cfg, data=data, model=model, run=run)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -187,8 +190,7 @@ def run_profile(preset: str, *, smoke: bool, data_files: Sequence[str], out_dir:
         # explain: dynamo's own account of one forward of the compiled module on the first batch
         b = batches[0].to(device)
         with trainer.autocast:
-            expl = explain(trainer.loss_module, b.src, b.tgt_in, b.tgt_out, b.src_lengths, b.tgt_lengths,
-                           b.cu_seqlens_src, b.cu_seqlens_tgt, b.src.shape[1], b.tgt_in.shape[1])
+            expl = explain(trainer.loss_module, b.tgt_out, **b.model_inputs(static_max_len=True))
     rows, text = top_kernels(prof, cuda)
     del trainer, prof
     if trace_path.stat().st_size > TRACE_GZIP_BYTES:

@@ -20,6 +20,7 @@ C_tgt, N for the whole run, k real pairs:
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,6 +44,7 @@ class Batch:
     max_src_len: int  # unpadded maxima, python ints (no host sync needed); packed: the static max_len
     max_tgt_len: int
     num_real_tokens: int  # src + tgt tokens incl. EOS / BOS, python int
+    num_target_tokens: int  # real target tokens (tgt_out positions the loss counts), python int
     src_pos: torch.Tensor | None = None  # packed: (1, C_src) int32 position inside the segment; else None
     tgt_pos: torch.Tensor | None = None  # packed: (1, C_tgt) int32; else None
     packed: bool = False  # True for batching="packed"
@@ -55,6 +57,22 @@ class Batch:
     def __len__(self) -> int:
         """Number of real pairs (packed: k, not the stream's batch dim of 1)."""
         return self.index.shape[0]
+
+    def model_inputs(self, *, static_max_len: bool = False) -> dict[str, Any]:
+        """Keyword arguments of ``models.Transformer.forward`` for this batch, in every layout.
+
+        ``static_max_len``: pass the padded widths as the max lengths (an upper bound is valid). Compiled
+        models want this for padded batches: the unpadded maxima are new python ints almost every batch
+        (a recompile each); packed batches already carry the run's static bound.
+        """
+        padded_bound = static_max_len and not self.packed
+        return dict(
+            src=self.src, tgt_in=self.tgt_in, src_lengths=self.src_lengths, tgt_lengths=self.tgt_lengths,
+            cu_seqlens_src=self.cu_seqlens_src, cu_seqlens_tgt=self.cu_seqlens_tgt,
+            max_src_len=self.src.shape[1] if padded_bound else self.max_src_len,
+            max_tgt_len=self.tgt_in.shape[1] if padded_bound else self.max_tgt_len,
+            src_pos=self.src_pos, tgt_pos=self.tgt_pos,
+        )
 
     def _map(self, fn) -> Batch:
         return Batch(
@@ -129,6 +147,7 @@ class Collator:
             max_src_len=int(sl.max()),
             max_tgt_len=int(tl.max()),
             num_real_tokens=int(cu_s[-1]) + int(cu_t[-1]),
+            num_target_tokens=int(cu_t[-1]),
         )
 
 
@@ -213,6 +232,7 @@ class PackedCollator:
             max_src_len=L.max_len,
             max_tgt_len=L.max_len,
             num_real_tokens=used_s + used_t,
+            num_target_tokens=used_t,
             src_pos=torch.from_numpy(_positions(seg_s, used_s)),
             tgt_pos=torch.from_numpy(_positions(seg_t, used_t)),
             packed=True,

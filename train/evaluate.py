@@ -6,27 +6,23 @@ import time
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+
+from train.loss import SummedCrossEntropy
 
 
 @torch.no_grad()
 def split_loss(model, bundle, split: str, device: torch.device, autocast) -> float:
     """Mean cross-entropy per real target token over ``split`` (no label smoothing, pad ignored)."""
-    from train.loop import target_tokens
-
     was_training = model.training
     model.eval()
-    pad = bundle.tokenizer.pad_id
+    loss = SummedCrossEntropy(model, bundle.tokenizer.pad_id, label_smoothing=0.0)
     total = torch.zeros((), dtype=torch.float64, device=device)
     n_tokens = 0
     for batch in bundle.loader(split, shuffle=False):
         b = batch.to(device, non_blocking=True)
         with autocast:
-            logits = model(b.src, b.tgt_in, b.src_lengths, b.tgt_lengths, b.cu_seqlens_src, b.cu_seqlens_tgt,
-                           b.max_src_len, b.max_tgt_len, getattr(b, "src_pos", None), getattr(b, "tgt_pos", None))
-        total += F.cross_entropy(logits.float().flatten(0, 1), b.tgt_out.long().flatten(), ignore_index=pad,
-                                 reduction="sum")
-        n_tokens += target_tokens(batch)  # host-side count from the CPU batch
+            total += loss(b.tgt_out, **b.model_inputs())
+        n_tokens += batch.num_target_tokens  # host-side count from the CPU batch
     model.train(was_training)
     return float(total) / max(n_tokens, 1)  # host sync: once per evaluation
 

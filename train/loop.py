@@ -36,12 +36,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from train.checkpoint import CheckpointManager, latest_checkpoint, load_checkpoint, rng_state, set_rng_state
 from train.config import Config
 from train.distributed import DistInfo, barrier, init_distributed
+from train.loss import SummedCrossEntropy
 from train.metrics import MetricsLogger, plot_curves, provenance
 from train.optim import build_optimizer, build_scheduler
 
@@ -50,38 +50,6 @@ H100_BF16_DENSE_FLOPS = 989e12  # H100 SXM dense bf16 tensor-core peak (FLOP/s),
 
 class NonFiniteLossError(RuntimeError):
     pass
-
-
-class SmoothedCrossEntropy(nn.Module):
-    """Wraps the model so that forward returns the *summed* label-smoothed CE over real target tokens.
-
-    Compiling this wrapper (rather than the bare model) lets torch.compile fuse the loss with the
-    output projection; DDP wraps it so gradients reach the shared parameters once.
-    """
-
-    def __init__(self, model: nn.Module, pad_id: int, label_smoothing: float):
-        super().__init__()
-        self.model = model
-        self.pad_id = pad_id
-        self.label_smoothing = label_smoothing
-
-    def forward(self, src, tgt_in, tgt_out, src_lengths, tgt_lengths, cu_seqlens_src, cu_seqlens_tgt,
-                max_src_len, max_tgt_len, src_pos=None, tgt_pos=None) -> torch.Tensor:
-        logits = self.model(src, tgt_in, src_lengths, tgt_lengths, cu_seqlens_src, cu_seqlens_tgt,
-                            max_src_len, max_tgt_len, src_pos, tgt_pos)  # (B, T, V); packed (1, C_tgt, V)
-        return F.cross_entropy(logits.float().flatten(0, 1), tgt_out.long().flatten(), ignore_index=self.pad_id,
-                               reduction="sum", label_smoothing=self.label_smoothing)
-
-
-def target_tokens(batch) -> int:
-    """Real target tokens of a CPU batch, by host arithmetic (no device sync).
-
-    Padded modes: the sum of ``tgt_lengths``. Packed streams: their lengths also cover the dummy tail
-    segments, so count the non-pad positions of ``tgt_out`` (pad id 0, the data contract).
-    """
-    if getattr(batch, "packed", False):
-        return int(batch.tgt_out.count_nonzero())
-    return int(batch.tgt_lengths.sum())
 
 
 def _amp_dtype(precision: str) -> torch.dtype | None:
@@ -135,7 +103,7 @@ class Trainer:
 
         self.model = Transformer(cfg.model).to(self.device)  # the un-compiled module: checkpoints hold this
         self.params = count_params(self.model)
-        self.loss_module = SmoothedCrossEntropy(self.model, tok.pad_id, cfg.optim.label_smoothing)
+        self.loss_module = SummedCrossEntropy(self.model, tok.pad_id, cfg.optim.label_smoothing)
         self.ddp = None
         step_module: nn.Module = self.loss_module
         if self.dist.distributed:
@@ -196,26 +164,18 @@ class Trainer:
         """
         if not isinstance(batches, Sequence):
             batches = [batches]
-        n_tgt = sum(target_tokens(b) for b in batches)  # CPU tensors: host arithmetic, no sync
+        n_tgt = sum(b.num_target_tokens for b in batches)  # python ints from the collate: no sync
         self.model.train()
         total = torch.zeros((), device=self.device)
         try:
             for i, cpu_batch in enumerate(batches):
                 b = cpu_batch.to(self.device, non_blocking=True)  # pinned memory -> async H2D copy
-                if self.compiled and not getattr(b, "packed", False):  # packed: already the static max_len
-                    # pass the padded widths (a bounded set) as max lengths: an upper bound is valid, and
-                    # the unpadded maxima would be new python ints almost every batch (recompiles)
-                    max_src, max_tgt = b.src.shape[1], b.tgt_in.shape[1]
-                else:
-                    max_src, max_tgt = b.max_src_len, b.max_tgt_len
                 self.shapes_seen.add((b.src.shape[0], b.src.shape[1], b.tgt_in.shape[1]))
                 last = i == len(batches) - 1
                 sync = self.ddp.no_sync() if (self.ddp is not None and not last) else contextlib.nullcontext()
                 with sync:
                     with self.autocast:
-                        loss_sum = self.step_module(b.src, b.tgt_in, b.tgt_out, b.src_lengths, b.tgt_lengths,
-                                                    b.cu_seqlens_src, b.cu_seqlens_tgt, max_src, max_tgt,
-                                                    getattr(b, "src_pos", None), getattr(b, "tgt_pos", None))
+                        loss_sum = self.step_module(b.tgt_out, **b.model_inputs(static_max_len=self.compiled))
                     loss = loss_sum / n_tgt
                     self.scaler.scale(loss).backward()
                 total += loss.detach()
@@ -304,7 +264,7 @@ class Trainer:
                 group.append(batch)
                 if len(group) < accum and self.batch_index + len(group) < n_micro:
                     continue
-                n_tgt = sum(target_tokens(b) for b in group)
+                n_tgt = sum(b.num_target_tokens for b in group)
                 loss = self.train_step(group)
                 self.batch_index += len(group)
                 steps_this_call += 1

@@ -29,6 +29,19 @@ def test_profile_smoke_tiny_has_no_graph_breaks(tmp_path):
     assert "Graph breaks: **none**" in report and "| name |" in (out / "top_kernels.md").read_text()
 
 
+def test_profile_smoke_packed_preset(tmp_path):
+    """The `fast` preset's packed layout (static-shape streams, positions from the batch) profiles end to end
+    with the tiny model: the model arguments come from the batch itself (they crashed on the H100)."""
+    corpus = write_toy_corpus(tmp_path / "toy.jsonl", n=300)
+    cfg = P.profile_config("fast", smoke=True, data_files=[str(corpus)], work=tmp_path / "work")
+    assert (cfg.data.batching, cfg.model.layout, cfg.model.d_model) == ("packed", "packed", 64)
+    r = P.run_profile("fast", smoke=True, data_files=[str(corpus)], out_dir=tmp_path / "out", warmup=1, active=1,
+                      work=tmp_path / "work", log=lambda *_: None)
+    assert r["shapes"] == 1  # every packed batch has the same shapes
+    assert r["steps"]["graph_breaks"] == 0 and r["explain"]["graph_breaks"] == 0
+    assert r["explain"]["graphs"] == 1 and r["recompiles_while_profiling"] == 0
+
+
 def _breaks(x):
     y = x.sin()
     print("a print is a graph break")  # noqa: T201 - the point of this function

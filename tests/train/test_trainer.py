@@ -34,7 +34,7 @@ def _params(model):
 def _poison(trainer):
     """Make every loss infinite (as an fp16 overflow would)."""
     good = trainer.step_module
-    trainer.step_module = lambda *args: good(*args) * float("inf")
+    trainer.step_module = lambda *args, **kwargs: good(*args, **kwargs) * float("inf")
     return good
 
 
@@ -98,7 +98,8 @@ def _merge(batches):
                  cu_seqlens_src=torch.cat([zero, src_len.cumsum(0).int()]),
                  cu_seqlens_tgt=torch.cat([zero, tgt_len.cumsum(0).int()]),
                  index=torch.cat([b.index for b in batches]), max_src_len=int(src_len.max()),
-                 max_tgt_len=int(tgt_len.max()), num_real_tokens=sum(b.num_real_tokens for b in batches))
+                 max_tgt_len=int(tgt_len.max()), num_real_tokens=sum(b.num_real_tokens for b in batches),
+                 num_target_tokens=sum(b.num_target_tokens for b in batches))
 
 
 def test_accumulation_equals_one_big_batch(bundle, corpus, tmp_path):
@@ -223,7 +224,7 @@ def test_compiled_step_matches_eager(bundle, corpus, tmp_path):
 def test_out_of_memory_suggests_a_smaller_budget(bundle, corpus, tmp_path):
     tr = _trainer(bundle, corpus, tmp_path)
 
-    def oom(*args):
+    def oom(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     tr.step_module = oom
@@ -235,8 +236,6 @@ def test_out_of_memory_suggests_a_smaller_budget(bundle, corpus, tmp_path):
 def test_token_counts_and_packed_batches(bundle, corpus, tmp_path, batching, layout):
     """The loss normaliser counts real target tokens (packed streams: not their dummy tail segments),
     and a packed run trains and evaluates end to end."""
-    from train.loop import target_tokens
-
     cfg = tiny_config(corpus, tmp_path, epochs=1, max_batches_per_epoch=3)
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batching=batching),
                               model=dataclasses.replace(cfg.model, layout=layout))
@@ -246,7 +245,7 @@ def test_token_counts_and_packed_batches(bundle, corpus, tmp_path, batching, lay
     tr = Trainer(cfg, data=data, log=lambda *a: None)
     lengths = data.splits["train"].tgt_lengths
     for b in _first_batches(tr, 3):
-        assert target_tokens(b) == int(lengths[b.index.numpy()].sum())
+        assert b.num_target_tokens == int(lengths[b.index.numpy()].sum())
     tr.fit()
     assert tr.history[-1]["valid_loss"] > 0 and tr.step == 3
 
