@@ -362,9 +362,12 @@ class Transformer(nn.Module):
         x = x + (pos_table(pos) if pos_table is not None else self.pos_table[pos])
         return self.drop(x)
 
+    def output_weight(self) -> torch.Tensor:
+        """(V, d_model) output projection: the shared embedding when tied."""
+        return self.src_embed.weight if self.lm_head is None else self.lm_head.weight
+
     def _project(self, h: torch.Tensor) -> torch.Tensor:
-        w = self.src_embed.weight if self.lm_head is None else self.lm_head.weight  # (V, d_model)
-        return F.linear(h, w)
+        return F.linear(h, self.output_weight())
 
     def _check_packed_inputs(self, src, tgt_in, cu_seqlens_src, cu_seqlens_tgt, max_src_len, max_tgt_len,
                              src_pos, tgt_pos) -> None:
@@ -398,7 +401,8 @@ class Transformer(nn.Module):
 
     # -- training forward ---------------------------------------------------------------------------
     def forward(self, src, tgt_in, src_lengths, tgt_lengths, cu_seqlens_src=None, cu_seqlens_tgt=None,
-                max_src_len=None, max_tgt_len=None, src_pos=None, tgt_pos=None) -> torch.Tensor:
+                max_src_len=None, max_tgt_len=None, src_pos=None, tgt_pos=None, *,
+                return_hidden: bool = False) -> torch.Tensor:
         """src (B, S), tgt_in (B, T) int token ids; lengths int32 (B,) -> logits (B, T, V).
 
         Packed layout: src (1, C_src), tgt_in (1, C_tgt) streams; lengths (N,), cu_seqlens (N+1,) int32;
@@ -406,7 +410,8 @@ class Transformer(nn.Module):
         each segment -> logits (1, C_tgt, V).
 
         Logits at padded target positions (packed: tail padding) are unspecified (the loss ignores
-        them). No log_softmax: the cross-entropy applies it.
+        them). No log_softmax: the cross-entropy applies it. ``return_hidden``: the final decoder states
+        (B, T, d_model) (packed (1, C_tgt, d_model)) instead, for a loss that fuses the projection.
         """
         packed = self.cfg.layout == "packed"
         if packed:
@@ -425,7 +430,7 @@ class Transformer(nn.Module):
             B, T = tgt_in.shape
             flat = h.new_zeros(B * T, h.shape[-1]).index_copy(0, tgt_side.index, h)
             h = rearrange(flat, "(b t) d -> b t d", b=B)
-        return self._project(h)  # (B, T, V); packed (1, C_tgt, V)
+        return h if return_hidden else self._project(h)  # (B, T, V); packed (1, C_tgt, V)
 
     # -- incremental decoding -------------------------------------------------------------------
     def start_decoding(self, src, src_lengths, max_len: int) -> DecodeState:

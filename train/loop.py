@@ -1,28 +1,18 @@
-"""The training loop: ``Trainer(cfg).fit()``, and ``Trainer.train_step(batch)`` for the benchmark ladder.
+"""The Trainer: wires data, model, optimizer, compile, step, evaluation, checkpoints and records.
 
-One optimizer step (``train_step``), in order:
-  1. count the real target tokens of the micro-batches on the host (CPU tensors: no device sync);
-  2. per micro-batch: non-blocking copy to the device, forward under the autocast context built once
-     in ``__init__``, summed label-smoothed cross-entropy / total target tokens of the step (so k
-     micro-batches give the gradient of one big batch), ``scaler.scale(loss).backward()``; DDP
-     all-reduces only on the last micro-batch (``no_sync`` before). Under DDP each rank normalises
-     by its own token count and DDP averages, i.e. a mean of per-rank token means (an all-reduce of
-     the counts would cost a sync per step; the token-bucket batches make the counts near-equal);
-  3. fp16: ``scaler.unscale_``; clip the global grad norm (after unscale);
-  4. non-finite guard, then ``optimizer.step()``; the scheduler steps only if the optimizer did;
-  5. ``zero_grad(set_to_none=True)``.
+``Trainer(cfg).fit()`` trains for ``run.epochs`` (or ``run.max_steps`` / ``run.max_wall_seconds``),
+evaluating every ``eval.every`` epochs; ``Trainer.train_step(batches)`` is one optimizer step (the
+benchmark ladder calls it). The step itself lives in train/step.py, the objective (wall seconds to each
+BLEU threshold, early stopping) in train/objective.py, compilation in train/compile.py.
 
 Host syncs (the only places the CPU waits for the device):
-  - fp16: ``GradScaler.step`` reads its inf flag, and we read the scale (one per step, inherent);
-  - bf16/fp32 with ``run.nonfinite_guard``: one bool per step (turn the guard off for benchmarks: a
-    NaN is then caught at the next log read-back and the run stops);
-  - the running loss, every ``run.log_every`` steps, and once at the end of an epoch;
-  - evaluation (validation loss, beam search) and checkpointing, once per epoch.
+  - logging steps (every ``run.log_every`` optimizer steps): the loss and the skipped-step counters;
+  - epoch ends: the epoch's loss sums, evaluation (validation loss, decoding) and the checkpoint.
+A training step syncs nowhere else: the non-finite guard and fp16's GradScaler decide on the device.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -32,6 +22,7 @@ import signal
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +30,14 @@ import torch
 from torch import nn
 
 from train.checkpoint import CheckpointManager, latest_checkpoint, load_checkpoint, rng_state, set_rng_state
+from train.compile import compile_for_training, compiled_graphs, configure_caches
 from train.config import Config
 from train.distributed import DistInfo, barrier, init_distributed
 from train.loss import SummedCrossEntropy
 from train.metrics import MetricsLogger, plot_curves, provenance
+from train.objective import BleuClock
 from train.optim import build_optimizer, build_scheduler
+from train.step import StepCounters, forward_backward, optimizer_step
 
 H100_BF16_DENSE_FLOPS = 989e12  # H100 SXM dense bf16 tensor-core peak (FLOP/s), the MFU denominator
 
@@ -60,6 +54,57 @@ def _quiet(*_args, **_kwargs):
     pass
 
 
+@dataclass
+class EpochStats:
+    """What one epoch accumulates; the loss sums stay on the device until the epoch ends."""
+
+    loss_sum: torch.Tensor  # float64 sum of (step loss x its target tokens)
+    last_loss: torch.Tensor | None = None  # the last step's loss (device)
+    tgt_tokens: int = 0
+    src_tokens: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    micro_batches: int = 0
+    sentences: int = 0
+    seconds: float = 0.0  # training seconds before the current stretch (resume)
+    t0: float = 0.0  # perf_counter at the start of the current stretch
+
+    @classmethod
+    def new(cls, device: torch.device) -> EpochStats:
+        return cls(loss_sum=torch.zeros((), dtype=torch.float64, device=device), t0=time.perf_counter())
+
+    def add(self, loss: torch.Tensor, batches: Sequence) -> None:
+        n_tgt = sum(b.num_target_tokens for b in batches)
+        self.loss_sum += loss.detach().double() * n_tgt  # device-side: no sync
+        self.last_loss = loss.detach()
+        self.tgt_tokens += n_tgt
+        real = sum(b.num_real_tokens for b in batches)
+        self.real_tokens += real
+        self.src_tokens += real - n_tgt
+        self.padded_tokens += sum(b.num_padded_tokens for b in batches)
+        self.micro_batches += len(batches)
+        self.sentences += sum(len(b) for b in batches)
+
+    def elapsed(self) -> float:
+        return self.seconds + (time.perf_counter() - self.t0)
+
+    def state_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("t0", "last_loss")}
+        d["loss_sum"] = self.loss_sum.detach().cpu()
+        d["seconds"] = self.elapsed()
+        return d
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], device: torch.device) -> EpochStats:
+        s = cls.new(device)
+        for k, v in state.items():
+            if k in ("t0", "last_loss") or not hasattr(s, k):
+                continue
+            setattr(s, k, v.to(device) if isinstance(v, torch.Tensor) else v)
+        s.t0 = time.perf_counter()
+        return s
+
+
 class Trainer:
     """Builds everything from a ``Config``: data, model, optimizer, schedule, scaler, logging, checkpoints.
 
@@ -73,14 +118,7 @@ class Trainer:
         self.is_main = self.dist.is_main
         self.log = log if self.is_main else _quiet
         run = cfg.run
-        if self.device.type == "cpu" and run.cpu_threads is not None:
-            torch.set_num_threads(run.cpu_threads)
-        if self.device.type == "cuda" and run.precision != "fp32":
-            # fp32 matmuls left outside autocast may use TF32; the fp32 baseline keeps full precision
-            torch.set_float32_matmul_precision("high")
-
-        if run.precision == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            raise ValueError("this GPU has no bf16; use --run.precision fp16")
+        _configure_backend(cfg, self.device)
 
         resume_path = self._resolve_resume(cfg, resume)
         ckpt = load_checkpoint(resume_path) if resume_path is not None else None
@@ -104,6 +142,8 @@ class Trainer:
         self.model = Transformer(cfg.model).to(self.device)  # the un-compiled module: checkpoints hold this
         self.params = count_params(self.model)
         self.loss_module = SummedCrossEntropy(self.model, tok.pad_id, cfg.optim.label_smoothing)
+        # flat parameter groups first: DDP and compile must see the parameters' final storage
+        self.optimizer, self.flat = build_optimizer(self.model, cfg.optim, self.device)
         self.ddp = None
         step_module: nn.Module = self.loss_module
         if self.dist.distributed:
@@ -112,13 +152,14 @@ class Trainer:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.ddp = step_module = DDP(self.loss_module, device_ids=ids)
         self.compiled = run.compile if run.compile is not None else self.device.type == "cuda"
+        self.compile_caches = {}
         if self.compiled:
-            step_module = torch.compile(step_module, backend=run.compile_backend,
-                                        mode=None if run.compile_mode == "default" else run.compile_mode,
-                                        dynamic=run.compile_dynamic)
+            self.compile_caches = configure_caches(run.cache_dir)
+            step_module = compile_for_training(step_module, self.loss_module, scope=run.compile_scope,
+                                               backend=run.compile_backend, mode=run.compile_mode,
+                                               dynamic=run.compile_dynamic)
         self.step_module = step_module
 
-        self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
         self.steps_per_epoch = self._steps_in_epoch(0)
         # token buckets are re-cut every epoch, so batch counts differ a little: plan each epoch
         planned = sum(self._steps_in_epoch(e) for e in range(run.epochs))
@@ -133,21 +174,22 @@ class Trainer:
         # position and counters (all saved in checkpoints)
         self.epoch = 0  # current epoch (0-based)
         self.batch_index = 0  # micro-batches of this epoch already consumed
-        self.step = 0  # optimizer steps taken (skipped steps excluded)
-        self.skipped_steps = 0  # steps skipped for a non-finite loss or by the fp16 scaler
-        self.nonfinite_in_row = 0
-        self._epoch_acc = self._new_epoch_acc()
+        self.step = 0  # optimizer steps taken (a step the guard skipped on the device counts too)
+        self.counters = StepCounters(self.device)
+        self.stats = EpochStats.new(self.device)
+        self.clock = BleuClock(cfg.eval.bleu_thresholds, cfg.eval.patience)
         self.shapes_seen: set[tuple[int, ...]] = set()
         self.history: list[dict[str, Any]] = []
+        self._last_grad_norm = None
 
         self.run_dir = Path(run.out_dir) / run.name
         if ckpt is None and self.is_main:
             _move_aside_previous_run(self.run_dir, self.log)
         self.ckpts = CheckpointManager(self.run_dir / "checkpoints", run.keep_last,
-                                       mode="max" if run.best_metric == "bleu" else "min")
+                                       mode="max" if cfg.eval.best_metric == "bleu" else "min")
         self.metrics = MetricsLogger(self.run_dir, tensorboard=run.tensorboard, enabled=self.is_main)
         self._pending_rng = None
-        self._stop_requested = False
+        self._stop_signal: str | None = None
         if ckpt is not None:
             _warn_config_changes(ckpt["config"], cfg.to_dict(), self.log)
             self._load_state(ckpt)
@@ -159,87 +201,56 @@ class Trainer:
     def train_step(self, batches) -> torch.Tensor:
         """One optimizer step over one Batch or a sequence of micro-batches (gradient accumulation).
 
-        Returns the step's mean label-smoothed loss per real target token as a 0-d device tensor
-        (no host sync here unless fp16 or the non-finite guard needs one, see the module docstring).
+        Returns the step's mean label-smoothed loss per real target token as a 0-d device tensor. No host
+        sync: a non-finite loss or gradient skips the update on the device (``skipped_steps`` counts it).
         """
         if not isinstance(batches, Sequence):
             batches = [batches]
-        n_tgt = sum(b.num_target_tokens for b in batches)  # python ints from the collate: no sync
         self.model.train()
-        total = torch.zeros((), device=self.device)
         try:
-            for i, cpu_batch in enumerate(batches):
-                b = cpu_batch.to(self.device, non_blocking=True)  # pinned memory -> async H2D copy
-                self.shapes_seen.add((b.src.shape[0], b.src.shape[1], b.tgt_in.shape[1]))
-                last = i == len(batches) - 1
-                sync = self.ddp.no_sync() if (self.ddp is not None and not last) else contextlib.nullcontext()
-                with sync:
-                    with self.autocast:
-                        loss_sum = self.step_module(b.tgt_out, **b.model_inputs(static_max_len=self.compiled))
-                    loss = loss_sum / n_tgt
-                    self.scaler.scale(loss).backward()
-                total += loss.detach()
+            loss = forward_backward(self.step_module, batches, device=self.device, autocast=self.autocast,
+                                    scaler=self.scaler, ddp=self.ddp, on_batch=self._see_shape)
         except torch.OutOfMemoryError as e:
+            d = self.cfg.data
             raise torch.OutOfMemoryError(
-                f"out of memory with data.max_tokens={self.cfg.data.max_tokens} (batching={self.cfg.data.batching}, "
-                f"batch_size={self.cfg.data.batch_size}): use a smaller token budget, e.g. --data.max_tokens "
-                f"{self.cfg.data.max_tokens // 2}, with --optim.accum_steps {2 * self.cfg.optim.accum_steps} to keep "
-                f"the effective batch, or --model.checkpointing true"
+                f"out of memory with data.max_tokens={d.max_tokens} (batching={d.batching}, batch_size="
+                f"{d.batch_size}): use a smaller token budget, e.g. --data.max_tokens {d.max_tokens // 2}, with "
+                f"--optim.accum_steps {2 * self.cfg.optim.accum_steps} to keep the effective batch, or "
+                f"--model.checkpointing true"
             ) from e
+        self._last_grad_norm = optimizer_step(self.optimizer, self.flat, self.scheduler, self.scaler, self.counters,
+                                              loss, grad_clip=self.cfg.optim.grad_clip,
+                                              guard=self.cfg.run.nonfinite_guard,
+                                              step_scheduler=self.step + 1 < self.total_steps)
+        self.step += 1
+        return loss
 
-        self.scaler.unscale_(self.optimizer)  # no-op unless fp16; clipping must see unscaled grads
-        grad_norm = None
-        if self.cfg.optim.grad_clip is not None:
-            grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip, foreach=True)
+    def _see_shape(self, b) -> None:
+        self.shapes_seen.add((b.src.shape[0], b.src.shape[1], b.tgt_in.shape[1]))
 
-        if self.scaler.is_enabled():
-            scale = self.scaler.get_scale()  # host sync (fp16 only)
-            self.scaler.step(self.optimizer)  # skips the step when grads hold inf/NaN
-            self.scaler.update()
-            stepped = self.scaler.get_scale() >= scale  # the scale drops only after a skipped step
-        elif self.cfg.run.nonfinite_guard:
-            finite = torch.isfinite(total)
-            if grad_norm is not None:
-                finite &= torch.isfinite(grad_norm)
-            stepped = bool(finite)  # host sync: one bool per step (run.nonfinite_guard)
-            if stepped:
-                self.optimizer.step()
-        else:
-            self.optimizer.step()
-            stepped = True
-
-        if stepped:
-            self.step += 1
-            # only after a real optimizer step (seeds: skipped with the scaler), and not past the plan:
-            # OneCycle extrapolates (a negative lr) and then raises beyond total_steps
-            if self.step < self.total_steps:
-                self.scheduler.step()
-            self.nonfinite_in_row = 0
-        else:
-            self.skipped_steps += 1
-            self.nonfinite_in_row += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        self._last_grad_norm = grad_norm
-        return total
+    @property
+    def skipped_steps(self) -> int:
+        """Steps whose update was skipped (non-finite); reading it syncs the host."""
+        return int(self.counters.skipped)
 
     # ------------------------------------------------------------------------------------------
     # the epoch loop
     # ------------------------------------------------------------------------------------------
     def fit(self, stop_after: int | None = None) -> dict[str, Any]:
-        """Train for ``run.epochs`` (or ``run.max_steps``); evaluate and checkpoint every epoch.
+        """Train for ``run.epochs`` (or ``run.max_steps`` / ``run.max_wall_seconds``); evaluate and checkpoint.
 
         ``stop_after``: interrupt after this many optimizer steps *in this call*, writing a checkpoint
         (a preemption drill: the run resumes exactly from it). Returns a summary dict.
         """
-        previous_handler = self._install_sigint()
+        restore = self._install_signal_handlers()
         try:
             return self._fit(stop_after)
         finally:
-            if previous_handler is not None:
-                signal.signal(signal.SIGINT, previous_handler)
+            for sig, handler in restore.items():
+                signal.signal(sig, handler)
 
     def _fit(self, stop_after: int | None) -> dict[str, Any]:
-        run, accum = self.cfg.run, self.cfg.optim.accum_steps
+        run = self.cfg.run
         self._write_provenance()
         t_fit = time.perf_counter()
         steps_this_call = 0
@@ -253,89 +264,69 @@ class Trainer:
             if self._pending_rng is not None:  # after iter(): creating the iterator draws from the torch RNG
                 set_rng_state(self._pending_rng)
                 self._pending_rng = None
-            acc = self._epoch_acc
-            acc["t0"] = time.perf_counter()
-            bar = self._progress(epoch, n_micro, accum)
-            t_last_log, tok_last_log = time.perf_counter(), acc["real_tokens"]
+            self.stats.t0 = time.perf_counter()
+            bar = self._progress(epoch, n_micro)
+            t_log, tok_log = time.perf_counter(), self.stats.real_tokens
             group: list = []
             for batch in it:
                 if self.batch_index + len(group) >= n_micro:  # run.max_batches_per_epoch reached
                     break
                 group.append(batch)
-                if len(group) < accum and self.batch_index + len(group) < n_micro:
+                if len(group) < self.cfg.optim.accum_steps and self.batch_index + len(group) < n_micro:
                     continue
-                n_tgt = sum(b.num_target_tokens for b in group)
                 loss = self.train_step(group)
                 self.batch_index += len(group)
                 steps_this_call += 1
-                acc["loss_sum"] += loss.detach().double() * n_tgt  # device-side: no sync
-                acc["last_loss"] = loss.detach()
-                acc["tgt_tokens"] += n_tgt
-                acc["real_tokens"] += sum(b.num_real_tokens for b in group)
-                acc["padded_tokens"] += sum(b.num_padded_tokens for b in group)
-                acc["src_tokens"] += sum(b.num_real_tokens for b in group) - n_tgt
-                acc["micro_batches"] += len(group)
-                acc["sentences"] += sum(len(b) for b in group)
+                self.stats.add(loss, group)
                 group = []
-
-                if self.step % run.log_every == 0 or self.nonfinite_in_row:
-                    now = time.perf_counter()
-                    loss_value = float(loss)  # host sync: every log_every steps
-                    lr = self.scheduler.get_last_lr()[0]
-                    tps = (acc["real_tokens"] - tok_last_log) / max(now - t_last_log, 1e-9)
-                    t_last_log, tok_last_log = now, acc["real_tokens"]
-                    pad = 1 - acc["real_tokens"] / max(acc["padded_tokens"], 1)
-                    if bar is not None:
-                        bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}",
-                                        pad=f"{100 * pad:.1f}%")
-                    self.metrics.scalars({"loss": loss_value, "lr": lr, "tokens_per_second": tps,
-                                          "padding_fraction": pad}, self.step, prefix="train/")
-                    if not math.isfinite(loss_value) and not self.cfg.run.nonfinite_guard and not self.scaler.is_enabled():
-                        stop_reason = "nonfinite"
+                if self.step % run.log_every == 0:
+                    stop_reason = self._log_step(loss, bar, t_log, tok_log)
+                    t_log, tok_log = time.perf_counter(), self.stats.real_tokens
                 if bar is not None:
                     bar.update(1)
-                if self.nonfinite_in_row >= run.max_nonfinite:
-                    stop_reason = "nonfinite"
-                if run.max_steps is not None and self.step >= run.max_steps:
-                    stop_reason = stop_reason or "max_steps"
-                if (stop_after is not None and steps_this_call >= stop_after) or self._stop_requested:
-                    stop_reason = stop_reason or "interrupted"
+                if stop_reason is None:
+                    stop_reason = self._stop_reason(steps_this_call, stop_after)
                 if stop_reason is not None:
                     break
             if bar is not None:
                 bar.close()
             del it, loader
-
-            unguarded_nonfinite = (stop_reason == "nonfinite" and not self.cfg.run.nonfinite_guard
-                                   and not self.scaler.is_enabled())
-            if unguarded_nonfinite:
-                # without the per-step guard the bad steps were applied: saving now would make
-                # `--resume auto` continue from corrupted weights
-                last_good = latest_checkpoint(self.run_dir / "checkpoints")
+            if stop_reason == "nonfinite_unguarded":
+                # without the guard the bad steps were applied: saving now would make `--resume auto`
+                # continue from corrupted weights
                 raise NonFiniteLossError(
                     f"non-finite loss read at step {self.step} with run.nonfinite_guard off, so non-finite steps "
                     f"were not skipped and the weights may be corrupted; nothing was saved. Resume from the last "
-                    f"good checkpoint ({last_good or 'none yet'}) with --run.nonfinite_guard true, or lower --optim.lr"
+                    f"good checkpoint ({latest_checkpoint(self.run_dir / 'checkpoints') or 'none yet'}) with "
+                    f"--run.nonfinite_guard true, or lower --optim.lr"
                 )
-            if self.batch_index >= n_micro:
-                path = self._end_epoch(epoch)
+            epoch_done = self.batch_index >= n_micro
+            if epoch_done or stop_reason == "wall_budget":
+                path = self._end_epoch(epoch, partial=not epoch_done)
+                if stop_reason is None and self.clock.should_stop():
+                    stop_reason = "early_stop"
+                    self.log(f"early stop: no new best BLEU in {self.cfg.eval.patience} evaluations "
+                             f"(best {self.clock.best:.2f})")
             else:
                 path = self._save(metric=None)  # mid-epoch: the position lets a resume continue exactly
+            if stop_reason == "nonfinite":
+                raise NonFiniteLossError(
+                    f"{int(self.counters.nonfinite_in_row)} non-finite losses in a row (limit run.max_nonfinite="
+                    f"{run.max_nonfinite}) at step {self.step}; they were skipped and the state saved to {path}. "
+                    f"Lower --optim.lr, keep --optim.grad_clip, or use --run.precision bf16/fp32"
+                )
             if stop_reason is not None:
-                if stop_reason == "nonfinite":
-                    raise NonFiniteLossError(
-                        f"{self.nonfinite_in_row} non-finite losses in a row (limit run.max_nonfinite="
-                        f"{run.max_nonfinite}) at step {self.step}; state saved to {path}. Lower --optim.lr, "
-                        f"keep --optim.grad_clip, or use --run.precision bf16/fp32"
-                    )
                 self.log(f"stopped ({stop_reason}) in epoch {epoch + 1}, after batch {self.batch_index}/{n_micro}, "
                          f"step {self.step}; checkpoint {path}")
         summary: dict[str, Any] = {"steps": self.step, "skipped_steps": self.skipped_steps,
                                    "epochs_done": self.epoch, "wall_seconds": time.perf_counter() - t_fit,
-                                   "stop_reason": stop_reason or "done"}
-        if stop_reason in (None, "max_steps") and self.is_main:
-            if run.test_at_end:
+                                   "run_wall_seconds": self.clock.wall(), "stop_reason": stop_reason or "done",
+                                   "best_bleu": self.clock.best, "time_to_bleu": self.clock.reached}
+        if stop_reason in (None, "max_steps", "wall_budget", "early_stop") and self.is_main:
+            if self.cfg.eval.test_at_end:
                 summary["test"] = self._final_test()
+            for line in self.clock.summary_lines():
+                self.log(line)
             if run.plot and self.metrics.path.exists():
                 png = plot_curves(self.metrics.path, self.run_dir / "curves.png")
                 if png:
@@ -344,48 +335,82 @@ class Trainer:
         self.metrics.close()
         return summary
 
-    def _install_sigint(self):
-        """First Ctrl-C: finish the current step, checkpoint, return (``--resume auto`` continues exactly).
-        A second Ctrl-C interrupts at once."""
-        self._stop_requested = False
+    def _log_step(self, loss: torch.Tensor, bar, t_log: float, tok_log: int) -> str | None:
+        """A logging step: read the loss and the counters (the host sync of the loop), report, decide."""
+        now = time.perf_counter()
+        loss_value = float(loss)  # host sync: every log_every steps
+        in_row = float(self.counters.nonfinite_in_row)
+        lr = self.scheduler.get_last_lr()[0]
+        tps = (self.stats.real_tokens - tok_log) / max(now - t_log, 1e-9)
+        pad = 1 - self.stats.real_tokens / max(self.stats.padded_tokens, 1)
+        if bar is not None:
+            bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}", pad=f"{100 * pad:.1f}%")
+        self.metrics.scalars({"loss": loss_value, "lr": lr, "tokens_per_second": tps, "padding_fraction": pad,
+                              "skipped_steps": float(self.counters.skipped)}, self.step, prefix="train/")
+        guarded = self.cfg.run.nonfinite_guard or self.scaler.is_enabled()
+        if not math.isfinite(loss_value) and not guarded:
+            return "nonfinite_unguarded"
+        if in_row >= self.cfg.run.max_nonfinite:
+            return "nonfinite"
+        return None
+
+    def _stop_reason(self, steps_this_call: int, stop_after: int | None) -> str | None:
+        run = self.cfg.run
+        if run.max_steps is not None and self.step >= run.max_steps:
+            return "max_steps"
+        if run.max_wall_seconds is not None and self.clock.wall() >= run.max_wall_seconds:
+            return "wall_budget"
+        if self._stop_signal is not None or (stop_after is not None and steps_this_call >= stop_after):
+            return "interrupted"
+        return None
+
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        """First Ctrl-C or SIGTERM: finish the current step, checkpoint, return (``--resume auto`` continues
+        exactly). A second Ctrl-C interrupts at once. Returns the handlers to restore."""
+        self._stop_signal = None
         if threading.current_thread() is not threading.main_thread():
-            return None
+            return {}
 
         def request_stop(signum, frame):
-            self._stop_requested = True
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            self.log("\nCtrl-C: stopping after this step with a checkpoint (Ctrl-C again to abort)")
+            name = signal.Signals(signum).name
+            self._stop_signal = name
+            if signum == signal.SIGINT:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+            self.log(f"\n{name}: stopping after this step with a checkpoint"
+                     + (" (Ctrl-C again to abort)" if signum == signal.SIGINT else ""))
 
-        return signal.signal(signal.SIGINT, request_stop)
+        return {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     # ------------------------------------------------------------------------------------------
     # end of epoch: evaluation, metrics line, checkpoint
     # ------------------------------------------------------------------------------------------
-    def _end_epoch(self, epoch: int) -> Path | None:
-        run, acc = self.cfg.run, self._epoch_acc
+    def _end_epoch(self, epoch: int, partial: bool = False) -> Path | None:
+        run, ev, st = self.cfg.run, self.cfg.eval, self.stats
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        train_seconds = acc["seconds"] + (time.perf_counter() - acc["t0"])
+        train_seconds = st.elapsed()
         world = self.dist.world_size
         record: dict[str, Any] = {
             "kind": "epoch",
             "epoch": epoch + 1,  # 1-based in the records, as people count epochs
             "step": self.step,
             # host sync: once per epoch
-            "train_loss": float(acc["loss_sum"]) / max(acc["tgt_tokens"], 1),
-            "train_loss_last_batch": float(acc["last_loss"]) if acc["last_loss"] is not None else None,
+            "train_loss": float(st.loss_sum) / max(st.tgt_tokens, 1),
+            "train_loss_last_batch": float(st.last_loss) if st.last_loss is not None else None,
             "lr": self.scheduler.get_last_lr()[0],
             "epoch_seconds": train_seconds,
             # real (non-pad) src+tgt tokens/s over all ranks (every rank runs the same number of batches)
-            "tokens_per_second": acc["real_tokens"] * world / max(train_seconds, 1e-9),
-            "tgt_tokens_per_second": acc["tgt_tokens"] * world / max(train_seconds, 1e-9),
-            "padding_fraction": 1 - acc["real_tokens"] / max(acc["padded_tokens"], 1),
+            "tokens_per_second": st.real_tokens * world / max(train_seconds, 1e-9),
+            "tgt_tokens_per_second": st.tgt_tokens * world / max(train_seconds, 1e-9),
+            "padding_fraction": 1 - st.real_tokens / max(st.padded_tokens, 1),
             "skipped_steps": self.skipped_steps,
-            "micro_batches": acc["micro_batches"],
+            "micro_batches": st.micro_batches,
             "distinct_shapes": len(self.shapes_seen),
         }
-        record["mfu"] = self._mfu(acc, record["tgt_tokens_per_second"])
-        record["compiled_graphs"] = _compiled_graphs() if self.compiled else None
+        if partial:
+            record["partial_epoch"] = True
+        record["mfu"] = self._mfu(st, record["tgt_tokens_per_second"])
+        record["compiled_graphs"] = compiled_graphs() if self.compiled else None
         if self.device.type == "cuda":
             record["peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -394,40 +419,62 @@ class Trainer:
             record["max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB on Linux
 
         metric = None
+        evaluate = (epoch + 1) % ev.every == 0 or epoch + 1 == run.epochs or partial
+        if self.is_main and evaluate:
+            metric = self._evaluate(epoch, record)
+        record["wall_seconds"] = self.clock.wall()  # the run's clock, since process start (+ earlier processes)
         if self.is_main:
-            t0 = time.perf_counter()
-            record["valid_loss"] = self._split_loss("valid")
-            scores = self._scores("valid")
-            record["bleu"], record["chrf"] = scores["bleu"], scores["chrf"]
-            record["eval_sentences"] = scores["sentences"]
-            record["eval_seconds"] = time.perf_counter() - t0
-            metric = record["bleu"] if run.best_metric == "bleu" else record["valid_loss"]
-            self.log(
-                f"epoch {epoch + 1}/{run.epochs}: train_loss {record['train_loss']:.4f} "
-                f"(last batch {record['train_loss_last_batch']:.4f}) valid_loss {record['valid_loss']:.4f} "
-                f"BLEU {record['bleu']:.2f} chrF {record['chrf']:.2f} | {train_seconds:.1f} s, "
-                f"{record['tokens_per_second']:,.0f} tok/s, pad {100 * record['padding_fraction']:.1f}%"
-                + (f", MFU {100 * record['mfu']:.1f}%" if record["mfu"] is not None else "")
-            )
-            for src, ref, hyp in scores["samples"][: run.num_samples]:
-                self.log(f"  src: {src}\n  ref: {ref}\n  hyp: {hyp}")
             self.metrics.log(record)
             self.metrics.scalars({k: v for k, v in record.items() if k not in ("kind", "epoch")}, epoch + 1,
                                  prefix="epoch/")
         self.history.append(record)
-        self.epoch, self.batch_index = epoch + 1, 0
-        self._epoch_acc = self._new_epoch_acc()
+        if not partial:
+            self.epoch, self.batch_index = epoch + 1, 0
+            self.stats = EpochStats.new(self.device)
         return self._save(metric=metric)
 
-    def _final_test(self) -> dict[str, Any]:
+    def _evaluate(self, epoch: int, record: dict[str, Any]) -> float | None:
+        """Validation loss and BLEU into ``record``; updates the BLEU clock; returns the best-metric value."""
+        ev = self.cfg.eval
         t0 = time.perf_counter()
+        record["valid_loss"] = self._split_loss("valid") if ev.valid_loss else None
+        scores = self._scores("valid", decode=ev.decode)
+        record["bleu"], record["chrf"] = scores["bleu"], scores["chrf"]
+        record["eval_sentences"] = scores["sentences"]
+        record["eval_seconds"] = time.perf_counter() - t0
+        wall = self.clock.wall()
+        for t in self.clock.update(record["bleu"], epoch + 1, wall):
+            self.log(f"BLEU {t:g} reached at {wall:.1f} s (epoch {epoch + 1})")
+        fmt = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
+        self.log(
+            f"epoch {epoch + 1}/{self.cfg.run.epochs}: train_loss {record['train_loss']:.4f} "
+            f"(last batch {fmt(record['train_loss_last_batch'], '.4f')}) valid_loss {fmt(record['valid_loss'], '.4f')} "
+            f"BLEU {fmt(record['bleu'], '.2f')} chrF {fmt(record['chrf'], '.2f')} | {record['epoch_seconds']:.1f} s, "
+            f"{record['tokens_per_second']:,.0f} tok/s, pad {100 * record['padding_fraction']:.1f}%, "
+            f"eval {record['eval_seconds']:.1f} s, wall {wall:.1f} s"
+            + (f", MFU {100 * record['mfu']:.1f}%" if record["mfu"] is not None else "")
+        )
+        for src, ref, hyp in scores["samples"][: ev.num_samples]:
+            self.log(f"  src: {src}\n  ref: {ref}\n  hyp: {hyp}")
+        return record["bleu"] if ev.best_metric == "bleu" else record["valid_loss"]
+
+    def _final_test(self) -> dict[str, Any]:
+        """Test loss and beam-search BLEU with best.pt's weights (the checkpoint translate uses)."""
+        t0 = time.perf_counter()
+        best = self.ckpts.dir / "best.pt"
+        source = "last"
+        if best.is_file():
+            state = load_checkpoint(best, map_location=self.device)
+            self.model.load_state_dict(state["model"])
+            source = f"best.pt (epoch {state['position']['epoch']})"
         test_loss = self._split_loss("test")
-        scores = self._scores("test")
-        rec = {"kind": "test", "epoch": self.epoch, "test_loss": test_loss, "test_bleu": scores["bleu"],
-               "test_chrf": scores["chrf"], "test_sentences": scores["sentences"],
-               "eval_seconds": time.perf_counter() - t0}
-        self.log(f"test: loss {test_loss:.4f} BLEU {scores['bleu']:.2f} chrF {scores['chrf']:.2f} "
-                 f"({scores['sentences']} sentences, beam {self.cfg.run.eval_beam_size})")
+        scores = self._scores("test", decode="beam")
+        rec = {"kind": "test", "epoch": self.epoch, "weights": source, "test_loss": test_loss,
+               "test_bleu": scores["bleu"], "test_chrf": scores["chrf"], "test_sentences": scores["sentences"],
+               "eval_seconds": time.perf_counter() - t0, "wall_seconds": self.clock.wall()}
+        fmt = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
+        self.log(f"test ({source}): loss {fmt(test_loss, '.4f')} BLEU {fmt(scores['bleu'], '.2f')} "
+                 f"chrF {fmt(scores['chrf'], '.2f')} ({scores['sentences']} sentences, beam {self.cfg.eval.beam_size})")
         self.metrics.log(rec)
         return rec
 
@@ -438,39 +485,31 @@ class Trainer:
             return None
         return split_loss(self.model, self.data, split, self.device, self.autocast)
 
-    def _scores(self, split: str) -> dict[str, Any]:
+    def _scores(self, split: str, decode: str = "beam") -> dict[str, Any]:
         from train.evaluate import bleu_chrf
 
-        run = self.cfg.run
+        ev = self.cfg.eval
         if len(self.data.splits[split]) == 0:
             return {"bleu": None, "chrf": None, "sentences": 0, "samples": []}
-        return bleu_chrf(self.model, self.data, split, self.device, max_sentences=run.eval_max_sentences,
-                         beam_size=run.eval_beam_size, batch_size=run.eval_batch_size,
-                         max_len_ratio=run.eval_max_len_a, max_len_extra=run.eval_max_len_b,
-                         autocast=self.autocast)
+        return bleu_chrf(self.model, self.data, split, self.device, max_sentences=ev.max_sentences,
+                         beam_size=1 if decode == "greedy" else ev.beam_size, batch_size=ev.batch_size,
+                         max_len_ratio=ev.max_len_a, max_len_extra=ev.max_len_b, autocast=self.autocast)
 
-    def _mfu(self, acc, tgt_tps: float) -> float | None:
+    def _mfu(self, st: EpochStats, tgt_tps: float) -> float | None:
         peak = self.cfg.run.peak_flops
         if peak is None:
             peak = H100_BF16_DENSE_FLOPS if self.device.type == "cuda" else None
-        if peak is None or acc["sentences"] == 0:
+        if peak is None or st.sentences == 0:
             return None
         from models import flops_per_token
 
         # FLOPs at the epoch's mean real lengths (src incl. EOS, tgt incl. BOS)
-        src_len = acc["src_tokens"] / acc["sentences"]
-        tgt_len = acc["tgt_tokens"] / acc["sentences"]
+        src_len, tgt_len = st.src_tokens / st.sentences, st.tgt_tokens / st.sentences
         return flops_per_token(self.cfg.model, src_len, tgt_len) * tgt_tps / (peak * self.dist.world_size)
 
     # ------------------------------------------------------------------------------------------
     # state, checkpoints, provenance
     # ------------------------------------------------------------------------------------------
-    def _new_epoch_acc(self) -> dict[str, Any]:
-        return {"loss_sum": torch.zeros((), dtype=torch.float64, device=self.device), "last_loss": None,
-                "tgt_tokens": 0, "src_tokens": 0, "real_tokens": 0, "padded_tokens": 0, "micro_batches": 0,
-                "sentences": 0,
-                "seconds": 0.0, "t0": time.perf_counter()}
-
     def _micro_batches_in_epoch(self, epoch: int) -> int:
         n = self.data.num_batches("train", epoch=epoch, rank=self.dist.rank, world_size=self.dist.world_size)
         if n == 0:
@@ -482,9 +521,6 @@ class Trainer:
         return math.ceil(self._micro_batches_in_epoch(epoch) / self.cfg.optim.accum_steps)
 
     def state_dict(self) -> dict[str, Any]:
-        acc = self._epoch_acc
-        epoch_acc = {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in acc.items() if k != "t0"}
-        epoch_acc["seconds"] = acc["seconds"] + (time.perf_counter() - acc["t0"])
         tok = self.data.tokenizer
         try:
             spm_bytes = Path(tok.model_file).read_bytes()
@@ -497,8 +533,8 @@ class Trainer:
             "scaler": self.scaler.state_dict(),
             "rng": rng_state(),
             "position": {"epoch": self.epoch, "batch_index": self.batch_index, "step": self.step,
-                         "skipped_steps": self.skipped_steps, "nonfinite_in_row": self.nonfinite_in_row,
-                         "epoch_acc": epoch_acc, "best_value": self.ckpts.best_value},
+                         "counters": self.counters.state_dict(), "epoch_stats": self.stats.state_dict(),
+                         "best_value": self.ckpts.best_value, "clock": self.clock.state_dict(self.clock.wall())},
             "config": self.cfg.to_dict(),
             "tokenizer": {"model_file": tok.model_file, "key": tok.key, "model_bytes": spm_bytes},
             "params": self.params,
@@ -512,19 +548,17 @@ class Trainer:
                 f"the checkpoint's OneCycle schedule spans {planned} steps but this config plans {self.total_steps}: "
                 f"resume with the run's --epochs/--max-steps/data settings (the checkpoint holds its config)"
             )
-        self.model.load_state_dict(ckpt["model"])
+        self.model.load_state_dict(ckpt["model"])  # copies into the flat buffers' views
         self.optimizer.load_state_dict(ckpt["optimizer"])
         self.scheduler.load_state_dict(ckpt["scheduler"])
         self.scaler.load_state_dict(ckpt["scaler"])
         pos = ckpt["position"]
         self.epoch, self.batch_index, self.step = pos["epoch"], pos["batch_index"], pos["step"]
-        self.skipped_steps, self.nonfinite_in_row = pos["skipped_steps"], pos["nonfinite_in_row"]
+        self.counters.load_state_dict(pos.get("counters", {}))
         self.ckpts.best_value = pos.get("best_value")
-        acc = self._new_epoch_acc()
-        for k, v in pos["epoch_acc"].items():
-            acc[k] = v.to(self.device) if isinstance(v, torch.Tensor) else v
-        acc["t0"] = time.perf_counter()
-        self._epoch_acc = acc
+        self.stats = EpochStats.from_state(pos.get("epoch_stats", {}), self.device)
+        if "clock" in pos:
+            self.clock.load_state_dict(pos["clock"])
         self.history = list(ckpt.get("history", []))
         self._pending_rng = ckpt["rng"]  # restored at the start of fit(), after the loader is built
 
@@ -552,7 +586,7 @@ class Trainer:
         if not self.is_main:
             return
         extra = {"params": self.params, "device": str(self.device), "world_size": self.dist.world_size,
-                 "compiled": self.compiled, "total_steps": self.total_steps,
+                 "compiled": self.compiled, "compile_caches": self.compile_caches, "total_steps": self.total_steps,
                  "steps_per_epoch": self.steps_per_epoch, "tokenizer": self.data.tokenizer.model_file}
         rec = provenance(self.cfg.to_dict(), getattr(self.data, "split_record", None), extra)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -564,13 +598,25 @@ class Trainer:
                  f"{self.steps_per_epoch} steps/epoch, {self.total_steps} steps planned")
         self.log("config: " + json.dumps(self.cfg.to_dict(), default=str))
 
-    def _progress(self, epoch: int, n_micro: int, accum: int):
+    def _progress(self, epoch: int, n_micro: int):
         if not (self.is_main and self.cfg.run.progress):
             return None
         from tqdm import tqdm
 
+        accum = self.cfg.optim.accum_steps
         return tqdm(total=math.ceil(n_micro / accum), initial=self.batch_index // accum,
                     desc=f"epoch {epoch + 1}/{self.cfg.run.epochs}", dynamic_ncols=True, leave=False)
+
+
+def _configure_backend(cfg: Config, device: torch.device) -> None:
+    run = cfg.run
+    if device.type == "cpu" and run.cpu_threads is not None:
+        torch.set_num_threads(run.cpu_threads)
+    if device.type == "cuda" and run.precision != "fp32":
+        # fp32 matmuls left outside autocast may use TF32; the fp32 baseline keeps full precision
+        torch.set_float32_matmul_precision("high")
+    if run.precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError("this GPU has no bf16; use --run.precision fp16")
 
 
 def _move_aside_previous_run(run_dir: Path, log) -> None:
@@ -605,12 +651,3 @@ def _warn_config_changes(saved: dict[str, Any], now: dict[str, Any], log) -> Non
     if changed:
         log("resume: config differs from the checkpoint's (saved -> now): "
             + ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items())))
-
-
-def _compiled_graphs() -> int | None:
-    try:
-        from torch._dynamo.utils import counters
-
-        return int(counters["stats"]["unique_graphs"])
-    except Exception:  # noqa: BLE001 - a diagnostics counter, never fatal
-        return None

@@ -7,14 +7,24 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def summed_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, tgt_out: torch.Tensor, pad_id: int,
+                         label_smoothing: float) -> torch.Tensor:
+    """Output projection + label-smoothed CE, summed over non-pad targets. hidden (..., d), weight (V, d),
+    tgt_out (...) int. One function so a compiler sees the projection, the fp32 upcast and the loss
+    together (the (tokens, V) fp32 logits need never be materialised)."""
+    logits = F.linear(hidden, weight)  # (..., V) in autocast's dtype
+    return F.cross_entropy(logits.float().flatten(0, -2), tgt_out.long().flatten(), ignore_index=pad_id,
+                           reduction="sum", label_smoothing=label_smoothing)
+
+
 class SummedCrossEntropy(nn.Module):
     """Wraps the model: ``forward(tgt_out, **batch.model_inputs())`` returns the *summed* cross-entropy.
 
     Summed, not averaged: the step divides by the real target tokens of all its micro-batches, so k
     micro-batches give the gradient of one big batch. Pad positions (id ``pad_id``; packed tail padding
-    too) are ignored. Compiling this wrapper rather than the bare model lets the compiler fuse the loss
-    with the output projection; DDP wraps it so gradients reach shared parameters once. Validation uses
-    the same module with ``label_smoothing=0``.
+    too) are ignored. DDP wraps this module so gradients reach shared parameters once; regional
+    compilation compiles ``self.criterion`` (projection + loss) as its own region. Validation uses the
+    same module with ``label_smoothing=0``.
     """
 
     def __init__(self, model: nn.Module, pad_id: int, label_smoothing: float):
@@ -22,8 +32,8 @@ class SummedCrossEntropy(nn.Module):
         self.model = model
         self.pad_id = pad_id
         self.label_smoothing = label_smoothing
+        self.criterion = summed_cross_entropy
 
     def forward(self, tgt_out: torch.Tensor, **model_inputs) -> torch.Tensor:
-        logits = self.model(**model_inputs)  # (B, T, V); packed (1, C_tgt, V)
-        return F.cross_entropy(logits.float().flatten(0, 1), tgt_out.long().flatten(), ignore_index=self.pad_id,
-                               reduction="sum", label_smoothing=self.label_smoothing)
+        hidden = self.model(**model_inputs, return_hidden=True)  # (B, T, d); packed (1, C_tgt, d)
+        return self.criterion(hidden, self.model.output_weight(), tgt_out, self.pad_id, self.label_smoothing)

@@ -48,12 +48,12 @@ def test_optimizer_decay_only_matrices(name):
     """One step with zero gradients: only weight decay moves parameters, and only the decay group."""
     torch.manual_seed(0)
     model = Toy()
-    opt = build_optimizer(model, OptimConfig(name=name, lr=0.1, weight_decay=0.5), torch.device("cpu"))
-    if name == "lion":
-        assert opt.update_fn.__module__ == "lion_pytorch.lion_pytorch"  # the CPU (non-triton) update
+    opt, flat = build_optimizer(model, OptimConfig(name=name, lr=0.1, weight_decay=0.5), torch.device("cpu"))
+    assert [len(g["params"]) for g in opt.param_groups] == [1, 1]  # one flat tensor per group
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
+    flat.gather_grads()
     opt.step()
     for n, p in model.named_parameters():
         if n == "lin.weight" and name != "adam":  # Adam's L2 decay only acts through the gradient
@@ -104,3 +104,12 @@ def test_inverse_sqrt():
 def test_scheduler_total_steps_validated():
     with pytest.raises(ValueError, match="total_steps=0"):
         _lrs(OptimConfig(), 0)
+
+
+@pytest.mark.parametrize("three_phase", [False, True])
+def test_short_runs_never_break_the_schedule(three_phase):
+    """OneCycle over a handful of steps (e.g. --max-steps 5 with 20 % warm-up: a zero-length phase that
+    raised ZeroDivisionError): every lr is finite, positive and at most the peak; nothing raises."""
+    for total in range(1, 12):
+        lrs = _lrs(OptimConfig(lr=1.0, pct_start=0.2, three_phase=three_phase), total, steps=total - 1)
+        assert all(0 < lr <= 1.0 for lr in lrs), (total, lrs)

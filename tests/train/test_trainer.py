@@ -38,7 +38,9 @@ def _poison(trainer):
     return good
 
 
-def test_fp16_scaler_skip_does_not_step_scheduler(bundle, corpus, tmp_path):
+def test_fp16_scaler_skip_happens_on_the_device(bundle, corpus, tmp_path):
+    """An fp16 overflow: the GradScaler's flag skips the update on the device (no host sync), halves the
+    scale and counts the skip; the schedule advances with every step taken or skipped."""
     # norm="torch": models' fused ResidualNorm rejects autocast's mixed dtypes (reported to models/)
     tr = _trainer(bundle, corpus, tmp_path, precision="fp16", model={"norm": "torch"})
     assert tr.scaler.is_enabled()
@@ -46,27 +48,28 @@ def test_fp16_scaler_skip_does_not_step_scheduler(bundle, corpus, tmp_path):
     before, lr_before, scale = _params(tr.model), tr.scheduler.get_last_lr()[0], tr.scaler.get_scale()
     good = _poison(tr)
     tr.train_step(b[0])
-    assert (tr.step, tr.skipped_steps, tr.scheduler.last_epoch) == (0, 1, 0)
-    assert tr.scheduler.get_last_lr()[0] == lr_before
+    assert (tr.step, tr.skipped_steps, tr.scheduler.last_epoch) == (1, 1, 1)
     assert tr.scaler.get_scale() == scale / 2  # the scaler backed off
     assert all(torch.equal(p, before[n]) for n, p in tr.model.named_parameters())
-    assert all(p.grad is None for p in tr.model.parameters())  # zero_grad(set_to_none=True)
+    assert all(p.grad is None for p in tr.model.parameters())  # gradients dropped (set to None)
     tr.step_module = good
     tr.train_step(b[1])
-    assert (tr.step, tr.scheduler.last_epoch) == (1, 1) and tr.scheduler.get_last_lr()[0] > lr_before
+    assert (tr.step, tr.skipped_steps, tr.scheduler.last_epoch) == (2, 1, 2)
+    assert tr.scheduler.get_last_lr()[0] > lr_before
     assert any(not torch.equal(p, before[n]) for n, p in tr.model.named_parameters())
 
 
 def test_fp32_nonfinite_skips_then_stops_with_checkpoint(bundle, corpus, tmp_path):
-    tr = _trainer(bundle, corpus, tmp_path, max_nonfinite=3)
+    """Non-finite steps are skipped on the device; the run stops at the logging step that sees the limit."""
+    tr = _trainer(bundle, corpus, tmp_path, max_nonfinite=3, log_every=3)
     before = _params(tr.model)
     _poison(tr)
     with pytest.raises(NonFiniteLossError, match="3 non-finite losses in a row"):
         tr.fit()
-    assert (tr.step, tr.skipped_steps, tr.scheduler.last_epoch) == (0, 3, 0)
+    assert (tr.step, tr.skipped_steps) == (3, 3)
     assert all(torch.equal(p, before[n]) for n, p in tr.model.named_parameters())
     ckpt = load_checkpoint(step_checkpoints(tr.run_dir / "checkpoints")[-1])
-    assert ckpt["position"]["batch_index"] == 3 and ckpt["position"]["skipped_steps"] == 3
+    assert ckpt["position"]["batch_index"] == 3 and ckpt["position"]["counters"]["skipped"] == 3
 
 
 def test_unguarded_nonfinite_stops_without_saving_corrupted_weights(bundle, corpus, tmp_path):
@@ -203,8 +206,13 @@ def test_sigint_stops_at_a_step_boundary_with_checkpoint(bundle, corpus, tmp_pat
         return loss
 
     tr.train_step = step_then_ctrl_c
-    assert tr.fit()["stop_reason"] == "interrupted"
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    # a background shell starts pytest with SIGINT ignored: install Python's handler for this test
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        assert tr.fit()["stop_reason"] == "interrupted"
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert load_checkpoint(step_checkpoints(tr.run_dir / "checkpoints")[-1])["position"]["step"] == 2
 
 

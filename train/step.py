@@ -1,0 +1,110 @@
+"""One optimizer step, without a host sync: ``forward_backward`` then ``optimizer_step``.
+
+``forward_backward``: per micro-batch a non-blocking copy to the device, the (compiled) loss module under
+autocast, the summed cross-entropy divided by the real target tokens of the whole step (k micro-batches
+give the gradient of one big batch), ``scaler.scale(loss).backward()``; DDP all-reduces on the last
+micro-batch only. Under DDP each rank normalises by its own token count and DDP averages (an all-reduce
+of the counts would cost a sync per step; packed and token-bucket batches make the counts near-equal).
+
+``optimizer_step``: gather the gradients into the flat buffers (one multi-tensor copy per group), unscale
+(fp16), clip by the global norm, decide "finite?" on the device (loss and gradient norm), let the
+optimizer skip on the device through ``found_inf`` (fp16: the GradScaler's own flag), step the schedule,
+drop the gradients. The skipped-step counters live on the device and are read at logging steps only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from train.optim import FlatParams
+
+
+@dataclass
+class StepCounters:
+    """Device-side counters of the training steps (read with a sync only at logging and epoch ends)."""
+
+    device: torch.device
+    skipped: torch.Tensor = field(init=False)  # steps whose update was skipped (non-finite), in total
+    nonfinite_in_row: torch.Tensor = field(init=False)  # non-finite steps since the last finite one
+
+    def __post_init__(self):
+        self.skipped = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.nonfinite_in_row = torch.zeros((), dtype=torch.float32, device=self.device)
+
+    def record(self, found_inf: torch.Tensor) -> None:
+        self.skipped += found_inf
+        self.nonfinite_in_row.add_(found_inf).mul_(found_inf)  # +1 on a skip, back to 0 on a finite step
+
+    def state_dict(self) -> dict[str, float]:
+        return {"skipped": float(self.skipped), "nonfinite_in_row": float(self.nonfinite_in_row)}  # host sync
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.skipped.fill_(state.get("skipped", 0.0))
+        self.nonfinite_in_row.fill_(state.get("nonfinite_in_row", 0.0))
+
+
+def forward_backward(step_module, batches, *, device: torch.device, autocast, scaler, ddp=None,
+                     on_batch=None) -> torch.Tensor:
+    """Forward and backward of one optimizer step's micro-batches; returns the step's mean loss per real
+    target token as a 0-d device tensor (no sync). ``on_batch(device_batch)``: a host-side hook."""
+    n_tgt = sum(b.num_target_tokens for b in batches)  # python ints from the collate: no sync
+    total = torch.zeros((), device=device)
+    for i, cpu_batch in enumerate(batches):
+        b = cpu_batch.to(device, non_blocking=True)  # pinned memory -> async H2D copy
+        if on_batch is not None:
+            on_batch(b)
+        last = i == len(batches) - 1
+        sync = ddp.no_sync() if (ddp is not None and not last) else contextlib.nullcontext()
+        with sync:
+            with autocast:
+                loss_sum = step_module(b.tgt_out, **b.model_inputs(static_max_len=True))
+            loss = loss_sum / max(n_tgt, 1)
+            scaler.scale(loss).backward()
+        total += loss.detach()
+    return total
+
+
+def optimizer_step(optimizer, flat: FlatParams, scheduler, scaler, counters: StepCounters, loss: torch.Tensor, *,
+                   grad_clip: float | None, guard: bool, step_scheduler: bool = True) -> torch.Tensor | None:
+    """Apply one update from the gradients held by the parameters; returns the global grad norm (device)."""
+    flat.gather_grads()
+    scaler.unscale_(optimizer)  # no-op unless fp16; clipping must see unscaled grads
+    grads = flat.grads()
+    grad_norm = None
+    if grad_clip is not None or guard:
+        grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    if grad_clip is not None:
+        coef = (grad_clip / (grad_norm + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(grads, coef)
+    if scaler.is_enabled():
+        scaler.step(optimizer)  # sync-free for optimizers with _step_supports_amp_scaling (found_inf on device)
+        found_inf = _scaler_found_inf(scaler, optimizer, loss)  # before update(), which clears the flags
+        scaler.update()
+    elif guard:
+        found_inf = (~(torch.isfinite(loss) & torch.isfinite(grad_norm))).float()
+        optimizer.found_inf = found_inf
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+    else:
+        optimizer.step()
+        found_inf = None
+    if found_inf is not None:
+        counters.record(found_inf)
+    if step_scheduler:
+        scheduler.step()
+    flat.zero_grad()
+    return grad_norm
+
+
+def _scaler_found_inf(scaler, optimizer, loss: torch.Tensor) -> torch.Tensor:
+    """Whether the scaler skipped this step, as a device float (its per-device flags summed; no sync)."""
+    state = scaler._per_optimizer_states.get(id(optimizer))
+    flags = list(state["found_inf_per_device"].values()) if state else []
+    if not flags:
+        return (~torch.isfinite(loss)).float()
+    return (sum(f.to(loss.device, non_blocking=True) for f in flags) > 0).float()
