@@ -84,7 +84,8 @@ class DataConfig:
             raise ValueError(f"src_lang and tgt_lang are both {self.src_lang!r}; give two languages")
         if self.is_toy() and (self.src_lang, self.tgt_lang) != ("en", "it"):
             raise ValueError(
-                f"dataset='toy' is an en-it corpus, but src_lang={self.src_lang!r}, tgt_lang={self.tgt_lang!r}; "
+                f"dataset='toy' is an en-it corpus, but src_lang={self.src_lang!r}, "
+                f"tgt_lang={self.tgt_lang!r}; "
                 "set src_lang='en', tgt_lang='it' or give data_files"
             )
         names = (

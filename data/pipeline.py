@@ -311,8 +311,8 @@ def _check_usable(raw, kept: np.ndarray, report: CleanReport) -> None:
                 raise DataInputError(f"{f.path} is empty: nothing to train on; cleaning report:\n  {shown}")
             if k == 0:
                 raise DataInputError(
-                    f"{f.path}: none of its {f.read:,} {f.unit}s is a usable pair (see the reasons and examples "
-                    f"below); cleaning report:\n  {shown}"
+                    f"{f.path}: none of its {f.read:,} {f.unit}{'s' * (f.read != 1)} is a usable pair (reasons and "
+                    f"examples below); cleaning report:\n  {shown}"
                 )
     elif len(kept) == 0:
         raise DataInputError(f"{raw.source}: no usable pairs; cleaning report:\n  {shown}")
@@ -389,9 +389,9 @@ def build_data(cfg: DataConfig, log=print) -> DataBundle:
     d, n_train = report.dropped_by_split["train"], len(train_before)
     if len(splits["train"]) == 0:
         raise DataInputError(
-            f"every one of the {n_train:,} training pairs is over the length limits ({d['too_long']:,} too_long "
-            f"with max_len={cfg.max_len}, {d['length_ratio']:,} length_ratio with max_len_ratio="
-            f"{cfg.max_len_ratio:g}); {_length_hint(train_before, d)}"
+            f"every one of the {n_train:,} training pairs is over the length limits "
+            f"({d['too_long']:,} too_long with max_len={cfg.max_len}, {d['length_ratio']:,} length_ratio "
+            f"with max_len_ratio={cfg.max_len_ratio:g}); {_length_hint(train_before, d)}"
         )
     if d["too_long"] > 0.1 * n_train:
         log(

@@ -2,7 +2,7 @@
 
 Local formats (by extension; files of different formats may be mixed):
   * ``.jsonl``: one row per line, ``{"id": ..., "translation": {"en": ..., "it": ...}}``
-  * ``.json``: the same as JSON lines, or one JSON array of such rows
+  * ``.json``: JSON lines as well, or one JSON array of such rows
   * ``.parquet``: a ``translation`` column of the same objects
   * ``.tsv``: two columns ``src<TAB>tgt``, no header, no quoting
 
@@ -80,7 +80,8 @@ def _fix_hint(dataset: str) -> str:
     return (
         f"Pass local files instead: `--data-files path/train.jsonl` (or env FASTMT_DATA_FILES=...; "
         f'jsonl/parquet rows {{"id", "translation": {{src, tgt}}}}, or tsv "src<TAB>tgt"). '
-        f"If {dataset!r} is already in the HF cache, set HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 to use it offline."
+        f"If {dataset!r} is already in the HF cache, set HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 to use it "
+        f"offline. For a smoke run without data, `--data.dataset toy` generates a toy corpus."
     )
 
 

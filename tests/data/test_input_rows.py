@@ -1,4 +1,4 @@
-"""Every input row trains or is counted by reason, with file and line; unusable inputs fail in one sentence."""
+"""Every input row trains or is counted by reason with file and line; unusable input: one sentence."""
 
 import json
 
@@ -110,7 +110,7 @@ def test_file_with_no_usable_rows_names_file_and_shows_report(tmp_path):
 def test_reader_matches_datasets_on_valid_files(tmp_path):
     """On clean files the line reader gives exactly what HF datasets gives (so fingerprints do not change)."""
     rows = make_rows(300, seed=5)
-    rows[3]["translation"]["it"] = "unicode – ü 🐈 \u2028 inside"  # a line separator inside a JSON string
+    rows[3]["translation"]["it"] = "unicode – ü 🐈 \u2028 inside"  # a line separator in a JSON string
     jl = write_jsonl(tmp_path / "a.jsonl", rows)
     ref = datasets.load_dataset("json", data_files=[jl], split="train", cache_dir=str(tmp_path / "hf"))
     assert load_local((jl,), "en", "it").translation == list(ref["translation"])

@@ -1,4 +1,4 @@
-"""The generated toy corpus: deterministic, word-for-word, the same file bench.ladder wrote; a "toy" source."""
+"""The generated toy corpus: deterministic, word for word, the file bench.ladder wrote; a "toy" source."""
 
 import hashlib
 import json
