@@ -1,28 +1,62 @@
 """Row cleaning with a per-reason report. Bad rows are counted, never raised.
 
-Two stages: `clean_text` runs on raw rows (before the split and the tokenizer); `length_mask` runs on
-subword lengths after encoding (max length and length ratio), per split.
+Every input row either trains or is counted under one reason, in three stages: the file readers
+(`data.sources`) count rows they cannot parse (`READ_REASONS`); `clean_text` counts parsed rows without two
+usable sides (`TEXT_REASONS`); `length_mask` counts pairs whose subword lengths fail the limits, per split
+(`LENGTH_REASONS`). The report keeps the first few examples of each reason with their file and line.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
+READ_REASONS = ("blank_line", "bad_encoding", "bad_json", "not_an_object", "no_translation", "wrong_columns")
 TEXT_REASONS = ("not_a_dict", "missing_language", "not_a_string", "empty")
 LENGTH_REASONS = ("too_long", "length_ratio")
+REASONS = READ_REASONS + TEXT_REASONS + LENGTH_REASONS
+MAX_EXAMPLES = 3  # examples kept per reason
+
+HINTS = {  # the fix, printed under a reason that dropped rows
+    "bad_encoding": "the file is not UTF-8: convert it, e.g. `iconv -f latin1 -t utf-8 IN > OUT`",
+    "bad_json": "each line of a .jsonl file must be one JSON object",
+    "not_an_object": 'each line must be an object {"id": ..., "translation": {src: ..., tgt: ...}}',
+    "no_translation": 'rows need a "translation" object {src: ..., tgt: ...}',
+    "wrong_columns": "tsv rows are exactly `src<TAB>tgt` (no header, no quoting)",
+    "missing_language": "check data.src_lang / data.tgt_lang against the keys of the rows",
+    "too_long": "raise data.max_len (and data.max_tokens >= 2 x max_len) to keep them",
+    "length_ratio": "raise data.max_len_ratio to keep them",
+}
+
+
+class DataInputError(ValueError):
+    """The input cannot train anything (an empty file, no usable rows, every pair filtered out)."""
 
 
 @dataclass
 class CleanReport:
-    rows: int = 0  # raw rows read
-    dropped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TEXT_REASONS + LENGTH_REASONS, 0))
+    rows: int = 0  # raw rows read (lines of a text file, rows of a table), bad ones included
+    dropped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
     dropped_by_split: dict[str, dict[str, int]] = field(default_factory=dict)  # length reasons per split
+    examples: dict[str, list[str]] = field(default_factory=dict)  # reason -> first "file:line: detail"
 
     @property
     def kept(self) -> int:
         return self.rows - sum(self.dropped.values())
+
+    def drop(self, reason: str, where: str | None = None, detail: str = "") -> None:
+        """Count one dropped row and keep it as an example (see `note`)."""
+        self.dropped[reason] += 1
+        if where is not None:
+            self.note(reason, where, detail)
+
+    def note(self, reason: str, where: str, detail: str = "") -> None:
+        """Keep an example of ``reason`` while fewer than `MAX_EXAMPLES` are kept (counts unchanged)."""
+        shown = self.examples.setdefault(reason, [])
+        if len(shown) < MAX_EXAMPLES:
+            shown.append(f"{where}: {detail}" if detail else where)
 
     def as_dict(self) -> dict:
         return {
@@ -30,37 +64,60 @@ class CleanReport:
             "kept": self.kept,
             "dropped": dict(self.dropped),
             "dropped_by_split": self.dropped_by_split,
+            "examples": {k: list(v) for k, v in self.examples.items() if v},
         }
 
     def __str__(self) -> str:
-        lines = [f"rows read {self.rows:>9,}", f"rows kept {self.kept:>9,}"]
-        lines += [f"  dropped {n:>9,}  {reason}" for reason, n in self.dropped.items()]
-        return "\n".join(lines)
+        return format_report(self.as_dict())
+
+
+def format_report(r: dict) -> str:
+    """The report (`CleanReport.as_dict` form): totals, then each reason that dropped rows with its
+    examples and fix."""
+    lines = [f"rows read {r['rows']:>9,}", f"rows kept {r['kept']:>9,}"]
+    for reason, n in r["dropped"].items():
+        if not n:
+            continue
+        lines.append(f"  dropped {n:>9,}  {reason}" + (f"  ({HINTS[reason]})" if reason in HINTS else ""))
+        lines += [f"      e.g. {e}" for e in r.get("examples", {}).get(reason, [])]
+    if r["kept"] == r["rows"]:
+        lines.append("  dropped         0")
+    return "\n".join(lines)
 
 
 def clean_text(
-    translation: list, src_lang: str, tgt_lang: str, report: CleanReport
+    translation: list,
+    src_lang: str,
+    tgt_lang: str,
+    report: CleanReport,
+    where: Callable[[int], str] | None = None,
 ) -> tuple[list[str], list[str], np.ndarray]:
     """Strip both sides; drop rows that are not dicts, lack a language, hold a non-str or an empty side.
 
-    Returns (src, tgt, kept_row_indices).
+    ``where(i)`` names row i (file and line) in the report's examples. Returns (src, tgt, kept_row_indices).
     """
     src, tgt, keep = [], [], []
     report.rows += len(translation)
+
+    def drop(reason: str, i: int, detail: str) -> None:
+        report.drop(reason, where(i) if where is not None else f"row {i}", detail)
+
     for i, row in enumerate(translation):
         if not isinstance(row, dict):
-            report.dropped["not_a_dict"] += 1
+            drop("not_a_dict", i, f"translation is {_short(row)}, not an object")
             continue
         if src_lang not in row or tgt_lang not in row:
-            report.dropped["missing_language"] += 1
+            missing = [k for k in (src_lang, tgt_lang) if k not in row]
+            drop("missing_language", i, f"no {missing[0]!r} (keys {sorted(map(str, row))})")
             continue
         s, t = row[src_lang], row[tgt_lang]
         if not isinstance(s, str) or not isinstance(t, str):  # None, numbers, lists
-            report.dropped["not_a_string"] += 1
+            lang, v = (src_lang, s) if not isinstance(s, str) else (tgt_lang, t)
+            drop("not_a_string", i, f"{lang!r} is {_short(v)}")
             continue
         s, t = s.strip(), t.strip()
         if not s or not t:
-            report.dropped["empty"] += 1
+            drop("empty", i, f"{src_lang if not s else tgt_lang!r} is empty or blank")
             continue
         src.append(s)
         tgt.append(t)
@@ -75,8 +132,30 @@ def length_mask(
 
     A pair failing both tests is counted once, under ``too_long``.
     """
+    too_long, bad_ratio = _length_failures(src_len, tgt_len, max_len, max_ratio)
+    return ~(too_long | bad_ratio), {"too_long": int(too_long.sum()), "length_ratio": int(bad_ratio.sum())}
+
+
+def length_examples(
+    src_len: np.ndarray, tgt_len: np.ndarray, max_len: int, max_ratio: float
+) -> list[tuple[int, str, str]]:
+    """(pair index, reason, detail) of the first `MAX_EXAMPLES` pairs per reason that `length_mask` drops."""
+    out = []
+    for reason, bad in zip(LENGTH_REASONS, _length_failures(src_len, tgt_len, max_len, max_ratio)):
+        limit = f"max_len {max_len}" if reason == "too_long" else f"max_len_ratio {max_ratio:g}"
+        for i in np.flatnonzero(bad)[:MAX_EXAMPLES].tolist():
+            out.append((i, reason, f"src {src_len[i]} / tgt {tgt_len[i]} tokens ({limit})"))
+    return out
+
+
+def _length_failures(src_len, tgt_len, max_len, max_ratio) -> tuple[np.ndarray, np.ndarray]:
     too_long = (src_len > max_len) | (tgt_len > max_len)
     lo = np.minimum(src_len, tgt_len).astype(np.float64)
     hi = np.maximum(src_len, tgt_len).astype(np.float64)
-    bad_ratio = (hi > max_ratio * lo) & ~too_long
-    return ~(too_long | bad_ratio), {"too_long": int(too_long.sum()), "length_ratio": int(bad_ratio.sum())}
+    return too_long, (hi > max_ratio * lo) & ~too_long
+
+
+def _short(v, width: int = 40) -> str:
+    """A value for a message: its type and a clipped repr."""
+    text = repr(v)
+    return f"{type(v).__name__} {text if len(text) <= width else text[: width - 3] + '...'}"

@@ -15,6 +15,7 @@ BATCHING_MODES = ("fixed", "dynamic", "sorted", "token_bucket", "packed")
 SPM_MODELS = ("bpe", "unigram")
 OVERLONG_POLICIES = ("error", "truncate")
 DATA_FILES_ENV = "FASTMT_DATA_FILES"
+TOY_DATASET = "toy"  # dataset name of the generated toy corpus (data/toy.py)
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -32,17 +33,22 @@ def parse_data_files(value: str | os.PathLike | list | tuple | None) -> tuple[st
 @dataclass
 class DataConfig:
     # --- source (HF datasets) ---
-    dataset: str = "Helsinki-NLP/opus_books"  # Hub id, used when no local data_files are given
+    # Hub id, used when no local data_files are given; "toy": the generated en-it toy corpus (data/toy.py),
+    # written once into cache_dir (it then wins over $FASTMT_DATA_FILES, which only replaces the Hub)
+    dataset: str = "Helsinki-NLP/opus_books"
     dataset_config: str | None = "en-it"  # Hub config name
     hf_split: str = "train"  # Hub split to read (opus_books has only "train"; we split it ourselves)
     data_files: tuple[str, ...] = ()  # local jsonl/parquet/tsv files; env FASTMT_DATA_FILES if empty
     src_lang: str = "en"  # key of the source side in {"translation": {...}} (tsv: first column)
     tgt_lang: str = "it"  # key of the target side (tsv: second column)
+    toy_rows: int = 1500  # dataset="toy": rows generated (row i is the same for any toy_rows)
     # --- cleaning (lengths in subword tokens, incl. EOS on src / BOS on tgt) ---
     max_len: int = 256  # drop pairs with either side longer than this
     max_len_ratio: float = 3.0  # drop pairs whose longer side is > ratio x the shorter side
     # --- split ---
-    valid_size: int | float = 1000  # int >= 1: rows; float in (0, 1): fraction of the cleaned rows
+    valid_size: int | float = (
+        1000  # int >= 0: rows (0: no valid split); float in [0, 1): fraction of clean rows
+    )
     test_size: int | float = 1000  # same convention as valid_size
     split_seed: int = 0  # seed of the train/valid/test permutation
     # --- SentencePiece (one joint vocabulary, learned from the train split only) ---
@@ -76,7 +82,22 @@ class DataConfig:
             raise ValueError(f"overlong={self.overlong!r}; choose one of {OVERLONG_POLICIES}")
         if self.src_lang == self.tgt_lang:
             raise ValueError(f"src_lang and tgt_lang are both {self.src_lang!r}; give two languages")
-        for name in ("max_len", "batch_size", "seq_len", "pad_multiple", "max_tokens", "prefetch_factor"):
+        if self.is_toy() and (self.src_lang, self.tgt_lang) != ("en", "it"):
+            raise ValueError(
+                f"dataset='toy' is an en-it corpus, but src_lang={self.src_lang!r}, "
+                f"tgt_lang={self.tgt_lang!r}; "
+                "set src_lang='en', tgt_lang='it' or give data_files"
+            )
+        names = (
+            "max_len",
+            "batch_size",
+            "seq_len",
+            "pad_multiple",
+            "max_tokens",
+            "prefetch_factor",
+            "toy_rows",
+        )
+        for name in names:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r} must be a positive int")
@@ -107,9 +128,15 @@ class DataConfig:
                 f"pad_multiple={self.pad_multiple}): one maximal pair would not fit; raise max_tokens or lower max_len"
             )
 
+    def is_toy(self) -> bool:
+        """The generated toy corpus is the source: ``dataset="toy"`` and no ``data_files``."""
+        return self.dataset == TOY_DATASET and not self.data_files
+
     def resolved_data_files(self) -> tuple[str, ...]:
-        """``data_files``, else ``$FASTMT_DATA_FILES``, else () meaning the Hub dataset."""
-        return self.data_files or parse_data_files(os.environ.get(DATA_FILES_ENV))
+        """``data_files``, else () for the toy corpus, else ``$FASTMT_DATA_FILES``, else () meaning the Hub."""
+        if self.data_files or self.is_toy():
+            return self.data_files
+        return parse_data_files(os.environ.get(DATA_FILES_ENV))
 
     def to_dict(self) -> dict:
         return asdict(self)

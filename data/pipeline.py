@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from .batching import BatchSpec, PackLayout, pack_layout, plan_batches
-from .clean import CleanReport, clean_text, length_mask
+from .clean import CleanReport, DataInputError, clean_text, length_examples, length_mask
 from .config import DataConfig
 from .sources import load_raw
 from .tokenizer import Tokenizer, spm_settings, tokenizer_key, train_or_load
@@ -95,7 +95,7 @@ def split_indices(
 ) -> dict[str, np.ndarray]:
     """Seeded permutation cut into test, valid, train (sorted indices within each split)."""
     n_valid, n_test = _size(valid_size, n), _size(test_size, n)
-    if n_valid + n_test >= n:
+    if n and n_valid + n_test >= n:
         raise ValueError(
             f"valid_size={valid_size} ({n_valid}) + test_size={test_size} ({n_test}) leave no training rows "
             f"out of {n} clean rows; lower them (floats are fractions)"
@@ -302,14 +302,52 @@ def _encode_or_load(
     return arrays
 
 
+def _check_usable(raw, kept: np.ndarray, report: CleanReport) -> None:
+    """Fail in one sentence, naming the file, when a file (or the whole source) yields no clean row."""
+    shown = "\n  ".join(str(report).splitlines())
+    if raw.files:
+        for f, k in zip(raw.files, raw.kept_per_file(kept)):
+            if f.read == 0:
+                raise DataInputError(f"{f.path} is empty: nothing to train on; cleaning report:\n  {shown}")
+            if k == 0:
+                raise DataInputError(
+                    f"{f.path}: none of its {f.read:,} {f.unit}{'s' * (f.read != 1)} is a usable pair (reasons and "
+                    f"examples below); cleaning report:\n  {shown}"
+                )
+    elif len(kept) == 0:
+        raise DataInputError(f"{raw.source}: no usable pairs; cleaning report:\n  {shown}")
+
+
+def _length_hint(before: EncodedSplit, dropped: dict[str, int]) -> str:
+    """Token-length percentiles of a split before the length filter, and the setting that keeps it."""
+    longer = np.maximum(before.src_lengths, before.tgt_lengths)
+    pct = "  ".join(f"p{q} {int(np.percentile(longer, q))}" for q in (50, 90, 99, 100))
+    keep99 = -(-int(np.percentile(longer, 99)) // 8) * 8
+    fix = (
+        f"data.max_len={keep99} keeps ~99 % (it needs data.max_tokens >= {2 * keep99})"
+        if dropped["too_long"] >= dropped["length_ratio"]
+        else "raise data.max_len_ratio"
+    )
+    return f"longer side in tokens (incl. EOS/BOS): {pct}; {fix}"
+
+
 def build_data(cfg: DataConfig, log=print) -> DataBundle:
+    """Load, clean, split, tokenize and encode ``cfg``'s corpus (cached); every dropped row is counted in
+    ``bundle.report``. Raises `DataInputError` when nothing could train (empty file, no usable rows, every
+    pair over the length limits)."""
     if not isinstance(cfg, DataConfig):
         raise TypeError(f"build_data takes a data.DataConfig, got {type(cfg).__name__}")
     t0 = time.perf_counter()
     raw = load_raw(cfg)
-    report = CleanReport()
-    src, tgt, _ = clean_text(raw.translation, cfg.src_lang, cfg.tgt_lang, report)
+    report = raw.report
+    src, tgt, kept = clean_text(raw.translation, cfg.src_lang, cfg.tgt_lang, report, raw.where)
     del raw.translation
+    _check_usable(raw, kept, report)
+    if any(report.dropped.values()):
+        log(
+            f"[data] warning: {report.rows - report.kept:,} of {report.rows:,} input rows dropped "
+            "(reasons and examples in the cleaning report below)"
+        )
     fp = fingerprint(src, tgt, cfg.src_lang, cfg.tgt_lang)
     idx = split_indices(len(src), cfg.valid_size, cfg.test_size, cfg.split_seed)
     split_digest = hashlib.sha256(b"".join(idx[s].tobytes() for s in SPLITS)).hexdigest()[:20]
@@ -340,9 +378,27 @@ def build_data(cfg: DataConfig, log=print) -> DataBundle:
         keep, dropped = length_mask(sp.src_lengths, sp.tgt_lengths, cfg.max_len, cfg.max_len_ratio)
         for reason, k in dropped.items():
             report.dropped[reason] += k
+        for i, reason, detail in length_examples(
+            sp.src_lengths, sp.tgt_lengths, cfg.max_len, cfg.max_len_ratio
+        ):
+            report.note(reason, raw.where(int(kept[rows[i]])), detail)
         report.dropped_by_split[s] = dropped
+        if s == "train":
+            train_before = sp
         splits[s] = sp if keep.all() else sp.select(keep)
-
+    d, n_train = report.dropped_by_split["train"], len(train_before)
+    if len(splits["train"]) == 0:
+        raise DataInputError(
+            f"every one of the {n_train:,} training pairs is over the length limits "
+            f"({d['too_long']:,} too_long with max_len={cfg.max_len}, {d['length_ratio']:,} length_ratio "
+            f"with max_len_ratio={cfg.max_len_ratio:g}); {_length_hint(train_before, d)}"
+        )
+    if d["too_long"] > 0.1 * n_train:
+        log(
+            f"[data] warning: max_len={cfg.max_len} drops {d['too_long']:,} of {n_train:,} training pairs as "
+            f"too_long; {_length_hint(train_before, d)}"
+        )
+    del train_before
     split_record = {
         "source": raw.source,
         "fingerprint": fp,

@@ -17,6 +17,7 @@ import sys
 import numpy as np
 
 from .batching import MODES, plan_batches, plan_stats
+from .clean import DataInputError, format_report
 from .config import DataConfig
 
 PCTS = (50, 90, 95, 99, 100)
@@ -34,7 +35,7 @@ def _parse(argv) -> tuple[DataConfig, argparse.Namespace]:
         "--data-files",
         nargs="+",
         default=None,
-        help="local jsonl/parquet/tsv files (default: Hub / $FASTMT_DATA_FILES)",
+        help="local jsonl/json/parquet/tsv files (default: --dataset toy, $FASTMT_DATA_FILES, the Hub)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--epoch", type=int, default=0)
@@ -52,7 +53,10 @@ def _parse(argv) -> tuple[DataConfig, argparse.Namespace]:
     if a.data_files:
         overrides["data_files"] = tuple(a.data_files)
     overrides.setdefault("num_workers", 0)
-    return DataConfig(**overrides), a
+    try:
+        return DataConfig(**overrides), a
+    except (ValueError, TypeError) as e:
+        p.error(str(e))
 
 
 def collect(bundle, epoch: int = 0) -> dict:
@@ -99,9 +103,7 @@ def collect(bundle, epoch: int = 0) -> dict:
 
 
 def format_table(s: dict) -> str:
-    r = s["report"]
-    lines = [f"source: {s['source']}", f"rows read {r['rows']:,}, kept {r['kept']:,}"]
-    lines += [f"  dropped {n:>7,}  {reason}" for reason, n in r["dropped"].items()]
+    lines = [f"source: {s['source']}", format_report(s["report"])]
     lines.append(f"split: {s['split']}  vocab: {s['vocab_size']}")
     lines.append(
         "train token lengths (incl. EOS/BOS): " + "  ".join(f"{k:>5}" for k in list(s["lengths"]["src"]))
@@ -135,9 +137,18 @@ def format_table(s: dict) -> str:
 def main(argv=None) -> int:
     cfg, a = _parse(argv)
     from .pipeline import build_data
+    from .sources import HubUnavailableError
 
     log = (lambda *x: print(*x, file=sys.stderr)) if a.json else print
-    bundle = build_data(cfg, log=log)
+    try:
+        bundle = build_data(cfg, log=log)
+    except (
+        DataInputError,
+        FileNotFoundError,
+        HubUnavailableError,
+    ) as e:  # bad input: the message, no traceback
+        print(f"python -m data.stats: {e}", file=sys.stderr)
+        return 2
     s = collect(bundle, a.epoch)
     print(json.dumps(s) if a.json else format_table(s))
     return 0

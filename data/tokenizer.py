@@ -43,18 +43,38 @@ class Tokenizer:
 
     pad_id, unk_id, bos_id, eos_id = PAD_ID, UNK_ID, BOS_ID, EOS_ID
 
-    def __init__(self, model_file: str | os.PathLike, key: str = "", num_threads: int = 0):
+    def __init__(
+        self,
+        model_file: str | os.PathLike | None = None,
+        key: str = "",
+        num_threads: int = 0,
+        *,
+        model_proto: bytes | None = None,
+    ):
+        """Load ``model_file``, or the serialized model ``model_proto`` (e.g. embedded in a checkpoint:
+        loaded in memory, no file written)."""
         import sentencepiece as spm
 
-        self.model_file = str(model_file)
+        if (model_file is None) == (model_proto is None):
+            raise TypeError("give exactly one of model_file and model_proto")
+        self.model_file = None if model_file is None else str(model_file)
+        self.model_proto = model_proto
         self.key = key
         self.num_threads = num_threads or (os.cpu_count() or 1)
-        self.sp = spm.SentencePieceProcessor(model_file=self.model_file)
+        if model_proto is not None:
+            self.sp = spm.SentencePieceProcessor(model_proto=model_proto)
+        else:
+            self.sp = spm.SentencePieceProcessor(model_file=self.model_file)
         got = (self.sp.pad_id(), self.sp.unk_id(), self.sp.bos_id(), self.sp.eos_id())
         if got != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
             raise ValueError(
-                f"{self.model_file}: special ids (pad, unk, bos, eos) = {got}, expected (0, 1, 2, 3)"
+                f"{self.model_file or 'the embedded model'}: special ids (pad, unk, bos, eos) = {got}, "
+                f"expected (0, 1, 2, 3)"
             )
+
+    def model_bytes(self) -> bytes:
+        """The serialized SentencePiece model (what a checkpoint embeds; `model_proto` loads it back)."""
+        return self.sp.serialized_model_proto()
 
     @property
     def vocab_size(self) -> int:
@@ -88,13 +108,21 @@ class Tokenizer:
         return self.sp.decode(out)
 
     def __getstate__(self):  # picklable for DataLoader workers / checkpoints
-        return {"model_file": self.model_file, "key": self.key, "num_threads": self.num_threads}
+        return {
+            "model_file": self.model_file,
+            "model_proto": self.model_proto,
+            "key": self.key,
+            "num_threads": self.num_threads,
+        }
 
     def __setstate__(self, state):
-        self.__init__(state["model_file"], state["key"], state["num_threads"])
+        self.__init__(
+            state["model_file"], state["key"], state["num_threads"], model_proto=state.get("model_proto")
+        )
 
     def __repr__(self) -> str:
-        return f"Tokenizer(vocab_size={self.vocab_size}, key={self.key!r}, model_file={self.model_file!r})"
+        where = f"model_file={self.model_file!r}" if self.model_file else "embedded model"
+        return f"Tokenizer(vocab_size={self.vocab_size}, key={self.key!r}, {where})"
 
 
 def train_or_load(texts: list[str], cfg, key: str, settings: dict, log=print) -> tuple[Tokenizer, bool]:

@@ -1,14 +1,16 @@
 """``python -m train.translate --ckpt C "text" ...`` (or one sentence per stdin line): beam-search translations.
 
+One output line per input, in order: a blank input gives a blank output line, and a line break inside a
+translation is printed as a space, so output line k always answers input line k. An input longer than the
+model's positions is cut to fit, with a warning on stderr saying by how many tokens.
 The model and tokenizer are rebuilt from the checkpoint alone: its config gives the architecture, and it
-carries the SentencePiece model (bytes, plus the path and cache key it was trained under).
+carries the SentencePiece model (bytes, loaded in memory, plus the path and cache key it was trained under).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -23,9 +25,7 @@ def load_for_inference(ckpt_path: str | Path, device: str | torch.device = "cpu"
     ckpt = load_checkpoint(ckpt_path)
     ref = ckpt.get("tokenizer") or {}
     if ref.get("model_bytes"):
-        tmp = Path(tempfile.mkdtemp(prefix="fastmt-spm-")) / "spm.model"
-        tmp.write_bytes(ref["model_bytes"])
-        tok = Tokenizer(tmp, key=ref.get("key", ""))
+        tok = Tokenizer(model_proto=ref["model_bytes"], key=ref.get("key", ""))
     elif ref.get("model_file") and Path(ref["model_file"]).is_file():
         tok = Tokenizer(ref["model_file"], key=ref.get("key", ""))
     else:
@@ -39,6 +39,13 @@ def load_for_inference(ckpt_path: str | Path, device: str | torch.device = "cpu"
     model.load_state_dict(ckpt["model"])
     model.eval()
     return model, tok, ckpt
+
+
+def overlong(tok, sentences: list[str], max_positions: int) -> list[tuple[int, int]]:
+    """(index, tokens incl. EOS) of each sentence longer than ``max_positions``: the encoder reads only its
+    first ``max_positions - 1`` tokens + EOS (train.evaluate.translate cuts the rest)."""
+    lengths = [len(ids) + 1 for ids in tok.encode(sentences)]
+    return [(i, n) for i, n in enumerate(lengths) if n > max_positions]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,11 +63,21 @@ def main(argv: list[str] | None = None) -> int:
     from train.evaluate import translate
 
     model, tok, _ = load_for_inference(args.ckpt, args.device)
-    sentences = args.text or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    lines = args.text or [line.rstrip("\r\n") for line in sys.stdin]
+    todo = [k for k, line in enumerate(lines) if line.strip()]  # blank lines are answered by blank lines
+    sentences = [lines[k] for k in todo]
+    limit = model.cfg.max_positions
+    for i, n in overlong(tok, sentences, limit):
+        where = f"line {todo[i] + 1}" if not args.text else f"argument {todo[i] + 1}"
+        print(f"warning: input {where} is {n:,} tokens (incl. EOS) but the model reads at most {limit}: "
+              f"its last {n - limit:,} tokens are not translated", file=sys.stderr)
     hyps = translate(model, tok, sentences, torch.device(args.device), beam_size=args.beam,
                      batch_size=args.batch_size)
-    for h in hyps:
-        print(h)
+    out = [""] * len(lines)
+    for k, h in zip(todo, hyps):
+        out[k] = " ".join(h.splitlines())  # a decoded line break would shift every later line
+    for line in out:
+        print(line)
     return 0
 
 
