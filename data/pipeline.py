@@ -125,9 +125,13 @@ class _IndexDataset:
 
 
 class _PlanSampler:
-    """Batch sampler over a precomputed plan, starting at ``start_batch``."""
+    """Batch sampler over a precomputed plan, starting at ``start_batch``. It runs in the main process, so
+    a persistent loader is pointed at the next epoch's plan with ``set_plan`` (the workers only collate)."""
 
     def __init__(self, batches: list[np.ndarray], start_batch: int):
+        self.set_plan(batches, start_batch)
+
+    def set_plan(self, batches: list[np.ndarray], start_batch: int) -> None:
         self.batches, self.start = batches, start_batch
 
     def __iter__(self):
@@ -157,6 +161,7 @@ class DataBundle:
         )
         self.log = log
         self._layout, self._layout_key = None, None  # packed layout, memoised on (max_tokens, max_len)
+        self._loaders: dict[tuple, object] = {}  # persistent DataLoaders (worker processes kept across epochs)
 
     def pack_layout(self) -> PackLayout:
         """The packed layout of this run: from the train split's lengths + (max_tokens, max_len), so every
@@ -246,7 +251,12 @@ class DataBundle:
         shuffle: bool | None = None,
         start_batch: int = 0,
     ):
-        """A torch DataLoader over this rank's batches of ``split`` for ``epoch``; skips ``start_batch`` batches."""
+        """A torch DataLoader over this rank's batches of ``split`` for ``epoch``; skips ``start_batch`` batches.
+
+        With worker processes the loader is built once per (split, batching, rank, shuffle) and reused with the
+        next plan, so its workers persist across epochs. It owns a seeded generator: creating an iterator never
+        draws from the global torch RNG (a resumed run's dropout stream then matches the uninterrupted one).
+        """
         import torch
         from torch.utils.data import DataLoader
 
@@ -259,14 +269,24 @@ class DataBundle:
             )
         c = self.cfg
         workers = c.num_workers
-        return DataLoader(
+        key = (split, batching or c.batching, rank, world_size, shuffle)
+        if workers > 0 and key in self._loaders:
+            loader = self._loaders[key]
+            loader.batch_sampler.set_plan(batches, start_batch)
+            return loader
+        loader = DataLoader(
             _IndexDataset(len(self.splits[split])),
             batch_sampler=_PlanSampler(batches, start_batch),
             collate_fn=self.collator(split, batching),
             num_workers=workers,
             pin_memory=c.pin_memory and torch.cuda.is_available(),
             prefetch_factor=c.prefetch_factor if workers > 0 else None,
+            persistent_workers=workers > 0,
+            generator=torch.Generator().manual_seed(c.seed),
         )
+        if workers > 0:
+            self._loaders[key] = loader
+        return loader
 
     def __repr__(self) -> str:
         sizes = {k: len(v) for k, v in self.splits.items()}

@@ -6,7 +6,7 @@ Examples:
     python -m train --preset fast --resume auto
     python -m train --preset s18 --print-config
 
-``--auto``: CUDA -> the ``fast`` preset for 18 epochs; no CUDA -> ``tiny`` (says why).
+``--auto``: CUDA -> the ``fast`` preset (the best measured time to BLEU); no CUDA -> ``tiny`` (says why).
 Every field of every config section can be set as ``--data.x``, ``--model.x``, ``--optim.x``,
 ``--run.x`` (``--help-fields`` lists them); unknown names and values of the wrong type are errors.
 Under torchrun the same command trains with DDP (only rank 0 logs and saves).
@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog="Config fields: --<section>.<field> VALUE (see --help-fields).")
     p.add_argument("--preset", choices=sorted(PRESETS), help="configuration preset")
     p.add_argument("--auto", action="store_true",
-                   help="CUDA: the fast preset for 18 epochs; CPU: the tiny preset")
+                   help="CUDA: the fast preset (best measured time to BLEU); CPU: the tiny preset")
     p.add_argument("--epochs", type=int, help="shortcut for --run.epochs")
     p.add_argument("--max-steps", type=int, help="shortcut for --run.max_steps (optimizer steps in total)")
     p.add_argument("--data-files", nargs="+", metavar="F", help="local jsonl/parquet/tsv files instead of the Hub")
@@ -76,8 +76,9 @@ def resolve_config(argv: list[str] | None = None, *, log=print) -> tuple[Config,
 
         if torch.cuda.is_available():
             preset = "fast"
-            overrides.setdefault("run.epochs", "18")
-            log(f"--auto: CUDA device {torch.cuda.get_device_name(0)!r} found -> preset 'fast', 18 epochs")
+            log(f"--auto: CUDA device {torch.cuda.get_device_name(0)!r} -> preset 'fast': of the recipes measured on "
+                f"an H100 it reached validation BLEU 37 soonest (AdamW 5e-4 on 4k-token packed batches, CUDA graphs; "
+                f"Lion peaked at 35.6; README 'Time to BLEU')")
         else:
             preset = "tiny"
             log("--auto: no CUDA device -> preset 'tiny' (a CPU smoke run; the 'fast' preset needs a GPU)")
@@ -111,12 +112,16 @@ def main(argv: list[str] | None = None) -> int:
     from train import flush_denormals
 
     flush_denormals()
+    from data.clean import DataInputError
     from train.distributed import cleanup
     from train.loop import Trainer
 
     try:
         trainer = Trainer(cfg, resume=args.resume)
         summary = trainer.fit()
+    except DataInputError as e:  # the input cannot train anything: the message says why and what to do
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     finally:
         cleanup()
     if trainer.is_main:

@@ -522,10 +522,6 @@ class Trainer:
 
     def state_dict(self) -> dict[str, Any]:
         tok = self.data.tokenizer
-        try:
-            spm_bytes = Path(tok.model_file).read_bytes()
-        except OSError:
-            spm_bytes = None
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -536,7 +532,7 @@ class Trainer:
                          "counters": self.counters.state_dict(), "epoch_stats": self.stats.state_dict(),
                          "best_value": self.ckpts.best_value, "clock": self.clock.state_dict(self.clock.wall())},
             "config": self.cfg.to_dict(),
-            "tokenizer": {"model_file": tok.model_file, "key": tok.key, "model_bytes": spm_bytes},
+            "tokenizer": {"model_file": tok.model_file, "key": tok.key, "model_bytes": tok.model_bytes()},
             "params": self.params,
             "history": self.history,
         }

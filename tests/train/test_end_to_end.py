@@ -48,6 +48,6 @@ def test_tiny_run_end_to_end(bundle, corpus, tmp_path, capsys, monkeypatch):
     assert translate_main(["--ckpt", str(run / "checkpoints" / "best.pt"), "--beam", "2", "the cat", "a dog"]) == 0
     by_args = capsys.readouterr().out.splitlines()
     assert len(by_args) == 2
-    monkeypatch.setattr("sys.stdin", io.StringIO("the cat\n\na dog\n"))  # blank lines are skipped
+    monkeypatch.setattr("sys.stdin", io.StringIO("the cat\n\na dog\n"))  # a blank line in, a blank line out
     assert translate_main(["--ckpt", str(run / "checkpoints" / "best.pt"), "--beam", "2"]) == 0
-    assert capsys.readouterr().out.splitlines() == by_args  # stdin lines = the same sentences as arguments
+    assert capsys.readouterr().out.splitlines() == [by_args[0], "", by_args[1]]  # the same sentences, in line
