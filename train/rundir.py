@@ -20,6 +20,7 @@ import os
 import re
 import socket
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,25 @@ def _command_line(pid: int) -> str | None:
     return _one_line(raw.replace(b"\0", b" ").decode("utf-8", "replace"), 200) or None
 
 
+_HELD: weakref.WeakSet[RunLock] = weakref.WeakSet()
+
+
+def _forget_locks_in_child() -> None:
+    """A forked child (e.g. a DataLoader worker) shares the parent's lock: close its copy, so the lock
+    dies with the parent, and mark its RunLocks unheld, so the child never removes the parent's file."""
+    for lock in list(_HELD):
+        fd, lock._fd = lock._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_forget_locks_in_child)
+
+
 class RunLock:
     """An exclusive, non-blocking ``flock`` on ``<run_dir>/.lock``, held for a run's life.
 
@@ -111,6 +131,7 @@ class RunLock:
     holder (PID, host, start time, command line) when another open of the file holds it — another
     process, or this one through a second ``RunLock``. The file holds the holder's PID, host, start
     time and argv as JSON; ``release()`` removes it. Use as a context manager or acquire/release.
+    Forked children do not keep it (their copy is closed at fork), so it ends with this process.
     """
 
     def __init__(self, run_dir: str | os.PathLike):
@@ -149,11 +170,13 @@ class RunLock:
         os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
         os.fsync(fd)
         self._fd = fd
+        _HELD.add(self)
         return self
 
     def release(self) -> None:
         """Remove the lock file, then drop the lock (in that order, so a waiter never keeps a stale file)."""
         fd, self._fd = self._fd, None
+        _HELD.discard(self)
         if fd is None:
             return
         try:
@@ -211,6 +234,7 @@ def move_aside_previous_run(run_dir: str | os.PathLike, log: Callable[[str], Any
     run_dir.rename(target)
     log(f"{run_dir} held an earlier run: moved to {target} (to continue a run instead, pass --resume auto)")
     moved_fd, lock._fd = lock._fd, None
+    _HELD.discard(lock)
     try:
         lock.acquire()
     finally:

@@ -275,3 +275,30 @@ def test_move_aside_when_another_run_takes_the_name_in_between(tmp_path):
     assert (moved / "metrics.jsonl").is_file() and not (moved / LOCK_NAME).exists()
     assert not lock.held and other.held
     other.release()
+
+
+def test_a_forked_child_does_not_keep_the_lock_after_its_parent_is_killed(tmp_path):
+    """DataLoader workers are forked: the lock must still die with the run's process."""
+    run = tmp_path / "r"
+    code = ("import os, sys, time; from train.rundir import RunLock; l = RunLock(sys.argv[1]).acquire()\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n"
+            "    ok = not l.held; l.release(); time.sleep(60 if ok else 0); os._exit(0)\n"
+            "print(pid, flush=True); sys.stdin.read()")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(run)], cwd=REPO, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    child = int(proc.stdout.readline())
+    try:
+        with pytest.raises(RunLockedError, match=f"PID {proc.pid} "):  # the child's release() removed nothing
+            RunLock(run).acquire()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        os.kill(child, 0)  # the forked child still runs...
+        with RunLock(run):  # ...and holds no lock
+            pass
+    finally:
+        proc.kill()
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
