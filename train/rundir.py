@@ -191,6 +191,12 @@ class RunLock:
     def __exit__(self, *exc) -> None:
         self.release()
 
+    def __del__(self) -> None:  # a dropped holder (e.g. a Trainer never fit) frees the name
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - interpreter shutdown may have torn down os/pathlib
+            pass
+
     def _busy_message(self, holder: dict[str, Any]) -> str:
         pid, host = holder.get("pid"), holder.get("host")
         if pid is None:

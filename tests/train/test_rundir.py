@@ -302,3 +302,10 @@ def test_a_forked_child_does_not_keep_the_lock_after_its_parent_is_killed(tmp_pa
             os.kill(child, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_a_dropped_lock_frees_the_name(tmp_path):
+    lock = RunLock(tmp_path / "r").acquire()
+    del lock
+    with RunLock(tmp_path / "r"):
+        pass
