@@ -113,13 +113,19 @@ def main(argv: list[str] | None = None) -> int:
 
     flush_denormals()
     from data.clean import DataInputError
+    from train.checkpoint import CheckpointReadError, CheckpointWriteError
     from train.distributed import cleanup
-    from train.loop import Trainer
+    from train.loop import RunFinishedError, Trainer
+    from train.rundir import RunLockedError
 
     try:
         trainer = Trainer(cfg, resume=args.resume)
         summary = trainer.fit()
-    except DataInputError as e:  # the input cannot train anything: the message says why and what to do
+    except RunFinishedError as e:
+        print(str(e))
+        return 0
+    # bad input, a busy run name, a full or read-only disk: the message says why and what to do
+    except (DataInputError, RunLockedError, CheckpointReadError, CheckpointWriteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:

@@ -23,6 +23,7 @@ from typing import Any, Literal
 from data import DataConfig
 from models import ModelConfig, get_preset
 from train.overrides import apply_overrides, build_dataclass, field_names, resolved_hints
+from train.rundir import validate_run_name
 
 Precision = Literal["bf16", "fp16", "fp32"]
 
@@ -106,9 +107,7 @@ class RunConfig:
     plot: bool = True  # write curves.png (loss and BLEU by epoch) at the end
 
     def __post_init__(self):
-        if not self.name or "/" in self.name or "\\" in self.name or set(self.name) <= {"."}:
-            raise ValueError(f"run.name={self.name!r} must be a folder name such as 'fast-4k' "
-                             f"(not empty, '.', '..', and without '/')")
+        validate_run_name(self.name)
         if self.epochs < 1:
             raise ValueError(f"run.epochs={self.epochs} must be >= 1")
         for name in ("max_steps", "max_batches_per_epoch"):

@@ -29,7 +29,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from train.checkpoint import CheckpointManager, latest_checkpoint, load_checkpoint, rng_state, set_rng_state
+from train.checkpoint import (
+    CheckpointManager,
+    latest_checkpoint,
+    latest_loadable_checkpoint,
+    load_checkpoint,
+    rng_state,
+    set_rng_state,
+)
 from train.compile import compile_for_training, compiled_graphs, configure_caches
 from train.config import Config
 from train.distributed import DistInfo, barrier, init_distributed
@@ -37,6 +44,14 @@ from train.loss import SummedCrossEntropy
 from train.metrics import MetricsLogger, plot_curves, provenance
 from train.objective import BleuClock
 from train.optim import build_optimizer, build_scheduler
+from train.rundir import (
+    RunLock,
+    cut_metrics,
+    done_record,
+    move_aside_previous_run,
+    remove_stale_temp_files,
+    run_finished,
+)
 from train.step import StepCounters, forward_backward, optimizer_step
 
 H100_BF16_DENSE_FLOPS = 989e12  # H100 SXM dense bf16 tensor-core peak (FLOP/s), the MFU denominator
@@ -44,6 +59,10 @@ H100_BF16_DENSE_FLOPS = 989e12  # H100 SXM dense bf16 tensor-core peak (FLOP/s),
 
 class NonFiniteLossError(RuntimeError):
     pass
+
+
+class RunFinishedError(RuntimeError):
+    """``--resume auto`` on a run that already ended: nothing to continue (the message says how it ended)."""
 
 
 def _amp_dtype(precision: str) -> torch.dtype | None:
@@ -117,11 +136,31 @@ class Trainer:
         self.device = self.dist.device
         self.is_main = self.dist.is_main
         self.log = log if self.is_main else _quiet
-        run = cfg.run
         _configure_backend(cfg, self.device)
+        self.run_dir = Path(cfg.run.out_dir) / cfg.run.name
+        # one writer per run folder, held from here until fit() ends (or close()); rank 0 only
+        self.lock = RunLock(self.run_dir).acquire() if self.is_main else None
+        try:
+            self._build(cfg, data, resume)
+        except BaseException:
+            self.close()
+            raise
+        barrier()
 
-        resume_path = self._resolve_resume(cfg, resume)
-        ckpt = load_checkpoint(resume_path) if resume_path is not None else None
+    def close(self) -> None:
+        """Release the run folder (fit() does this when it returns)."""
+        if self.lock is not None:
+            self.lock.release()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _build(self, cfg: Config, data, resume) -> None:
+        run = cfg.run
+        resume_path, ckpt = self._resolve_resume(resume)
 
         torch.manual_seed(run.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
         if data is None:
@@ -182,9 +221,13 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         self._last_grad_norm = None
 
-        self.run_dir = Path(run.out_dir) / run.name
-        if ckpt is None and self.is_main:
-            _move_aside_previous_run(self.run_dir, self.log)
+        if self.is_main:
+            if ckpt is None:
+                move_aside_previous_run(self.run_dir, self.log, lock=self.lock)
+            elif resume_path.parent.resolve() == (self.run_dir / "checkpoints").resolve():
+                cut_metrics(self.run_dir / "metrics.jsonl", keep=ckpt["position"], log=self.log)
+            remove_stale_temp_files(self.run_dir / "checkpoints", self.log)
+            remove_stale_temp_files(self.run_dir, self.log)
         self.ckpts = CheckpointManager(self.run_dir / "checkpoints", run.keep_last,
                                        mode="max" if cfg.eval.best_metric == "bleu" else "min")
         self.metrics = MetricsLogger(self.run_dir, tensorboard=run.tensorboard, enabled=self.is_main)
@@ -248,6 +291,7 @@ class Trainer:
         finally:
             for sig, handler in restore.items():
                 signal.signal(sig, handler)
+            self.close()
 
     def _fit(self, stop_after: int | None) -> dict[str, Any]:
         run = self.cfg.run
@@ -327,6 +371,10 @@ class Trainer:
                 summary["test"] = self._final_test()
             for line in self.clock.summary_lines():
                 self.log(line)
+            test = summary.get("test") or {}
+            self.metrics.log(done_record(epoch=self.epoch, step=self.step, stop_reason=stop_reason or "done",
+                                         wall_seconds=self.clock.wall(), best_bleu=self.clock.best,
+                                         time_to_bleu=self.clock.reached, test_bleu=test.get("test_bleu")))
             if run.plot and self.metrics.path.exists():
                 png = plot_curves(self.metrics.path, self.run_dir / "curves.png")
                 if png:
@@ -566,17 +614,24 @@ class Trainer:
         barrier()
         return path
 
-    def _resolve_resume(self, cfg: Config, resume) -> Path | None:
+    def _resolve_resume(self, resume) -> tuple[Path | None, dict[str, Any] | None]:
+        """(path, checkpoint) to continue from, or (None, None) for a fresh start. "auto": the newest
+        checkpoint of this run that loads (a corrupt newer one is reported and set aside)."""
         if resume is None:
-            return None
-        if str(resume) == "auto":
-            found = latest_checkpoint(Path(cfg.run.out_dir) / cfg.run.name / "checkpoints")
-            if found is None:
-                (print if self.is_main else _quiet)(
-                    f"--resume auto: no checkpoint under {Path(cfg.run.out_dir) / cfg.run.name / 'checkpoints'}; "
-                    "starting fresh")
-            return found
-        return Path(resume)
+            return None, None
+        if str(resume) != "auto":
+            return Path(resume), load_checkpoint(resume)
+        finished = run_finished(self.run_dir)
+        if finished is not None:
+            raise RunFinishedError(
+                f"--resume auto: run {self.run_dir} already finished ({finished.get('stop_reason', 'done')} at "
+                f"step {finished.get('step')}, epoch {finished.get('epoch')}"
+                + (f", test BLEU {finished['test_bleu']:.2f}" if finished.get("test_bleu") is not None else "")
+                + "): nothing to continue. Train longer with a new --run.name, or translate with its best.pt")
+        path, ckpt = latest_loadable_checkpoint(self.run_dir / "checkpoints", self.log)
+        if path is None:
+            self.log(f"--resume auto: no checkpoint under {self.run_dir / 'checkpoints'}; starting fresh")
+        return path, ckpt
 
     def _write_provenance(self) -> None:
         if not self.is_main:
@@ -613,20 +668,6 @@ def _configure_backend(cfg: Config, device: torch.device) -> None:
         torch.set_float32_matmul_precision("high")
     if run.precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ValueError("this GPU has no bf16; use --run.precision fp16")
-
-
-def _move_aside_previous_run(run_dir: Path, log) -> None:
-    """A fresh start never mixes with (or overwrites) an earlier run of the same name: its folder is
-    renamed ``<name>.prev-<UTC time>`` first, so nothing is lost."""
-    if not run_dir.is_dir() or not any(run_dir.iterdir()):
-        return
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    target = run_dir.with_name(f"{run_dir.name}.prev-{stamp}")
-    n = 1
-    while target.exists():
-        target, n = run_dir.with_name(f"{run_dir.name}.prev-{stamp}-{n}"), n + 1
-    run_dir.rename(target)
-    log(f"{run_dir} held an earlier run: moved to {target} (to continue a run instead, pass --resume auto)")
 
 
 def _check_tokenizer(ckpt: dict[str, Any], tok, path) -> None:

@@ -283,11 +283,14 @@ def test_a_forked_child_does_not_keep_the_lock_after_its_parent_is_killed(tmp_pa
     code = ("import os, sys, time; from train.rundir import RunLock; l = RunLock(sys.argv[1]).acquire()\n"
             "pid = os.fork()\n"
             "if pid == 0:\n"
-            "    ok = not l.held; l.release(); time.sleep(60 if ok else 0); os._exit(0)\n"
+            "    ok = not l.held; l.release(); print('child', flush=True); time.sleep(60 if ok else 0); os._exit(0)\n"
             "print(pid, flush=True); sys.stdin.read()")
     proc = subprocess.Popen([sys.executable, "-c", code, str(run)], cwd=REPO, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
-    child = int(proc.stdout.readline())
+    # both lines, in either order: the child has run its after-fork hook before the parent is killed
+    lines = {proc.stdout.readline().strip() for _ in range(2)}
+    assert "child" in lines, lines
+    child = int((lines - {"child"}).pop())
     try:
         with pytest.raises(RunLockedError, match=f"PID {proc.pid} "):  # the child's release() removed nothing
             RunLock(run).acquire()
