@@ -159,7 +159,7 @@ def host_table(rows, bench: str, group: str | None = None) -> Table:
     rows = [r for r in rows if r["case"] in split]
     table, present = pivot(rows, bench, "fwd+bwd", "op_ms", registry.names(bench, group), pct="host_pct",
                            groups=None if group is None else (group,))
-    return ("op time fwd+bwd, ms (share of it that is host)", table, ["case", *present])
+    return (f"{bench} op time fwd+bwd, ms (share of it that is host)", table, ["case", *present])
 
 
 def first_call_table(rows) -> Table:
@@ -213,7 +213,7 @@ def write_markdown(path: Path, rows, prov, peaks: H.Peaks, opts) -> None:
     for bench in ("attention", "layernorm"):
         title, table, cols = host_table(rows, bench, "corpus" if bench == "attention" else "ln")
         if table:
-            parts += ["", f"## {bench}: {title}", "", H.markdown_table(table, cols)]
+            parts += ["", f"## {title[0].upper()}{title[1:]}", "", H.markdown_table(table, cols)]
     for mode in opts.modes:
         padded = [g for g in GROUPS if g not in ("corpus", "ln")]
         table, present = pivot(rows, "attention", mode, "tflops", registry.names("attention"), groups=padded)
@@ -250,7 +250,7 @@ def _ln_label(r) -> str:
 
 def write_plot(path: Path, rows, prov, peaks: H.Peaks) -> Path:
     sel = [r for r in rows if r["mode"] == "fwd+bwd" and _ok(r)]
-    fig, axes = H.new_figure(3, 3)
+    fig, axes = H.new_figure(3, 3, height=4.3)
 
     def attn_series(pred, suffix_causal: bool):
         series: dict[str, list[tuple[float, float]]] = {}

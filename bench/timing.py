@@ -92,7 +92,9 @@ def kernel_time(
     if device.type != "cuda":
         return KernelTime(H.bench(eager, device=device, warmup_ms=warmup_ms, rep_ms=rep_ms, grad_to_none=leaves),
                           "wallclock (no CUDA)")
-    warm_up_capture(device)
+    why = warm_up_capture(device)
+    if why:
+        print(f"bench.timing: the warm-up capture failed twice ({why}); capturing anyway", flush=True)
     graph = state = None
     try:
         side = torch.cuda.Stream(device)
