@@ -182,6 +182,7 @@ def test_isolated_worker_crash_is_recorded(tmp_path, monkeypatch):
     """A provider that kills its worker gets 'crash' rows, is left out after two, others still run (~30 s)."""
     # the test's own provider (tests/bench/fault_provider.py), in all three padded smoke attention groups;
     # registered into a copy of the registry, so other tests never see it
+    registry.load()  # the op modules register once per process: into the real registry, before the copy
     monkeypatch.setattr(registry, "_PROVIDERS", list(registry._PROVIDERS))
     monkeypatch.delitem(sys.modules, "tests.bench.fault_provider", raising=False)
     rc = K.main(["--smoke", "--out", str(tmp_path), "--isolate", "process", "--only", "attention",
@@ -359,6 +360,7 @@ def test_registry_lists_providers_per_op_and_group():
 
 
 def test_registry_rejects_a_second_provider_for_the_same_group(monkeypatch):
+    registry.load()
     monkeypatch.setattr(registry, "_PROVIDERS", list(registry._PROVIDERS))
     with pytest.raises(ValueError, match="already registered"):
         registry.register("attention", "sdpa", groups=("train-dense",))(lambda case, d, opts: None)
