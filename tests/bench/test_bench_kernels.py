@@ -1,15 +1,24 @@
-"""bench.harness counting/writers against hand-computed values, and a CPU smoke run of bench.kernels."""
+"""bench.harness counting/writers against hand-computed values, the corpus cases, the provider registry,
+the timing helpers, and CPU smoke runs of bench.kernels."""
 
 from __future__ import annotations
 
+import argparse
 import csv
+import json
 import math
+import os
+import sys
 
+import numpy as np
 import pytest
 import torch
 
+from bench import cases as C
 from bench import harness as H
 from bench import kernels as K
+from bench import registry, runner, timing
+from bench.attention import document_mask_mod, floor_bytes, segment_ids
 
 
 # ----------------------------------------------------------------------------------------------
@@ -94,8 +103,8 @@ def test_append_csv_unions_headers(tmp_path):
 
 
 def test_ragged_lengths_are_bounded_and_deterministic():
-    a = K.ragged_lengths(64, 128, 0.5, K._generator(3))
-    assert a == K.ragged_lengths(64, 128, 0.5, K._generator(3))
+    a = C.ragged_lengths(64, 128, 0.5, C.generator(3))
+    assert a == C.ragged_lengths(64, 128, 0.5, C.generator(3))
     assert a[0] == 128 and all(64 <= v <= 128 for v in a)
 
 
@@ -134,7 +143,7 @@ def test_smoke_covers_every_case_provider_mode_once(smoke):
     _, rows = smoke
     keys = [(r["case"], r["provider"], r["mode"]) for r in rows]
     assert len(keys) == len(set(keys))
-    for case in K.build_cases(smoke=True, only=None):
+    for case in C.build_cases(smoke=True, only=None):
         for p in case.providers:
             for m in H.MODES:
                 assert (case.id, p, m) in set(keys), (case.id, p, m)
@@ -171,13 +180,18 @@ def test_smoke_records_refusals_instead_of_crashing(smoke):
 @pytest.mark.slow
 def test_isolated_worker_crash_is_recorded(tmp_path, monkeypatch):
     """A provider that kills its worker gets 'crash' rows, is left out after two, others still run (~30 s)."""
-    monkeypatch.setenv(K.FAULT_ENV, "sdpa-flash")  # in all three smoke attention cases
+    # the test's own provider (tests/bench/fault_provider.py), in all three padded smoke attention groups;
+    # registered into a copy of the registry, so other tests never see it
+    registry.load()  # the op modules register once per process: into the real registry, before the copy
+    monkeypatch.setattr(registry, "_PROVIDERS", list(registry._PROVIDERS))
+    monkeypatch.delitem(sys.modules, "tests.bench.fault_provider", raising=False)
     rc = K.main(["--smoke", "--out", str(tmp_path), "--isolate", "process", "--only", "attention",
-                 "--providers", "sdpa,sdpa-flash", "--compile-backend", "eager", "--no-plot"])
+                 "--provider-module", "tests.bench.fault_provider", "--providers", "sdpa,fault",
+                 "--compile-backend", "eager", "--no-plot"])
     assert rc == 0
     rows = H.read_csv(next(tmp_path.glob("kernels-*.csv")))
-    flash = {(r["group"], r["status"]) for r in rows if r["provider"] == "sdpa-flash"}
-    assert flash == {("train-ragged", "crash"), ("train-dense", "crash"), ("long", "skipped")}
+    fault = {(r["group"], r["status"]) for r in rows if r["provider"] == "fault"}
+    assert fault == {("train-ragged", "crash"), ("train-dense", "crash"), ("long", "skipped")}
     sdpa = [r for r in rows if r["provider"] == "sdpa"]
     assert len(sdpa) == 2 * len(H.MODES) and all(r["status"] == "ok" for r in sdpa)
 
@@ -195,3 +209,216 @@ def test_our_layernorm_provider_through_the_interpreter(tmp_path):
     if any(r["status"] == "not-implemented" for r in rows):
         pytest.skip("the Triton LayerNorm has not landed")
     assert all(r["status"] == "ok" and float(r["rel_err"]) < 2e-2 for r in rows), rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Corpus cases: segment lengths and packed batches built as training builds them
+# ----------------------------------------------------------------------------------------------
+def test_lognormal_params_hit_mean_and_p99():
+    mu, sigma = C.lognormal_params(16.5, 75.0)
+    assert math.exp(mu + sigma**2 / 2) == pytest.approx(16.5)
+    assert math.exp(mu + 2.3263478740408408 * sigma) == pytest.approx(75.0, rel=1e-6)
+    with pytest.raises(ValueError, match="p99 10"):
+        C.lognormal_params(16.5, 10.0)
+
+
+def test_generated_lengths_follow_the_target_distribution():
+    src, tgt = C.generated_lengths(seed=0)
+    assert len(src) == len(tgt) > 0.99 * C.GENERATED_PAIRS  # almost nothing over max_len
+    for side in (src, tgt):
+        assert side.dtype == np.int32 and side.min() >= 2 and side.max() <= C.CORPUS_MAX_LEN
+        assert side.mean() == pytest.approx(C.LENGTH_MEAN, rel=0.03)
+        assert np.percentile(side, 99) == pytest.approx(C.LENGTH_P99, rel=0.06)
+    assert np.corrcoef(np.log(src), np.log(tgt))[0, 1] > 0.9  # a pair's sides go together
+    again, _ = C.generated_lengths(seed=0)
+    assert np.array_equal(src, again)
+
+
+def check_packed(batch, layout, src_len, tgt_len):
+    """The packed collate's invariants on one batch (docs/ARCHITECTURE.md, "Packed batches")."""
+    k = len(batch)
+    for cu, seg, cap, lengths in ((batch.cu_seqlens_src, batch.src_lengths, layout.src_capacity, src_len),
+                                  (batch.cu_seqlens_tgt, batch.tgt_lengths, layout.tgt_capacity, tgt_len)):
+        assert cu.dtype == torch.int32 and int(cu[0]) == 0 and int(cu[-1]) == cap
+        assert torch.equal(cu[1:] - cu[:-1], seg)
+        assert int(seg.max()) <= layout.max_len and int(seg.min()) >= 0
+        assert seg[:k].tolist() == lengths[batch.index.numpy()].tolist()  # real pairs first, in order
+        tail = seg[k:].tolist()
+        assert tail == sorted(tail, key=bool)  # empty slots, then the dummy tail
+    assert batch.cu_seqlens_src.shape == batch.cu_seqlens_tgt.shape == (layout.slots + 1,)
+
+
+@pytest.mark.parametrize("tokens", [4096, 16384])
+def test_packed_corpus_batch_is_the_collates(tokens):
+    src, tgt = C.generated_lengths(seed=0)
+    batch, layout = C.packed_batch(src, tgt, tokens, C.CORPUS_MAX_LEN)
+    check_packed(batch, layout, src, tgt)
+    assert layout.src_capacity + layout.tgt_capacity - tokens < 2 * 64
+    # the stream is nearly full of real pairs (PEERS.md: 4,096 tokens hold ~124 segments of ~16)
+    assert int(batch.src_lengths[: len(batch)].sum()) > 0.9 * layout.src_capacity
+    assert len(batch) == pytest.approx(tokens / (2 * C.LENGTH_MEAN), rel=0.25)
+
+
+def test_corpus_lengths_from_a_data_bundle(tmp_path):
+    from data import DataConfig
+
+    rng = np.random.default_rng(0)
+    words = ["casa", "gatto", "libro", "sole", "mare", "notte", "strada", "amico", "porta", "fiume"]
+    rows = []
+    for _ in range(300):
+        n = int(rng.integers(1, 30))
+        rows.append({"translation": {"en": " ".join(rng.choice(words, n)), "it": " ".join(rng.choice(words, n))}})
+    files = tmp_path / "toy.jsonl"
+    files.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = DataConfig(data_files=(str(files),), cache_dir=str(tmp_path / "cache"), vocab_size=400, max_len=64,
+                     valid_size=20, test_size=20, num_workers=0, spm_threads=1)
+    src, tgt = C.corpus_lengths_from(cfg)
+    assert len(src) == len(tgt) == 260 and src.min() >= 2 and max(src.max(), tgt.max()) <= 64
+    batch, layout = C.packed_batch(src, tgt, 512, 64)
+    check_packed(batch, layout, src, tgt)
+
+
+def corpus_case(kind: str, H: int = 2, D: int = 16, tokens: int = 256, max_len: int = 32) -> C.Case:
+    return C.Case("attention", "corpus", registry.names("attention", "corpus"), H=H, D=D, causal=kind == "dec-self",
+                  kind=kind, max_tokens=tokens, max_len=max_len, seed=1, host_split=True)
+
+
+OPTS = argparse.Namespace(data_files=None, length_mean=C.LENGTH_MEAN, length_p99=C.LENGTH_P99,
+                          compile_backend="eager", min_fill=0.5)
+
+
+@pytest.mark.parametrize("kind", C.CORPUS_KINDS)
+def test_corpus_inputs_take_the_right_streams(kind):
+    d = C.make_corpus_inputs(corpus_case(kind), torch.bfloat16, torch.device("cpu"), OPTS)
+    src, tgt = C.generated_lengths(max_len=32)
+    batch, layout = C.packed_batch(src, tgt, 256, 32, seed=1)
+    q_side = batch.src_lengths if kind == "enc-self" else batch.tgt_lengths
+    k_side = batch.tgt_lengths if kind == "dec-self" else batch.src_lengths
+    assert d.lengths_q == q_side.tolist() and d.lengths_k == k_side.tolist() and d.real == len(batch)
+    assert d.q.shape == (sum(d.lengths_q), 2, 16) and d.k.shape == d.v.shape == (sum(d.lengths_k), 2, 16)
+    assert d.causal == (kind == "dec-self") and d.max_len == layout.max_len
+    assert d.checked == (0, d.real - 1)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flex_document_mask_is_block_diagonal(causal):
+    lengths_q, lengths_k = [3, 0, 5, 1, 4], [3, 0, 5, 1, 4] if causal else [2, 4, 6, 0, 1]
+    cu_q = torch.tensor(np.cumsum([0, *lengths_q]), dtype=torch.int32)
+    cu_k = torch.tensor(np.cumsum([0, *lengths_k]), dtype=torch.int32)
+    cq, ck = int(cu_q[-1]), int(cu_k[-1])
+    mask_mod = document_mask_mod(segment_ids(cu_q, cq), segment_ids(cu_k, ck), causal)
+    got = mask_mod(0, 0, torch.arange(cq)[:, None], torch.arange(ck)[None, :])
+    want = torch.zeros(cq, ck, dtype=torch.bool)
+    for i, (lq, lk) in enumerate(zip(lengths_q, lengths_k)):
+        block = torch.ones(lq, lk, dtype=torch.bool)
+        want[cu_q[i] : cu_q[i] + lq, cu_k[i] : cu_k[i] + lk] = block.tril() if causal else block
+    assert torch.equal(got, want)
+
+
+def test_attention_memory_floor_by_hand():
+    # 100 query and 80 key tokens, H 8, D 64, bf16: fwd q, k, v in + o out; bwd q, k, v, o, dO in + dQ, dK, dV out
+    per = 8 * 64 * 2
+    assert floor_bytes(100, 80, 8, 64, 2, "fwd") == (100 + 80 + 80 + 100) * per
+    assert floor_bytes(100, 80, 8, 64, 2, "bwd") == (3 * 100 + 2 * 80 + 100 + 2 * 80) * per
+    assert floor_bytes(100, 80, 8, 64, 2, "fwd+bwd") == floor_bytes(100, 80, 8, 64, 2, "bwd")
+    with pytest.raises(ValueError, match="mode"):
+        floor_bytes(1, 1, 1, 1, 2, "both")
+
+
+def test_our_corpus_providers_through_the_interpreter():
+    """Both tilings of our kernel on a packed decoder batch match the fp32 reference (~10 s)."""
+    case = corpus_case("dec-self", H=1, tokens=128, max_len=16)
+    d = C.make_corpus_inputs(case, torch.bfloat16, torch.device("cpu"), OPTS)
+    ref = registry.op("attention").reference(case, d)
+    for name in ("ours-sequence", "ours-stream"):
+        provider = registry.get("attention", name, "corpus")
+        with runner._environ(provider.env):
+            assert os.environ["FASTMT_ATTN_TILING"] == name.removeprefix("ours-")
+            prep = provider.prepare(case, d, OPTS)
+            first = runner.first_call(prep.fn, prep.leaves, torch.device("cpu"))
+        assert first.seconds > 0 and first.keep == (0,) and first.note == ""
+        assert runner.rel_err(prep.check(first.outs[0]), ref) < 2e-2, name
+        assert all(t.grad is None for t in prep.leaves)  # reset after the first backward
+
+
+# ----------------------------------------------------------------------------------------------
+# The provider registry and the timing helpers
+# ----------------------------------------------------------------------------------------------
+def test_registry_lists_providers_per_op_and_group():
+    registry.load()
+    assert registry.names("attention", "corpus") == ("ours-sequence", "ours-stream", "torch-varlen", "flex",
+                                                     "sdpa-padded")
+    assert registry.names("attention", "long") == ("ours", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn")
+    assert registry.names("layernorm", "ln") == ("ours", "eager", "compile")
+    # one name, two input layouts: separate prepare functions per group
+    assert registry.get("attention", "torch-varlen", "corpus").prepare is not registry.get(
+        "attention", "torch-varlen", "train-ragged").prepare
+    assert registry.get("attention", "ours-stream", "corpus").env == {"FASTMT_ATTN_TILING": "stream"}
+    assert registry.get("attention", "ours-sequence", "corpus").triton
+    with pytest.raises(KeyError, match="flex"):
+        registry.get("attention", "flex", "train-ragged")
+
+
+def test_registry_rejects_a_second_provider_for_the_same_group(monkeypatch):
+    registry.load()
+    monkeypatch.setattr(registry, "_PROVIDERS", list(registry._PROVIDERS))
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register("attention", "sdpa", groups=("train-dense",))(lambda case, d, opts: None)
+    registry.register("attention", "sdpa", groups=("corpus",))(lambda case, d, opts: None)  # a new group: fine
+    assert "sdpa" in registry.names("attention", "corpus")
+    with pytest.raises(ImportError, match="no_such_module"):
+        registry.load(["no_such_module"])
+
+
+def test_cpu_timing_helpers():
+    x = torch.randn(32, 32, requires_grad=True)
+    first = runner.first_call(lambda: (x @ x, x.detach() + 1), [x], torch.device("cpu"))
+    assert first.keep == (0,) and len(first.douts) == 1 and first.seconds > 0 and x.grad is None
+    fn = lambda: torch.autograd.backward((x @ x,), first.douts)  # noqa: E731
+    kt = timing.kernel_time(lambda _: fn(), fn, device=torch.device("cpu"), leaves=[x], warmup_ms=0.5, rep_ms=2)
+    assert kt.timer.startswith("wallclock") and 0 < kt.timing.p20 <= kt.timing.ms <= kt.timing.p80
+    with timing.triton_launches() as names:
+        pass
+    assert names is None or names == []
+
+
+@pytest.mark.gpu
+def test_cuda_graph_kernel_time_replays_the_same_gradients():
+    """The captured fwd+bwd writes the gradients eager autograd computes; op time includes the host."""
+    dev = torch.device("cuda")
+    x = torch.randn(256, 256, device=dev, requires_grad=True)
+    w = torch.randn(256, 256, device=dev)
+    dy = torch.randn(256, 256, device=dev)
+    fn = lambda: torch.autograd.backward(((x @ w).relu(),), (dy,))  # noqa: E731
+    fn()
+    want = x.grad.clone()
+    x.grad = None
+    grads = []
+    kt = timing.kernel_time(lambda _: (fn(), grads.append(x.grad)), fn, device=dev, leaves=[x], warmup_ms=1, rep_ms=5)
+    assert kt.timer == "cuda-graph"
+    op = timing.op_time(fn, device=dev, leaves=[x], warmup_ms=1, rep_ms=5)
+    assert op.ms > 0 and kt.timing.ms > 0
+    torch.testing.assert_close(grads[-1], want)
+
+
+def test_smoke_corpus_family_writes_csv_and_markdown(tmp_path):
+    rc = K.main(["--smoke", "--groups", "corpus", "--modes", "fwd+bwd", "--out", str(tmp_path), "--isolate", "none",
+                 "--no-plot"])
+    assert rc == 0
+    rows = H.read_csv(next(tmp_path.glob("kernels-*.csv")))
+    assert {r["case"] for r in rows} == {f"corpus-256-{k}" for k in C.CORPUS_KINDS}
+    assert {r["provider"] for r in rows} == set(registry.names("attention", "corpus"))
+    assert len(rows) == 3 * len(registry.names("attention", "corpus")) and {r["mode"] for r in rows} == {"fwd+bwd"}
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert ok and {r["provider"] for r in ok} >= {"sdpa-padded"}
+    for r in ok:
+        assert int(r["segments"]) >= 1 and float(r["rel_err"]) < 5e-2
+        assert float(r["first_call_s"]) > 0 and float(r["op_ms"]) > 0 and r["kernel_timer"]
+        assert float(r["floor_ms"]) == pytest.approx(float(r["floor_bytes"]) / float(r["peak_gbps"]) / 1e6, rel=1e-4)
+        assert float(r["pct_floor"]) == pytest.approx(100 * float(r["floor_ms"]) / float(r["ms"]), rel=1e-3)
+        assert r["sdpa_backend"] and "log-normal" in r["lengths"]
+    if not torch.cuda.is_available():
+        refused = [r for r in rows if r["provider"] in ("torch-varlen", "flex")]
+        assert refused and all(r["status"] == "unsupported" and "CUDA" in r["error"] for r in refused)
+    md = next(tmp_path.glob("kernels-*.md")).read_text()
+    assert "packed corpus batches" in md and "## Packed corpus attention fwd+bwd" in md

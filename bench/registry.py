@@ -1,0 +1,130 @@
+"""The provider registry of ``bench.kernels``: which implementations of an op a case group runs.
+
+A benchmarked op (``attention``, ``layernorm``) registers itself once with `register_op` (how to build
+its inputs, its fp32 reference and the work it counts) and each implementation with `register`
+(a ``prepare`` function returning a `Prepared` forward). The op modules ``bench.attention`` and
+``bench.layernorm`` register at import; `load` imports them and any extra modules named on the
+command line (``--provider-module``), so a new kernel is benchmarked without editing ``bench/``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+OP_MODULES = ("bench.attention", "bench.layernorm")
+
+
+class Unsupported(RuntimeError):
+    """A provider that cannot run this case by design (recorded as status 'unsupported')."""
+
+
+@dataclass
+class Prepared:
+    """One provider on one case's inputs: the forward and how to check and differentiate it."""
+
+    fn: Callable[[], Any]  # the forward; returns a tensor or a tuple of tensors
+    leaves: tuple[torch.Tensor, ...]  # inputs whose .grad is reset between repetitions
+    check: Callable[[torch.Tensor], torch.Tensor]  # first output -> the layout of the op's reference
+    note: str = ""
+    setup_ms: float = float("nan")  # per-batch structures built once, outside the timing (Flex block mask)
+    extra: dict[str, Any] = field(default_factory=dict)  # more row columns (e.g. the SDPA backend that ran)
+
+
+@dataclass(frozen=True)
+class Op:
+    """What the runner needs to know about a benchmarked op, whatever the provider."""
+
+    name: str
+    make_inputs: Callable[..., Any]  # (case, dtype, device, opts) -> inputs
+    reference: Callable[[Any, Any], torch.Tensor]  # (case, inputs) -> fp32 reference slice
+    work: Callable[..., dict[str, float]]  # (case, mode, inputs, dtype) -> {"flops"|"bytes", "floor_bytes"?}
+    columns: Callable[[Any, Any], dict[str, Any]]  # (case, inputs or None) -> descriptive row columns
+
+
+@dataclass(frozen=True)
+class Provider:
+    op: str
+    name: str
+    groups: tuple[str, ...]  # case groups it runs on
+    prepare: Callable[..., Prepared]  # (case, inputs, opts) -> Prepared
+    triton: bool = False  # our Triton kernels: skipped on CPU unless --cpu-triton
+    env: Mapping[str, str] = field(default_factory=dict)  # environment set while it runs
+    doc: str = ""
+
+
+_OPS: dict[str, Op] = {}
+_PROVIDERS: list[Provider] = []
+
+
+def register_op(op: Op) -> Op:
+    if op.name in _OPS and _OPS[op.name] != op:
+        raise ValueError(f"op {op.name!r} is registered twice ({_OPS[op.name].make_inputs} and {op.make_inputs})")
+    _OPS[op.name] = op
+    return op
+
+
+def register(op: str, name: str, *, groups: Sequence[str], triton: bool = False,
+             env: Mapping[str, str] | None = None, doc: str = "") -> Callable:
+    """Decorator: ``prepare`` serves provider ``name`` of ``op`` on the case ``groups``.
+
+    A name may be registered several times for disjoint groups (one prepare per input layout).
+    """
+    def deco(prepare: Callable[..., Prepared]) -> Callable[..., Prepared]:
+        clash = [g for p in _PROVIDERS if (p.op, p.name) == (op, name) and p.prepare is not prepare
+                 for g in p.groups if g in groups]
+        if clash:
+            raise ValueError(f"provider {op}/{name} is already registered for groups {clash}")
+        if not any(p.prepare is prepare and (p.op, p.name) == (op, name) for p in _PROVIDERS):
+            _PROVIDERS.append(Provider(op, name, tuple(groups), prepare, triton, dict(env or {}), doc))
+        return prepare
+
+    return deco
+
+
+def load(modules: Sequence[str] = ()) -> None:
+    """Import the op modules (they register at import) and ``modules`` (extra providers)."""
+    for m in (*OP_MODULES, *modules):
+        try:
+            importlib.import_module(m)
+        except ImportError as e:
+            raise ImportError(f"--provider-module {m!r} cannot be imported: {e}; give a module path "
+                              "importable from the repository root, e.g. mypkg.my_providers") from e
+
+
+_COMPILED: dict[tuple[str, str, Any], Callable] = {}
+
+
+def compiled(name: str, fn: Callable, backend: str, dynamic: bool | None) -> Callable:
+    """One torch.compile wrapper per (function, backend, dynamic) for the whole run (its cache persists)."""
+    key = (name, backend, dynamic)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(fn, backend=backend, dynamic=dynamic)
+    return _COMPILED[key]
+
+
+def op(name: str) -> Op:
+    if name not in _OPS:
+        raise KeyError(f"no op {name!r} registered; known: {sorted(_OPS)} (call bench.registry.load() first)")
+    return _OPS[name]
+
+
+def providers(op_name: str | None = None, group: str | None = None) -> list[Provider]:
+    """Registered providers in registration order, optionally those of one op and case group."""
+    return [p for p in _PROVIDERS if (op_name is None or p.op == op_name) and (group is None or group in p.groups)]
+
+
+def names(op_name: str | None = None, group: str | None = None) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(p.name for p in providers(op_name, group)))
+
+
+def get(op_name: str, name: str, group: str) -> Provider:
+    for p in providers(op_name, group):
+        if p.name == name:
+            return p
+    raise KeyError(f"no provider {name!r} for {op_name} cases of group {group!r}; "
+                   f"registered there: {names(op_name, group)}")

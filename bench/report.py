@@ -1,0 +1,317 @@
+"""Outputs of ``bench.kernels``: the targets, the markdown beside the CSV, the PNG, the console summary.
+
+Targets (issues 3 and 11): attention fwd+bwd at head dim 64 against FlashAttention-2's published
+215-296 TFLOP/s; >= 1.5x the best SDPA backend with a padding mask on padded batches; on the packed
+corpus batches >= 2x the best peer in kernel time and within 3x of the memory floor; LayerNorm+GELU
+at width 512: the op (host included) no slower than torch.compile's, and >= 2 TB/s fwd+bwd.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench import harness as H
+from bench import registry
+from bench.cases import GROUPS
+
+FA2_FWD_BWD_TFLOPS = (215.0, 296.0)  # FlashAttention-2's published fwd+bwd, hd 64
+MASKED_SPEEDUP_TARGET = 1.5  # ours vs the best SDPA backend that accepts a padding mask
+CORPUS_SPEEDUP_TARGET = 2.0  # ours vs the best peer on packed corpus batches, kernel time
+CORPUS_FLOOR_TARGET = 3.0  # ours within this factor of the memory floor
+LN_TARGET_GBPS = 2000.0  # LayerNorm+GELU fwd+bwd, width 512, bf16
+OURS_CORPUS = ("ours-sequence", "ours-stream")
+CORPUS_PEERS = ("flex", "torch-varlen", "sdpa-padded")
+SDPA_PROVIDERS = ("sdpa", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math")
+_SHORT = {"unsupported": "n/a", "not-implemented": "not impl.", "oom": "OOM", "error": "error",
+          "crash": "crash", "skipped": "skip"}
+
+Table = tuple[str, list[dict[str, Any]], list[str]]
+
+
+def _ok(r) -> bool:
+    return r.get("status") == "ok"
+
+
+def _val(r, key) -> float:
+    v = r.get(key) if r else None
+    return float(v) if isinstance(v, (int, float)) else float("nan")
+
+
+def _met(ok: bool, value: float) -> str:
+    return "-" if math.isnan(value) else ("yes" if ok else "no")
+
+
+def _getter(rows):
+    index = {(r["case"], r["provider"], r["mode"]): r for r in rows if _ok(r)}
+    return lambda case, provider, mode="fwd+bwd": index.get((case, provider, mode))
+
+
+def _cases(rows, pred) -> list[str]:
+    return list(dict.fromkeys(r["case"] for r in rows if pred(r)))
+
+
+def pivot(rows, bench: str, mode: str, metric: str, providers: Sequence[str], *, pct: str = "pct_peak",
+          groups: Sequence[str] | None = None, scale: float = 1.0) -> tuple[list[dict], list[str]]:
+    """Rows = cases (in run order), columns = providers; cells 'value (pct%)' or a short status."""
+    sel = [r for r in rows if r["bench"] == bench and r["mode"] == mode and (groups is None or r.get("group") in groups)]
+    cases = list(dict.fromkeys(r["case"] for r in sel))
+    present = [p for p in providers if any(r["provider"] == p for r in sel)]
+    table = []
+    for c in cases:
+        line: dict[str, Any] = {"case": c}
+        for r in sel:
+            if r["case"] != c:
+                continue
+            if _ok(r):
+                line[r["provider"]] = f"{H.fmt(_val(r, metric) * scale)} ({_val(r, pct):.0f}%)"
+                if _val(r, "rel_err") > 2e-2:
+                    line[r["provider"]] += " WRONG?"
+            else:
+                line[r["provider"]] = _SHORT.get(r["status"], r["status"])
+        table.append(line)
+    return table, present
+
+
+def _best(get, case, providers, key="tflops", lowest=False):
+    found = [r for r in (get(case, p) for p in providers) if r]
+    if not found:
+        return None
+    return (min if lowest else max)(found, key=lambda r: _val(r, key))
+
+
+def _stream_tiling(rows, case) -> str:
+    """Did ours-stream run kernels of its own? From the Triton kernels each row launched."""
+    k = {r["provider"]: r.get("triton_kernels") or "" for r in rows if r["case"] == case and r["mode"] == "fwd+bwd"}
+    seq, stream = k.get("ours-sequence", ""), k.get("ours-stream", "")
+    if not seq or not stream:
+        return "unknown"
+    return "same kernels as sequence" if seq == stream else "own kernels"
+
+
+def summary_tables(rows) -> list[Table]:
+    """The target comparisons as (title, rows, columns)."""
+    get = _getter(rows)
+    out: list[Table] = []
+    lo, hi = FA2_FWD_BWD_TFLOPS
+    fa2 = []
+    for case in _cases(rows, lambda r: r.get("group") == "long" and r.get("D") == 64):
+        t_ours, t_flash = _val(get(case, "ours"), "tflops"), _val(get(case, "sdpa-flash"), "tflops")
+        fa2.append({"case": case, "ours": t_ours, "sdpa-flash": t_flash, "ours/flash": t_ours / t_flash,
+                    "target": f">= {lo:.0f}", "met": _met(t_ours >= lo, t_ours)})
+    out.append((f"attention fwd+bwd TFLOP/s, hd 64, long (target: FlashAttention-2's published {lo:.0f}-{hi:.0f})",
+                fa2, ["case", "ours", "sdpa-flash", "ours/flash", "target", "met"]))
+    masked = []
+    for case in _cases(rows, lambda r: r.get("group") == "train-ragged"):
+        best_ours, best_sdpa = _best(get, case, ("ours", "ours-varlen")), _best(get, case, SDPA_PROVIDERS)
+        speed = _val(best_ours, "tflops") / _val(best_sdpa, "tflops")
+        masked.append({
+            "case": case, "ours": _val(best_ours, "tflops"), "ours via": best_ours["provider"] if best_ours else "-",
+            "best sdpa": _val(best_sdpa, "tflops"), "sdpa via": best_sdpa["provider"] if best_sdpa else "-",
+            "torch-varlen": _val(get(case, "torch-varlen"), "tflops"),
+            "speedup": speed, "met": _met(speed >= MASKED_SPEEDUP_TARGET, speed),
+        })
+    out.append((f"padded train batches, fwd+bwd TFLOP/s on real tokens: ours vs best SDPA with a padding mask "
+                f"(target >= {MASKED_SPEEDUP_TARGET}x)", masked,
+                ["case", "ours", "ours via", "best sdpa", "sdpa via", "torch-varlen", "speedup", "met"]))
+    corpus = []
+    for case in _cases(rows, lambda r: r.get("group") == "corpus"):
+        ours, peer = _best(get, case, OURS_CORPUS, "ms", lowest=True), _best(get, case, CORPUS_PEERS, "ms", lowest=True)
+        speed = _val(peer, "ms") / _val(ours, "ms")
+        x_floor = _val(ours, "ms") / _val(ours, "floor_ms")
+        line = {"case": case, "ours µs": _val(ours, "ms") * 1e3, "ours via": ours["provider"] if ours else "-"}
+        line |= {f"{p} µs": _val(get(case, p), "ms") * 1e3 for p in CORPUS_PEERS}
+        line |= {"speedup": speed, "x floor": x_floor, "stream tiling": _stream_tiling(rows, case),
+                 "met": _met(speed >= CORPUS_SPEEDUP_TARGET and x_floor <= CORPUS_FLOOR_TARGET, speed)}
+        corpus.append(line)
+    out.append((f"packed corpus batches, fwd+bwd kernel time (CUDA graph): ours vs the best peer (target >= "
+                f"{CORPUS_SPEEDUP_TARGET:g}x, and <= {CORPUS_FLOOR_TARGET:g}x the memory floor)", corpus,
+                ["case", "ours µs", "ours via", *(f"{p} µs" for p in CORPUS_PEERS), "speedup", "x floor",
+                 "stream tiling", "met"]))
+    ln = []
+    for case in _cases(rows, lambda r: r.get("bench") == "layernorm" and r.get("width") == 512):
+        ours, comp, eager = get(case, "ours"), get(case, "compile"), get(case, "eager")
+        g = _val(ours, "gbps")
+        ratio = _val(comp, "ms") / _val(ours, "ms")
+        ln.append({"case": case, "ours GB/s": g, "compile GB/s": _val(comp, "gbps"), "eager GB/s": _val(eager, "gbps"),
+                   "ours vs compile": ratio, "met": _met(g >= LN_TARGET_GBPS and ratio > 1, g)})
+    out.append((f"LayerNorm+residual+GELU fwd+bwd, width 512 (target >= {LN_TARGET_GBPS:,.0f} GB/s and faster "
+                f"than torch.compile)", ln, ["case", "ours GB/s", "compile GB/s", "eager GB/s", "ours vs compile", "met"]))
+    host = []
+    for case in _cases(rows, lambda r: r.get("bench") == "layernorm" and r.get("width") == 512 and "op_ms" in r):
+        ours, comp = get(case, "ours"), get(case, "compile")
+        ratio = _val(comp, "op_ms") / _val(ours, "op_ms")
+        host.append({"case": case, "ours op ms": _val(ours, "op_ms"), "ours host ms": _val(ours, "host_ms"),
+                     "ours host %": _val(ours, "host_pct"), "compile op ms": _val(comp, "op_ms"),
+                     "compile host %": _val(comp, "host_pct"), "compile/ours": ratio, "met": _met(ratio >= 1, ratio)})
+    out.append(("LayerNorm+residual+GELU op time as the model calls it (eager, host included), fwd+bwd, width 512 "
+                "(target: ours <= torch.compile)", host,
+                ["case", "ours op ms", "ours host ms", "ours host %", "compile op ms", "compile host %",
+                 "compile/ours", "met"]))
+    return out
+
+
+def host_table(rows, bench: str, group: str | None = None) -> Table:
+    """fwd+bwd op time (host included) per case and provider: 'op ms (host %)', cases timed that way."""
+    split = {r["case"] for r in rows if "op_ms" in r}
+    rows = [r for r in rows if r["case"] in split]
+    table, present = pivot(rows, bench, "fwd+bwd", "op_ms", registry.names(bench, group), pct="host_pct",
+                           groups=None if group is None else (group,))
+    return (f"{bench} op time fwd+bwd, ms (share of it that is host)", table, ["case", *present])
+
+
+def first_call_table(rows) -> Table:
+    """Per provider: the one-time cost of its first call (autotuning, compilation) over the cases."""
+    by: dict[tuple[str, str], list[tuple[float, str]]] = {}
+    for r in rows:
+        if r["mode"] == "fwd+bwd" and isinstance(r.get("first_call_s"), (int, float)):
+            by.setdefault((r["bench"], r["provider"]), []).append((float(r["first_call_s"]), r["case"]))
+    table = []
+    for (bench, provider), vals in by.items():
+        secs = sorted(v for v, _ in vals)
+        worst = max(vals)
+        table.append({"bench": bench, "provider": provider, "cases": len(vals), "median s": H.quantiles(secs, [0.5])[0],
+                      "max s": worst[0], "slowest case": worst[1], "total s": sum(secs)})
+    return ("first call of each provider per case, fwd+bwd (autotuning, compilation; never in the medians)", table,
+            ["bench", "provider", "cases", "median s", "max s", "slowest case", "total s"])
+
+
+def write_markdown(path: Path, rows, prov, peaks: H.Peaks, opts) -> None:
+    parts = [
+        f"# Kernel benchmarks: {prov.get('gpu')}",
+        "",
+        H.provenance_markdown(prov, peaks),
+        "",
+        "Written by `python -m bench.kernels` (bench/README.md). Times are "
+        + ("`triton.testing.do_bench` medians (L2 flushed before each repetition, " if prov.get("gpu_slug") != "cpu"
+           else "wall-clock medians of a CPU smoke run (")
+        + f"warm-up {opts.warmup_ms:g} ms, {opts.rep_ms:g} ms of repetitions); cells are rate "
+        "(% of the ceiling measured above). Packed corpus and LayerNorm width-512 cases time the kernels "
+        "alone (one call captured in a CUDA graph and replayed; `kernel_timer` in the CSV says when a "
+        "provider could not be captured) and the eager op with its host cost (`op_ms`). Attention TFLOP/s "
+        "count real (unmasked) positions only, causal halved, bwd = 2.5x and fwd+bwd = 3.5x the forward "
+        "(FlashAttention-2's convention). The attention memory floor reads q, k, v, o, dO once and writes "
+        "dQ, dK, dV once (real tokens) at the copy rate above. LayerNorm GB/s count the minimal bytes. "
+        "'WRONG?' marks a forward more than 2e-2 (relative) from the fp32 reference. Full rows: the CSV.",
+        "",
+        "## Targets",
+    ]
+    corpus_src = sorted({str(r.get("lengths")) for r in rows if r.get("group") == "corpus" and r.get("lengths")})
+    tables = summary_tables(rows)
+    for title, table, cols in tables:
+        parts += ["", f"**{title}**", "", H.markdown_table(table, cols) if table else "(no rows)"]
+    if corpus_src:
+        parts += ["", "Corpus segment lengths: " + "; ".join(corpus_src)]
+    for mode in opts.modes:
+        table, present = pivot(rows, "attention", mode, "ms", registry.names("attention", "corpus"),
+                               pct="pct_floor", groups=("corpus",), scale=1e3)
+        if table:
+            parts += ["", f"## Packed corpus attention {mode}: kernel µs (% of the memory floor)", "",
+                      H.markdown_table(table, ["case", *present])]
+    for bench in ("attention", "layernorm"):
+        title, table, cols = host_table(rows, bench, "corpus" if bench == "attention" else "ln")
+        if table:
+            parts += ["", f"## {title[0].upper()}{title[1:]}", "", H.markdown_table(table, cols)]
+    for mode in opts.modes:
+        padded = [g for g in GROUPS if g not in ("corpus", "ln")]
+        table, present = pivot(rows, "attention", mode, "tflops", registry.names("attention"), groups=padded)
+        if table:
+            parts += ["", f"## Attention {mode}: TFLOP/s", "", H.markdown_table(table, ["case", *present])]
+    for mode in opts.modes:
+        table, present = pivot(rows, "layernorm", mode, "gbps", registry.names("layernorm"))
+        if table:
+            parts += ["", f"## LayerNorm+residual+GELU {mode}: GB/s", "", H.markdown_table(table, ["case", *present])]
+    title, table, cols = first_call_table(rows)
+    if table:
+        parts += ["", f"## {title[0].upper()}{title[1:]}", "", H.markdown_table(table, cols)]
+    problems = [r for r in rows if not _ok(r) and r["status"] != "skipped"]
+    if problems:
+        parts += ["", "## Rows that did not run", "",
+                  H.markdown_table(problems, ["case", "provider", "mode", "status", "error"])]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(parts) + "\n")
+
+
+def _bars(rows, pred, providers, key, label, scale=1.0):
+    sel = [r for r in rows if r["mode"] == "fwd+bwd" and _ok(r) and pred(r)]
+    cats = list(dict.fromkeys(label(r) for r in sel))
+    groups = {p: [float("nan")] * len(cats) for p in providers}
+    for r in sel:
+        if r["provider"] in groups:
+            groups[r["provider"]][cats.index(label(r))] = _val(r, key) * scale
+    return cats, groups
+
+
+def _ln_label(r) -> str:
+    return f"{r['width']}x{r['rows'] // 1024}k" if r["rows"] >= 1024 else f"{r['width']}x{r['rows']}"
+
+
+def write_plot(path: Path, rows, prov, peaks: H.Peaks) -> Path:
+    sel = [r for r in rows if r["mode"] == "fwd+bwd" and _ok(r)]
+    fig, axes = H.new_figure(3, 3, height=4.3)
+
+    def attn_series(pred, suffix_causal: bool):
+        series: dict[str, list[tuple[float, float]]] = {}
+        for r in sel:
+            if r["bench"] == "attention" and pred(r):
+                label = r["provider"] + (" (causal)" if suffix_causal and r["causal"] else "")
+                series.setdefault(label, []).append((r["Tq"], _val(r, "tflops")))
+        return series
+
+    panels = [
+        (lambda r: r["group"] == "train-ragged" and not r["causal"], False, "padded batches, padding mask, full"),
+        (lambda r: r["group"] == "train-ragged" and r["causal"], False, "padded batches, padding mask, causal"),
+        (lambda r: r["group"] == "train-dense", True, "full batches (no mask)"),
+        (lambda r: r["group"] == "long" and r["D"] == 64, True, "long, head dim 64"),
+        (lambda r: r["group"] == "long" and r["D"] == 128, True, "long, head dim 128"),
+    ]
+    for ax, (pred, suffix, title) in zip(axes.flat, panels):
+        series = attn_series(pred, suffix)
+        if "dim 64" in title and series:
+            ax.axhspan(*FA2_FWD_BWD_TFLOPS, color="tab:green", alpha=0.12, label="FA2 published (target)")
+        H.line_panel(ax, series, title=f"attention fwd+bwd: {title}", xlabel="sequence length T",
+                     ylabel="TFLOP/s (real positions)")
+    is_ln = lambda r: r["bench"] == "layernorm"  # noqa: E731
+    cats, groups = _bars(rows, is_ln, registry.names("layernorm"), "gbps", _ln_label)
+    ax = axes.flat[5]
+    H.bar_panel(ax, cats, groups, title="LayerNorm+residual+GELU fwd+bwd", xlabel="width x rows", ylabel="GB/s")
+    ax.axhline(peaks.copy_gbps, color="gray", linestyle="--", linewidth=1)
+    ax.text(0, peaks.copy_gbps, " copy ceiling", va="bottom", fontsize=7, color="gray")
+    is_corpus = lambda r: r.get("group") == "corpus"  # noqa: E731
+    short = lambda r: r["case"].removeprefix("corpus-")  # noqa: E731
+    corpus_providers = registry.names("attention", "corpus")
+    cats, groups = _bars(rows, is_corpus, corpus_providers, "ms", short, 1e3)
+    H.bar_panel(axes.flat[6], cats, groups, title="packed corpus attention fwd+bwd, kernel time",
+                xlabel="tokens per batch - kind", ylabel="µs (lower is better)")
+    cats, groups = _bars(rows, is_corpus, corpus_providers, "op_ms", short)
+    H.bar_panel(axes.flat[7], cats, groups, title="packed corpus attention fwd+bwd, op time (host included)",
+                xlabel="tokens per batch - kind", ylabel="ms (lower is better)")
+    cats, groups = _bars(rows, lambda r: is_ln(r) and "op_ms" in r, registry.names("layernorm"), "op_ms", _ln_label)
+    H.bar_panel(axes.flat[8], cats, groups, title="LayerNorm+GELU fwd+bwd, op time (host included)",
+                xlabel="width x rows", ylabel="ms (lower is better)")
+    sha = str(prov.get("git_sha", ""))[:10]
+    return H.save_figure(fig, path, suptitle=f"fastmt kernels on {prov.get('gpu')} (torch {prov.get('torch')}, "
+                                             f"triton {prov.get('triton')}, git {sha})")
+
+
+def print_summary(rows, prov, peaks: H.Peaks, paths: Sequence[Path]) -> None:
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    print()
+    print(f"== bench.kernels summary: {prov.get('gpu')}, torch {prov.get('torch')}, triton {prov.get('triton')}, "
+          f"git {str(prov.get('git_sha'))[:10]} ==")
+    print(f"ceilings this run: copy {peaks.copy_gbps:,.0f} GB/s, {peaks.dtype} matmul {peaks.matmul_tflops:,.1f} TFLOP/s")
+    more = [host_table(rows, "attention", "corpus"), host_table(rows, "layernorm", "ln"), first_call_table(rows)]
+    for title, table, cols in [*summary_tables(rows), *more]:
+        print(f"\n{title}")
+        print(H.text_table(table, cols) if table else "(no rows)")
+    print("\nrows by status: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    bad = sorted({(r["provider"], r["status"], r.get("error", "")[:100]) for r in rows
+                  if r["status"] in ("error", "crash", "oom", "not-implemented")})
+    for provider, status, err in bad[:8]:
+        print(f"  {provider}: {status}: {err}")
+    for p in paths:
+        print(f"wrote {p}")
