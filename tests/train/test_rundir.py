@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -280,17 +281,20 @@ def test_move_aside_when_another_run_takes_the_name_in_between(tmp_path):
 def test_a_forked_child_does_not_keep_the_lock_after_its_parent_is_killed(tmp_path):
     """DataLoader workers are forked: the lock must still die with the run's process."""
     run = tmp_path / "r"
+    ready = tmp_path / "child-ready"
     code = ("import os, sys, time; from train.rundir import RunLock; l = RunLock(sys.argv[1]).acquire()\n"
             "pid = os.fork()\n"
             "if pid == 0:\n"
-            "    ok = not l.held; l.release(); print('child', flush=True); time.sleep(60 if ok else 0); os._exit(0)\n"
+            "    ok = not l.held; l.release(); open(sys.argv[2], 'w').close(); time.sleep(60 if ok else 0)\n"
+            "    os._exit(0)\n"
             "print(pid, flush=True); sys.stdin.read()")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(run)], cwd=REPO, stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", code, str(run), str(ready)], cwd=REPO, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
-    # both lines, in either order: the child has run its after-fork hook before the parent is killed
-    lines = {proc.stdout.readline().strip() for _ in range(2)}
-    assert "child" in lines, lines
-    child = int((lines - {"child"}).pop())
+    child = int(proc.stdout.readline())
+    deadline = time.monotonic() + 60
+    while not ready.exists() and time.monotonic() < deadline:  # the child has run its after-fork hook
+        time.sleep(0.05)
+    assert ready.exists()
     try:
         with pytest.raises(RunLockedError, match=f"PID {proc.pid} "):  # the child's release() removed nothing
             RunLock(run).acquire()
