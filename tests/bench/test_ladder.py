@@ -189,6 +189,21 @@ def test_full_smoke_cli(tmp_path):
     assert by["9a"]["status"] == "skipped"
 
 
+@pytest.mark.slow
+def test_recompile_in_timed_steps_marks_rung_invalid(tmp_path):
+    """A compiled rung with one graph per shape (dynamic=False) on token buckets recompiles while timed."""
+    corpus = L.write_toy_corpus(tmp_path / "toy.jsonl", n=600)
+    s = L.LadderSettings(smoke=True, device=torch.device("cpu"), data_files=(str(corpus),), out=tmp_path / "out",
+                         steps=2, warmup=1, readme=False, work_dir=tmp_path / "work")
+    by_id = {r.id: r for r in L.RUNGS}
+    rung = L.Rung("r", "+ compile, one graph per shape", ("bf16", "token_bucket", "compile",
+                                                          "run.compile_dynamic=false"), "3")
+    rows, _ = L.run_ladder(s, [by_id["0"], rung], log=lambda *_: None)
+    r = rows[1]
+    assert r["recompiles_timed"] > 0 and r["status"] == "invalid" and "compiled during the timed" in r["error"]
+    assert math.isnan(r["speedup_vs_baseline"]) and r["tokens_per_second"] > 0  # measured, not trusted
+
+
 # ----------------------------------------------------------------------------------------------
 # bench/quality.py: the time-to-quality record of a run folder
 # ----------------------------------------------------------------------------------------------
