@@ -68,7 +68,7 @@ CONTESTANTS: dict[str, Contestant] = {c.name: c for c in (
 # smoke: the tiny preset everywhere, toy-corpus data settings, a small HF batch
 SMOKE_PRESET = {"s18": "tiny"}
 SMOKE_OVERRIDES = ("--data.vocab_size", "400", "--data.valid_size", "40", "--data.test_size", "40",
-                   "--data.max_len", "32", "--run.eval_max_sentences", "20")
+                   "--data.max_len", "32", "--eval.max_sentences", "20")
 
 
 def command(c: Contestant, *, budget_s: float, run_name: str, out_dir: Path, data_files: Sequence[str],
@@ -88,7 +88,7 @@ def command(c: Contestant, *, budget_s: float, run_name: str, out_dir: Path, dat
         if smoke:
             cmd += ["--batch-size", "16"]
     else:
-        cmd += ["--run.max_wall_seconds", f"{budget_s:g}", "--run.test_at_end", "false", "--run.name", run_name,
+        cmd += ["--run.max_wall_seconds", f"{budget_s:g}", "--eval.test_at_end", "false", "--run.name", run_name,
                 "--run.out_dir", str(out_dir), "--run.tensorboard", "false", "--run.progress", "false"]
     return cmd + extra
 
@@ -155,7 +155,7 @@ def contestant_rows(c: Contestant, result: Mapping[str, Any], run_dir: Path, log
         f"{status}: exit {result['returncode']}, {len(epochs)} epoch rows; log: {_tail(log_path)}")
     rows = [{**common, "status": status, "epoch": r.get("epoch"), "wall_seconds": r["wall_seconds"],
              "bleu": r.get("bleu"), "valid_loss": r.get("valid_loss"), "epoch_seconds": r.get("epoch_seconds"),
-             "eval_seconds": r.get("eval_seconds"), "partial": r.get("partial"),
+             "eval_seconds": r.get("eval_seconds"), "partial_epoch": bool(r.get("partial_epoch")),
              "wall_from_epochs": r.get("wall_from_epochs", False), "error": error} for r in epochs]
     return rows or [{**common, "status": status, "error": error}]
 
@@ -249,7 +249,7 @@ def frontier_markdown(rows: Sequence[Mapping[str, Any]], prov: Mapping[str, Any]
 
 
 COLUMNS = ("contestant", "label", "status", "epoch", "wall_seconds", "bleu", "valid_loss", "epoch_seconds",
-           "eval_seconds", "partial", "wall_from_epochs", "budget_s", "run_seconds", "returncode", "corpus",
+           "eval_seconds", "partial_epoch", "wall_from_epochs", "budget_s", "run_seconds", "returncode", "corpus",
            "command", "error", *H.PROVENANCE_COLUMNS, "timestamp")
 
 

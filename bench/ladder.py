@@ -31,7 +31,7 @@ Protocol per rung: build a fresh ``Trainer`` on the shared bundle; take the firs
 batches of epoch 0's shuffled plan (pre-collated, pinned: the loader is not timed); run ``warmup``
 untimed optimizer steps (compilation and recompiles land here); then ``steps`` timed steps between
 two device synchronisations, with CUDA events around each step for the spread. The non-finite guard
-is off (it syncs every step). Each rung has a time cap (``cap_s``; default ``--cap-s`` for eager
+is off (the rungs measure techniques, not the guard). Each rung has a time cap (``cap_s``; default ``--cap-s`` for eager
 rungs, twice that for compiled ones): a rung over its cap stops at the next step boundary and
 becomes a ``capped`` row. Reported per rung:
   tokens_per_second      real (non-pad) src+tgt tokens / timed wall seconds
@@ -198,7 +198,7 @@ def base_config(s: LadderSettings):
 
     cfg = baseline()
     run = dataclasses.replace(cfg.run, name="ladder", out_dir=str(s.work_dir / "runs"), nonfinite_guard=False,
-                              tensorboard=False, progress=False, plot=False, test_at_end=False,
+                              tensorboard=False, progress=False, plot=False,
                               device=s.device.type, compile_backend="aot_eager" if s.smoke else "inductor",
                               # smoke: one graph per compiled rung (a CPU compile costs 5-15 s; the GPU run
                               # keeps the presets' automatic dynamic shapes)
@@ -214,7 +214,7 @@ def base_config(s: LadderSettings):
                                cache_dir=str(s.work_dir / "cache") if s.smoke else data.cache_dir)
     if s.max_tokens is not None:
         data = dataclasses.replace(data, max_tokens=s.max_tokens)
-    return dataclasses.replace(cfg, data=data, run=run)
+    return dataclasses.replace(cfg, data=data, run=run, eval=dataclasses.replace(cfg.eval, test_at_end=False))
 
 
 def rung_overrides(rung: Rung, ran: Collection[str], by_id: dict[str, Rung]) -> tuple[str | None, dict]:

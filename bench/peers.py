@@ -15,39 +15,40 @@ grouped by length (``transformers``' ``LengthGroupedSampler``, as ``group_by_len
 no compile. The data are fastmt's: ``data.build_data(cfg.data)``, the same splits and tokenizer a
 fastmt run of the preset trains on.
 
-Validation after every epoch is fastmt's protocol (``cfg.run.eval_*``): un-smoothed loss per real
-target token over the valid split, and sacreBLEU/chrF of beam search (beam 4) on its first 500
-sentences with at most floor(1.5 x source length + 10) generated tokens per sentence (source length
-counting its EOS; a per-sentence logits processor forces EOS there) -- decoded by ``generate``, with
-its own beam scoring. Rows go to ``<out-dir>/<name>/metrics.jsonl`` in fastmt's format: one
-``{"kind": "epoch", "epoch", "wall_seconds", "bleu", "chrf", "valid_loss", "train_loss",
-"epoch_seconds", "eval_seconds", ...}`` per epoch (``wall_seconds``: since this module started
-loading, i.e. about process start, taken when the epoch's evaluation is done) and a final
-``{"kind": "test", ...}`` on the test split. ``--max-wall-seconds S`` stops at the first step
-boundary after S seconds, then evaluates and writes that (partial) epoch's row.
+Validation is fastmt's protocol (the preset's ``cfg.eval``: every ``eval.every`` epochs and after the
+last): un-smoothed loss per real target token over the valid split, and sacreBLEU/chrF of beam search
+(beam 4; greedy if ``eval.decode`` is) on its first 500 sentences with at most
+floor(1.5 x source length + 10) generated tokens per sentence (source length counting its EOS; a
+per-sentence logits processor forces EOS there) -- decoded by ``generate`` with its own beam scoring.
+Rows go to ``<out-dir>/<name>/metrics.jsonl`` in fastmt's format: one ``{"kind": "epoch", "epoch",
+"wall_seconds", "bleu", "chrf", "valid_loss", "train_loss", "epoch_seconds", "eval_seconds", ...}`` per
+epoch (``wall_seconds``: fastmt's clock, ``train.objective.process_seconds``, since the OS started the
+process), a ``{"kind": "test", ...}`` row scored with the best-BLEU weights, as fastmt scores best.pt,
+and a final ``{"kind": "done", ...}``. ``--max-wall-seconds S`` stops at the first step boundary after
+S seconds, then evaluates and writes that epoch's row (``"partial_epoch": true``). The run folder is
+claimed as fastmt claims it (``train.rundir``: a lock, an earlier same-name run moved aside).
 Needs the ``peers`` extra: ``pip install -e .[peers]`` (transformers, accelerate).
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-T0 = time.perf_counter()  # before the heavy imports: "seconds since process start" counts from here
+import numpy as np
+import torch
+import torch.nn.functional as F
 
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import os  # noqa: E402
-import sys  # noqa: E402
-from collections.abc import Callable, Sequence  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+from train.objective import BleuClock, process_seconds
 
 NAME = "hf-marian"
 
@@ -67,7 +68,7 @@ class PeerRecipe:
     max_grad_norm: float = 1.0  # Seq2SeqTrainer's default
     seed: int = 0
     max_steps: int | None = None  # stop after this many optimizer steps in all (smoke tests)
-    max_wall_seconds: float | None = None  # stop at a step boundary after this many seconds since T0
+    max_wall_seconds: float | None = None  # stop at a step boundary after this many seconds since process start
 
     def __post_init__(self):
         for name in ("epochs", "batch_size"):
@@ -239,15 +240,15 @@ def translate(model, tok, sources: list[np.ndarray], device: torch.device, *, be
     return out
 
 
-def scores(model, split, sources, tok, device: torch.device, run_cfg) -> dict[str, Any]:
-    """sacreBLEU and chrF on the split's first ``run_cfg.eval_max_sentences`` pairs (fastmt's protocol)."""
+def scores(model, split, sources, tok, device: torch.device, ev, *, decode: str = "beam") -> dict[str, Any]:
+    """sacreBLEU and chrF on the split's first ``ev.max_sentences`` pairs (fastmt's ``EvalConfig``);
+    ``decode="greedy"``: beam size 1."""
     import sacrebleu
 
-    n = len(split) if run_cfg.eval_max_sentences is None else min(len(split), run_cfg.eval_max_sentences)
+    n = len(split) if ev.max_sentences is None else min(len(split), ev.max_sentences)
     refs = list(split.tgt_text[:n])
-    hyps = translate(model, tok, sources[:n], device, beam_size=run_cfg.eval_beam_size,
-                     batch_size=run_cfg.eval_batch_size, max_len_ratio=run_cfg.eval_max_len_a,
-                     max_len_extra=run_cfg.eval_max_len_b)
+    hyps = translate(model, tok, sources[:n], device, beam_size=1 if decode == "greedy" else ev.beam_size,
+                     batch_size=ev.batch_size, max_len_ratio=ev.max_len_a, max_len_extra=ev.max_len_b)
     return {"bleu": sacrebleu.corpus_bleu(hyps, [refs]).score if n else None,
             "chrf": sacrebleu.corpus_chrf(hyps, [refs]).score if n else None, "sentences": n,
             "samples": list(zip(split.src_text[:n], refs, hyps))}
@@ -265,50 +266,70 @@ def _optimizer(model, recipe: PeerRecipe, device: torch.device) -> torch.optim.O
                              fused=device.type == "cuda")
 
 
-def train_peer(cfg, recipe: PeerRecipe, *, run_dir: Path, device: torch.device, bundle=None, test: bool = True,
-               t0: float = T0, log: Callable[[str], None] = print) -> dict[str, Any]:
+def train_peer(cfg, recipe: PeerRecipe, *, run_dir: Path, device: torch.device, bundle=None,
+               clock: Callable[[], float] = process_seconds, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Train the baseline on ``cfg.data`` (or a built ``bundle``), logging fastmt-format rows to
-    ``run_dir/metrics.jsonl``. Returns a summary (best BLEU, its wall seconds, epochs, steps)."""
+    ``run_dir/metrics.jsonl``; ``clock()``: wall seconds of the run (default: since process start).
+    Returns a summary (best BLEU, time to each BLEU threshold, epochs, steps, stop reason)."""
+    from train.metrics import MetricsLogger, plot_curves, provenance
+    from train.rundir import RunLock, done_record, move_aside_previous_run, validate_run_name
+
     _require_transformers()
+    run_dir = Path(run_dir)
+    validate_run_name(run_dir.name)
+    with RunLock(run_dir) as lock:
+        move_aside_previous_run(run_dir, lambda m: log(f"[peers] {m}"), lock=lock)
+        if bundle is None:
+            from data import build_data
+
+            bundle = build_data(cfg.data, log=lambda m: log(str(m)))
+        metrics = MetricsLogger(run_dir, tensorboard=False)
+        try:
+            summary = _train(cfg, recipe, bundle, run_dir, metrics, device, clock, log, provenance)
+            metrics.log(done_record(epoch=summary["epochs_done"], step=summary["steps"],
+                                    stop_reason=summary["stop_reason"],
+                                    **{k: summary.get(k) for k in ("best_bleu", "time_to_bleu", "wall_seconds")}))
+        finally:
+            metrics.close()
+    plot_curves(metrics.path, run_dir / "curves.png")
+    return summary
+
+
+def _train(cfg, recipe: PeerRecipe, bundle, run_dir: Path, metrics, device: torch.device,
+           clock: Callable[[], float], log: Callable[[str], None], provenance) -> dict[str, Any]:
     import transformers
     from transformers import get_linear_schedule_with_warmup
 
-    from train.metrics import MetricsLogger, plot_curves, provenance
-
-    if bundle is None:
-        from data import build_data
-
-        bundle = build_data(cfg.data, log=lambda m: log(str(m)))
+    ev = cfg.eval
     tok = bundle.tokenizer
     torch.manual_seed(recipe.seed)
     model = marian_model(cfg.model, tok, device)
-    params = sum(p.numel() for p in model.parameters())
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     train_src, train_tgt = encode_split(bundle.splits["train"], tok.eos_id, cfg.model.max_positions)
     valid_src, valid_tgt = encode_split(bundle.splits["valid"], tok.eos_id, cfg.model.max_positions)
     if not train_src:
         raise ValueError("the training split is empty: check --data-files and data.valid_size/test_size")
 
     steps_per_epoch = math.ceil(len(train_src) / recipe.batch_size)
-    total = recipe.epochs * steps_per_epoch
-    if recipe.max_steps is not None:
-        total = min(total, recipe.max_steps)
+    planned = recipe.epochs * steps_per_epoch
+    total = planned if recipe.max_steps is None else min(planned, recipe.max_steps)
     opt = _optimizer(model, recipe, device)
     sched = get_linear_schedule_with_warmup(opt, math.ceil(recipe.warmup_ratio * total), total)
 
-    run_dir = Path(run_dir)
-    _move_aside(run_dir, log)
-    metrics = MetricsLogger(run_dir, tensorboard=False)
     peer = {"model": "transformers.MarianMTModel", "transformers": transformers.__version__, "attention": "sdpa",
             "precision": "bf16" if device.type == "cuda" else "fp32", **dataclasses.asdict(recipe)}
-    (run_dir / "provenance.json").write_text(json.dumps(provenance(
-        {"data": cfg.data.to_dict(), "model": dataclasses.asdict(cfg.model), "run": dataclasses.asdict(cfg.run),
-         "peer": peer}, bundle.split_record, {"params": params}), indent=2, default=str))
+    config = {"data": cfg.data.to_dict(), "model": dataclasses.asdict(cfg.model), "eval": dataclasses.asdict(ev),
+              "peer": peer}
+    (run_dir / "provenance.json").write_text(json.dumps(provenance(config, bundle.split_record, {"params": params}),
+                                                       indent=2, default=str))
     metrics.log({"kind": "start", "params": params, "train_pairs": len(train_src), "steps_planned": total,
-                 "device": str(device), "wall_seconds": time.perf_counter() - t0, **peer})
-    log(f"[peers] MarianMTModel {params:,} parameters, {len(train_src):,} train pairs, {total} steps planned "
-        f"({steps_per_epoch} per epoch), {device}")
+                 "device": str(device), "wall_seconds": clock(), **peer})
+    log(f"[peers] MarianMTModel {params:,} trainable parameters, {len(train_src):,} train pairs, {total} steps "
+        f"planned ({steps_per_epoch} per epoch), {device}")
 
-    step, best, best_wall, stop = 0, None, None, False
+    bleu_clock = BleuClock(ev.bleu_thresholds, patience=None)
+    step, best_state, stop_reason = 0, None, "done"
+    fmt = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
     model.train()
     epoch = 0
     for epoch in range(recipe.epochs):
@@ -331,54 +352,61 @@ def train_peer(cfg, recipe: PeerRecipe, *, run_dir: Path, device: torch.device, 
             n_batches += 1
             step += 1
             if step >= total:
-                stop = True
-            elif recipe.max_wall_seconds is not None and time.perf_counter() - t0 >= recipe.max_wall_seconds:
-                stop = True
-            if stop:
+                stop_reason = "done" if total == planned else "max_steps"
+                break
+            if recipe.max_wall_seconds is not None and clock() >= recipe.max_wall_seconds:
+                stop_reason = "max_wall_seconds"
                 break
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        epoch_seconds = time.perf_counter() - t_epoch
-        t_eval = time.perf_counter()
-        v_loss = valid_loss(model, valid_src, valid_tgt, tok, device, recipe.batch_size)
-        sc = scores(model, bundle.splits["valid"], valid_src, tok, device, cfg.run)
-        record = {"kind": "epoch", "epoch": epoch + 1, "step": step, "partial": n_batches < steps_per_epoch,
-                  "train_loss": float(loss_sum) / max(n_batches, 1), "valid_loss": v_loss, "bleu": sc["bleu"],
-                  "chrf": sc["chrf"], "eval_sentences": sc["sentences"], "lr": sched.get_last_lr()[0],
-                  "epoch_seconds": epoch_seconds, "eval_seconds": time.perf_counter() - t_eval,
-                  "wall_seconds": time.perf_counter() - t0}
+        stop = step >= total or stop_reason != "done"
+        record: dict[str, Any] = {"kind": "epoch", "epoch": epoch + 1, "step": step,
+                                  "train_loss": float(loss_sum) / max(n_batches, 1), "lr": sched.get_last_lr()[0],
+                                  "epoch_seconds": time.perf_counter() - t_epoch}
+        if n_batches < steps_per_epoch:
+            record["partial_epoch"] = True
+        if (epoch + 1) % ev.every == 0 or epoch + 1 == recipe.epochs or stop:
+            t_eval = time.perf_counter()
+            record["valid_loss"] = (valid_loss(model, valid_src, valid_tgt, tok, device, recipe.batch_size)
+                                    if ev.valid_loss else None)
+            sc = scores(model, bundle.splits["valid"], valid_src, tok, device, ev, decode=ev.decode)
+            record.update(bleu=sc["bleu"], chrf=sc["chrf"], eval_sentences=sc["sentences"],
+                          eval_seconds=time.perf_counter() - t_eval)
+            best_before, wall = bleu_clock.best, clock()
+            for t in bleu_clock.update(sc["bleu"], epoch + 1, wall):
+                log(f"[peers] BLEU {t:g} reached at {wall:.1f} s (epoch {epoch + 1})")
+            if sc["bleu"] is not None and (best_before is None or sc["bleu"] > best_before):
+                best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # for the test
+        record["wall_seconds"] = clock()
         metrics.log(record)
-        if sc["bleu"] is not None and (best is None or sc["bleu"] > best):
-            best, best_wall = sc["bleu"], record["wall_seconds"]
         log(f"[peers] epoch {epoch + 1}/{recipe.epochs}: train_loss {record['train_loss']:.4f} valid_loss "
-            f"{v_loss if v_loss is None else round(v_loss, 4)} BLEU {sc['bleu'] if sc['bleu'] is None else round(sc['bleu'], 2)}"
-            f" | {epoch_seconds:.1f} s train, {record['eval_seconds']:.1f} s eval, {record['wall_seconds']:.0f} s wall")
+            f"{fmt(record.get('valid_loss'), '.4f')} BLEU {fmt(record.get('bleu'), '.2f')} | "
+            f"{record['epoch_seconds']:.1f} s train, {fmt(record.get('eval_seconds'), '.1f')} s eval, "
+            f"wall {record['wall_seconds']:.1f} s")
         if stop:
             break
 
-    summary = {"best_bleu": best, "best_wall_seconds": best_wall, "epochs_done": epoch + 1, "steps": step,
-               "wall_seconds": time.perf_counter() - t0, "params": params}
-    if test and len(bundle.splits["test"]):
+    summary: dict[str, Any] = {"best_bleu": bleu_clock.best, "epochs_done": epoch + 1, "steps": step,
+                               "stop_reason": stop_reason, "params": params, "time_to_bleu": bleu_clock.reached}
+    for line in bleu_clock.summary_lines():
+        log(f"[peers] {line}")
+    if ev.test_at_end and len(bundle.splits["test"]):
         t_eval = time.perf_counter()
+        source = "last"
+        if best_state is not None:
+            model.load_state_dict(best_state)
+            source = "best valid BLEU"
         test_src, test_tgt = encode_split(bundle.splits["test"], tok.eos_id, cfg.model.max_positions)
         t_loss = valid_loss(model, test_src, test_tgt, tok, device, recipe.batch_size)
-        sc = scores(model, bundle.splits["test"], test_src, tok, device, cfg.run)
-        rec = {"kind": "test", "epoch": epoch + 1, "test_loss": t_loss, "test_bleu": sc["bleu"],
-               "test_chrf": sc["chrf"], "test_sentences": sc["sentences"],
-               "eval_seconds": time.perf_counter() - t_eval, "wall_seconds": time.perf_counter() - t0}
-        metrics.log(rec)
+        sc = scores(model, bundle.splits["test"], test_src, tok, device, ev, decode="beam")
+        metrics.log({"kind": "test", "epoch": epoch + 1, "weights": source, "test_loss": t_loss,
+                     "test_bleu": sc["bleu"], "test_chrf": sc["chrf"], "test_sentences": sc["sentences"],
+                     "eval_seconds": time.perf_counter() - t_eval, "wall_seconds": clock()})
         summary["test_bleu"] = sc["bleu"]
-        log(f"[peers] test: loss {t_loss:.4f} BLEU {sc['bleu']:.2f} ({sc['sentences']} sentences)")
-    metrics.close()
-    plot_curves(metrics.path, run_dir / "curves.png")
+        log(f"[peers] test ({source}): loss {fmt(t_loss, '.4f')} BLEU {fmt(sc['bleu'], '.2f')} "
+            f"({sc['sentences']} sentences)")
+    summary["wall_seconds"] = clock()
     return summary
-
-
-def _move_aside(run_dir: Path, log) -> None:
-    """An earlier run of the same name is renamed, never overwritten (fastmt's rule)."""
-    from train.loop import _move_aside_previous_run
-
-    _move_aside_previous_run(run_dir, log)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -387,9 +415,10 @@ def _move_aside(run_dir: Path, log) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="--data.x / --model.x / --run.x VALUE override the preset (data, model "
-                                       "size, validation protocol), as for python -m train.")
-    p.add_argument("--preset", default="s18", help="fastmt preset giving the data, model size and validation")
+                                epilog="--data.x / --model.x / --eval.x VALUE override the preset (data, model size, "
+                                       "validation protocol), as for python -m train.")
+    p.add_argument("--preset", default="s18", help="fastmt preset giving the data, model size and validation "
+                                                   "(its data, model and eval sections)")
     p.add_argument("--data-files", nargs="+", metavar="F", help="local jsonl/parquet/tsv files instead of the Hub")
     p.add_argument("--epochs", type=int, default=PeerRecipe.epochs)
     p.add_argument("--batch-size", type=int, default=PeerRecipe.batch_size, help="sentences per batch")
@@ -400,7 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default=NAME, help=f"run folder name (default {NAME})")
     p.add_argument("--out-dir", default="runs", help="parent folder of the run folder")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    p.add_argument("--no-test", action="store_true", help="skip the test-split evaluation at the end")
+    p.add_argument("--no-test", action="store_true", help="skip the test-split evaluation at the end "
+                                                          "(= --eval.test_at_end false)")
     return p
 
 
@@ -412,6 +442,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     overrides = split_overrides(rest, parser)
+    if args.no_test:
+        overrides["eval.test_at_end"] = "false"
     if args.data_files:
         missing = [f for f in args.data_files if not Path(f).is_file()]
         if missing:
@@ -431,7 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if device.type == "cpu":
         flush_denormals()
     run_dir = Path(args.out_dir) / args.name
-    summary = train_peer(cfg, recipe, run_dir=run_dir, device=device, test=not args.no_test)
+    summary = train_peer(cfg, recipe, run_dir=run_dir, device=device)
     print("summary: " + json.dumps(summary, default=str))
     print(f"run folder: {run_dir} (metrics.jsonl, provenance.json, curves.png)")
     return 0

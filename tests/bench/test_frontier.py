@@ -110,7 +110,7 @@ def test_seeds_recipe_is_the_s18_preset_with_the_seeds_settings(tmp_path):
     cfg, _ = resolve_config(args, log=lambda *_: None)
     s18 = get_config("s18")
     assert cfg.model == s18.model
-    assert (cfg.run.precision, cfg.run.compile, cfg.run.test_at_end) == ("fp16", False, False)
+    assert (cfg.run.precision, cfg.run.compile, cfg.eval.test_at_end) == ("fp16", False, False)
     assert (cfg.data.batching, cfg.data.batch_size) == ("dynamic", 32)
     assert (cfg.optim.name, cfg.optim.lr, cfg.optim.schedule) == ("lion", 1e-4, "onecycle")
     assert cfg.run.name == "frontier-seeds" and cfg.run.out_dir == str(tmp_path)
@@ -136,7 +136,7 @@ def test_smoke_frontier(tmp_path):
     assert list(by) == list(FR.CONTESTANTS)
     hf = by["hf"]
     assert all(r["status"] == "ok" for r in hf) and float(hf[0]["wall_seconds"]) > 0
-    assert 0 <= float(hf[0]["bleu"]) <= 100 and hf[0]["partial"] == "true"
+    assert 0 <= float(hf[0]["bleu"]) <= 100 and hf[0]["partial_epoch"] == "true"
     has_budget = "max_wall_seconds" in {f.name for f in dataclasses.fields(RunConfig)}
     for name in ("seeds", "s18", "default"):
         if has_budget:

@@ -5,6 +5,7 @@ Needs ``transformers`` (the ``peers`` extra, also in ``dev``); skipped without i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -18,7 +19,7 @@ from bench import ladder as L  # noqa: E402
 from bench import peers as P  # noqa: E402
 
 TOY = ["--data.vocab_size", "400", "--data.valid_size", "40", "--data.test_size", "40", "--data.max_len", "32",
-       "--run.eval_max_sentences", "20"]
+       "--eval.max_sentences", "20"]
 
 
 @pytest.fixture(scope="module")
@@ -133,18 +134,21 @@ def test_cli_smoke_writes_fastmt_rows(toy, tmp_path):
             "--out-dir", str(tmp_path), "--name", "hf", "--device", "cpu", *TOY, "--data.cache_dir", str(cache)]
     assert P.main(argv) == 0
     rows = [json.loads(line) for line in (tmp_path / "hf" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["kind"] for r in rows] == ["start", "epoch", "epoch", "test"]
+    assert [r["kind"] for r in rows] == ["start", "epoch", "epoch", "test", "done"]
     steps = math.ceil(len(bundle.splits["train"]) / 128)
     epochs = rows[1:3]
     assert [r["epoch"] for r in epochs] == [1, 2] and [r["step"] for r in epochs] == [steps, 2 * steps]
     for r in epochs:
         for key in ("wall_seconds", "bleu", "valid_loss", "epoch_seconds", "eval_seconds"):
             assert isinstance(r[key], float) and math.isfinite(r[key]), key
-        assert 0 <= r["bleu"] <= 100 and r["eval_sentences"] == 20 and r["partial"] is False
+        assert 0 <= r["bleu"] <= 100 and r["eval_sentences"] == 20 and "partial_epoch" not in r
         assert r["wall_seconds"] >= r["epoch_seconds"] + r["eval_seconds"]
     assert rows[0]["wall_seconds"] < epochs[0]["wall_seconds"] < epochs[1]["wall_seconds"] < rows[3]["wall_seconds"]
     assert epochs[1]["lr"] == 0.0  # the linear schedule ends at 0 on the last planned step
     assert rows[3]["test_sentences"] == 20 and math.isfinite(rows[3]["test_bleu"])
+    best = max(epochs, key=lambda r: r["bleu"])  # the test scores the best-BLEU weights, as fastmt scores best.pt
+    assert rows[3]["weights"] == "best valid BLEU" and rows[4]["best_bleu"] == best["bleu"]
+    assert rows[4]["stop_reason"] == "done" and rows[4]["step"] == 2 * steps
     prov = json.loads((tmp_path / "hf" / "provenance.json").read_text())
     assert prov["config"]["peer"]["label_smoothing"] == 0.1 and prov["config"]["peer"]["lr"] == 5e-4
     assert prov["config"]["data"]["data_files"] == [str(corpus)]
@@ -153,12 +157,19 @@ def test_cli_smoke_writes_fastmt_rows(toy, tmp_path):
 
 def test_wall_budget_stops_at_a_step_boundary_and_evaluates(toy, tmp_path):
     cfg, bundle, _, _ = toy
-    recipe = P.PeerRecipe(epochs=3, batch_size=64, max_wall_seconds=1e-9)
+    cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, test_at_end=False))
+    recipe = P.PeerRecipe(epochs=3, batch_size=64, max_wall_seconds=100.0)
+    ticks = iter(range(0, 10_000, 60))  # a clock that passes 100 s at its 3rd reading
     summary = P.train_peer(cfg, recipe, run_dir=tmp_path / "hf", device=torch.device("cpu"), bundle=bundle,
-                           test=False, t0=P.T0, log=lambda *_: None)
+                           clock=lambda: float(next(ticks)), log=lambda *_: None)
     rows = [json.loads(line) for line in (tmp_path / "hf" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["kind"] for r in rows] == ["start", "epoch"]
-    assert rows[1]["step"] == 1 and rows[1]["partial"] is True and math.isfinite(rows[1]["bleu"])
-    assert summary["steps"] == 1 and summary["epochs_done"] == 1
+    assert [r["kind"] for r in rows] == ["start", "epoch", "done"]
+    assert rows[1]["step"] == 2 and rows[1]["partial_epoch"] is True and math.isfinite(rows[1]["bleu"])
+    assert summary["steps"] == 2 and summary["epochs_done"] == 1 and summary["stop_reason"] == "max_wall_seconds"
+    assert rows[2]["stop_reason"] == "max_wall_seconds"
+    # a second run of the same name moves the first aside, as fastmt does
+    P.train_peer(cfg, dataclasses.replace(recipe, max_steps=1), run_dir=tmp_path / "hf", device=torch.device("cpu"),
+                 bundle=bundle, log=lambda *_: None)
+    assert len(list(tmp_path.glob("hf.prev-*"))) == 1
     with pytest.raises(ValueError, match="max_wall_seconds=0"):
         P.PeerRecipe(max_wall_seconds=0)
