@@ -31,9 +31,9 @@ Protocol per rung: build a fresh ``Trainer`` on the shared bundle; take the firs
 batches of epoch 0's shuffled plan (pre-collated, pinned: the loader is not timed); run ``warmup``
 untimed optimizer steps (compilation and recompiles land here); then ``steps`` timed steps between
 two device synchronisations, with CUDA events around each step for the spread. The non-finite guard
-is off (the rungs measure techniques, not the guard). Each rung has a time cap (``cap_s``; default ``--cap-s`` for eager
-rungs, twice that for compiled ones): a rung over its cap stops at the next step boundary and
-becomes a ``capped`` row. Reported per rung:
+is off (the rungs measure techniques, not the guard). Each rung has a time cap (``cap_s``; default
+``--cap-s`` for eager rungs, twice that for compiled ones): a rung over its cap stops at the next step
+boundary and becomes a ``capped`` row. Reported per rung:
   tokens_per_second      real (non-pad) src+tgt tokens / timed wall seconds
   step_ms (p20, p80)     mean wall ms per optimizer step (event-timed percentiles)
   epoch_seconds_projected  real tokens of one training epoch / tokens_per_second
