@@ -186,6 +186,24 @@ def measure_peaks(
     )
 
 
+def matmul_tflops(device: torch.device | str, dtype: torch.dtype, *, tf32: bool = False, n: int | None = None,
+                  warmup_ms: float = 25.0, rep_ms: float = 100.0) -> float:
+    """TFLOP/s of a random (n x n) @ (n x n) product in ``dtype`` (default n: 8192 on CUDA, large
+    enough to reach the tensor cores' rate; 256 on CPU). ``tf32``: fp32 inputs with TF32 matmuls
+    allowed for this measurement only (torch's matmul precision is restored after)."""
+    device = torch.device(device)
+    n = n or (8192 if device.type == "cuda" else 256)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    try:
+        t = _time_matmul(n, dtype, device, warmup_ms, rep_ms)
+    finally:
+        torch.set_float32_matmul_precision(before)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return tflops(2 * n**3, t.ms)
+
+
 def _time_copy(nbytes: int, device: torch.device, warmup_ms: float, rep_ms: float) -> Timing:
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)

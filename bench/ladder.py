@@ -1,47 +1,57 @@
-"""The speedup ladder: one technique at a time, all rungs in one process on the same data and device.
+"""The speedup ladder: one technique at a time, every rung on the same data and device, in one process.
 
     python -m bench.ladder [--smoke] [--data-files F ...] [--steps N] [--warmup N] [--out DIR]
-                           [--rungs 0,1,2,...] [--budget-s S] [--max-tokens N] [--no-readme]
+                           [--rungs 0,1,2,...] [--budget-s S] [--cap-s S] [--max-tokens N] [--no-readme]
 
-Rungs (cumulative: each builds on the last main-line rung that ran; side branches build on rung 7):
+Rungs are independent: each is the baseline plus a named set of switches (``SWITCHES``), built from
+scratch, so a rung's configuration never depends on which other rungs ran. Each is compared with the
+rung that has the same switches minus its own technique (``compare``, the csv's ``parent``):
   0   baseline: the ``baseline`` preset -- fp32, fixed padding to 350, eager, reference attention,
       torch LayerNorm (the seeds' way)
-  1   + bf16 autocast              run.precision=bf16
-  2   + dynamic padding            data.batching=dynamic (32 sentences, padded to the batch's longest)
-  3   + token buckets              data.batching=token_bucket (max_tokens padded src+tgt tokens)
-  4   + SDPA attention             model.attn_backend=sdpa
-  5   + torch.compile              run.compile=true (inductor, automatic dynamic shapes)
-  6a  + our varlen attention       model.layout=varlen, model.attn_backend=triton (token buckets)
-  6b  + padding-free packing       data.batching=packed, model.layout=packed (one static shape)
-  7   + fused LayerNorm(+GELU)     model.norm=fused
-  8   side: parameter sharing      model.sharing=cycle_rev, 3+3 unique blocks applied 6+6 (S16-style)
-  9a  side: CUDA graphs            run.compile_mode=reduce-overhead          (CUDA only)
-  9b  side: GEMM autotuning        run.compile_mode=max-autotune-no-cudagraphs (CUDA only)
+  1   bf16                                     run.precision=bf16
+  2   bf16 + dynamic padding                   data.batching=dynamic (32 sentences, padded to the longest)
+  3   bf16 + token buckets                     data.batching=token_bucket (max_tokens padded src+tgt)
+  4   3 + SDPA attention                       model.attn_backend=sdpa
+  5   4 + torch.compile                        run.compile=true (inductor, automatic dynamic shapes)
+  6a  5 with our varlen attention              model.layout=varlen, model.attn_backend=triton
+  6b  bf16 + compile + padding-free packing    data.batching=packed, model.layout=packed
+  7   6b + fused LayerNorm(+GELU)              model.norm=fused
+  8   side: 7 + parameter sharing              model.sharing=cycle_rev, 3+3 unique blocks applied 6+6
+  9a  side: 7 + CUDA graphs                    run.compile_mode=reduce-overhead          (CUDA only)
+  9b  side: 7 + GEMM autotuning                run.compile_mode=max-autotune-no-cudagraphs (CUDA only)
 
 Fixed across rungs, so only the technique changes: the data (one built bundle: same corpus, split,
 tokenizer, and the same padded-token budget per step, 32 x 2 x 350 = 22,400 = the baseline's fixed
 batch), the model shape (s18: 6+6 x 512, d_ff 2048, 8 heads; rung 8 keeps it and only ties blocks),
-the optimizer (the baseline preset's Adam 1e-4, no clipping), the seed, and the measurement protocol.
+the optimizer (the baseline preset's Adam 1e-4, no clipping), the seed, torch's fp32 matmul
+precision ("highest" at the start of every rung; a bf16 rung's Trainer allows TF32 for what runs
+outside autocast), and the measurement protocol.
 
 Protocol per rung: build a fresh ``Trainer`` on the shared bundle; take the first ``warmup + steps``
 batches of epoch 0's shuffled plan (pre-collated, pinned: the loader is not timed); run ``warmup``
 untimed optimizer steps (compilation and recompiles land here); then ``steps`` timed steps between
 two device synchronisations, with CUDA events around each step for the spread. The non-finite guard
-is off (it syncs every step). Reported per rung:
+is off (the rungs measure techniques, not the guard). Each rung has a time cap (``cap_s``; default
+``--cap-s`` for eager rungs, twice that for compiled ones): a rung over its cap stops at the next step
+boundary and becomes a ``capped`` row. Reported per rung:
   tokens_per_second      real (non-pad) src+tgt tokens / timed wall seconds
   step_ms (p20, p80)     mean wall ms per optimizer step (event-timed percentiles)
   epoch_seconds_projected  real tokens of one training epoch / tokens_per_second
   peak_memory_gb         max allocated GiB during the timed steps (CUDA; empty on CPU)
   padding_fraction       1 - real / computed token positions over the timed batches
                          (epoch_padding_fraction: the same over the whole epoch-0 plan)
-  mfu                    model FLOPs (models.flops_per_token at each batch's mean real lengths x its
-                         real target tokens) per second / the bf16 matmul peak measured in this run
+  mfu, peak_dtype        model FLOPs (models.flops_per_token at each batch's mean real lengths x its
+                         real target tokens) per second / the peak of the dtype the rung's matmuls ran
+                         in (fp32, tf32, bf16, fp16: ``models.flops.run_peak``; NVIDIA's datasheet,
+                         dense, or a matmul measured in this run). Empty on CPU (``mfu_note`` says why)
+  sdpa_backend           rungs with SDPA: the kernel torch's dispatcher picks for the rung's masked
+                         calls (``torch._fused_sdp_choice`` on the first timed batch's shapes and dtype)
   graphs, graph_breaks, recompiles_timed   dynamo counters (compiled rungs); recompiles_timed > 0
-                         means a compile landed inside the timed window
+                         means a compile landed inside the timed window: the rung is ``invalid``
   speedup_vs_baseline / speedup_vs_previous   tokens_per_second ratios vs rung 0 / vs the rung this
-                         one was built on (``parent``)
+                         one is compared with (``parent``: ``compare``, or its nearest ancestor that ran)
 A rung that raises (out of memory, an unsupported setting, a kernel error) becomes an error row and
-the ladder goes on; the next main-line rung then builds on the last rung that ran (its ``parent``).
+the ladder goes on; only rows with status ``ok`` get speedups.
 
 ``--smoke`` (automatic without CUDA): the tiny model on a generated toy corpus (or ``--data-files``),
 2 timed steps per rung, torch.compile through ``aot_eager`` with ``dynamic=True``, CUDA-only rungs skipped, Triton
@@ -65,7 +75,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -87,33 +97,63 @@ BATCHING_FIELDS = frozenset({"batching", "max_tokens", "batch_size", "seq_len", 
 # ----------------------------------------------------------------------------------------------
 # Rungs
 # ----------------------------------------------------------------------------------------------
+# Named switches: each a set of overrides (CLI syntax) on top of the baseline preset.
+SWITCHES: dict[str, dict[str, str]] = {
+    "bf16": {"run.precision": "bf16"},
+    "dynamic": {"data.batching": "dynamic"},
+    "token_bucket": {"data.batching": "token_bucket"},
+    "sdpa": {"model.attn_backend": "sdpa"},
+    "compile": {"run.compile": "true"},
+    "varlen": {"model.layout": "varlen", "model.attn_backend": "triton"},
+    "packed": {"data.batching": "packed", "model.layout": "packed", "model.attn_backend": "triton"},
+    "fused_norm": {"model.norm": "fused"},
+    "sharing": {"model.sharing": "cycle_rev", "model.enc_unique": "3", "model.dec_unique": "3"},
+    "cudagraphs": {"run.compile_mode": "reduce-overhead"},
+    "autotune": {"run.compile_mode": "max-autotune-no-cudagraphs"},
+}
+
+
 @dataclass(frozen=True)
 class Rung:
     id: str  # "0", "1", ..., "6a", "9b": the csv `rung` column
     name: str  # the technique this rung adds, for tables and the plot
-    changes: dict[str, str]  # "section.field" -> value (CLI syntax), applied on top of the parent rung
-    parent: str | None  # the rung it builds on; None: the baseline preset itself
-    branch: bool = False  # side branch: later main-line rungs never build on it
+    # names in SWITCHES, or raw "section.field=value" overrides, applied in order (a later one wins)
+    switches: tuple[str, ...]
+    compare: str | None  # the rung it is compared with (same switches minus this technique); None: baseline
+    cap_s: float | None = None  # time cap (warm-up + timed steps); None: the ladder's default for its kind
+    branch: bool = False  # side branch (drawn lighter)
     cuda_only: bool = False  # skipped (not an error) on CPU
 
+    def overrides(self) -> dict[str, str]:
+        """The rung's full set of overrides on the baseline (unknown switch names fail, naming them)."""
+        out: dict[str, str] = {}
+        for sw in self.switches:
+            if "=" in sw:
+                key, value = sw.split("=", 1)
+                out[key.strip()] = value.strip()
+            elif sw in SWITCHES:
+                out.update(SWITCHES[sw])
+            else:
+                raise ValueError(f"rung {self.id}: unknown switch {sw!r}; known: {sorted(SWITCHES)} "
+                                 f"or 'section.field=value'")
+        return out
 
+
+_MAIN = ("bf16", "compile", "packed", "fused_norm")  # rung 7's switches, the side branches' base
 RUNGS: tuple[Rung, ...] = (
-    Rung("0", "baseline (fp32, fixed pad 350, eager, reference attn, torch LN)", {}, None),
-    Rung("1", "+ bf16 autocast", {"run.precision": "bf16"}, "0"),
-    Rung("2", "+ dynamic padding", {"data.batching": "dynamic"}, "1"),
-    Rung("3", "+ token buckets", {"data.batching": "token_bucket"}, "2"),
-    Rung("4", "+ SDPA attention", {"model.attn_backend": "sdpa"}, "3"),
-    Rung("5", "+ torch.compile", {"run.compile": "true"}, "4"),
-    Rung("6a", "+ varlen Triton attention", {"model.layout": "varlen", "model.attn_backend": "triton"}, "5"),
-    Rung("6b", "+ padding-free packing", {"data.batching": "packed", "model.layout": "packed",
-                                          "model.attn_backend": "triton"}, "6a"),
-    Rung("7", "+ fused LayerNorm(+GELU)", {"model.norm": "fused"}, "6b"),
-    Rung("8", "side: sharing cycle_rev 3+3", {"model.sharing": "cycle_rev", "model.enc_unique": "3",
-                                              "model.dec_unique": "3"}, "7", branch=True),
-    Rung("9a", "side: compile reduce-overhead", {"run.compile_mode": "reduce-overhead"}, "7",
-         branch=True, cuda_only=True),
-    Rung("9b", "side: compile max-autotune-no-cudagraphs",
-         {"run.compile_mode": "max-autotune-no-cudagraphs"}, "7", branch=True, cuda_only=True),
+    Rung("0", "baseline (fp32, fixed pad 350, eager, reference attn, torch LN)", (), None),
+    Rung("1", "+ bf16 autocast", ("bf16",), "0"),
+    Rung("2", "+ dynamic padding", ("bf16", "dynamic"), "1"),
+    Rung("3", "+ token buckets", ("bf16", "token_bucket"), "2"),
+    Rung("4", "+ SDPA attention", ("bf16", "token_bucket", "sdpa"), "3"),
+    Rung("5", "+ torch.compile", ("bf16", "token_bucket", "sdpa", "compile"), "4"),
+    Rung("6a", "+ varlen Triton attention", ("bf16", "token_bucket", "compile", "varlen"), "5"),
+    Rung("6b", "+ padding-free packing", ("bf16", "compile", "packed"), "6a"),
+    Rung("7", "+ fused LayerNorm(+GELU)", _MAIN, "6b"),
+    Rung("8", "side: sharing cycle_rev 3+3", (*_MAIN, "sharing"), "7", branch=True),
+    Rung("9a", "side: compile reduce-overhead", (*_MAIN, "cudagraphs"), "7", branch=True, cuda_only=True),
+    Rung("9b", "side: compile max-autotune-no-cudagraphs", (*_MAIN, "autotune"), "7", branch=True,
+         cuda_only=True),
 )
 
 
@@ -144,6 +184,7 @@ class LadderSettings:
     warmup: int
     max_tokens: int | None = None
     budget_s: float | None = None
+    cap_s: float = 120.0  # default time cap of an eager rung (compiled rungs: twice this)
     readme: bool = True
     work_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="fastmt-ladder-")))
 
@@ -157,7 +198,7 @@ def base_config(s: LadderSettings):
 
     cfg = baseline()
     run = dataclasses.replace(cfg.run, name="ladder", out_dir=str(s.work_dir / "runs"), nonfinite_guard=False,
-                              tensorboard=False, progress=False, plot=False, test_at_end=False,
+                              tensorboard=False, progress=False, plot=False,
                               device=s.device.type, compile_backend="aot_eager" if s.smoke else "inductor",
                               # smoke: one graph per compiled rung (a CPU compile costs 5-15 s; the GPU run
                               # keeps the presets' automatic dynamic shapes)
@@ -173,19 +214,18 @@ def base_config(s: LadderSettings):
                                cache_dir=str(s.work_dir / "cache") if s.smoke else data.cache_dir)
     if s.max_tokens is not None:
         data = dataclasses.replace(data, max_tokens=s.max_tokens)
-    return dataclasses.replace(cfg, data=data, run=run)
+    return dataclasses.replace(cfg, data=data, run=run, eval=dataclasses.replace(cfg.eval, test_at_end=False))
 
 
-def rung_overrides(rung: Rung, done: dict[str, dict[str, str]], by_id: dict[str, Rung]) -> tuple[str | None, dict]:
-    """(parent actually used, cumulative overrides): the nominal parent, or -- when it did not run --
-    the nearest ancestor that did (``done`` maps rung id -> its cumulative overrides)."""
-    known = {**{r.id: r for r in RUNGS}, **by_id}  # ancestry through the standard rungs too (--rungs subsets)
-    parent = rung.parent
-    while parent is not None and parent not in done:
-        parent = known[parent].parent if parent in known else None
-    base = dict(done[parent]) if parent is not None else {}
-    base.update(rung.changes)
-    return parent, base
+def rung_overrides(rung: Rung, ran: Collection[str], by_id: dict[str, Rung]) -> tuple[str | None, dict]:
+    """(the rung it is compared with, its overrides). The overrides are the rung's own, whatever ran;
+    the comparison is ``rung.compare``, or -- when that did not run -- the nearest rung up the
+    ``compare`` chain that did (``ran``: ids of the rungs measured so far)."""
+    known = {**{r.id: r for r in RUNGS}, **by_id}  # the chain runs through the standard rungs too (--rungs)
+    parent = rung.compare
+    while parent is not None and parent not in ran:
+        parent = known[parent].compare if parent in known else None
+    return parent, rung.overrides()
 
 
 def adapt_overrides(overrides: dict[str, str], base, device: torch.device) -> tuple[dict, list[str]]:
@@ -232,23 +272,70 @@ def _dynamo_counts() -> dict[str, int]:
 
 
 def free_memory(device: torch.device) -> None:
-    """Between rungs: drop compiled code and cached blocks so a rung never inherits the last one's."""
+    """Between rungs: drop compiled code and cached blocks so a rung never inherits the last one's,
+    and put torch's fp32 matmul precision back to "highest" (a bf16 rung's Trainer allows TF32)."""
     from torch._dynamo.utils import counters
 
     gc.collect()
     torch._dynamo.reset()
     counters.clear()
+    torch.set_float32_matmul_precision("highest")
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def measure_rung(cfg, bundle, s: LadderSettings, peak_tflops: float) -> dict[str, Any]:
-    """Warm up, then time ``s.steps`` optimizer steps of a fresh Trainer; returns the metric columns."""
+class RungCapped(RuntimeError):
+    """A rung passed its time cap (raised at a step boundary)."""
+
+
+def sdpa_backend(cfg, batch, device: torch.device) -> str:
+    """The SDPA kernel torch's dispatcher picks for this model's masked attention calls on ``batch``.
+
+    ``kernels.attention(..., backend="sdpa")`` passes a boolean (B, 1, Tq, Tk) mask whenever lengths
+    are given (padded batches always give them); this asks ``torch._fused_sdp_choice`` -- the choice
+    ``F.scaled_dot_product_attention`` itself makes -- for the encoder-self, decoder-self and cross
+    calls at the batch's padded shapes, the rung's compute dtype and inputs that need gradients.
+    One name when all three agree ("flash_attention", "efficient_attention", "cudnn_attention",
+    "math"), else ``enc:... dec:... cross:...``.
+    """
+    from torch.nn.attention import SDPBackend
+
+    from kernels.flash_attention import visibility_mask
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.run.precision, torch.float32)
+    B, S, T = batch.src.shape[0], batch.src.shape[1], batch.tgt_in.shape[1]
+    H, D = cfg.model.n_heads, cfg.model.head_dim
+    src_l, tgt_l = batch.src_lengths.to(device), batch.tgt_lengths.to(device)
+    names = {}
+    for part, (tq, tk, lq, lk, causal) in {"enc": (S, S, src_l, src_l, False), "dec": (T, T, tgt_l, tgt_l, True),
+                                           "cross": (T, S, tgt_l, src_l, False)}.items():
+        q = torch.randn(B, H, tq, D, device=device, dtype=dtype, requires_grad=True)
+        k = torch.randn(B, H, tk, D, device=device, dtype=dtype, requires_grad=True)
+        mask = visibility_mask(tq, tk, lq, lk, causal)
+        choice = torch._fused_sdp_choice(q, k, k, mask, 0.0, False)
+        names[part] = SDPBackend(int(choice)).name.lower()
+    if len(set(names.values())) == 1:
+        return next(iter(names.values()))
+    return " ".join(f"{k}:{v}" for k, v in names.items())
+
+
+def measure_rung(cfg, bundle, s: LadderSettings, *, cap_s: float | None = None) -> dict[str, Any]:
+    """Warm up, then time ``s.steps`` optimizer steps of a fresh Trainer; returns the metric columns.
+
+    ``cap_s``: wall seconds from the start of this call after which the rung stops at the next step
+    boundary (``RungCapped``)."""
     from data.batching import plan_stats
     from models import flops_per_token
+    from models.flops import mfu, run_peak
     from train.loop import Trainer
+
+    t_call = time.perf_counter()
+
+    def check_cap(where: str) -> None:
+        if cap_s is not None and time.perf_counter() - t_call > cap_s:
+            raise RungCapped(f"over its time cap of {cap_s:.0f} s {where}")
 
     view = bundle_view(bundle, cfg.data)
     batches = list(islice(iter(view.loader("train", epoch=0)), s.warmup + s.steps))
@@ -259,9 +346,12 @@ def measure_rung(cfg, bundle, s: LadderSettings, peak_tflops: float) -> dict[str
     dev = s.device
     trainer = Trainer(cfg, data=view, log=lambda *a, **k: None)
     try:
+        # the rung's compute dtype, read after the Trainer has set torch's matmul precision
+        peak, peak_dtype, peak_note = run_peak(dev, cfg.run.precision)
         t0 = time.perf_counter()
-        for b in warm:
+        for i, b in enumerate(warm):
             trainer.train_step(b)
+            check_cap(f"after warm-up step {i + 1}/{len(warm)}")
         H.synchronize(dev)
         warmup_s = time.perf_counter() - t0
         counts_before = _dynamo_counts()
@@ -280,6 +370,7 @@ def measure_rung(cfg, bundle, s: LadderSettings, peak_tflops: float) -> dict[str
                 now = time.perf_counter()
                 step_ms.append((now - t_prev) * 1e3)
                 t_prev = now
+            check_cap(f"after timed step {i + 1}/{len(timed)}")  # host time only: no sync
         if dev.type == "cuda":
             events[-1].record()
         H.synchronize(dev)
@@ -292,6 +383,7 @@ def measure_rung(cfg, bundle, s: LadderSettings, peak_tflops: float) -> dict[str
         model_cfg = trainer.cfg.model
         params = dict(trainer.params)
         compiled = trainer.compiled
+        sdpa = sdpa_backend(trainer.cfg, timed[0], dev) if model_cfg.attn_backend == "sdpa" else ""
     finally:
         del trainer
         free_memory(dev)
@@ -316,8 +408,9 @@ def measure_rung(cfg, bundle, s: LadderSettings, peak_tflops: float) -> dict[str
     tps = real / wall
     p50, p20, p80 = H.quantiles(step_ms, H.QUANTILES)
     model_tflops = flops / wall / 1e12
-    return {
-        "status": "ok",
+    recompiles = counts_after["graphs"] - counts_before["graphs"] if compiled else None
+    out = {
+        "status": "invalid" if recompiles else "ok",
         "tokens_per_second": tps,
         "tgt_tokens_per_second": tgt / wall,
         "step_ms": wall * 1e3 / len(timed),
@@ -329,10 +422,14 @@ def measure_rung(cfg, bundle, s: LadderSettings, peak_tflops: float) -> dict[str
         "padding_fraction": 1.0 - real / computed if computed else 0.0,
         "epoch_padding_fraction": stats.padding_fraction,
         "model_tflops": model_tflops,
-        "mfu": model_tflops / peak_tflops if peak_tflops and peak_tflops > 0 else float("nan"),
+        "mfu": mfu(flops / wall, peak),
+        "peak_dtype": peak_dtype,
+        "peak_tflops": peak / 1e12 if peak is not None else float("nan"),
+        "mfu_note": peak_note,
+        "sdpa_backend": sdpa,
         "graphs": counts_after["graphs"] if compiled else None,
         "graph_breaks": counts_after["graph_breaks"] if compiled else None,
-        "recompiles_timed": counts_after["graphs"] - counts_before["graphs"] if compiled else None,
+        "recompiles_timed": recompiles,
         "warmup_s": warmup_s,
         "steps": len(timed),
         "warmup": len(warm),
@@ -344,6 +441,9 @@ def measure_rung(cfg, bundle, s: LadderSettings, peak_tflops: float) -> dict[str
         "params_unique": params.get("unique"),
         "params_applied": params.get("applied"),
     }
+    if recompiles:
+        out["error"] = f"invalid: {recompiles} graph(s) compiled during the timed steps"
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -352,11 +452,12 @@ def measure_rung(cfg, bundle, s: LadderSettings, peak_tflops: float) -> dict[str
 COLUMNS = (
     "rung", "technique", "parent", "status", "tokens_per_second", "speedup_vs_baseline", "speedup_vs_previous",
     "step_ms", "step_ms_p20", "step_ms_p80", "epoch_seconds_projected", "peak_memory_gb", "padding_fraction",
-    "epoch_padding_fraction", "mfu", "model_tflops", "tgt_tokens_per_second", "graphs", "graph_breaks",
-    "recompiles_timed", "warmup_s", "rung_s", "steps", "warmup", "real_tokens_per_step", "sentences_per_step",
+    "epoch_padding_fraction", "mfu", "peak_dtype", "peak_tflops", "mfu_note", "model_tflops",
+    "tgt_tokens_per_second", "sdpa_backend", "graphs", "graph_breaks", "recompiles_timed", "warmup_s", "rung_s",
+    "cap_s", "steps", "warmup", "real_tokens_per_step", "sentences_per_step",
     "precision", "batching", "max_tokens", "attn_backend", "norm", "layout", "compile", "compile_mode",
-    "sharing", "params_unique", "params_applied", "final_loss", "overrides", "note", "error", "corpus",
-    "peak_tflops", *H.PROVENANCE_COLUMNS, "timestamp",
+    "sharing", "params_unique", "params_applied", "final_loss", "switches", "overrides", "note", "error",
+    "corpus", *H.PROVENANCE_COLUMNS, "timestamp",
 )
 
 
@@ -390,6 +491,13 @@ def corpus_label(bundle) -> str:
     return f"stand-in corpus ({names})"
 
 
+def rung_cap(rung: Rung, overrides: dict[str, str], s: LadderSettings) -> float:
+    """The rung's own cap, else ``s.cap_s`` for an eager rung and twice that for a compiled one."""
+    if rung.cap_s is not None:
+        return rung.cap_s
+    return s.cap_s * (2 if overrides.get("run.compile", "false") == "true" else 1)
+
+
 def run_ladder(s: LadderSettings, rungs: Sequence[Rung] = RUNGS, log: Callable[[str], None] = print,
                on_row: Callable[[list[dict[str, Any]], dict[str, Any]], None] | None = None,
                ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -397,11 +505,12 @@ def run_ladder(s: LadderSettings, rungs: Sequence[Rung] = RUNGS, log: Callable[[
 
     ``on_row(rows_so_far, context)`` runs after every rung (the CLI rewrites the outputs each time, so a
     run killed by a time limit keeps what it measured). With ``s.budget_s``, a rung is skipped when
-    the time spent plus its estimated cost (the costliest earlier rung of the same kind, compiled or
-    eager) would pass the budget."""
+    the time spent plus its estimated cost (its cap, or less: the costliest earlier rung of the same
+    kind, compiled or eager) would pass the budget, and no rung's cap reaches past the budget."""
     from data import build_data
 
     t_start = time.perf_counter()
+    torch.set_float32_matmul_precision("highest")
     prov = H.provenance(s.device)
     log(f"[ladder] device {prov['gpu']}, torch {prov['torch']}, git {prov['git_sha']}")
     peaks = H.measure_peaks(s.device)
@@ -415,43 +524,58 @@ def run_ladder(s: LadderSettings, rungs: Sequence[Rung] = RUNGS, log: Callable[[
            "bundle_sizes": {k: len(v) for k, v in bundle.splits.items()}}
     cost: dict[bool, float] = {}  # compiled? -> the longest rung so far (seconds)
     by_id = {r.id: r for r in rungs}
-    done: dict[str, dict[str, str]] = {}  # rung id -> cumulative overrides, for rungs that ran
+    ran: set[str] = set()  # rungs measured with status ok (what others may be compared with)
     rows: list[dict[str, Any]] = []
     for rung in rungs:
-        parent, overrides = rung_overrides(rung, done, by_id)
-        row: dict[str, Any] = {"rung": rung.id, "technique": rung.name, "parent": parent or "",
-                               "overrides": json.dumps(overrides, sort_keys=True), "corpus": corpus,
-                               "peak_tflops": peaks.matmul_tflops, **prov}
-        notes = []
-        if rung.parent is not None and parent != rung.parent:
-            notes.append(f"built on rung {parent or 'baseline'}: rung {rung.parent} did not run")
+        row: dict[str, Any] = {"rung": rung.id, "technique": rung.name, "switches": " ".join(rung.switches),
+                               "corpus": corpus, **prov}
+        notes: list[str] = []
+        try:
+            parent, overrides = rung_overrides(rung, ran, by_id)
+        except ValueError as e:  # an unknown switch name: this rung's error, not the ladder's
+            row.update(parent="", status="error", error=f"unsupported: {e}")
+            rows.append(row)
+            add_speedups(rows)
+            continue
+        row.update(parent=parent or "", overrides=json.dumps(overrides, sort_keys=True))
+        if rung.compare is not None and parent != rung.compare:
+            notes.append(f"compared with rung {parent or '-'}: rung {rung.compare} did not run")
         elapsed = time.perf_counter() - t_start
         compiled = overrides.get("run.compile", "false") == "true"
-        estimate = cost.get(compiled, max(cost.values(), default=0.0))
+        cap = rung_cap(rung, overrides, s)
+        estimate = min(cap, cost.get(compiled, max(cost.values(), default=0.0)))
         if rung.cuda_only and s.device.type != "cuda":
             row.update(status="skipped", note="; ".join(notes + ["CUDA only"]))
         elif s.budget_s is not None and elapsed + estimate > s.budget_s:
             row.update(status="skipped", note="; ".join(
                 notes + [f"time budget: {elapsed:.0f} s spent + ~{estimate:.0f} s > --budget-s {s.budget_s:.0f}"]))
         else:
+            if s.budget_s is not None:
+                cap = min(cap, s.budget_s - elapsed)
+            row["cap_s"] = cap
             t_rung = time.perf_counter()
             eff, subs = adapt_overrides(overrides, base, s.device)
             notes += subs
-            log(f"[ladder] rung {rung.id}: {rung.name} {json.dumps(eff, sort_keys=True)}")
+            log(f"[ladder] rung {rung.id}: {rung.name} {json.dumps(eff, sort_keys=True)} (cap {cap:.0f} s)")
             try:
                 cfg = build_rung_config(base, eff)
                 row.update(config_columns(cfg))
-                row.update(measure_rung(cfg, bundle, s, peaks.matmul_tflops))
-                done[rung.id] = overrides  # main-line rungs never name a branch as parent
-            except Exception as e:  # noqa: BLE001 - one rung's failure must never end the ladder
-                if isinstance(e, torch.OutOfMemoryError):
-                    kind = "out of memory"
-                elif isinstance(e, (ValueError, TypeError, NotImplementedError)):
-                    kind = "unsupported"
+                row.update(measure_rung(cfg, bundle, s, cap_s=cap))
+                if row["status"] == "ok":
+                    ran.add(rung.id)
                 else:
-                    kind = "error"
+                    log(f"[ladder] rung {rung.id} {row['status'].upper()}: {row.get('error', '')}")
+            except Exception as e:  # noqa: BLE001 - one rung's failure must never end the ladder
+                if isinstance(e, RungCapped):
+                    status, kind = "capped", "capped"
+                elif isinstance(e, torch.OutOfMemoryError):
+                    status, kind = "error", "out of memory"
+                elif isinstance(e, (ValueError, TypeError, NotImplementedError)):
+                    status, kind = "error", "unsupported"
+                else:
+                    status, kind = "error", "error"
                 msg = " ".join(f"{type(e).__name__}: {e}".split())
-                row.update(status="error", error=f"{kind}: {msg[:400]}")
+                row.update(status=status, error=f"{kind}: {msg[:400]}")
                 log(f"[ladder] rung {rung.id} FAILED ({kind}): {msg[:400]}")
                 if os.environ.get("FASTMT_LADDER_TRACEBACK"):
                     traceback.print_exc()
@@ -461,13 +585,18 @@ def run_ladder(s: LadderSettings, rungs: Sequence[Rung] = RUNGS, log: Callable[[
             cost[compiled] = max(cost.get(compiled, 0.0), row["rung_s"])
         if row.get("status") == "ok":
             log(f"[ladder] rung {rung.id}: {row['tokens_per_second']:,.0f} tok/s, step {row['step_ms']:.1f} ms, "
-                f"pad {100 * row['padding_fraction']:.1f}%, MFU {100 * row['mfu']:.1f}%, warm-up {row['warmup_s']:.1f} s")
+                f"pad {100 * row['padding_fraction']:.1f}%, MFU {_pct(row['mfu'])} of {row['peak_dtype']} peak, "
+                f"warm-up {row['warmup_s']:.1f} s" + (f", SDPA {row['sdpa_backend']}" if row["sdpa_backend"] else ""))
         rows.append(row)
         add_speedups(rows)
         ctx["wall_s"] = time.perf_counter() - t_start
         if on_row is not None:
             on_row(rows, ctx)
     return rows, ctx
+
+
+def _pct(v: Any) -> str:
+    return f"{100 * v:.1f}%" if isinstance(v, (int, float)) and not math.isnan(v) else "-"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -477,8 +606,9 @@ TABLE = (
     ("rung", "rung"), ("technique", "technique"), ("tokens_per_second", "real tok/s"),
     ("speedup_vs_baseline", "× rung 0"), ("speedup_vs_previous", "× parent"), ("step_ms", "step ms"),
     ("epoch_seconds_projected", "epoch s (proj.)"), ("peak_memory_gb", "peak GiB"),
-    ("padding_fraction_pct", "pad %"), ("mfu_pct", "MFU %"), ("graphs", "graphs"),
-    ("recompiles_timed", "recompiles timed"), ("status_text", "status"),
+    ("padding_fraction_pct", "pad %"), ("mfu_pct", "MFU %"), ("peak_dtype", "MFU of"),
+    ("sdpa_backend", "SDPA kernel"), ("graphs", "graphs"), ("recompiles_timed", "recompiles timed"),
+    ("status_text", "status"),
 )
 
 
@@ -508,16 +638,19 @@ def ladder_markdown(rows: Sequence[dict[str, Any]], ctx: dict[str, Any], *, smok
         f"- fixed across rungs: model {m.enc_layers}+{m.dec_layers} x {m.d_model}, d_ff {m.d_ff}, {m.n_heads} heads, "
         f"optimizer {base.optim.name} lr {base.optim.lr:g} (clip {base.optim.grad_clip}), padded-token budget per "
         f"step {d.max_tokens:,} (fixed: {d.batch_size} x {d.seq_len}; dynamic: {d.batch_size} sentences), "
-        f"seed {base.run.seed}; fp32 matmul precision '{torch.get_float32_matmul_precision()}' (no TF32 in rung 0)",
+        f"seed {base.run.seed}; fp32 matmul precision 'highest' at the start of every rung (no TF32 in fp32 rungs)",
         f"- protocol: per rung a fresh model, untimed warm-up steps (compile included), then timed optimizer "
         f"steps between device syncs; ladder wall time {ctx['wall_s']:.0f} s",
         "",
         H.markdown_table(_display_rows(rows), cols, heads),
         "",
-        "*real tok/s*: non-pad source+target tokens per second. *× parent*: vs the rung it builds on. "
-        "*epoch s (proj.)*: real tokens of one training epoch / real tok/s. *MFU*: model FLOPs "
-        "(`models.flops_per_token`, real tokens only) per second / the bf16 matmul peak measured above. "
-        "*recompiles timed*: graphs compiled during the timed steps (should be 0).",
+        "*real tok/s*: non-pad source+target tokens per second. *× parent*: vs the rung it is compared with "
+        "(same switches minus its technique). *epoch s (proj.)*: real tokens of one training epoch / real tok/s. "
+        "*MFU*: model FLOPs (`models.flops_per_token`, real tokens only) per second / the dense peak of the "
+        "dtype the rung's matmuls ran in (*MFU of*: fp32, tf32, bf16 or fp16; NVIDIA's datasheet, or measured "
+        "in this run for a GPU not in `models.flops.PEAK_TABLE`; none on CPU). *SDPA kernel*: what torch's "
+        "dispatcher picks for the rung's masked SDPA calls. *recompiles timed*: graphs compiled during the "
+        "timed steps (a rung with any is `invalid`).",
     ]
     problems = [r for r in rows if r.get("status") != "ok"]
     if problems:
@@ -591,9 +724,9 @@ def update_readme(rows: list[dict[str, Any]], ctx: dict[str, Any], paths: dict[s
 
     prov = ctx["prov"]
     cols = ("rung", "technique", "tokens_per_second", "speedup_vs_baseline", "epoch_seconds_projected",
-            "mfu_pct", "padding_fraction_pct", "peak_memory_gb", "status_text")
-    heads = ("rung", "technique", "real tok/s", "× rung 0", "epoch s (proj.)", "MFU %", "pad %", "peak GiB",
-             "status")
+            "mfu_pct", "peak_dtype", "padding_fraction_pct", "peak_memory_gb", "status_text")
+    heads = ("rung", "technique", "real tok/s", "× rung 0", "epoch s (proj.)", "MFU %", "MFU of", "pad %",
+             "peak GiB", "status")
     body = "\n".join([
         README_START,
         f"Speedup ladder on **{prov['gpu']}**, {ctx['corpus']}, git `{str(prov['git_sha'])[:12]}`, "
@@ -647,6 +780,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rungs", help=f"comma-separated subset of {','.join(r.id for r in RUNGS)} (0 always runs)")
     p.add_argument("--max-tokens", type=int, help="padded-token budget per step (default: the baseline's 22400)")
     p.add_argument("--budget-s", type=float, help="start no rung after this many seconds (rest: skipped rows)")
+    p.add_argument("--cap-s", type=float, help="time cap of an eager rung, compiled rungs twice this "
+                                               "(default 120; a rung over it becomes a 'capped' row)")
     p.add_argument("--no-readme", action="store_true", help="do not rewrite the README's ladder section")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     return p
@@ -667,13 +802,16 @@ def parse_settings(argv: Sequence[str] | None) -> tuple[LadderSettings, argparse
     warmup = a.warmup if a.warmup is not None else (1 if a.smoke else 5)
     if steps < 1 or warmup < 0:
         p.error(f"--steps {steps} must be >= 1 and --warmup {warmup} >= 0")
+    if a.cap_s is not None and not a.cap_s > 0:
+        p.error(f"--cap-s {a.cap_s} must be > 0 seconds")
     work = Path(tempfile.mkdtemp(prefix="fastmt-ladder-"))
     out = a.out or (work / "out" if a.smoke else H.RESULTS_DIR)
     if a.smoke and not files:
         files = (str(write_toy_corpus(work / "toy.jsonl")),)
     s = LadderSettings(smoke=a.smoke, device=torch.device("cuda" if cuda and not a.smoke else "cpu"),
                        data_files=files, out=Path(out), steps=steps, warmup=warmup, max_tokens=a.max_tokens,
-                       budget_s=a.budget_s, readme=not a.no_readme and not a.smoke, work_dir=work)
+                       budget_s=a.budget_s, readme=not a.no_readme and not a.smoke, work_dir=work,
+                       **({"cap_s": a.cap_s} if a.cap_s is not None else {}))
     return s, a
 
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from models import ModelConfig, Transformer, count_params, flops_per_token, get_preset
+from models import flops as F
 from models.__main__ import main as cli_main
 from models.config import layer_schedule
 from tests.models.utils import make_batch, model_inputs
@@ -110,6 +112,68 @@ def test_flops_per_token_matches_flop_counter(kw):
     # the reference materialises all T*T causal scores; flops_per_token counts the T(T+1)/2 visible ones
     masked = 3 * cfg.dec_layers * 2 * 2 * cfg.d_model * (T * T - T * (T + 1) / 2)
     assert flops_per_token(cfg, S, T) * T + masked == counter.get_total_flops()
+
+
+# ----------------------------------------------------------------------------------------------
+# Peaks and MFU: the peak of the run's own compute dtype, never another's
+# ----------------------------------------------------------------------------------------------
+FAKE_TABLE = (("Fake PCIe", r"fakegpu.*pcie", {"fp32": 1e12, "tf32": 2e12, "bf16": 4e12, "fp16": 8e12}),
+              ("Fake", r"fakegpu", {"fp32": 10e12, "tf32": 20e12, "bf16": 40e12}))  # no fp16 entry
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """torch.cuda.get_device_name answers a fake name; the matmul precision is restored after."""
+    name = {"value": "FakeGPU PCIe 80GB"}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name["value"])
+    before = torch.get_float32_matmul_precision()
+    yield name
+    torch.set_float32_matmul_precision(before)
+
+
+@pytest.mark.parametrize("precision, matmul_precision, dtype, peak", [
+    ("fp32", "highest", "fp32", 1e12), ("fp32", "high", "tf32", 2e12),
+    ("bf16", "highest", "bf16", 4e12), ("bf16", "high", "bf16", 4e12), ("fp16", "high", "fp16", 8e12)])
+def test_run_peak_pairs_precision_with_its_dtype(fake_cuda, precision, matmul_precision, dtype, peak):
+    torch.set_float32_matmul_precision(matmul_precision)
+    value, got_dtype, why = F.run_peak("cuda", precision, table=FAKE_TABLE)
+    assert (value, got_dtype) == (peak, dtype) and why == f"Fake PCIe datasheet, dense {dtype}"
+    # the same model FLOP rate gives a different MFU per dtype: it is divided by that dtype's peak
+    assert F.mfu(0.5e12, value) == pytest.approx(0.5e12 / peak)
+
+
+def test_peak_table_order_and_missing_entries(fake_cuda, monkeypatch):
+    fake_cuda["value"] = "FakeGPU 80GB"  # not PCIe: the second entry, which has no fp16 peak
+    calls = []
+    monkeypatch.setattr(F, "_MEASURED", {})
+    monkeypatch.setattr(F, "measure_peak", lambda device, dtype: calls.append(dtype) or 3e12)
+    assert F.run_peak("cuda", "bf16", table=FAKE_TABLE)[:2] == (40e12, "bf16")
+    for _ in range(3):  # no table entry: measured once per process and dtype, then remembered
+        value, dtype, why = F.run_peak("cuda", "fp16", table=FAKE_TABLE)
+        assert (value, dtype) == (3e12, "fp16") and why.startswith("measured in this run: fp16 matmul")
+    assert calls == ["fp16"]
+    assert F.run_peak("cuda", "bf16", override=5e12, table=FAKE_TABLE) == (5e12, "bf16", "given peak (run.peak_flops)")
+
+
+def test_no_peak_on_cpu_and_datasheet_entries():
+    for precision in ("fp32", "bf16", "fp16"):
+        value, dtype, why = F.run_peak("cpu", precision)
+        assert value is None and dtype == precision and "no MFU on cpu" in why
+        assert math.isnan(F.mfu(1e9, value))
+    # the real table: names as torch.cuda.get_device_name reports them; dense = half the sparse datasheet rate
+    assert F.table_peak("NVIDIA H100 80GB HBM3", "bf16") == (989.5e12, "H100 SXM datasheet, dense bf16")
+    assert F.table_peak("NVIDIA H100 PCIe", "fp32")[0] == 51e12
+    assert F.table_peak("NVIDIA H100 NVL", "tf32")[0] == 417.5e12
+    assert F.table_peak("NVIDIA H200", "fp16")[0] == 989.5e12
+    assert F.table_peak("NVIDIA A100-SXM4-80GB", "tf32")[0] == 156e12
+    for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H200", "NVIDIA A100 80GB PCIe"):
+        fp32, tf32, bf16, fp16 = (F.table_peak(name, d)[0] for d in F.PEAK_DTYPES)
+        assert fp32 < tf32 < bf16 == fp16, name
+    assert F.table_peak("NVIDIA GeForce RTX 4090", "bf16")[0] is None
+    with pytest.raises(ValueError, match="dtype='int8'"):
+        F.table_peak("NVIDIA H100", "int8")
+    with pytest.raises(ValueError, match="precision='tf32'"):
+        F.peak_dtype("tf32")
 
 
 def test_cli_json(capsys):

@@ -1,0 +1,388 @@
+"""The time-to-quality frontier: validation BLEU against wall seconds, every contestant on the same data
+for the same wall-clock budget.
+
+    python -m bench.frontier [--budget-s 120] [--contestants hf,seeds,s18,default] [--data-files F ...]
+                             [--grace-s S] [--out DIR] [--smoke] [--fresh]
+
+Contestants, each trained in its own process (sequentially: one GPU, no sharing) and stopped at the
+first step boundary after ``--budget-s`` seconds since its process started, then evaluated once more:
+  hf       the Hugging Face baseline (``python -m bench.peers``, ../shared/gpu/PEERS.md §1)
+  seeds    the seeds' recipe on the s18 preset: fp16 + GradScaler, dynamic padding, 32 sentences,
+           Lion 1e-4 OneCycle, eager (``python -m train --preset s18`` + the overrides in ``CONTESTANTS``)
+  s18      ``python -m train --preset s18``
+  default  ``python -m train --auto`` (what ``make train`` runs)
+All share the data files and fastmt's validation protocol; the test split is skipped (only validation
+BLEU is plotted). Every epoch row of a run's ``metrics.jsonl`` carries ``wall_seconds`` since its process
+started (data, compile and evaluation included) and ``bleu``; those are the points.
+
+A contestant that fails (a crash, a non-zero exit, no epoch row) becomes an error row with the tail of
+its log and the frontier goes on; one that runs past ``budget + grace`` is killed (its rows so far
+are kept, status ``timeout``). Outputs: ``<out>/frontier-<gpu>.csv`` (one row per contestant and
+epoch, with provenance), ``.md`` (best BLEU, time to each threshold) and ``.png`` (BLEU vs wall
+seconds, one line per contestant). The csv keeps the rows of contestants not run this time (with
+their own git sha and timestamp), so contestants can be measured in separate calls; ``--fresh``
+starts it anew. ``--smoke`` (automatic without CUDA): the tiny preset on a generated toy corpus,
+short budgets, written to a temp dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench import harness as H
+
+THRESHOLDS = (20.0, 28.0, 35.0, 37.0, 37.6)  # valid BLEU levels reported as "time to BLEU X"
+
+
+@dataclass(frozen=True)
+class Contestant:
+    name: str  # csv `contestant` column
+    label: str  # legend
+    module: str  # "bench.peers" or "train"
+    args: tuple[str, ...]  # preset and overrides (CLI syntax)
+
+
+SEEDS_RECIPE = ("--run.precision", "fp16", "--data.batching", "dynamic", "--data.batch_size", "32",
+                "--optim.name", "lion", "--optim.lr", "1e-4", "--optim.schedule", "onecycle",
+                "--run.compile", "false")
+CONTESTANTS: dict[str, Contestant] = {c.name: c for c in (
+    Contestant("hf", "HF Marian baseline (bench.peers)", "bench.peers", ("--preset", "s18")),
+    Contestant("seeds", "seeds' recipe (fp16, dynamic pad, Lion 1e-4, eager)", "train",
+               ("--preset", "s18", *SEEDS_RECIPE)),
+    Contestant("s18", "fastmt s18 preset", "train", ("--preset", "s18")),
+    Contestant("default", "fastmt default (--auto)", "train", ("--auto",)),
+)}
+# smoke: the tiny preset everywhere, toy-corpus data settings, a small HF batch
+SMOKE_PRESET = {"s18": "tiny"}
+SMOKE_OVERRIDES = ("--data.vocab_size", "400", "--data.valid_size", "40", "--data.test_size", "40",
+                   "--data.max_len", "32", "--eval.max_sentences", "20")
+
+
+def command(c: Contestant, *, budget_s: float, run_name: str, out_dir: Path, data_files: Sequence[str],
+            smoke: bool, cache_dir: Path | None = None) -> list[str]:
+    """The contestant's command line (``sys.executable -m ...``) for one budgeted run."""
+    args = list(c.args)
+    if smoke:
+        args = [SMOKE_PRESET.get(a, a) for a in args]
+    cmd = [sys.executable, "-m", c.module, *args]
+    if data_files:
+        cmd += ["--data-files", *data_files]
+    extra = list(SMOKE_OVERRIDES) if smoke else []
+    if cache_dir is not None:
+        extra += ["--data.cache_dir", str(cache_dir)]
+    if c.module == "bench.peers":
+        cmd += ["--max-wall-seconds", f"{budget_s:g}", "--no-test", "--name", run_name, "--out-dir", str(out_dir)]
+        if smoke:
+            cmd += ["--batch-size", "16"]
+    else:
+        cmd += ["--run.max_wall_seconds", f"{budget_s:g}", "--eval.test_at_end", "false", "--run.name", run_name,
+                "--run.out_dir", str(out_dir), "--run.tensorboard", "false", "--run.progress", "false"]
+    return cmd + extra
+
+
+# ----------------------------------------------------------------------------------------------
+# Running one contestant
+# ----------------------------------------------------------------------------------------------
+def run_contestant(c: Contestant, cmd: list[str], log_path: Path, *, timeout_s: float,
+                   log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run ``cmd`` (its own process group, output to ``log_path``); returns status, returncode, seconds."""
+    log(f"[frontier] {c.name}: {' '.join(cmd[1:])}")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+    t0 = time.perf_counter()
+    with open(log_path, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=H.REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+            status = "ok" if rc == 0 else "error"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            rc = proc.wait()
+            status = "timeout"
+    return {"status": status, "returncode": rc, "run_seconds": time.perf_counter() - t0}
+
+
+def epoch_points(run_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(epoch records with a wall time, provenance) of a run folder; none when it wrote nothing.
+
+    Rows without ``wall_seconds`` (older runs) get the running sum of epoch + eval seconds, marked
+    ``wall_from_epochs`` (it leaves out start-up and data time)."""
+    from bench.quality import read_run
+
+    if not (run_dir / "metrics.jsonl").is_file():
+        return [], {}
+    epochs, _test, prov = read_run(run_dir)
+    total = 0.0
+    for r in epochs:
+        total += float(r.get("epoch_seconds") or 0.0) + float(r.get("eval_seconds") or 0.0)
+        if r.get("wall_seconds") is None:
+            r["wall_seconds"], r["wall_from_epochs"] = total, True
+    return epochs, prov
+
+
+def _tail(path: Path, lines: int = 3, width: int = 240) -> str:
+    """The last lines of a log (where a traceback names its error), each cut to ``width`` characters."""
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return " | ".join(line[:width] for line in text[-lines:])
+
+
+def contestant_rows(c: Contestant, result: Mapping[str, Any], run_dir: Path, log_path: Path, *, budget_s: float,
+                    cmd: Sequence[str]) -> list[dict[str, Any]]:
+    """One row per epoch point; one error row when the run produced none or failed."""
+    epochs, _prov = epoch_points(run_dir)
+    common = {"contestant": c.name, "label": c.label, "budget_s": budget_s, "run_seconds": result["run_seconds"],
+              "returncode": result["returncode"], "command": " ".join(["python", *cmd[1:]])}
+    status = result["status"]
+    if status == "ok" and not epochs:
+        status = "error"
+    error = "" if status == "ok" else (
+        f"{status}: exit {result['returncode']}, {len(epochs)} epoch rows; log: {_tail(log_path)}")
+    rows = [{**common, "status": status, "epoch": r.get("epoch"), "wall_seconds": r["wall_seconds"],
+             "bleu": r.get("bleu"), "valid_loss": r.get("valid_loss"), "epoch_seconds": r.get("epoch_seconds"),
+             "eval_seconds": r.get("eval_seconds"), "partial_epoch": bool(r.get("partial_epoch")),
+             "wall_from_epochs": r.get("wall_from_epochs", False), "error": error} for r in epochs]
+    return rows or [{**common, "status": status, "error": error}]
+
+
+# ----------------------------------------------------------------------------------------------
+# Summaries, writers
+# ----------------------------------------------------------------------------------------------
+def _num(v: Any) -> float | None:
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(x) else x
+
+
+def series(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[tuple[float, float]]]:
+    """contestant -> [(wall seconds, valid BLEU)] sorted by time (rows without both are left out)."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for r in rows:
+        x, y = _num(r.get("wall_seconds")), _num(r.get("bleu"))
+        out.setdefault(str(r["contestant"]), [])
+        if x is not None and y is not None:
+            out[str(r["contestant"])].append((x, y))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def summarize(rows: Sequence[Mapping[str, Any]], thresholds: Sequence[float] = THRESHOLDS) -> list[dict[str, Any]]:
+    """Per contestant: best BLEU and when, last point, first wall time at each BLEU threshold."""
+    pts = series(rows)
+    out = []
+    for name, p in pts.items():
+        mine = [r for r in rows if str(r["contestant"]) == name]
+        s: dict[str, Any] = {"contestant": name, "label": mine[0].get("label", name),
+                             "status": ",".join(sorted({str(r.get("status")) for r in mine})),
+                             "budget_s": _num(mine[0].get("budget_s")), "points": len(p)}
+        if p:
+            best = max(p, key=lambda xy: (xy[1], -xy[0]))
+            s.update(best_bleu=best[1], best_wall_seconds=best[0], last_wall_seconds=p[-1][0], last_bleu=p[-1][1])
+        for t in thresholds:
+            hit = next((x for x, y in p if y >= t), None)
+            s[f"time_to_{t:g}"] = hit
+        s["error"] = next((str(r.get("error")) for r in mine if r.get("error")), "")
+        out.append(s)
+    return out
+
+
+def frontier_plot(rows: Sequence[Mapping[str, Any]], path: Path, *, title: str) -> Path:
+    """Validation BLEU against wall seconds since process start, one line per contestant."""
+    fig, axes = H.new_figure(1, 1, width=8.5, height=5.0)
+    ax = axes[0][0]
+    labels = {str(r["contestant"]): str(r.get("label") or r["contestant"]) for r in rows}
+    pts = {labels[k]: v for k, v in series(rows).items()}
+    H.line_panel(ax, pts, title="validation BLEU vs wall-clock time", xlabel="wall seconds since process start",
+                 ylabel="valid BLEU (sacreBLEU)", logx=False)
+    ax.set_xlim(left=0)
+    for b in sorted({v for v in (_num(r.get("budget_s")) for r in rows) if v is not None}):
+        ax.axvline(b, color="gray", linestyle="--", linewidth=0.8)
+        ax.text(b, ax.get_ylim()[1], f" budget {b:g} s", va="top", fontsize=7, color="gray")
+    failed = sorted({labels[str(r["contestant"])] for r in rows if r.get("status") not in ("ok", None)})
+    if failed:
+        ax.text(0.01, 0.01, "not finished: " + "; ".join(failed), transform=ax.transAxes, fontsize=7,
+                color="#c62828", va="bottom")
+    return H.save_figure(fig, path, suptitle=title)
+
+
+def frontier_markdown(rows: Sequence[Mapping[str, Any]], prov: Mapping[str, Any], corpus: str, *,
+                      smoke: bool) -> str:
+    summ = summarize(rows)
+    cols = ["label", "status", "budget_s", "points", "best_bleu", "best_wall_seconds", "last_bleu",
+            "last_wall_seconds", *[f"time_to_{t:g}" for t in THRESHOLDS]]
+    heads = ["contestant", "status", "budget s", "epochs", "best valid BLEU", "at wall s", "last BLEU", "last wall s",
+             *[f"s to BLEU {t:g}" for t in THRESHOLDS]]
+    lines = [f"# Time-to-quality frontier — {prov.get('gpu', '?')}"
+             + (" (CPU smoke run: numbers mean nothing)" if smoke else ""), "",
+             H.provenance_markdown(prov, None),
+             f"- data: **{corpus}**; every contestant trains in its own process on the same files and is stopped "
+             f"at the first step boundary after its budget, then evaluated; wall seconds count from process "
+             f"start (data, compile and evaluation included)", "",
+             H.markdown_table(summ, cols, heads), ""]
+    errors = [s for s in summ if s["error"]]
+    if errors:
+        lines += ["## Contestants that did not finish", ""]
+        lines += [f"- {s['contestant']}: {s['error']}" for s in errors]
+        lines.append("")
+    lines += ["## Commands", ""]
+    seen = {}
+    for r in rows:
+        seen.setdefault(str(r["contestant"]), r.get("command", ""))
+    lines += [f"- {k}: `{v}`" for k, v in seen.items()]
+    return "\n".join(lines) + "\n"
+
+
+COLUMNS = ("contestant", "label", "status", "epoch", "wall_seconds", "bleu", "valid_loss", "epoch_seconds",
+           "eval_seconds", "partial_epoch", "wall_from_epochs", "budget_s", "run_seconds", "returncode", "corpus",
+           "command", "error", *H.PROVENANCE_COLUMNS, "timestamp")
+
+
+def write_outputs(rows: list[dict[str, Any]], prov: Mapping[str, Any], corpus: str, out: Path, *, smoke: bool,
+                  fresh: bool = False, plot: bool = True) -> dict[str, Path]:
+    """Write csv (keeping the rows of contestants not in ``rows`` unless ``fresh``), md and png."""
+    slug = prov["gpu_slug"]
+    out.mkdir(parents=True, exist_ok=True)
+    csv_path = H.result_path(out, "frontier", slug, "csv")
+    mine = {str(r["contestant"]) for r in rows}
+    kept = [] if fresh or not csv_path.is_file() else [r for r in H.read_csv(csv_path) if r["contestant"] not in mine]
+    all_rows = kept + rows
+    if csv_path.exists():
+        csv_path.unlink()
+    H.append_csv(csv_path, all_rows, COLUMNS)
+    md_path = H.result_path(out, "frontier", slug, "md")
+    md_path.write_text(frontier_markdown(all_rows, prov, corpus, smoke=smoke))
+    paths = {"csv": csv_path, "md": md_path}
+    if plot:
+        title = f"fastmt time-to-quality frontier — {prov['gpu']} — {corpus}"
+        paths["png"] = frontier_plot(all_rows, H.result_path(out, "frontier", slug, "png"), title=title)
+    return paths
+
+
+# ----------------------------------------------------------------------------------------------
+# The frontier
+# ----------------------------------------------------------------------------------------------
+def corpus_of(data_files: Sequence[str]) -> str:
+    if data_files:
+        return f"stand-in corpus ({','.join(Path(f).name for f in data_files)})"
+    env = os.environ.get("FASTMT_DATA_FILES", "").split()
+    return f"stand-in corpus ({','.join(Path(f).name for f in env)})" if env else "OPUS Books en-it (Hub)"
+
+
+def run_frontier(names: Sequence[str], *, budget_s: float, grace_s: float, data_files: Sequence[str], work: Path,
+                 smoke: bool, log: Callable[[str], None] = print,
+                 on_row: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
+    """Run the named contestants in order, each for ``budget_s``; never raises for a contestant's failure.
+
+    Run folders are ``<work>/frontier-<name>`` (fastmt moves an earlier one aside), logs
+    ``<work>/frontier-logs/<name>.log``."""
+    device = torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
+    prov = H.provenance(device)
+    corpus = corpus_of(data_files)
+    cache = work / "cache" if smoke else None  # smoke: one tokenizer cache for all, off the repo
+    rows: list[dict[str, Any]] = []
+    for name in names:
+        c = CONTESTANTS[name]
+        run_name = f"frontier-{name}"
+        cmd = command(c, budget_s=budget_s, run_name=run_name, out_dir=work, data_files=data_files,
+                      smoke=smoke, cache_dir=cache)
+        run_dir, log_path = work / run_name, work / "frontier-logs" / f"{name}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            result = run_contestant(c, cmd, log_path, timeout_s=budget_s + grace_s, log=log)
+        except OSError as e:  # the command could not start at all
+            result = {"status": "error", "returncode": None, "run_seconds": 0.0}
+            log_path.write_text(f"{type(e).__name__}: {e}\n")
+        new = contestant_rows(c, result, run_dir, log_path, budget_s=budget_s, cmd=cmd)
+        for r in new:
+            r.update(corpus=corpus, **prov)
+        rows += new
+        s = summarize(new)[0]
+        log(f"[frontier] {name}: {s['status']}, {s['points']} points, best BLEU "
+            f"{H.fmt(s.get('best_bleu'))} at {H.fmt(s.get('best_wall_seconds'))} s, ran {result['run_seconds']:.0f} s"
+            + (f" -- {s['error'][:300]}" if s["error"] else ""))
+        if on_row is not None:
+            on_row(rows)
+    return rows
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.frontier", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--budget-s", type=float, help="wall seconds per contestant (default 120; smoke 8)")
+    p.add_argument("--grace-s", type=float,
+                   help="extra seconds before a contestant is killed (default max(60, budget/2))")
+    p.add_argument("--contestants", default=",".join(CONTESTANTS),
+                   help=f"comma-separated subset of {','.join(CONTESTANTS)}, run in that order")
+    p.add_argument("--data-files", nargs="+", metavar="F", help="local jsonl/parquet/tsv files instead of the Hub")
+    p.add_argument("--out", type=Path, help="output folder (default bench/results; a temp dir with --smoke)")
+    p.add_argument("--work-dir", type=Path, help="parent of the run folders and logs (default runs/; smoke: a "
+                                                 "temp dir)")
+    p.add_argument("--smoke", action="store_true", help="tiny preset on a toy corpus (automatic without CUDA)")
+    p.add_argument("--fresh", action="store_true", help="drop the csv's rows of contestants not run now")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = build_parser()
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available() and not a.smoke:
+        print("bench.frontier: no CUDA device: running the --smoke configuration", flush=True)
+        a.smoke = True
+    names = [n.strip() for n in a.contestants.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONTESTANTS]
+    if unknown or not names:
+        p.error(f"--contestants: unknown {unknown or names}; choose from {','.join(CONTESTANTS)}")
+    budget = a.budget_s if a.budget_s is not None else (8.0 if a.smoke else 120.0)
+    if not budget > 0:
+        p.error(f"--budget-s {budget} must be > 0")
+    grace = a.grace_s if a.grace_s is not None else max(60.0, budget / 2)
+    files = list(a.data_files or ())
+    missing = [f for f in files if not Path(f).is_file()]
+    if missing:
+        p.error(f"--data-files: no such file(s) {missing}")
+    files = [str(Path(f).resolve()) for f in files]  # the contestants run from the repo root
+    work = a.work_dir or (Path(tempfile.mkdtemp(prefix="fastmt-frontier-")) if a.smoke else H.REPO_ROOT / "runs")
+    work.mkdir(parents=True, exist_ok=True)
+    if a.smoke and not files:
+        from bench.ladder import write_toy_corpus
+
+        files = [str(write_toy_corpus(work / "toy.jsonl", n=600))]
+    out = a.out or (work / "out" if a.smoke else H.RESULTS_DIR)
+    device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
+    prov, corpus = H.provenance(device), corpus_of(files)
+    print(f"[frontier] {len(names)} contestants x {budget:g} s (+ up to {grace:g} s each to finish), "
+          f"{corpus}, work dir {work}", flush=True)
+
+    def checkpoint(rows_so_far):  # partial outputs after every contestant (no PNG)
+        write_outputs(rows_so_far, prov, corpus, out, smoke=a.smoke, fresh=a.fresh, plot=False)
+
+    rows = run_frontier(names, budget_s=budget, grace_s=grace, data_files=files, work=work, smoke=a.smoke,
+                        on_row=checkpoint)
+    paths = write_outputs(rows, prov, corpus, out, smoke=a.smoke, fresh=a.fresh, plot=not a.no_plot)
+    summ = summarize(rows)
+    cols = ("contestant", "status", "points", "best_bleu", "best_wall_seconds", "last_wall_seconds")
+    print(H.text_table(summ, cols), flush=True)
+    for kind, path in paths.items():
+        print(f"[frontier] {kind}: {path}")
+    return 0 if any(r.get("status") == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

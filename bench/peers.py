@@ -1,0 +1,473 @@
+"""The Hugging Face baseline (../shared/gpu/PEERS.md §1), trained on fastmt's own data and validated as fastmt is.
+
+    python -m bench.peers [--preset s18] [--data-files F ...] [--epochs 18] [--batch-size 128]
+                          [--max-wall-seconds S] [--max-steps N] [--name hf-marian] [--out-dir runs]
+                          [--no-test] [--section.field value ...]
+
+What a user would write instead of fastmt: ``transformers.MarianMTModel`` from scratch with the
+preset's model size (layers, d_model, heads, FFN, dropout, max positions), fastmt's own SentencePiece
+model as the shared vocabulary (ids: pad 0, bos 2 = the decoder start, eos 3), tied embeddings,
+Marian's post-LN and ReLU, SDPA attention; trained with the ``Seq2SeqTrainer`` recipe written out as a
+plain loop: bf16 autocast on CUDA (fp32 on CPU), fused AdamW lr 5e-4 betas (0.9, 0.98) eps 1e-8 weight
+decay 0.01 (not on biases and LayerNorms, as the Trainer does), the Trainer's default gradient clipping
+at 1.0, a linear schedule with ceil(10 %) warm-up steps, label smoothing 0.1, 128 sentences per batch
+grouped by length (``transformers``' ``LengthGroupedSampler``, as ``group_by_length=True``), 18 epochs,
+no compile. The data are fastmt's: ``data.build_data(cfg.data)``, the same splits and tokenizer a
+fastmt run of the preset trains on.
+
+Validation is fastmt's protocol (the preset's ``cfg.eval``: every ``eval.every`` epochs and after the
+last): un-smoothed loss per real target token over the valid split, and sacreBLEU/chrF of beam search
+(beam 4; greedy if ``eval.decode`` is) on its first 500 sentences with at most
+floor(1.5 x source length + 10) generated tokens per sentence (source length counting its EOS; a
+per-sentence logits processor forces EOS there) -- decoded by ``generate`` with its own beam scoring.
+Rows go to ``<out-dir>/<name>/metrics.jsonl`` in fastmt's format: one ``{"kind": "epoch", "epoch",
+"wall_seconds", "bleu", "chrf", "valid_loss", "train_loss", "epoch_seconds", "eval_seconds", ...}`` per
+epoch (``wall_seconds``: fastmt's clock, ``train.objective.process_seconds``, since the OS started the
+process), a ``{"kind": "test", ...}`` row scored with the best-BLEU weights, as fastmt scores best.pt,
+and a final ``{"kind": "done", ...}``. ``--max-wall-seconds S`` stops at the first step boundary after
+S seconds, then evaluates and writes that epoch's row (``"partial_epoch": true``). The run folder is
+claimed as fastmt claims it (``train.rundir``: a lock, an earlier same-name run moved aside).
+Needs the ``peers`` extra: ``pip install -e .[peers]`` (transformers, accelerate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from train.objective import BleuClock, process_seconds
+
+NAME = "hf-marian"
+
+
+@dataclass
+class PeerRecipe:
+    """The baseline's training settings (PEERS.md §1); the Trainer's defaults where it names none."""
+
+    epochs: int = 18
+    batch_size: int = 128  # sentences per batch, grouped by length
+    lr: float = 5e-4
+    betas: tuple[float, float] = (0.9, 0.98)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    warmup_ratio: float = 0.1
+    label_smoothing: float = 0.1
+    max_grad_norm: float = 1.0  # Seq2SeqTrainer's default
+    seed: int = 0
+    max_steps: int | None = None  # stop after this many optimizer steps in all (smoke tests)
+    max_wall_seconds: float | None = None  # stop at a step boundary after this many seconds since process start
+
+    def __post_init__(self):
+        for name in ("epochs", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if not self.lr > 0:
+            raise ValueError(f"lr={self.lr} must be > 0")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps={self.max_steps} must be >= 1 or None")
+        if self.max_wall_seconds is not None and not self.max_wall_seconds > 0:
+            raise ValueError(f"max_wall_seconds={self.max_wall_seconds} must be > 0 or None")
+
+
+def _require_transformers():
+    try:
+        import transformers
+    except ImportError as e:
+        raise SystemExit("bench.peers needs transformers and accelerate: pip install -e '.[peers]'") from e
+    return transformers
+
+
+# ----------------------------------------------------------------------------------------------
+# Model and data
+# ----------------------------------------------------------------------------------------------
+def marian_model(model_cfg, tokenizer, device: torch.device):
+    """MarianMTModel from scratch with fastmt's model size and tokenizer ids, SDPA attention."""
+    _require_transformers()
+    from transformers import MarianConfig, MarianMTModel
+
+    tok = tokenizer
+    config = MarianConfig(
+        vocab_size=tok.vocab_size, decoder_vocab_size=tok.vocab_size, d_model=model_cfg.d_model,
+        encoder_layers=model_cfg.enc_layers, decoder_layers=model_cfg.dec_layers,
+        encoder_attention_heads=model_cfg.n_heads, decoder_attention_heads=model_cfg.n_heads,
+        encoder_ffn_dim=model_cfg.d_ff, decoder_ffn_dim=model_cfg.d_ff, dropout=model_cfg.dropout,
+        activation_function="relu", max_position_embeddings=model_cfg.max_positions,
+        pad_token_id=tok.pad_id, eos_token_id=tok.eos_id, bos_token_id=tok.bos_id,
+        decoder_start_token_id=tok.bos_id, forced_eos_token_id=tok.eos_id,
+        share_encoder_decoder_embeddings=True, tie_word_embeddings=True,
+    )
+    config._attn_implementation = "sdpa"
+    return MarianMTModel(config).to(device)
+
+
+def encode_split(split, eos_id: int, max_positions: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(sources, labels) of an ``EncodedSplit``: subwords + EOS each, sources cut to ``max_positions``
+    (as fastmt's ``translate`` cuts them)."""
+    def rows(ids, off, cap):
+        eos = np.array([eos_id], dtype=np.int64)
+        return [np.concatenate([ids[off[i]:off[i + 1]][: cap - 1].astype(np.int64), eos]) for i in range(len(off) - 1)]
+
+    return (rows(split.src_ids, split.src_offsets, max_positions),
+            rows(split.tgt_ids, split.tgt_offsets, max_positions))
+
+
+def collate(pairs: Sequence[tuple[np.ndarray, np.ndarray]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Pad a batch: input_ids/attention_mask (B, S) and labels (B, T) with -100 on padding."""
+    B = len(pairs)
+    S, T = max(len(s) for s, _ in pairs), max(len(t) for _, t in pairs)
+    src = torch.full((B, S), pad_id, dtype=torch.long)
+    labels = torch.full((B, T), -100, dtype=torch.long)
+    for i, (s, t) in enumerate(pairs):
+        src[i, : len(s)] = torch.from_numpy(s)
+        labels[i, : len(t)] = torch.from_numpy(t)
+    return {"input_ids": src, "attention_mask": (src != pad_id).long(), "labels": labels}
+
+
+class _Pairs(torch.utils.data.Dataset):
+    def __init__(self, src, tgt):
+        self.src, self.tgt = src, tgt
+
+    def __len__(self):
+        return len(self.src)
+
+    def __getitem__(self, i):
+        return self.src[i], self.tgt[i]
+
+
+def train_loader(src, tgt, recipe: PeerRecipe, pad_id: int, epoch: int):
+    """Batches of ``recipe.batch_size`` sentences grouped by source length (the Trainer's sampler)."""
+    from transformers.trainer_pt_utils import LengthGroupedSampler
+
+    g = torch.Generator().manual_seed(recipe.seed * 1000 + epoch)
+    sampler = LengthGroupedSampler(recipe.batch_size, lengths=[len(s) for s in src], generator=g)
+    return torch.utils.data.DataLoader(_Pairs(src, tgt), batch_size=recipe.batch_size, sampler=sampler,
+                                       collate_fn=lambda b: collate(b, pad_id), pin_memory=torch.cuda.is_available())
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation (fastmt's protocol)
+# ----------------------------------------------------------------------------------------------
+def _autocast(device: torch.device):
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+def _decoder_inputs(labels: torch.Tensor, pad_id: int, start_id: int) -> torch.Tensor:
+    from transformers.models.marian.modeling_marian import shift_tokens_right
+
+    return shift_tokens_right(labels, pad_id, start_id)
+
+
+@torch.no_grad()
+def valid_loss(model, src, tgt, tok, device: torch.device, batch_size: int) -> float | None:
+    """Mean un-smoothed cross-entropy per real target token over the whole split."""
+    if not src:
+        return None
+    was = model.training
+    model.eval()
+    order = sorted(range(len(src)), key=lambda i: len(src[i]))
+    total, n = torch.zeros((), dtype=torch.float64, device=device), 0
+    for start in range(0, len(order), batch_size):
+        b = collate([(src[i], tgt[i]) for i in order[start:start + batch_size]], tok.pad_id)
+        b = {k: v.to(device) for k, v in b.items()}
+        with _autocast(device):
+            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                           decoder_input_ids=_decoder_inputs(b["labels"], tok.pad_id, tok.bos_id)).logits
+        total += F.cross_entropy(logits.float().flatten(0, 1), b["labels"].flatten(), ignore_index=-100,
+                                 reduction="sum")
+        n += int((b["labels"] != -100).sum())
+    model.train(was)
+    return float(total) / max(n, 1)
+
+
+def _length_limit_processor(limits: torch.Tensor, eos_id: int):
+    """A logits processor forcing EOS once a row has generated ``limit - 1`` tokens (EOS is the last)."""
+    from transformers import LogitsProcessor
+
+    class RowLengthLimit(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            done = input_ids.shape[1] - 1 >= limits - 1  # input_ids start with the decoder start token
+            if bool(done.any()):
+                scores = scores.masked_fill(done[:, None], -math.inf)
+                scores[done, eos_id] = 0.0
+            return scores
+
+    return RowLengthLimit()
+
+
+@torch.no_grad()
+def translate(model, tok, sources: list[np.ndarray], device: torch.device, *, beam_size: int, batch_size: int,
+              max_len_ratio: float, max_len_extra: int) -> list[str]:
+    """Beam search with ``generate``, longest sources first; at most floor(a * len(src) + b) tokens each."""
+    from transformers import GenerationConfig
+
+    was = model.training
+    model.eval()
+    cap = model.config.max_position_embeddings - 1
+    order = sorted(range(len(sources)), key=lambda i: -len(sources[i]))
+    out: list[str] = [""] * len(sources)
+    for start in range(0, len(order), batch_size):
+        idx = order[start:start + batch_size]
+        b = collate([(sources[i], sources[i]) for i in idx], tok.pad_id)
+        lens = torch.tensor([len(sources[i]) for i in idx], dtype=torch.float64)
+        limits = torch.floor(lens * max_len_ratio + max_len_extra).long().clamp(1, cap)
+        gen = GenerationConfig(num_beams=beam_size, max_new_tokens=int(limits.max()), do_sample=False,
+                               decoder_start_token_id=tok.bos_id, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
+                               pad_token_id=tok.pad_id, forced_eos_token_id=tok.eos_id,
+                               suppress_tokens=[tok.pad_id, tok.bos_id])
+        rows = limits.repeat_interleave(beam_size).to(device)
+        with _autocast(device):
+            seqs = model.generate(input_ids=b["input_ids"].to(device), attention_mask=b["attention_mask"].to(device),
+                                  generation_config=gen,
+                                  logits_processor=[_length_limit_processor(rows, tok.eos_id)])
+        for i, text in zip(idx, tok.decode(seqs.cpu())):
+            out[i] = text
+    model.train(was)
+    return out
+
+
+def scores(model, split, sources, tok, device: torch.device, ev, *, decode: str = "beam") -> dict[str, Any]:
+    """sacreBLEU and chrF on the split's first ``ev.max_sentences`` pairs (fastmt's ``EvalConfig``);
+    ``decode="greedy"``: beam size 1."""
+    import sacrebleu
+
+    n = len(split) if ev.max_sentences is None else min(len(split), ev.max_sentences)
+    refs = list(split.tgt_text[:n])
+    hyps = translate(model, tok, sources[:n], device, beam_size=1 if decode == "greedy" else ev.beam_size,
+                     batch_size=ev.batch_size, max_len_ratio=ev.max_len_a, max_len_extra=ev.max_len_b)
+    return {"bleu": sacrebleu.corpus_bleu(hyps, [refs]).score if n else None,
+            "chrf": sacrebleu.corpus_chrf(hyps, [refs]).score if n else None, "sentences": n,
+            "samples": list(zip(split.src_text[:n], refs, hyps))}
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------
+def _optimizer(model, recipe: PeerRecipe, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW, weight decay on every weight matrix and embedding, none on biases and LayerNorms (1-D)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": recipe.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=recipe.lr, betas=recipe.betas, eps=recipe.eps,
+                             fused=device.type == "cuda")
+
+
+def train_peer(cfg, recipe: PeerRecipe, *, run_dir: Path, device: torch.device, bundle=None,
+               clock: Callable[[], float] = process_seconds, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Train the baseline on ``cfg.data`` (or a built ``bundle``), logging fastmt-format rows to
+    ``run_dir/metrics.jsonl``; ``clock()``: wall seconds of the run (default: since process start).
+    Returns a summary (best BLEU, time to each BLEU threshold, epochs, steps, stop reason)."""
+    from train.metrics import MetricsLogger, plot_curves, provenance
+    from train.rundir import RunLock, done_record, move_aside_previous_run, validate_run_name
+
+    _require_transformers()
+    run_dir = Path(run_dir)
+    validate_run_name(run_dir.name)
+    with RunLock(run_dir) as lock:
+        move_aside_previous_run(run_dir, lambda m: log(f"[peers] {m}"), lock=lock)
+        if bundle is None:
+            from data import build_data
+
+            bundle = build_data(cfg.data, log=lambda m: log(str(m)))
+        metrics = MetricsLogger(run_dir, tensorboard=False)
+        try:
+            summary = _train(cfg, recipe, bundle, run_dir, metrics, device, clock, log, provenance)
+            metrics.log(done_record(epoch=summary["epochs_done"], step=summary["steps"],
+                                    stop_reason=summary["stop_reason"],
+                                    **{k: summary.get(k) for k in ("best_bleu", "time_to_bleu", "wall_seconds")}))
+        finally:
+            metrics.close()
+    plot_curves(metrics.path, run_dir / "curves.png")
+    return summary
+
+
+def _train(cfg, recipe: PeerRecipe, bundle, run_dir: Path, metrics, device: torch.device,
+           clock: Callable[[], float], log: Callable[[str], None], provenance) -> dict[str, Any]:
+    import transformers
+    from transformers import get_linear_schedule_with_warmup
+
+    ev = cfg.eval
+    tok = bundle.tokenizer
+    torch.manual_seed(recipe.seed)
+    model = marian_model(cfg.model, tok, device)
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    train_src, train_tgt = encode_split(bundle.splits["train"], tok.eos_id, cfg.model.max_positions)
+    valid_src, valid_tgt = encode_split(bundle.splits["valid"], tok.eos_id, cfg.model.max_positions)
+    if not train_src:
+        raise ValueError("the training split is empty: check --data-files and data.valid_size/test_size")
+
+    steps_per_epoch = math.ceil(len(train_src) / recipe.batch_size)
+    planned = recipe.epochs * steps_per_epoch
+    total = planned if recipe.max_steps is None else min(planned, recipe.max_steps)
+    opt = _optimizer(model, recipe, device)
+    sched = get_linear_schedule_with_warmup(opt, math.ceil(recipe.warmup_ratio * total), total)
+
+    peer = {"model": "transformers.MarianMTModel", "transformers": transformers.__version__, "attention": "sdpa",
+            "precision": "bf16" if device.type == "cuda" else "fp32", **dataclasses.asdict(recipe)}
+    config = {"data": cfg.data.to_dict(), "model": dataclasses.asdict(cfg.model), "eval": dataclasses.asdict(ev),
+              "peer": peer}
+    (run_dir / "provenance.json").write_text(json.dumps(provenance(config, bundle.split_record, {"params": params}),
+                                                       indent=2, default=str))
+    metrics.log({"kind": "start", "params": params, "train_pairs": len(train_src), "steps_planned": total,
+                 "device": str(device), "wall_seconds": clock(), **peer})
+    log(f"[peers] MarianMTModel {params:,} trainable parameters, {len(train_src):,} train pairs, {total} steps "
+        f"planned ({steps_per_epoch} per epoch), {device}")
+
+    bleu_clock = BleuClock(ev.bleu_thresholds, patience=None)
+    step, best_state, stop_reason = 0, None, "done"
+    fmt = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
+    model.train()
+    epoch = 0
+    for epoch in range(recipe.epochs):
+        t_epoch = time.perf_counter()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        n_batches = 0
+        for batch in train_loader(train_src, train_tgt, recipe, tok.pad_id, epoch):
+            b = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            with _autocast(device):
+                logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                               decoder_input_ids=_decoder_inputs(b["labels"], tok.pad_id, tok.bos_id)).logits
+            loss = F.cross_entropy(logits.float().flatten(0, 1), b["labels"].flatten(), ignore_index=-100,
+                                   label_smoothing=recipe.label_smoothing)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            loss_sum += loss.detach()
+            n_batches += 1
+            step += 1
+            if step >= total:
+                stop_reason = "done" if total == planned else "max_steps"
+                break
+            if recipe.max_wall_seconds is not None and clock() >= recipe.max_wall_seconds:
+                stop_reason = "max_wall_seconds"
+                break
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        stop = step >= total or stop_reason != "done"
+        record: dict[str, Any] = {"kind": "epoch", "epoch": epoch + 1, "step": step,
+                                  "train_loss": float(loss_sum) / max(n_batches, 1), "lr": sched.get_last_lr()[0],
+                                  "epoch_seconds": time.perf_counter() - t_epoch}
+        if n_batches < steps_per_epoch:
+            record["partial_epoch"] = True
+        if (epoch + 1) % ev.every == 0 or epoch + 1 == recipe.epochs or stop:
+            t_eval = time.perf_counter()
+            record["valid_loss"] = (valid_loss(model, valid_src, valid_tgt, tok, device, recipe.batch_size)
+                                    if ev.valid_loss else None)
+            sc = scores(model, bundle.splits["valid"], valid_src, tok, device, ev, decode=ev.decode)
+            record.update(bleu=sc["bleu"], chrf=sc["chrf"], eval_sentences=sc["sentences"],
+                          eval_seconds=time.perf_counter() - t_eval)
+            best_before, wall = bleu_clock.best, clock()
+            for t in bleu_clock.update(sc["bleu"], epoch + 1, wall):
+                log(f"[peers] BLEU {t:g} reached at {wall:.1f} s (epoch {epoch + 1})")
+            if sc["bleu"] is not None and (best_before is None or sc["bleu"] > best_before):
+                best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # for the test
+        record["wall_seconds"] = clock()
+        metrics.log(record)
+        log(f"[peers] epoch {epoch + 1}/{recipe.epochs}: train_loss {record['train_loss']:.4f} valid_loss "
+            f"{fmt(record.get('valid_loss'), '.4f')} BLEU {fmt(record.get('bleu'), '.2f')} | "
+            f"{record['epoch_seconds']:.1f} s train, {fmt(record.get('eval_seconds'), '.1f')} s eval, "
+            f"wall {record['wall_seconds']:.1f} s")
+        if stop:
+            break
+
+    summary: dict[str, Any] = {"best_bleu": bleu_clock.best, "epochs_done": epoch + 1, "steps": step,
+                               "stop_reason": stop_reason, "params": params, "time_to_bleu": bleu_clock.reached}
+    for line in bleu_clock.summary_lines():
+        log(f"[peers] {line}")
+    if ev.test_at_end and len(bundle.splits["test"]):
+        t_eval = time.perf_counter()
+        source = "last"
+        if best_state is not None:
+            model.load_state_dict(best_state)
+            source = "best valid BLEU"
+        test_src, test_tgt = encode_split(bundle.splits["test"], tok.eos_id, cfg.model.max_positions)
+        t_loss = valid_loss(model, test_src, test_tgt, tok, device, recipe.batch_size)
+        sc = scores(model, bundle.splits["test"], test_src, tok, device, ev, decode="beam")
+        metrics.log({"kind": "test", "epoch": epoch + 1, "weights": source, "test_loss": t_loss,
+                     "test_bleu": sc["bleu"], "test_chrf": sc["chrf"], "test_sentences": sc["sentences"],
+                     "eval_seconds": time.perf_counter() - t_eval, "wall_seconds": clock()})
+        summary["test_bleu"] = sc["bleu"]
+        log(f"[peers] test ({source}): loss {fmt(t_loss, '.4f')} BLEU {fmt(sc['bleu'], '.2f')} "
+            f"({sc['sentences']} sentences)")
+    summary["wall_seconds"] = clock()
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="--data.x / --model.x / --eval.x VALUE override the preset (data, model size, "
+                                       "validation protocol), as for python -m train.")
+    p.add_argument("--preset", default="s18", help="fastmt preset giving the data, model size and validation "
+                                                   "(its data, model and eval sections)")
+    p.add_argument("--data-files", nargs="+", metavar="F", help="local jsonl/parquet/tsv files instead of the Hub")
+    p.add_argument("--epochs", type=int, default=PeerRecipe.epochs)
+    p.add_argument("--batch-size", type=int, default=PeerRecipe.batch_size, help="sentences per batch")
+    p.add_argument("--lr", type=float, default=PeerRecipe.lr)
+    p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (smoke runs)")
+    p.add_argument("--max-wall-seconds", type=float,
+                   help="stop at a step boundary after S seconds since process start, then evaluate")
+    p.add_argument("--name", default=NAME, help=f"run folder name (default {NAME})")
+    p.add_argument("--out-dir", default="runs", help="parent folder of the run folder")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--no-test", action="store_true", help="skip the test-split evaluation at the end "
+                                                          "(= --eval.test_at_end false)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from train.__main__ import split_overrides
+    from train.config import apply_overrides, get_config
+
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    overrides = split_overrides(rest, parser)
+    if args.no_test:
+        overrides["eval.test_at_end"] = "false"
+    if args.data_files:
+        missing = [f for f in args.data_files if not Path(f).is_file()]
+        if missing:
+            parser.error(f"--data-files: no such file(s) {missing} (give existing jsonl/parquet/tsv files)")
+        overrides["data.data_files"] = ",".join(args.data_files)
+    try:
+        cfg = apply_overrides(get_config(args.preset), overrides)
+        recipe = PeerRecipe(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, max_steps=args.max_steps,
+                            max_wall_seconds=args.max_wall_seconds)
+    except (ValueError, TypeError) as e:
+        parser.error(str(e))
+    _require_transformers()
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    from train import flush_denormals
+
+    if device.type == "cpu":
+        flush_denormals()
+    run_dir = Path(args.out_dir) / args.name
+    summary = train_peer(cfg, recipe, run_dir=run_dir, device=device)
+    print("summary: " + json.dumps(summary, default=str))
+    print(f"run folder: {run_dir} (metrics.jsonl, provenance.json, curves.png)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

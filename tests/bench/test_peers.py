@@ -1,0 +1,175 @@
+"""bench/peers.py: the Hugging Face baseline on fastmt's data, at toy scale on the CPU.
+
+Needs ``transformers`` (the ``peers`` extra, also in ``dev``); skipped without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("transformers")
+
+from bench import ladder as L  # noqa: E402
+from bench import peers as P  # noqa: E402
+
+TOY = ["--data.vocab_size", "400", "--data.valid_size", "40", "--data.test_size", "40", "--data.max_len", "32",
+       "--eval.max_sentences", "20"]
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    """(config, bundle, corpus path, cache dir) of the tiny preset on a toy corpus."""
+    from data import build_data
+    from train.config import apply_overrides, get_config
+
+    tmp = tmp_path_factory.mktemp("peers")
+    corpus = L.write_toy_corpus(tmp / "toy.jsonl", n=600)
+    cache = tmp / "cache"
+    overrides = dict(zip(TOY[::2], TOY[1::2]))
+    overrides = {k.removeprefix("--"): v for k, v in overrides.items()}
+    cfg = apply_overrides(get_config("tiny"), {**overrides, "data.data_files": str(corpus),
+                                               "data.cache_dir": str(cache)})
+    return cfg, build_data(cfg.data, log=lambda *_: None), corpus, cache
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_model_has_fastmts_size_and_tied_embeddings(toy):
+    cfg, bundle, _, _ = toy
+    tok, m = bundle.tokenizer, cfg.model
+    model = P.marian_model(m, tok, torch.device("cpu"))
+    c = model.config
+    assert (c.d_model, c.encoder_layers, c.decoder_layers, c.encoder_attention_heads, c.encoder_ffn_dim) == (
+        m.d_model, m.enc_layers, m.dec_layers, m.n_heads, m.d_ff)
+    assert c._attn_implementation == "sdpa" and c.activation_function == "relu"
+    assert (c.pad_token_id, c.decoder_start_token_id, c.eos_token_id) == (tok.pad_id, tok.bos_id, tok.eos_id)
+    # one shared embedding matrix: source, target and output projection
+    shared = model.get_input_embeddings().weight
+    assert model.lm_head.weight.data_ptr() == shared.data_ptr() == model.model.decoder.embed_tokens.weight.data_ptr()
+    # trainable parameters, analytically: the tied V x d embedding once, post-LN layers (2 LayerNorms per
+    # sub-layer pair in the encoder, 3 in the decoder), no learned positions
+    d, f, V = m.d_model, m.d_ff, tok.vocab_size
+    attn, ln, ffn = 4 * (d * d + d), 2 * d, d * f + f + f * d + d
+    want = V * d + m.enc_layers * (attn + ffn + 2 * ln) + m.dec_layers * (2 * attn + ffn + 3 * ln)
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == want
+
+
+def test_length_limit_processor_forces_eos_per_row():
+    limits = torch.tensor([1, 3, 5])
+    proc = P._length_limit_processor(limits, eos_id=3)
+    for t in range(1, 7):  # input_ids hold the decoder start token + t - 1 generated tokens
+        out = proc(torch.zeros(3, t, dtype=torch.long), torch.zeros(3, 10))
+        forced = (out[:, 3] == 0) & torch.isinf(out[:, [0, 1, 2, 4, 9]]).all(1)
+        assert forced.tolist() == [t >= lim for lim in limits.tolist()], t
+        assert (out[~forced] == 0).all()  # other rows untouched
+
+
+def test_translate_stops_each_sentence_at_its_own_limit(toy):
+    """An untrained model rarely says EOS: every sentence runs to floor(a * len(src) + b) tokens, its own
+    limit, not the longest sentence's in the batch."""
+    cfg, bundle, _, _ = toy
+    tok = bundle.tokenizer
+    torch.manual_seed(0)
+    model = P.marian_model(cfg.model, tok, torch.device("cpu"))
+    src, _ = P.encode_split(bundle.splits["valid"], tok.eos_id, cfg.model.max_positions)
+    src = src[:12]
+    seen: list[list[int]] = []
+
+    class Spy:  # the tokenizer, recording what generate returned
+        pad_id, bos_id, eos_id = tok.pad_id, tok.bos_id, tok.eos_id
+
+        def decode(self, ids):
+            seen.extend([int(t) for t in row] for row in ids)
+            return tok.decode(ids)
+
+    out = P.translate(model, Spy(), src, torch.device("cpu"), beam_size=2, batch_size=12, max_len_ratio=0.5,
+                      max_len_extra=1)
+    assert len(out) == 12 and all(isinstance(t, str) for t in out)
+    limits = sorted(math.floor(0.5 * len(s) + 1) for s in src)
+    assert len(set(limits)) > 1  # sentences of different lengths in one batch
+    generated = []
+    for row in seen:  # decoder start, then tokens up to EOS (pad after it)
+        body = row[1:]
+        generated.append(body.index(tok.eos_id) + 1 if tok.eos_id in body else len(body))
+    assert len(generated) == 12 and all(g >= 1 for g in generated)
+    # longest sources first: row i has the i-th largest limit
+    assert all(g <= lim for g, lim in zip(generated, sorted(limits, reverse=True)))
+
+
+def test_valid_loss_is_the_mean_per_target_token(toy):
+    cfg, bundle, _, _ = toy
+    tok = bundle.tokenizer
+    torch.manual_seed(0)
+    model = P.marian_model(cfg.model, tok, torch.device("cpu")).eval()
+    src, tgt = P.encode_split(bundle.splits["valid"], tok.eos_id, cfg.model.max_positions)
+    src, tgt = src[:9], tgt[:9]
+    got = P.valid_loss(model, src, tgt, tok, torch.device("cpu"), batch_size=4)
+    total, n = 0.0, 0
+    with torch.no_grad():  # one sentence at a time: no padding at all
+        for s, t in zip(src, tgt):
+            s_, t_ = torch.from_numpy(s)[None], torch.from_numpy(t)[None]
+            dec = torch.cat([torch.tensor([[tok.bos_id]]), t_[:, :-1]], 1)
+            logits = model(input_ids=s_, decoder_input_ids=dec).logits
+            total += float(F.cross_entropy(logits[0], t_[0], reduction="sum"))
+            n += t_.shape[1]
+    assert got == pytest.approx(total / n, rel=1e-5)
+
+
+def test_cli_smoke_writes_fastmt_rows(toy, tmp_path):
+    """Two short epochs and the test split through the command line; rows in fastmt's metrics format."""
+    _, bundle, corpus, cache = toy
+    argv = ["--preset", "tiny", "--data-files", str(corpus), "--epochs", "2", "--batch-size", "128",
+            "--out-dir", str(tmp_path), "--name", "hf", "--device", "cpu", *TOY, "--data.cache_dir", str(cache)]
+    assert P.main(argv) == 0
+    rows = [json.loads(line) for line in (tmp_path / "hf" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in rows] == ["start", "epoch", "epoch", "test", "done"]
+    steps = math.ceil(len(bundle.splits["train"]) / 128)
+    epochs = rows[1:3]
+    assert [r["epoch"] for r in epochs] == [1, 2] and [r["step"] for r in epochs] == [steps, 2 * steps]
+    for r in epochs:
+        for key in ("wall_seconds", "bleu", "valid_loss", "epoch_seconds", "eval_seconds"):
+            assert isinstance(r[key], float) and math.isfinite(r[key]), key
+        assert 0 <= r["bleu"] <= 100 and r["eval_sentences"] == 20 and "partial_epoch" not in r
+        assert r["wall_seconds"] >= r["epoch_seconds"] + r["eval_seconds"]
+    assert rows[0]["wall_seconds"] < epochs[0]["wall_seconds"] < epochs[1]["wall_seconds"] < rows[3]["wall_seconds"]
+    assert epochs[1]["lr"] == 0.0  # the linear schedule ends at 0 on the last planned step
+    assert rows[3]["test_sentences"] == 20 and math.isfinite(rows[3]["test_bleu"])
+    best = max(epochs, key=lambda r: r["bleu"])  # the test scores the best-BLEU weights, as fastmt scores best.pt
+    assert rows[3]["weights"] == "best valid BLEU" and rows[4]["best_bleu"] == best["bleu"]
+    assert rows[4]["stop_reason"] == "done" and rows[4]["step"] == 2 * steps
+    prov = json.loads((tmp_path / "hf" / "provenance.json").read_text())
+    assert prov["config"]["peer"]["label_smoothing"] == 0.1 and prov["config"]["peer"]["lr"] == 5e-4
+    assert prov["config"]["data"]["data_files"] == [str(corpus)]
+    assert (tmp_path / "hf" / "curves.png").is_file()
+
+
+def test_wall_budget_stops_at_a_step_boundary_and_evaluates(toy, tmp_path):
+    cfg, bundle, _, _ = toy
+    cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, test_at_end=False))
+    recipe = P.PeerRecipe(epochs=3, batch_size=64, max_wall_seconds=100.0)
+    ticks = iter(range(0, 10_000, 60))  # a clock that passes 100 s at its 3rd reading
+    summary = P.train_peer(cfg, recipe, run_dir=tmp_path / "hf", device=torch.device("cpu"), bundle=bundle,
+                           clock=lambda: float(next(ticks)), log=lambda *_: None)
+    rows = [json.loads(line) for line in (tmp_path / "hf" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in rows] == ["start", "epoch", "done"]
+    assert rows[1]["step"] == 2 and rows[1]["partial_epoch"] is True and math.isfinite(rows[1]["bleu"])
+    assert summary["steps"] == 2 and summary["epochs_done"] == 1 and summary["stop_reason"] == "max_wall_seconds"
+    assert rows[2]["stop_reason"] == "max_wall_seconds"
+    # a second run of the same name moves the first aside, as fastmt does
+    P.train_peer(cfg, dataclasses.replace(recipe, max_steps=1), run_dir=tmp_path / "hf", device=torch.device("cpu"),
+                 bundle=bundle, log=lambda *_: None)
+    assert len(list(tmp_path.glob("hf.prev-*"))) == 1
+    with pytest.raises(ValueError, match="max_wall_seconds=0"):
+        P.PeerRecipe(max_wall_seconds=0)
