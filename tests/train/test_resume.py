@@ -168,7 +168,9 @@ def test_one_writer_per_run_folder(bundle, corpus, tmp_path):
     with pytest.raises(RunLockedError, match=rf"PID {os.getpid()}"):
         Trainer(tiny_config(corpus, tmp_path), data=bundle, log=lambda *a: None)
     first.fit()  # still holds its folder, trains and releases it
-    Trainer(tiny_config(corpus, tmp_path), data=bundle, resume="auto", log=lambda *a: None).close()
+    logs = []
+    Trainer(tiny_config(corpus, tmp_path), data=bundle, log=logs.append).close()  # the name is free again
+    assert any("moved to" in str(m) for m in logs)  # and the finished run was moved aside, not overwritten
 
 
 def test_a_finished_run_says_so_and_a_corrupt_checkpoint_falls_back(bundle, corpus, tmp_path):
