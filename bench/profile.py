@@ -103,8 +103,7 @@ def profile_config(preset: str, *, smoke: bool, data_files: Sequence[str], work:
 
     cfg = get_config(preset)
     run = dataclasses.replace(cfg.run, name="profile", out_dir=str(work / "runs"), compile=True,
-                              nonfinite_guard=False, tensorboard=False, progress=False, plot=False,
-                              test_at_end=False)
+                              tensorboard=False, progress=False, plot=False)
     data = dataclasses.replace(cfg.data, data_files=tuple(data_files), num_workers=0)
     model = cfg.model
     if smoke:  # the tiny model, keeping the preset's layout and kernel switches (packed stays packed)
@@ -113,7 +112,8 @@ def profile_config(preset: str, *, smoke: bool, data_files: Sequence[str], work:
                                    valid_size=40, test_size=40, cache_dir=str(work / "cache"))
         model = dataclasses.replace(get_config("tiny").model, layout=model.layout, norm=model.norm,
                                     attn_backend=model.attn_backend, ffn_norm=model.ffn_norm)
-    return dataclasses.replace(cfg, data=data, model=model, run=run)
+    return dataclasses.replace(cfg, data=data, model=model, run=run,
+                               eval=dataclasses.replace(cfg.eval, test_at_end=False))
 
 
 # ----------------------------------------------------------------------------------------------

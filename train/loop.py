@@ -54,8 +54,6 @@ from train.rundir import (
 )
 from train.step import StepCounters, forward_backward, optimizer_step
 
-H100_BF16_DENSE_FLOPS = 989e12  # H100 SXM dense bf16 tensor-core peak (FLOP/s), the MFU denominator
-
 
 class NonFiniteLossError(RuntimeError):
     pass
@@ -190,6 +188,11 @@ class Trainer:
 
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.ddp = step_module = DDP(self.loss_module, device_ids=ids)
+        from models.flops import run_peak
+
+        # MFU's denominator: the peak of this run's own compute dtype (bf16, fp16, tf32 or fp32)
+        self.peak_flops, self.peak_dtype, self.peak_note = run_peak(self.device, run.precision,
+                                                                    override=run.peak_flops)
         self.compiled = run.compile if run.compile is not None else self.device.type == "cuda"
         self.compile_caches = {}
         if self.compiled:
@@ -458,6 +461,7 @@ class Trainer:
         if partial:
             record["partial_epoch"] = True
         record["mfu"] = self._mfu(st, record["tgt_tokens_per_second"])
+        record["peak_dtype"] = self.peak_dtype
         record["compiled_graphs"] = compiled_graphs() if self.compiled else None
         if self.device.type == "cuda":
             record["peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
@@ -544,16 +548,15 @@ class Trainer:
                          max_len_ratio=ev.max_len_a, max_len_extra=ev.max_len_b, autocast=self.autocast)
 
     def _mfu(self, st: EpochStats, tgt_tps: float) -> float | None:
-        peak = self.cfg.run.peak_flops
-        if peak is None:
-            peak = H100_BF16_DENSE_FLOPS if self.device.type == "cuda" else None
-        if peak is None or st.sentences == 0:
+        """Model FLOPs utilisation against the peak of the run's dtype; None where no peak exists (CPU)."""
+        if self.peak_flops is None or st.sentences == 0:
             return None
-        from models import flops_per_token
+        from models.flops import flops_per_token, mfu
 
         # FLOPs at the epoch's mean real lengths (src incl. EOS, tgt incl. BOS)
         src_len, tgt_len = st.src_tokens / st.sentences, st.tgt_tokens / st.sentences
-        return flops_per_token(self.cfg.model, src_len, tgt_len) * tgt_tps / (peak * self.dist.world_size)
+        return mfu(flops_per_token(self.cfg.model, src_len, tgt_len) * tgt_tps,
+                   self.peak_flops * self.dist.world_size)
 
     # ------------------------------------------------------------------------------------------
     # state, checkpoints, provenance
@@ -637,6 +640,7 @@ class Trainer:
         if not self.is_main:
             return
         extra = {"params": self.params, "device": str(self.device), "world_size": self.dist.world_size,
+                 "peak_flops": self.peak_flops, "peak_dtype": self.peak_dtype, "peak_note": self.peak_note,
                  "compiled": self.compiled, "compile_caches": self.compile_caches, "total_steps": self.total_steps,
                  "steps_per_epoch": self.steps_per_epoch, "tokenizer": self.data.tokenizer.model_file}
         rec = provenance(self.cfg.to_dict(), getattr(self.data, "split_record", None), extra)
