@@ -468,6 +468,7 @@ class _LayerNormFunction(torch.autograd.Function):
         return output
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # no double backward (raises instead of silently wrong)
     def backward(ctx, dy, ds, _dstats):
         return _backward(ctx, dy, ds, _eager_bwd)
 
