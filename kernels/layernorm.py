@@ -301,7 +301,15 @@ def _rows(t: torch.Tensor, N: int) -> tuple[torch.Tensor, int]:
 
 
 _PROGRAMS: dict[torch.device, int] = {}  # device -> backward programs (a persistent grid)
+_PROMOTED: dict[tuple[torch.dtype, torch.dtype], torch.dtype] = {}  # torch.promote_types is a dispatcher op
 _PARTIALS: dict[tuple, torch.Tensor] = {}  # (device, G, N) -> the eager backward's (2, G, N) scratch
+
+
+def _promoted(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    dtype = _PROMOTED.get((a, b))
+    if dtype is None:
+        dtype = _PROMOTED[(a, b)] = torch.promote_types(a, b)
+    return dtype
 
 
 def _bwd_programs(device: torch.device) -> int:
@@ -344,7 +352,7 @@ def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         r2, stride_r, s = x2, 0, x.new_empty(0)
     else:
         r2, stride_r = _rows(residual, N)
-        s = empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device, poison=poison)
+        s = empty(x.shape, dtype=_promoted(x.dtype, residual.dtype), device=x.device, poison=poison)
     M = x.numel() // N
     if M == 0:
         return y, s, stats
@@ -405,7 +413,7 @@ def _layer_norm_fwd_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 def _(x, weight, bias, residual, eps, activation):
     s = (x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype))
          if residual is not None else x.new_empty(0))
-    return torch.empty_like(x), s, x.new_empty((2, *x.shape[:-1]), dtype=torch.float32)
+    return x.new_empty(x.shape), s, x.new_empty((2, *x.shape[:-1]), dtype=torch.float32)  # contiguous, as real
 
 
 @torch.library.custom_op("fastmt::layer_norm_bwd", mutates_args=())
@@ -417,7 +425,7 @@ def _layer_norm_bwd_op(dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tenso
 
 @_layer_norm_bwd_op.register_fake
 def _(dy, ds, s, weight, bias, stats, activation):
-    return torch.empty_like(s), s.new_empty((2, s.shape[-1]), dtype=torch.float32)
+    return s.new_empty(s.shape), s.new_empty((2, s.shape[-1]), dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output):

@@ -342,11 +342,14 @@ def test_dispatch(monkeypatch, env, backend, expect_kernel):
 # torch.library registration: opcheck and torch.compile(fullgraph=True)
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.interpreter
-@pytest.mark.parametrize("residual, bias, act", [(True, True, "gelu"), (False, False, "none"),
-                                                 (True, False, "gelu_tanh")],
-                         ids=["res-bias-gelu", "plain", "res-nobias-gelu_tanh"])
-def test_opcheck(residual, bias, act):
+@pytest.mark.parametrize("residual, bias, act, transposed", [(True, True, "gelu", False), (False, False, "none", False),
+                                                             (True, False, "gelu_tanh", False),
+                                                             (False, True, "gelu", True)],
+                         ids=["res-bias-gelu", "plain", "res-nobias-gelu_tanh", "transposed-x"])
+def test_opcheck(residual, bias, act, transposed):
     x, r, w, b, dy, ds = make_inputs(3, 8, F32, residual=residual, bias=bias)
+    if transposed:  # a dense, non-contiguous x: outputs are contiguous, fake or real
+        x = make_inputs(8, 3, F32)[0].t()
     args = [t.requires_grad_() if t is not None else None for t in (x, w, b, r)]
     torch.library.opcheck(torch.ops.fastmt.layer_norm_fwd.default, (*args, 1e-5, act))
     x, r, w, b = (t.detach() if t is not None else None for t in (x, r, w, b))
