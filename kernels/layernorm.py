@@ -29,6 +29,8 @@ torch.compile) and the eager autograd.Function -> public ``layer_norm`` -> ``Lay
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -301,15 +303,10 @@ def _rows(t: torch.Tensor, N: int) -> tuple[torch.Tensor, int]:
 
 
 _PROGRAMS: dict[torch.device, int] = {}  # device -> backward programs (a persistent grid)
-_PROMOTED: dict[tuple[torch.dtype, torch.dtype], torch.dtype] = {}  # torch.promote_types is a dispatcher op
 _PARTIALS: dict[tuple, torch.Tensor] = {}  # (device, G, N) -> the eager backward's (2, G, N) scratch
 
 
-def _promoted(a: torch.dtype, b: torch.dtype) -> torch.dtype:
-    dtype = _PROMOTED.get((a, b))
-    if dtype is None:
-        dtype = _PROMOTED[(a, b)] = torch.promote_types(a, b)
-    return dtype
+_promoted = functools.cache(torch.promote_types)  # a dispatcher op per call otherwise
 
 
 def _bwd_programs(device: torch.device) -> int:
