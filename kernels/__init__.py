@@ -1,4 +1,4 @@
-"""fastmt's Triton kernels, each with a plain-PyTorch (einops) reference beside it.
+"""fastmt's Triton kernels, each with a plain-PyTorch reference beside it.
 
 Public API (imported lazily: ``import kernels`` loads neither torch nor triton):
 
@@ -7,13 +7,20 @@ Public API (imported lazily: ``import kernels`` loads neither torch nor triton):
 - ``layer_norm(x, weight, bias, residual=..., activation=...)``: fused
   ``act(LayerNorm(x + residual))``, optionally returning the sum for the residual stream.
 - ``LayerNorm``: the ``nn.Module`` form of ``layer_norm``.
+- ``lion_step(param, grad, exp_avg, *, lr, beta1, beta2, weight_decay, found_inf=None)``: one fused,
+  in-place Lion update of a flat fp32 buffer; ``Lion``: the ``torch.optim.Optimizer`` around it.
 
-Every public function takes ``backend=`` ("auto", "triton", "sdpa" for attention, "reference");
-the environment variables ``FASTMT_ATTN_BACKEND`` / ``FASTMT_NORM_BACKEND`` override "auto"
-for benchmarks and ablations.
+Every public function takes ``backend=`` (one of the tuples below); the environment variables
+``FASTMT_ATTN_BACKEND`` / ``FASTMT_NORM_BACKEND`` / ``FASTMT_LION_BACKEND`` override "auto" for
+benchmarks and ablations.
 """
 
 from importlib import import_module
+
+# The backend names each public op accepts (the one definition; configs and CLIs import these).
+ATTN_BACKENDS = ("auto", "triton", "sdpa", "reference")
+NORM_BACKENDS = ("auto", "triton", "reference")
+LION_BACKENDS = ("auto", "triton", "reference")
 
 _EXPORTS = {
     "attention": "kernels.flash_attention",
@@ -23,9 +30,12 @@ _EXPORTS = {
     "layer_norm": "kernels.layernorm",
     "layer_norm_reference": "kernels.layernorm",
     "LayerNorm": "kernels.layernorm",
+    "lion_step": "kernels.lion",
+    "lion_step_reference": "kernels.lion",
+    "Lion": "kernels.lion",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted(_EXPORTS) + ["ATTN_BACKENDS", "LION_BACKENDS", "NORM_BACKENDS"]
 
 
 def __getattr__(name: str):

@@ -1,32 +1,30 @@
-"""Fused LayerNorm(+residual)(+GELU) for fastmt (forward + backward), with an einops reference.
+"""Fused LayerNorm(+residual)(+GELU) for fastmt (forward + backward), with a plain-PyTorch reference.
 
     s = x + residual            (when a residual is given; returned for the pre-LN residual stream)
     y = act(LayerNorm(s) * weight + bias),  act in {None, "gelu" (exact erf), "gelu_tanh"}
 
 Fused: one pass over each row reads x (and residual), writes s (only when a residual is given),
-y and the fp32 statistics (mean, rstd: (M,) each). The backward reads dy, ds (the upstream gradient
-of s, when s is used), s, weight, bias, mean and rstd, recomputes x_hat and the GELU
-pre-activation instead of saving them, and writes ds_total = ds + d LN / d s (the gradient of both
-x and residual) plus one fp32 partial dW/dB row per program. A single ``sum`` over those rows
-gives dW/dB: deterministic, no atomics, no locks.
+y and the fp32 statistics (mean and rstd of each row). The backward reads dy, ds (the upstream
+gradient of s, when s is used), s, weight, bias and the statistics, recomputes x_hat and the GELU
+pre-activation instead of saving them, and writes ds_total = ds + d LN / d s (the gradient of both x
+and residual) plus one fp32 partial dW/dB row per program; one ``sum`` over those rows gives dW/dB:
+deterministic, no atomics, no locks.
 
-Dtypes: x / residual fp32, bf16 or fp16; weight / bias of any float dtype (fp32 master weights
-with bf16 activations are fine). x and residual may differ: ``s`` takes PyTorch's promoted dtype of
-``x + residual`` (under autocast the residual stream stays fp32 while sublayer outputs are bf16, as
-flash-attn's ``residual_in_fp32``). All math in fp32; y in x's dtype, s in the promoted dtype, each
-input's gradient in its own dtype, dW / dB in the parameters' dtypes. ``s`` is rounded to its dtype
-before the statistics are taken,
-so the forward and the backward (which reads the stored ``s``) see the same numbers, as PyTorch's
-``x + residual`` then LayerNorm does.
+Dtypes: x / residual fp32, bf16 or fp16; weight / bias of any float dtype (fp32 master weights with
+bf16 activations are fine). ``s`` takes PyTorch's promoted dtype of ``x + residual`` (under autocast
+the residual stream stays fp32 while sublayer outputs are bf16, as flash-attn's
+``residual_in_fp32``) and is rounded to it before the statistics are taken, so the forward and the
+backward (which reads the stored ``s``) see the same numbers. All math in fp32; y in x's dtype, each
+input's gradient in its own dtype, dW / dB in the parameters' dtypes.
 
 Shapes: x (..., N) with any leading dims; rows may be strided (last stride 1, else copied).
-Limits of the Triton kernels: N <= 8192 (one row lives in registers; BLOCK_N = next power of two
-of N, masked). ``backend="auto"`` sends wider rows to the reference; ``backend="triton"`` raises.
+Limits of the Triton kernels: N <= 8192 (a row lives in registers; BLOCK_N = next power of two of N,
+masked). ``backend="auto"`` sends wider rows and other dtypes to the reference; "triton" raises.
 Not supported by the kernels: RMSNorm, dropout, elementwise_affine=False (pass ones), fp64.
 
-Layers, in order: Triton kernels -> launchers ``ln_fwd`` / ``ln_bwd`` -> custom ops
-``fastmt::layer_norm_fwd`` / ``fastmt::layer_norm_bwd`` (+ fake and autograd registrations) ->
-reference ``layer_norm_reference`` -> public ``layer_norm`` and the ``LayerNorm`` module.
+Layout of this file (every kernel file follows it): reference -> Triton kernels -> launchers
+``layer_norm_fwd`` / ``layer_norm_bwd`` -> custom ops ``fastmt::layer_norm_fwd`` / ``_bwd`` (for
+torch.compile) and the eager autograd.Function -> public ``layer_norm`` -> ``LayerNorm`` module.
 """
 
 from __future__ import annotations
@@ -39,11 +37,12 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from kernels._utils import empty, interpreting, resolve_backend, triton_usable
+from kernels import NORM_BACKENDS
+from kernels._utils import autotune, empty, launch, poison_enabled, resolve_backend, triton_usable
 
-NORM_BACKENDS = ("auto", "triton", "reference")
 ACTIVATIONS = (None, "gelu", "gelu_tanh")
 MAX_TRITON_N = 8192  # widest row the kernels hold in registers
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # x and residual dtypes the kernels take
 _ACTIVATION_CODE = {"none": 0, "gelu": 1, "gelu_tanh": 2}  # the ops' string -> kernel constexpr
 
 _SQRT1_2 = tl.constexpr(0.7071067811865476)  # 1 / sqrt(2)
@@ -53,37 +52,82 @@ _GELU_TANH_C = tl.constexpr(0.044715)
 
 
 # ----------------------------------------------------------------------------------------------
-# Autotuning space (CUDA only; the interpreter gets one config: >1 fails there, shared/ENV.md)
+# Reference (plain PyTorch): the semantics every backend must match
+# ----------------------------------------------------------------------------------------------
+def layer_norm_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    *,
+    eps: float = 1e-5,
+    activation: str | None = None,
+    upcast: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (y, s) with s = x + residual (PyTorch's promoted dtype) or x itself.
+
+    ``upcast=True`` normalises in fp32 (y is cast back to x's dtype); ``upcast=False`` computes in
+    x's own dtype, as plain PyTorch would (tests use it to measure PyTorch's same-dtype error, and
+    fp64 inputs with ``upcast=False`` as the ground truth).
+    """
+    dtype = x.dtype
+    s = x + residual if residual is not None else x
+    h = s.float() if upcast else s
+    w = weight.to(h.dtype)
+    b = bias.to(h.dtype) if bias is not None else None
+    y = F.layer_norm(h, (h.shape[-1],), w, b, eps)
+    if activation == "gelu":
+        y = F.gelu(y)
+    elif activation == "gelu_tanh":
+        y = F.gelu(y, approximate="tanh")
+    return y.to(dtype), s
+
+
+# ----------------------------------------------------------------------------------------------
+# Autotuning space (CUDA only; the interpreter gets one config: >1 fails there)
 # ----------------------------------------------------------------------------------------------
 # A program normalises a ROWS x BLOCK_N tile. Small widths need several rows per program to keep
-# enough bytes in flight; wide rows need more warps. The pruner keeps, for the width at hand,
-# tiles of a few thousand elements with 8-32 (forward) or 8-16 (backward, which holds ~3x more
-# live values) elements per thread, so every thread issues 16-byte loads of bf16.
+# enough bytes in flight; wide rows need more warps. For each width the pruner keeps at most four
+# tiles: two tile sizes x two loads per thread, so a first call on a new key times <= 4 configs.
+# The backward holds ~3x more live values per element than the forward: smaller tiles, fewer
+# elements per thread. Every kept tile gives each thread >= 8 contiguous elements (16-byte bf16 loads).
+_FWD_TILES = dict(tiles=(4096, 8192), per_thread=(16, 32))
+_BWD_TILES = dict(tiles=(2048, 4096), per_thread=(8, 16))
+_MAX_ROWS, _MAX_WARPS = 256, 16
+
+
+def _block_n(N: int) -> int:
+    return 1 << (N - 1).bit_length()  # next power of two >= N (plain int math: cheap on the hot path)
+
+
 def _tile_grid() -> list[triton.Config]:
-    return [triton.Config({"ROWS": rows}, num_warps=warps)
-            for rows in (1, 2, 4, 8, 16, 32, 64, 128, 256) for warps in (1, 2, 4, 8, 16)]
+    """Every (ROWS, num_warps) pair the pruner may pick from."""
+    return [triton.Config({"ROWS": 1 << r}, num_warps=1 << w) for r in range(9) for w in range(5)]
 
 
-def _tile_pruner(min_elems: int, max_elems: int, min_per_thread: int, max_per_thread: int):
+def width_tiles(N: int, tiles: tuple[int, ...], per_thread: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(ROWS, num_warps) for width N: tiles of ~``tiles`` elements, ~``per_thread`` elements per thread."""
+    block_n = _block_n(N)
+    kept = []
+    for tile in tiles:
+        rows = min(max(tile // block_n, 1), _MAX_ROWS)
+        for elems in per_thread:
+            warps = min(max(rows * block_n // (32 * elems), 1), _MAX_WARPS)
+            if (rows, warps) not in kept:
+                kept.append((rows, warps))
+    return kept
+
+
+def _tile_pruner(tiles: tuple[int, ...], per_thread: tuple[int, ...]):
     def prune(configs, named_args, **kwargs):
-        block_n = triton.next_power_of_2(named_args["N"])
-        # Widths below 16 cannot fill min_elems with <= 256 rows: take the biggest tile there is.
-        lo = min(min_elems, 256 * block_n)
-        kept = [c for c in configs
-                if lo <= c.kwargs["ROWS"] * block_n <= max_elems
-                and min_per_thread <= c.kwargs["ROWS"] * block_n // (32 * c.num_warps) <= max_per_thread]
-        if not kept:  # tiny tiles: the fewest warps that still cover them
-            kept = [min((c for c in configs if c.kwargs["ROWS"] * block_n >= lo),
-                        key=lambda c: (c.kwargs["ROWS"] * block_n > max_elems, c.num_warps))]
-        return kept
+        wanted = width_tiles(named_args["N"], tiles, per_thread)
+        return [c for c in configs if (c.kwargs["ROWS"], c.num_warps) in wanted]
     return prune
 
 
-def _autotune(interpret_config: triton.Config, key: list[str], **prune_limits):
-    if interpreting():
-        return triton.autotune(configs=[interpret_config], key=key)
-    return triton.autotune(configs=_tile_grid(), key=key,
-                           prune_configs_by={"early_config_prune": _tile_pruner(**prune_limits)})
+def _ln_autotune(interpret_rows: int, key: list[str], limits: dict):
+    return autotune(_tile_grid(), key, interpret_config=triton.Config({"ROWS": interpret_rows}, num_warps=4),
+                    prune=_tile_pruner(**limits))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -117,8 +161,7 @@ def _activation_grad(z, ACTIVATION: tl.constexpr):
         return tl.sigmoid(2.0 * u) + 2.0 * z * du * tl.sigmoid(2.0 * u) * tl.sigmoid(-2.0 * u)
 
 
-@_autotune(triton.Config({"ROWS": 16}, num_warps=4), key=["N", "HAS_RESIDUAL"],
-           min_elems=4096, max_elems=16384, min_per_thread=8, max_per_thread=32)
+@_ln_autotune(16, key=["N", "HAS_RESIDUAL"], limits=_FWD_TILES)
 @triton.jit
 def _ln_fwd_kernel(
     X_ptr,  # (M, N) input rows, row stride stride_x_row, last stride 1
@@ -126,9 +169,8 @@ def _ln_fwd_kernel(
     W_ptr,  # (N,) weight
     B_ptr,  # (N,) bias (read only when HAS_BIAS)
     Y_ptr,  # (M, N) out: act(LN(s) * w + b), x's dtype
-    S_ptr,  # (M, N) out: s = x + residual in x's dtype (written only when HAS_RESIDUAL)
-    Mean_ptr,  # (M,) out, fp32: mean of each row of s
-    Rstd_ptr,  # (M,) out, fp32: 1 / sqrt(var + eps) of each row of s
+    S_ptr,  # (M, N) out: s = x + residual in the promoted dtype (written only when HAS_RESIDUAL)
+    Stats_ptr,  # (2, M) out, fp32: row 0 the mean of each row of s, row 1 its 1 / sqrt(var + eps)
     stride_x_row,  # elements between rows of X
     stride_r_row,  # elements between rows of R
     stride_y_row,  # elements between rows of Y
@@ -160,8 +202,8 @@ def _ln_fwd_kernel(
     xc = tl.where(mask, x - mean[:, None], 0.0)
     var = tl.sum(xc * xc, axis=1) / N  # two-pass variance: the row is in registers anyway
     rstd = 1.0 / tl.sqrt(var + eps)
-    tl.store(Mean_ptr + rows, mean, mask=row_mask)
-    tl.store(Rstd_ptr + rows, rstd, mask=row_mask)
+    tl.store(Stats_ptr + rows64, mean, mask=row_mask)
+    tl.store(Stats_ptr + M + rows64, rstd, mask=row_mask)
 
     w = tl.load(W_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     z = xc * rstd[:, None] * w[None, :]
@@ -172,8 +214,7 @@ def _ln_fwd_kernel(
     tl.store(Y_ptr + rows64[:, None] * stride_y_row + cols[None, :], y.to(Y_ptr.dtype.element_ty), mask=mask)
 
 
-@_autotune(triton.Config({"ROWS": 8}, num_warps=4), key=["N", "HAS_DS"],
-           min_elems=2048, max_elems=8192, min_per_thread=8, max_per_thread=16)
+@_ln_autotune(8, key=["N", "HAS_DS"], limits=_BWD_TILES)
 @triton.jit
 def _ln_bwd_kernel(
     DY_ptr,  # (M, N) upstream gradient of y
@@ -181,11 +222,9 @@ def _ln_bwd_kernel(
     S_ptr,  # (M, N) the LN input s saved by the forward (x itself when there was no residual)
     W_ptr,  # (N,) weight
     B_ptr,  # (N,) bias (read only when HAS_BIAS and ACTIVATION != 0: GELU's pre-activation)
-    Mean_ptr,  # (M,) fp32 mean of s, from the forward
-    Rstd_ptr,  # (M,) fp32 rstd of s, from the forward
-    DX_ptr,  # (M, N) out: ds + dLN/ds, the gradient of x and of residual; x's dtype
-    DW_ptr,  # (G, N) out, fp32: this program's partial dW (row pid)
-    DB_ptr,  # (G, N) out, fp32: this program's partial dB (row pid)
+    Stats_ptr,  # (2, M) fp32 mean and rstd of s, from the forward
+    DX_ptr,  # (M, N) out: ds + dLN/ds, the gradient of x and of residual; s's dtype
+    Partial_ptr,  # (2, G, N) out, fp32: [0, pid] this program's partial dW, [1, pid] its partial dB
     stride_dy_row,  # elements between rows of DY
     stride_ds_row,  # elements between rows of DS
     stride_s_row,  # elements between rows of S
@@ -219,8 +258,8 @@ def _ln_bwd_kernel(
 
         s = tl.load(S_ptr + rows64[:, None] * stride_s_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY_ptr + rows64[:, None] * stride_dy_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        mean = tl.load(Mean_ptr + rows, mask=row_mask, other=0.0)
-        rstd = tl.load(Rstd_ptr + rows, mask=row_mask, other=0.0)  # 0 on padding rows: x_hat = 0
+        mean = tl.load(Stats_ptr + rows64, mask=row_mask, other=0.0)
+        rstd = tl.load(Stats_ptr + M + rows64, mask=row_mask, other=0.0)  # 0 on padding rows: x_hat = 0
         x_hat = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
         if ACTIVATION != 0:
             z = x_hat * w[None, :]
@@ -243,228 +282,263 @@ def _ln_bwd_kernel(
         tl.store(DX_ptr + rows64[:, None] * stride_dx_row + cols[None, :], dx.to(DX_ptr.dtype.element_ty),
                  mask=mask)
 
-    # Every program writes its full partial row, even one that owned no rows (zeros).
-    tl.store(DW_ptr + pid * N + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
-    tl.store(DB_ptr + pid * N + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+    # Every program writes its full partial rows, even one that owned no rows (zeros).
+    G = tl.num_programs(0)
+    tl.store(Partial_ptr + pid * N + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+    tl.store(Partial_ptr + (G + pid) * N + cols, tl.sum(db_acc, axis=0), mask=col_mask)
 
 
 # ----------------------------------------------------------------------------------------------
-# Launchers: reshape to 2-D rows, allocate, launch. Inputs were validated by ``layer_norm``.
+# Launchers: rows as 2-D, allocate, launch. Inputs were validated by ``layer_norm``.
 # ----------------------------------------------------------------------------------------------
-def _rows(t: torch.Tensor, N: int) -> torch.Tensor:
-    """(..., N) -> (M, N) view; copies only when the last stride is not 1 (or no view exists)."""
+def _rows(t: torch.Tensor, N: int) -> tuple[torch.Tensor, int]:
+    """(tensor, row stride) for t (..., N): t itself when contiguous, else an (M, N) view, copied
+    only when its last stride is not 1 (or no view exists)."""
+    if t.is_contiguous():
+        return t, N
     t2 = t.reshape(-1, N)
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+    if t2.stride(-1) != 1:
+        t2 = t2.contiguous()
+    return t2, t2.stride(0)
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+_PROGRAMS: dict[torch.device, int] = {}  # device -> backward programs (a persistent grid)
+_PARTIALS: dict[tuple, torch.Tensor] = {}  # (device, G, N) -> the eager backward's (2, G, N) scratch
 
 
-def _bwd_num_programs(M: int, device: torch.device) -> int:
-    """Persistent backward grid: ~2 programs per SM on CUDA; a few under the interpreter."""
-    if device.type == "cuda":
-        target = 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    else:
-        target = 4  # interpreter: each program costs ~1 ms, and this still exercises G > 1
-    return max(1, min(M, target))
+_promoted = functools.cache(torch.promote_types)  # a dispatcher op per call otherwise
 
 
-def ln_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
-           eps: float, activation: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x (..., N) -> y (..., N), s (..., N) (or an empty (0,) tensor without residual),
-    mean (...,) and rstd (...,) in fp32."""
+def _bwd_programs(device: torch.device) -> int:
+    """Backward grid: ~2 programs per SM on CUDA; 4 under the interpreter (~1 ms per program)."""
+    G = _PROGRAMS.get(device)
+    if G is None:
+        G = 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+        _PROGRAMS[device] = G
+    return G
+
+
+def _partials(G: int, N: int, device: torch.device, reuse: bool, poison: bool) -> torch.Tensor:
+    """The backward's (2, G, N) fp32 dW/dB partial rows.
+
+    With ``reuse`` (the eager path on CUDA, not while capturing a CUDA graph) one buffer per
+    (device, G, N) serves every call: each call's kernel writes all of it and its one ``sum`` reads
+    it, in stream order (an op's backward runs on its forward's stream). Compiled graphs (the custom
+    op) allocate per call, so a buffer never lives in a CUDA-graph memory pool.
+    """
+    if not (reuse and device.type == "cuda") or torch.cuda.is_current_stream_capturing():
+        return empty(2, G, N, dtype=torch.float32, device=device, poison=poison)
+    buf = _PARTIALS.get((device, G, N))
+    if buf is None:
+        buf = _PARTIALS[(device, G, N)] = empty(2, G, N, dtype=torch.float32, device=device, poison=poison)
+    return buf
+
+
+def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   residual: torch.Tensor | None, eps: float, activation: str,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (..., N) -> y (..., N) in x's dtype; s (..., N) = x + residual in the promoted dtype (an
+    empty (0,) tensor without residual); stats (2, ...) fp32: each row's mean, then its rstd."""
     N = x.shape[-1]
-    assert N <= MAX_TRITON_N and activation in _ACTIVATION_CODE, (N, activation)
-    x2 = _rows(x, N)
-    r2 = _rows(residual, N) if residual is not None else None
-    M = x2.shape[0]
-    y = empty(*x.shape, dtype=x.dtype, device=x.device)
-    s = (empty(*x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
-         if residual is not None else x.new_empty(0))
-    mean = empty(*x.shape[:-1], dtype=torch.float32, device=x.device)
-    rstd = empty(*x.shape[:-1], dtype=torch.float32, device=x.device)
+    act = _ACTIVATION_CODE[activation]
+    x2, stride_x = _rows(x, N)
+    poison = poison_enabled()
+    y = empty(x.shape, dtype=x.dtype, device=x.device, poison=poison)
+    stats = empty((2, *x.shape[:-1]), dtype=torch.float32, device=x.device, poison=poison)
+    if residual is None:
+        r2, stride_r, s = x2, 0, x.new_empty(0)
+    else:
+        r2, stride_r = _rows(residual, N)
+        s = empty(x.shape, dtype=_promoted(x.dtype, residual.dtype), device=x.device, poison=poison)
+    M = x.numel() // N
     if M == 0:
-        return y, s, mean, rstd
-    grid = lambda meta: (triton.cdiv(M, meta["ROWS"]),)  # noqa: E731
-    _ln_fwd_kernel[grid](
-        x2, r2 if r2 is not None else x2, weight, bias if bias is not None else weight,
-        y, s if residual is not None else y, mean, rstd,
-        x2.stride(0), r2.stride(0) if r2 is not None else 0, N, N,
-        M, N, eps,
-        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-        ACTIVATION=_ACTIVATION_CODE[activation], BLOCK_N=triton.next_power_of_2(N),
+        return y, s, stats
+    key = (N, act, x.dtype, residual.dtype if residual is not None else None, weight.dtype,
+           bias.dtype if bias is not None else None)
+    launch(
+        _ln_fwd_kernel, lambda meta: ((M + meta["ROWS"] - 1) // meta["ROWS"],), key,
+        x2, r2, weight, bias if bias is not None else weight, y, s if residual is not None else y, stats,
+        stride_x, stride_r, N, N, M, N, eps,
+        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, ACTIVATION=act, BLOCK_N=_block_n(N),
     )
-    return y, s, mean, rstd
+    return y, s, stats
 
 
-def ln_bwd(dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, weight: torch.Tensor,
-           bias: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor, activation: str,
-           num_programs: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of ``ln_fwd``: (dx (..., N) in s's dtype, dw (N,) in weight's dtype,
-    db (N,) in weight's dtype, computed whether or not there is a bias).
-    dx is the gradient of s, i.e. of x and of residual: ds + dLN/ds."""
+def layer_norm_bwd(dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None, stats: torch.Tensor, activation: str,
+                   num_programs: int | None = None, reuse_scratch: bool = False,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of ``layer_norm_fwd``: dx (..., N) in s's dtype, the gradient of s (so of x and of
+    residual): ds + dLN/ds; and dwdb (2, N) fp32: dW, then dB (computed with or without a bias).
+    ``num_programs`` overrides the backward grid (tests); ``reuse_scratch``: see ``_partials``."""
     N = s.shape[-1]
-    assert N <= MAX_TRITON_N and activation in _ACTIVATION_CODE, (N, activation)
-    dy2, s2 = _rows(dy, N), _rows(s, N)
-    ds2 = _rows(ds, N) if ds is not None else None
-    M = s2.shape[0]
-    G = num_programs or _bwd_num_programs(M, s.device)
-    rows_per_program = triton.cdiv(M, G) if M else 1
-    G = triton.cdiv(M, rows_per_program) if M else 0  # no program without rows
-    dx = empty(*s.shape, dtype=s.dtype, device=s.device)
-    dw_partial = empty(G, N, dtype=torch.float32, device=s.device)
-    db_partial = empty(G, N, dtype=torch.float32, device=s.device)
-    if M > 0:
-        _ln_bwd_kernel[(G,)](
-            dy2, ds2 if ds2 is not None else dy2, s2, weight, bias if bias is not None else weight,
-            mean, rstd, dx, dw_partial, db_partial,
-            dy2.stride(0), ds2.stride(0) if ds2 is not None else 0, s2.stride(0), N,
-            M, N, rows_per_program,
-            HAS_DS=ds is not None, HAS_BIAS=bias is not None,
-            ACTIVATION=_ACTIVATION_CODE[activation], BLOCK_N=triton.next_power_of_2(N),
-        )
-    # One fixed-order reduction over the G partial rows: deterministic.
-    dw = dw_partial.sum(0).to(weight.dtype)
-    db = db_partial.sum(0).to(bias.dtype if bias is not None else weight.dtype)
-    return dx, dw, db
+    act = _ACTIVATION_CODE[activation]
+    dy2, stride_dy = _rows(dy, N)
+    s2, stride_s = _rows(s, N)
+    ds2, stride_ds = _rows(ds, N) if ds is not None else (dy2, 0)
+    M = s.numel() // N
+    poison = poison_enabled()
+    dx = empty(s.shape, dtype=s.dtype, device=s.device, poison=poison)
+    if M == 0:
+        return dx, torch.zeros(2, N, dtype=torch.float32, device=s.device)
+    G = num_programs or _bwd_programs(s.device)
+    partial = _partials(G, N, s.device, reuse_scratch, poison)
+    key = (N, act, dy.dtype, ds.dtype if ds is not None else None, s.dtype, weight.dtype,
+           bias.dtype if bias is not None else None)
+    launch(
+        _ln_bwd_kernel, lambda meta: (G,), key,
+        dy2, ds2, s2, weight, bias if bias is not None else weight, stats, dx, partial,
+        stride_dy, stride_ds, stride_s, N, M, N, (M + G - 1) // G,
+        HAS_DS=ds is not None, HAS_BIAS=bias is not None, ACTIVATION=act, BLOCK_N=_block_n(N),
+    )
+    return dx, partial.sum(1)  # one fixed-order reduction over the G partial rows: deterministic
 
 
 # ----------------------------------------------------------------------------------------------
-# torch.library ops: opaque to torch.compile, with fake (meta) and autograd registrations.
+# Autograd: custom ops for torch.compile (opaque, with fake and autograd registrations) and an
+# autograd.Function that calls the launchers directly in eager mode (no dispatcher round trips).
 # ``activation`` travels as "none" | "gelu" | "gelu_tanh".
 # ----------------------------------------------------------------------------------------------
 @torch.library.custom_op("fastmt::layer_norm_fwd", mutates_args=())
 def _layer_norm_fwd_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        residual: torch.Tensor | None, eps: float, activation: str,
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return ln_fwd(x, weight, bias, residual, eps, activation)
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return layer_norm_fwd(x, weight, bias, residual, eps, activation)
 
 
 @_layer_norm_fwd_op.register_fake
 def _(x, weight, bias, residual, eps, activation):
     s = (x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype))
          if residual is not None else x.new_empty(0))
-    stats = x.new_empty(x.shape[:-1], dtype=torch.float32)
-    return torch.empty_like(x), s, stats, torch.empty_like(stats)
+    return x.new_empty(x.shape), s, x.new_empty((2, *x.shape[:-1]), dtype=torch.float32)  # contiguous, as real
 
 
 @torch.library.custom_op("fastmt::layer_norm_bwd", mutates_args=())
 def _layer_norm_bwd_op(dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, weight: torch.Tensor,
-                       bias: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor, activation: str,
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return ln_bwd(dy, ds, s, weight, bias, mean, rstd, activation)
+                       bias: torch.Tensor | None, stats: torch.Tensor, activation: str,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    return layer_norm_bwd(dy, ds, s, weight, bias, stats, activation)
 
 
 @_layer_norm_bwd_op.register_fake
-def _(dy, ds, s, weight, bias, mean, rstd, activation):
-    db_dtype = bias.dtype if bias is not None else weight.dtype
-    return torch.empty_like(s), torch.empty_like(weight), weight.new_empty(weight.shape, dtype=db_dtype)
+def _(dy, ds, s, weight, bias, stats, activation):
+    return s.new_empty(s.shape), s.new_empty((2, s.shape[-1]), dtype=torch.float32)
 
 
-def _layer_norm_setup_context(ctx, inputs, output):
+def _setup_context(ctx, inputs, output):
     x, weight, bias, residual, eps, activation = inputs
-    _, s, mean, rstd = output
+    _, s, stats = output
     ctx.has_residual = residual is not None
     ctx.x_dtype = x.dtype
     ctx.residual_dtype = residual.dtype if residual is not None else None
     ctx.activation = activation
-    ctx.save_for_backward(s if residual is not None else x, weight, bias, mean, rstd)
-    ctx.mark_non_differentiable(mean, rstd)
+    ctx.save_for_backward(s if residual is not None else x, weight, bias, stats)
+    ctx.mark_non_differentiable(stats)
     ctx.set_materialize_grads(False)  # an unused s gets None, not a tensor of zeros to read
 
 
-def _layer_norm_backward(ctx, dy, ds, _dmean, _drstd):
-    s, weight, bias, mean, rstd = ctx.saved_tensors
+def _backward(ctx, dy, ds, bwd):
+    """Gradients of (x, weight, bias, residual, eps, activation) given those of (y, s)."""
+    s, weight, bias, stats = ctx.saved_tensors
     if dy is None:  # only s was used downstream
         dy = torch.zeros_like(s)
-    ds = ds if ctx.has_residual else None
-    dx, dw, db = torch.ops.fastmt.layer_norm_bwd(dy, ds, s, weight, bias, mean, rstd, ctx.activation)
+    dx, dwdb = bwd(dy, ds if ctx.has_residual else None, s, weight, bias, stats, ctx.activation)
+    dw, db = dwdb.unbind(0)
     # dx is the gradient of s (s's dtype); x and residual each get it in their own dtype
-    dres = dx.to(ctx.residual_dtype) if ctx.has_residual else None
-    return dx.to(ctx.x_dtype), dw, db if bias is not None else None, dres, None, None
+    dres = _cast(dx, ctx.residual_dtype) if ctx.has_residual else None
+    db = _cast(db, bias.dtype) if bias is not None else None
+    return _cast(dx, ctx.x_dtype), _cast(dw, weight.dtype), db, dres, None, None
 
 
-_layer_norm_fwd_op.register_autograd(_layer_norm_backward, setup_context=_layer_norm_setup_context)
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)  # skips a dispatcher round trip when already there
 
 
-# ----------------------------------------------------------------------------------------------
-# Reference
-# ----------------------------------------------------------------------------------------------
-def layer_norm_reference(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    residual: torch.Tensor | None = None,
-    *,
-    eps: float = 1e-5,
-    activation: str | None = None,
-    upcast: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (y, s) with s = x + residual (or x), s in x's dtype.
+def _op_backward(ctx, dy, ds, _dstats):
+    return _backward(ctx, dy, ds, torch.ops.fastmt.layer_norm_bwd)
 
-    ``upcast=True`` normalises in fp32 (y is cast back to x's dtype); ``upcast=False`` computes in
-    x's own dtype, as plain PyTorch would (tests use it to measure PyTorch's same-dtype error, and
-    fp64 inputs with ``upcast=False`` as the ground truth).
-    """
-    dtype = x.dtype
-    s = x + residual if residual is not None else x
-    h = s.float() if upcast else s
-    w = weight.to(h.dtype)
-    b = bias.to(h.dtype) if bias is not None else None
-    y = F.layer_norm(h, (h.shape[-1],), w, b, eps)
-    if activation == "gelu":
-        y = F.gelu(y)
-    elif activation == "gelu_tanh":
-        y = F.gelu(y, approximate="tanh")
-    return y.to(dtype), s
+
+_layer_norm_fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+class _LayerNormFunction(torch.autograd.Function):
+    """The eager twin of the custom op: same launchers and saved tensors, reused backward scratch.
+    (Classic ``forward(ctx, ...)``: a ``setup_context`` staticmethod makes ``apply`` bind the
+    arguments with ``inspect.signature`` on every call.)"""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, eps, activation):
+        output = layer_norm_fwd(x, weight, bias, residual, eps, activation)
+        _setup_context(ctx, (x, weight, bias, residual, eps, activation), output)
+        return output
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # no double backward (raises instead of silently wrong)
+    def backward(ctx, dy, ds, _dstats):
+        return _backward(ctx, dy, ds, _eager_bwd)
+
+
+def _eager_bwd(*args):
+    return layer_norm_bwd(*args, reuse_scratch=True)
 
 
 # ----------------------------------------------------------------------------------------------
 # Public function and module
 # ----------------------------------------------------------------------------------------------
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
 def _check_inputs(x, weight, bias, residual, activation):
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"layer_norm: x must be a floating-point tensor, got {getattr(x, 'dtype', type(x))}")
-    if x.dim() < 1 or x.shape[-1] == 0:
-        raise ValueError(f"layer_norm: x must have a non-empty last dimension, got shape {tuple(x.shape)}")
-    N = x.shape[-1]
+    shape = x.shape
+    N = shape[-1] if shape else 0
+    if N == 0:
+        raise ValueError(f"layer_norm: x must have a non-empty last dimension, got shape {tuple(shape)}")
     if weight.shape != (N,):
-        raise ValueError(f"layer_norm: weight shape {tuple(weight.shape)} != ({N},) (last dim of x {tuple(x.shape)})")
-    if bias is not None and bias.shape != (N,):
-        raise ValueError(f"layer_norm: bias shape {tuple(bias.shape)} != ({N},)")
+        raise ValueError(f"layer_norm: weight shape {tuple(weight.shape)} != ({N},) (last dim of x {tuple(shape)})")
+    if not weight.is_floating_point():
+        raise TypeError(f"layer_norm: weight must be floating point, got {weight.dtype}")
+    device = x.device
+    if weight.device != device:
+        raise ValueError(f"layer_norm: weight is on {weight.device}, x on {device}")
+    if bias is not None:
+        if bias.shape != (N,):
+            raise ValueError(f"layer_norm: bias shape {tuple(bias.shape)} != ({N},)")
+        if not bias.is_floating_point():
+            raise TypeError(f"layer_norm: bias must be floating point, got {bias.dtype}")
+        if bias.device != device:
+            raise ValueError(f"layer_norm: bias is on {bias.device}, x on {device}")
     if residual is not None:
-        if residual.shape != x.shape:
-            raise ValueError(f"layer_norm: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+        if residual.shape != shape:
+            raise ValueError(f"layer_norm: residual shape {tuple(residual.shape)} != x shape {tuple(shape)}")
         if not residual.is_floating_point():
             raise TypeError(f"layer_norm: residual must be floating point, got {residual.dtype}")
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and not t.is_floating_point():
-            raise TypeError(f"layer_norm: {name} must be floating point, got {t.dtype}")
-    for name, t in (("weight", weight), ("bias", bias), ("residual", residual)):
-        if t is not None and t.device != x.device:
-            raise ValueError(f"layer_norm: {name} is on {t.device}, x on {x.device}")
+        if residual.device != device:
+            raise ValueError(f"layer_norm: residual is on {residual.device}, x on {device}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"layer_norm: activation={activation!r} is not one of {ACTIVATIONS}")
 
 
-def _check_triton_supported(x: torch.Tensor, residual: torch.Tensor | None) -> None:
-    """Why ``backend="triton"`` cannot serve x (+ residual), as a ValueError/TypeError; None when it can."""
-    N = x.shape[-1]
-    if N > MAX_TRITON_N:
-        raise ValueError(f"layer_norm: backend='triton' supports widths N <= {MAX_TRITON_N}, got N={N} "
+def check_triton_support(x: torch.Tensor, residual: torch.Tensor | None = None) -> None:
+    """Raise TypeError (dtype) or ValueError (width, then device) when the kernels cannot serve x."""
+    if x.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"layer_norm: backend='triton' supports x in {KERNEL_DTYPES}, got {x.dtype} "
+                        f"(use backend='auto' or 'reference')")
+    if residual is not None and residual.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"layer_norm: backend='triton' supports residuals in {KERNEL_DTYPES}, got {residual.dtype}")
+    if x.shape[-1] > MAX_TRITON_N:
+        raise ValueError(f"layer_norm: backend='triton' supports widths N <= {MAX_TRITON_N}, got N={x.shape[-1]} "
                          f"(use backend='auto' or 'reference')")
-    if x.dtype not in _KERNEL_DTYPES:
-        raise TypeError(f"layer_norm: backend='triton' supports {_KERNEL_DTYPES}, got {x.dtype}")
-    if residual is not None and residual.dtype not in _KERNEL_DTYPES:
-        raise TypeError(f"layer_norm: backend='triton' supports residuals in {_KERNEL_DTYPES}, got {residual.dtype}")
     if not triton_usable(x):
         raise ValueError(f"layer_norm: backend='triton' needs a CUDA tensor (or TRITON_INTERPRET=1), "
                          f"x is on {x.device}")
+
+
+def triton_supports(x: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+    """Whether ``check_triton_support`` passes."""
+    try:
+        check_triton_support(x, residual)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def layer_norm(
@@ -481,22 +555,29 @@ def layer_norm(
     """``act(LayerNorm(x + residual))`` over the last dimension; x (..., N), weight/bias (N,).
 
     Returns y shaped like x, or ``(y, s)`` with ``s = x + residual`` when ``return_residual``.
-    ``backend``: "auto" (Triton on CUDA when N <= 8192 and the dtype is fp32/bf16/fp16, the
-    reference otherwise), "triton" or "reference"; ``FASTMT_NORM_BACKEND`` overrides "auto".
+    ``backend``: "auto" (Triton on CUDA when ``triton_supports``: N <= 8192, fp32/bf16/fp16; the
+    reference otherwise), "triton" (raises what ``check_triton_support`` finds) or "reference";
+    ``FASTMT_NORM_BACKEND`` overrides "auto".
     """
     _check_inputs(x, weight, bias, residual, activation)
     backend = resolve_backend(backend, "FASTMT_NORM_BACKEND", NORM_BACKENDS)
     if backend == "auto":
-        kernel_dtypes = x.dtype in _KERNEL_DTYPES and (residual is None or residual.dtype in _KERNEL_DTYPES)
-        backend = "triton" if x.is_cuda and x.shape[-1] <= MAX_TRITON_N and kernel_dtypes else "reference"
-    if backend == "triton":
-        _check_triton_supported(x, residual)
-        y, s, _, _ = torch.ops.fastmt.layer_norm_fwd(x, weight, bias, residual, float(eps), activation or "none")
-        if residual is None:
-            s = x
-    else:
+        backend = "triton" if x.is_cuda and triton_supports(x, residual) else "reference"
+    elif backend == "triton":
+        check_triton_support(x, residual)
+    if backend == "reference":
         y, s = layer_norm_reference(x, weight, bias, residual, eps=eps, activation=activation, upcast=True)
-    return (y, s) if return_residual else y
+        return (y, s) if return_residual else y
+    args = (x, weight, bias, residual, float(eps), activation or "none")
+    if torch.compiler.is_compiling():
+        y, s, _ = torch.ops.fastmt.layer_norm_fwd(*args)
+    elif torch.is_grad_enabled():
+        y, s, _ = _LayerNormFunction.apply(*args)
+    else:
+        y, s, _ = layer_norm_fwd(*args)
+    if not return_residual:
+        return y
+    return y, (s if residual is not None else x)
 
 
 class LayerNorm(nn.Module):
@@ -507,6 +588,8 @@ class LayerNorm(nn.Module):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"LayerNorm: activation={activation!r} is not one of {ACTIVATIONS}")
+        if backend not in NORM_BACKENDS:
+            raise ValueError(f"LayerNorm: backend={backend!r} is not one of {NORM_BACKENDS}")
         self.dim, self.eps, self.activation, self.backend = dim, eps, activation, backend
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None

@@ -31,9 +31,9 @@ import kernels.layernorm as ln
 
 N, DT = 512, "bf16"
 POINTERS = {  # kernel -> {pointer arg: element type}
-    "fwd": dict(X_ptr=DT, R_ptr=DT, W_ptr=DT, B_ptr=DT, Y_ptr=DT, S_ptr=DT, Mean_ptr="fp32", Rstd_ptr="fp32"),
-    "bwd": dict(DY_ptr=DT, DS_ptr=DT, S_ptr=DT, W_ptr=DT, B_ptr=DT, Mean_ptr="fp32", Rstd_ptr="fp32",
-                DX_ptr=DT, DW_ptr="fp32", DB_ptr="fp32"),
+    "fwd": dict(X_ptr=DT, R_ptr=DT, W_ptr=DT, B_ptr=DT, Y_ptr=DT, S_ptr=DT, Stats_ptr="fp32"),
+    "bwd": dict(DY_ptr=DT, DS_ptr=DT, S_ptr=DT, W_ptr=DT, B_ptr=DT, Stats_ptr="fp32", DX_ptr=DT,
+                Partial_ptr="fp32"),
 }
 FLAGS = {"fwd": dict(HAS_RESIDUAL=True, HAS_BIAS=True, ACTIVATION=1),
          "bwd": dict(HAS_DS=True, HAS_BIAS=True, ACTIVATION=1)}
