@@ -8,8 +8,8 @@ of the counts would cost a sync per step; packed and token-bucket batches make t
 
 ``optimizer_step``: gather the gradients into the flat buffers (one multi-tensor copy per group), unscale
 (fp16), clip by the global norm, decide "finite?" on the device (loss and gradient norm), let the
-optimizer skip on the device through ``found_inf`` (fp16: the GradScaler's own flag), step the schedule,
-drop the gradients. The skipped-step counters live on the device and are read at logging steps only.
+optimizer skip on the device through ``found_inf`` (fp16: also the GradScaler's flag from ``unscale_``),
+update the scaler, step the schedule, drop the gradients. The skipped-step counters live on the device and are read at logging steps only.
 """
 
 from __future__ import annotations
@@ -79,20 +79,21 @@ def optimizer_step(optimizer, flat: FlatParams, scheduler, scaler, counters: Ste
     if grad_clip is not None:
         coef = (grad_clip / (grad_norm + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_(grads, coef)
-    if scaler.is_enabled():
-        scaler.step(optimizer)  # sync-free for optimizers with _step_supports_amp_scaling (found_inf on device)
-        found_inf = _scaler_found_inf(scaler, optimizer, loss)  # before update(), which clears the flags
-        scaler.update()
-    elif guard:
-        found_inf = (~(torch.isfinite(loss) & torch.isfinite(grad_norm))).float()
-        optimizer.found_inf = found_inf
-        try:
-            optimizer.step()
-        finally:
-            del optimizer.found_inf
-    else:
+    found_inf = None
+    if scaler.is_enabled():  # unscale_ above recorded the scaler's inf/NaN check, on the device
+        found_inf = _scaler_found_inf(scaler, optimizer, loss)
+    if guard:
+        bad = (~(torch.isfinite(loss) & torch.isfinite(grad_norm))).float()
+        found_inf = bad if found_inf is None else torch.maximum(found_inf, bad)
+    if found_inf is not None:
+        optimizer.found_inf = found_inf  # fused AdamW/Adam and kernels.Lion skip the update on the device
+    try:
         optimizer.step()
-        found_inf = None
+    finally:
+        if found_inf is not None:
+            del optimizer.found_inf
+    if scaler.is_enabled():
+        scaler.update()  # backs the scale off after a skipped step, grows it after enough good ones
     if found_inf is not None:
         counters.record(found_inf)
     if step_scheduler:
@@ -102,7 +103,8 @@ def optimizer_step(optimizer, flat: FlatParams, scheduler, scaler, counters: Ste
 
 
 def _scaler_found_inf(scaler, optimizer, loss: torch.Tensor) -> torch.Tensor:
-    """Whether the scaler skipped this step, as a device float (its per-device flags summed; no sync)."""
+    """The GradScaler's inf/NaN flag from ``unscale_``, as a 0-d device float (per-device flags summed;
+    no sync). Read here rather than through ``scaler.step``, which syncs for optimizers without AMP hooks."""
     state = scaler._per_optimizer_states.get(id(optimizer))
     flags = list(state["found_inf_per_device"].values()) if state else []
     if not flags:

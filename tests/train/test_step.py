@@ -145,4 +145,4 @@ def test_optimizer_ops_do_not_grow_with_the_parameter_count(bundle, corpus, tmp_
         tensors[layers] = sum(len(p) for p in tr.flat.params)
     assert tensors[4] > 1.8 * tensors[2]
     assert counts[4] == counts[2], (sum(counts[2].values()), sum(counts[4].values()))
-    assert sum(counts[2].values()) < 60  # a fixed, small number of ops per group
+    assert sum(counts[2].values()) < 100  # a fixed, small number of ops per group (2 groups here)

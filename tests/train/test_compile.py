@@ -1,0 +1,91 @@
+"""Compilation in seconds: regional compilation traces one graph per block type (not per layer), never
+recompiles on packed batches, breaks no graph, and a second process reuses the on-disk caches."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.train.helpers import tiny_config
+from train.loop import Trainer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _packed(cfg, **run):
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, layout="packed", enc_layers=3, dec_layers=3),
+                               data=dataclasses.replace(cfg.data, batching="packed"),
+                               run=dataclasses.replace(cfg.run, **run))
+
+
+@pytest.mark.parametrize("scope", ["blocks", "model"])
+def test_graph_counts_and_no_recompiles(corpus, tmp_path, scope):
+    """blocks: the first block of each stack (no residual yet) and the rest (shared code object), plus the
+    projection + loss: 5 graphs for 3+3 layers, as for 6+6. model: one graph. None added after warm-up."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = _packed(tiny_config(corpus, tmp_path), compile=True, compile_backend="aot_eager", compile_scope=scope)
+    tr = Trainer(cfg, log=lambda *a: None)
+    batches = iter(tr.data.loader("train", epoch=0))
+    tr.train_step(next(batches))
+    warm = int(counters["stats"]["unique_graphs"])
+    for _ in range(3):
+        tr.train_step(next(batches))
+    tr.close()
+    assert warm == (5 if scope == "blocks" else 1)
+    assert int(counters["stats"]["unique_graphs"]) == warm  # no recompile on new packed batches
+    assert sum(counters["graph_break"].values()) == 0
+    torch._dynamo.reset()
+
+
+_PROBE = textwrap.dedent(
+    """
+    import dataclasses, json, sys, time
+    from pathlib import Path
+    import torch
+    from torch._dynamo.utils import counters
+    from tests.train.helpers import tiny_config
+    from train.loop import Trainer
+
+    corpus, tmp = Path(sys.argv[1]), Path(sys.argv[2])
+    torch.set_num_threads(1)
+    cfg = tiny_config(corpus, tmp, compile=True, compile_backend="inductor", cache_dir=str(tmp / "cache"))
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, layout="packed", dropout=0.0),
+                              data=dataclasses.replace(cfg.data, batching="packed"))
+    tr = Trainer(cfg, log=lambda *a: None)
+    batches = iter(tr.data.loader("train", epoch=0))
+    t0 = time.perf_counter()
+    losses = [tr.train_step(next(batches)).item() for _ in range(2)]
+    print(json.dumps({"seconds": time.perf_counter() - t0, "losses": losses,
+                      "hit": counters["inductor"]["fxgraph_cache_hit"],
+                      "miss": counters["inductor"]["fxgraph_cache_miss"]}))
+    """
+)
+
+
+@pytest.mark.slow  # Inductor's first compile of the tiny model takes minutes on 2 shared cores
+def test_second_process_reuses_the_compile_cache(corpus, tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    env.pop("TRITON_CACHE_DIR", None)
+    runs = []
+    for _ in ("cold", "warm"):
+        out = subprocess.run([sys.executable, "-c", _PROBE, str(corpus), str(tmp_path / "run")], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=1800)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    cold, warm = runs
+    assert cold["miss"] > 0 and cold["hit"] == 0
+    assert warm["hit"] == cold["miss"] and warm["miss"] == 0  # every graph came from the cache
+    assert warm["losses"] == cold["losses"]
+    assert (tmp_path / "run" / "cache" / "inductor").is_dir()
