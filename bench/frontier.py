@@ -254,23 +254,25 @@ COLUMNS = ("contestant", "label", "status", "epoch", "wall_seconds", "bleu", "va
 
 
 def write_outputs(rows: list[dict[str, Any]], prov: Mapping[str, Any], corpus: str, out: Path, *, smoke: bool,
-                  fresh: bool = False, plot: bool = True) -> dict[str, Path]:
-    """Write csv (keeping the rows of contestants not in ``rows`` unless ``fresh``), md and png."""
+                  fresh: bool = False, plot: bool = True, name: str = "frontier",
+                  markdown: Callable[..., str] | None = None) -> dict[str, Path]:
+    """Write ``<name>-<gpu>.csv`` (keeping the rows of contestants not in ``rows`` unless ``fresh``), ``.md``
+    (``markdown(rows, prov, corpus, smoke=...)``, default the frontier's) and ``.png``."""
     slug = prov["gpu_slug"]
     out.mkdir(parents=True, exist_ok=True)
-    csv_path = H.result_path(out, "frontier", slug, "csv")
+    csv_path = H.result_path(out, name, slug, "csv")
     mine = {str(r["contestant"]) for r in rows}
     kept = [] if fresh or not csv_path.is_file() else [r for r in H.read_csv(csv_path) if r["contestant"] not in mine]
     all_rows = kept + rows
     if csv_path.exists():
         csv_path.unlink()
     H.append_csv(csv_path, all_rows, COLUMNS)
-    md_path = H.result_path(out, "frontier", slug, "md")
-    md_path.write_text(frontier_markdown(all_rows, prov, corpus, smoke=smoke))
+    md_path = H.result_path(out, name, slug, "md")
+    md_path.write_text((markdown or frontier_markdown)(all_rows, prov, corpus, smoke=smoke))
     paths = {"csv": csv_path, "md": md_path}
     if plot:
-        title = f"fastmt time-to-quality frontier — {prov['gpu']} — {corpus}"
-        paths["png"] = frontier_plot(all_rows, H.result_path(out, "frontier", slug, "png"), title=title)
+        title = f"fastmt {'time-to-quality ' if name == 'frontier' else ''}{name} — {prov['gpu']} — {corpus}"
+        paths["png"] = frontier_plot(all_rows, H.result_path(out, name, slug, "png"), title=title)
     return paths
 
 
@@ -284,24 +286,27 @@ def corpus_of(data_files: Sequence[str]) -> str:
     return f"stand-in corpus ({','.join(Path(f).name for f in env)})" if env else "OPUS Books en-it (Hub)"
 
 
-def run_frontier(names: Sequence[str], *, budget_s: float, grace_s: float, data_files: Sequence[str], work: Path,
-                 smoke: bool, log: Callable[[str], None] = print,
-                 on_row: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
-    """Run the named contestants in order, each for ``budget_s``; never raises for a contestant's failure.
+def run_frontier(names: Sequence[str | Contestant], *, budget_s: float, grace_s: float, data_files: Sequence[str],
+                 work: Path, smoke: bool, log: Callable[[str], None] = print,
+                 on_row: Callable[[list[dict[str, Any]]], None] | None = None,
+                 prefix: str = "frontier") -> list[dict[str, Any]]:
+    """Run the contestants (names in ``CONTESTANTS``, or ``Contestant`` objects) in order, each for
+    ``budget_s``; never raises for a contestant's failure.
 
-    Run folders are ``<work>/frontier-<name>`` (fastmt moves an earlier one aside), logs
-    ``<work>/frontier-logs/<name>.log``."""
+    Run folders are ``<work>/<prefix>-<name>`` (fastmt moves an earlier one aside), logs
+    ``<work>/<prefix>-logs/<name>.log``."""
     device = torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
     prov = H.provenance(device)
     corpus = corpus_of(data_files)
     cache = work / "cache" if smoke else None  # smoke: one tokenizer cache for all, off the repo
     rows: list[dict[str, Any]] = []
-    for name in names:
-        c = CONTESTANTS[name]
-        run_name = f"frontier-{name}"
+    for c in names:
+        c = CONTESTANTS[c] if isinstance(c, str) else c
+        name = c.name
+        run_name = f"{prefix}-{name}"
         cmd = command(c, budget_s=budget_s, run_name=run_name, out_dir=work, data_files=data_files,
                       smoke=smoke, cache_dir=cache)
-        run_dir, log_path = work / run_name, work / "frontier-logs" / f"{name}.log"
+        run_dir, log_path = work / run_name, work / f"{prefix}-logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         try:
             result = run_contestant(c, cmd, log_path, timeout_s=budget_s + grace_s, log=log)
@@ -313,7 +318,7 @@ def run_frontier(names: Sequence[str], *, budget_s: float, grace_s: float, data_
             r.update(corpus=corpus, **prov)
         rows += new
         s = summarize(new)[0]
-        log(f"[frontier] {name}: {s['status']}, {s['points']} points, best BLEU "
+        log(f"[{prefix}] {name}: {s['status']}, {s['points']} points, best BLEU "
             f"{H.fmt(s.get('best_bleu'))} at {H.fmt(s.get('best_wall_seconds'))} s, ran {result['run_seconds']:.0f} s"
             + (f" -- {s['error'][:300]}" if s["error"] else ""))
         if on_row is not None:

@@ -1,0 +1,160 @@
+"""The optimiser sweep, judged on wall time to validation BLEU (issue 16 §2): Lion beside AdamW.
+
+    python -m bench.sweep [--budget-s 90] [--settings adamw-base,lion-1e-4,...] [--data-files F ...]
+                          [--out DIR] [--smoke] [--fresh]
+
+Every setting is the default preset (``python -m train --auto``) plus a few overrides, trained in its own
+process for the same wall-clock budget on the same data (bench/frontier.py runs them), so the table
+compares what a user of ``make train`` would get. Outputs ``<out>/sweep-<gpu>.{csv,md,png}``: per setting
+the best validation BLEU, when it was reached, and the wall seconds to each BLEU threshold. The csv keeps
+the rows of settings not run this time (``--fresh`` resets it), so the sweep can span device calls.
+
+The rule the default follows: Lion stays the design's optimiser if its best setting reaches within
+``LION_MARGIN`` BLEU of the best AdamW setting in the same wall time; otherwise AdamW is the default and
+Lion one switch away. The markdown states which way the measured table decides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench import frontier as F
+from bench import harness as H
+
+LION_MARGIN = 0.3  # BLEU
+
+
+def _setting(name: str, label: str, *overrides: str) -> F.Contestant:
+    return F.Contestant(name, label, "train", ("--auto", *overrides))
+
+
+LION = ("--optim.name", "lion")
+SETTINGS: dict[str, F.Contestant] = {c.name: c for c in (
+    # AdamW around the measured best (PEERS.md: 5e-4, betas 0.9/0.98, wd 0.01, OneCycle 10 %, 4k tokens)
+    _setting("adamw-base", "AdamW 5e-4 (the default)"),
+    _setting("adamw-8e-4", "AdamW 8e-4", "--optim.lr", "8e-4"),
+    _setting("adamw-3e-4", "AdamW 3e-4", "--optim.lr", "3e-4"),
+    _setting("adamw-warm5", "AdamW 5e-4, warm-up 5 %", "--optim.pct_start", "0.05"),
+    _setting("adamw-2k", "AdamW 3.5e-4, 2k tokens", "--data.max_tokens", "2048", "--optim.lr", "3.5e-4"),
+    _setting("adamw-8k", "AdamW 7e-4, 8k tokens", "--data.max_tokens", "8192", "--optim.lr", "7e-4"),
+    # Lion: lr 3-10x below AdamW's, more weight decay (its authors); PEERS.md: 1e-4/0.1 -> 35.6, 3e-4 at 16k -> 4
+    _setting("lion-1e-4", "Lion 1e-4, wd 0.1", *LION, "--optim.lr", "1e-4", "--optim.weight_decay", "0.1"),
+    _setting("lion-1.5e-4", "Lion 1.5e-4, wd 0.1", *LION, "--optim.lr", "1.5e-4", "--optim.weight_decay", "0.1"),
+    _setting("lion-7e-5", "Lion 7e-5, wd 0.1", *LION, "--optim.lr", "7e-5", "--optim.weight_decay", "0.1"),
+    _setting("lion-wd0.3", "Lion 1e-4, wd 0.3", *LION, "--optim.lr", "1e-4", "--optim.weight_decay", "0.3"),
+    _setting("lion-b0.95", "Lion 1e-4, betas 0.95/0.98", *LION, "--optim.lr", "1e-4", "--optim.weight_decay", "0.1",
+             "--optim.betas", "0.95,0.98"),
+    _setting("lion-warm5", "Lion 1e-4, warm-up 5 %", *LION, "--optim.lr", "1e-4", "--optim.weight_decay", "0.1",
+             "--optim.pct_start", "0.05"),
+    _setting("lion-2k", "Lion 7e-5, 2k tokens", *LION, "--optim.lr", "7e-5", "--optim.weight_decay", "0.1",
+             "--data.max_tokens", "2048"),
+    _setting("lion-8k", "Lion 1.5e-4, 8k tokens", *LION, "--optim.lr", "1.5e-4", "--optim.weight_decay", "0.1",
+             "--data.max_tokens", "8192"),
+    # beyond the baseline: the model over-fits 21k pairs (valid loss bottoms at epoch 8)
+    _setting("adamw-drop0.2", "AdamW 5e-4, dropout 0.2", "--model.dropout", "0.2"),
+    _setting("adamw-ls0.2", "AdamW 5e-4, label smoothing 0.2", "--optim.label_smoothing", "0.2"),
+    _setting("adamw-lp1.0", "AdamW 5e-4, length penalty 1.0", "--eval.length_penalty", "1.0"),
+)}
+
+
+def family(name: str) -> str:
+    return name.split("-", 1)[0]
+
+
+def decision(summary: Sequence[Mapping[str, Any]], margin: float = LION_MARGIN) -> str:
+    """What the measured table says about the default optimiser (the rule in the module docstring)."""
+    best: dict[str, Mapping[str, Any]] = {}
+    for s in summary:
+        f = family(str(s["contestant"]))
+        if s.get("best_bleu") is not None and (f not in best or s["best_bleu"] > best[f]["best_bleu"]):
+            best[f] = s
+    if "lion" not in best or "adamw" not in best:
+        return "not decided: the table lacks a finished Lion or AdamW setting"
+    lion, adamw = best["lion"], best["adamw"]
+    gap = adamw["best_bleu"] - lion["best_bleu"]
+    verdict = "Lion stays the default" if gap <= margin else "AdamW is the default (Lion one switch away)"
+    return (f"best Lion `{lion['contestant']}` {lion['best_bleu']:.2f} vs best AdamW `{adamw['contestant']}` "
+            f"{adamw['best_bleu']:.2f} in the same budget: gap {gap:+.2f} BLEU (margin {margin}) -> **{verdict}**")
+
+
+def sweep_markdown(rows: Sequence[Mapping[str, Any]], prov: Mapping[str, Any], corpus: str, *, smoke: bool) -> str:
+    summ = sorted(F.summarize(rows), key=lambda s: -(s.get("best_bleu") or -1))
+    th = [f"time_to_{t:g}" for t in F.THRESHOLDS]
+    cols = ["contestant", "label", "status", "best_bleu", "best_wall_seconds", "points", *th]
+    heads = ["setting", "what", "status", "best valid BLEU", "at wall s", "epochs", *[f"s to BLEU {t:g}" for t in
+                                                                                   F.THRESHOLDS]]
+    lines = [f"# Optimiser sweep on wall time to BLEU — {prov.get('gpu', '?')}"
+             + (" (CPU smoke run on the tiny model: the numbers say nothing about the GPU recipe)" if smoke else ""),
+             "", H.provenance_markdown(prov, None),
+             f"- data: **{corpus}**; each setting = `python -m train --auto` + its overrides, its own process, the "
+             f"same wall budget; wall seconds from process start (data, compile, evaluation included)", "",
+             f"Decision: {decision(summ)}", "", H.markdown_table(summ, cols, heads), ""]
+    errors = [s for s in summ if s["error"]]
+    if errors:
+        lines += ["## Settings that did not finish", ""] + [f"- {s['contestant']}: {s['error']}" for s in errors] + [""]
+    return "\n".join(lines) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.sweep", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--budget-s", type=float, help="wall seconds per setting (default 90; smoke 10)")
+    p.add_argument("--grace-s", type=float, help="extra seconds before a setting is killed (default 60)")
+    p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated subset of {','.join(SETTINGS)}")
+    p.add_argument("--data-files", nargs="+", metavar="F", help="local jsonl/parquet/tsv files instead of the Hub")
+    p.add_argument("--out", type=Path, help="output folder (default bench/results; a temp dir with --smoke)")
+    p.add_argument("--work-dir", type=Path, help="parent of the run folders (default runs/; smoke: a temp dir)")
+    p.add_argument("--smoke", action="store_true", help="the tiny model on a toy corpus (automatic without CUDA)")
+    p.add_argument("--fresh", action="store_true", help="drop the csv's rows of settings not run now")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = build_parser()
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available() and not a.smoke:
+        print("bench.sweep: no CUDA device: running the --smoke configuration (tiny model, CPU)", flush=True)
+        a.smoke = True
+    names = [n.strip() for n in a.settings.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SETTINGS]
+    if unknown or not names:
+        p.error(f"--settings: unknown {unknown or names}; choose from {','.join(SETTINGS)}")
+    budget = a.budget_s if a.budget_s is not None else (10.0 if a.smoke else 90.0)
+    grace = a.grace_s if a.grace_s is not None else 60.0
+    files = [str(Path(f).resolve()) for f in (a.data_files or ())]
+    missing = [f for f in files if not Path(f).is_file()]
+    if missing:
+        p.error(f"--data-files: no such file(s) {missing}")
+    work = a.work_dir or (Path(tempfile.mkdtemp(prefix="fastmt-sweep-")) if a.smoke else H.REPO_ROOT / "runs")
+    work.mkdir(parents=True, exist_ok=True)
+    if a.smoke and not files:
+        from data.toy import write_toy_corpus
+
+        files = [str(write_toy_corpus(work / "toy.jsonl", n=600))]
+    out = a.out or (work / "out" if a.smoke else H.RESULTS_DIR)
+    device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
+    prov, corpus = H.provenance(device), F.corpus_of(files)
+    print(f"[sweep] {len(names)} settings x {budget:g} s, {corpus}, work dir {work}", flush=True)
+
+    def write(rows, plot):
+        return F.write_outputs(rows, prov, corpus, out, smoke=a.smoke, fresh=a.fresh, plot=plot, name="sweep",
+                               markdown=sweep_markdown)
+
+    rows = F.run_frontier([SETTINGS[n] for n in names], budget_s=budget, grace_s=grace, data_files=files, work=work,
+                          smoke=a.smoke, on_row=lambda r: write(r, False), prefix="sweep")
+    paths = write(rows, True)
+    print(decision(F.summarize(rows)), flush=True)
+    for kind, path in paths.items():
+        print(f"[sweep] {kind}: {path}")
+    return 0 if any(r.get("status") == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
