@@ -31,6 +31,22 @@ Triton kernels (FlashAttention-2 algorithm)
     serves those with SDPA or the reference instead.
   * Lengths are clamped to the tensors' extents inside the kernels, so bad lengths cannot read
     out of bounds; the public function checks them eagerly when they live on the CPU.
+
+Two tilings of the varlen layout (``attention_tiling``)
+  * "sequence": the kernels above, one program per (sequence, head, BLOCK_M rows); padded layouts and
+    long sequences.
+  * "stream": ``kernels.packed_attention``, one program per BLOCK_M consecutive rows of the packed
+    stream, whatever segments they hold (packed batches of short segments, where per-sequence tiles
+    would be mostly empty).
+  "auto" picks "stream" when the mean slot length max(total_q, total_k) / N is at most
+  ``STREAM_MEAN_MAX`` (static: no host sync). ``FASTMT_ATTN_TILING`` = auto | sequence | stream,
+  read at each call, overrides the rule (benchmarks time both kernels with it).
+
+Host path: eagerly, ``attention`` calls a plain ``torch.autograd.Function`` (or the launcher alone when
+no gradient is needed); under torch.compile it calls the ``torch.library`` custom ops (opaque, with fake
+kernels). After an autotuner has chosen a config for a key, launches reuse it without re-entering the
+autotuner (``packed_attention.launch``); ``FASTMT_AUTOTUNE=0`` takes each kernel's first fitting
+config without timing any.
 """
 
 from __future__ import annotations
@@ -46,7 +62,7 @@ from einops import einsum, rearrange
 from torch import nn
 
 from kernels._utils import empty, interpreting, resolve_backend, triton_usable
-from kernels.packed_attention import launch, segment_ids, stream_attention
+from kernels.packed_attention import _pow2, launch, segment_ids, stream_attention
 
 ATTN_BACKENDS = ("auto", "triton", "sdpa", "reference")
 HEAD_DIMS = (16, 32, 64, 128)
@@ -592,7 +608,7 @@ def _stats_strides(lse: torch.Tensor) -> tuple[int, int]:
 
 
 def _bucket(n: int) -> int:
-    return min(max(triton.next_power_of_2(max(int(n), 1)), 16), 8192)
+    return _pow2(n, 16, 8192)
 
 
 def _fp32_dot(dtype: torch.dtype) -> bool:

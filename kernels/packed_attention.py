@@ -20,7 +20,7 @@ Algorithm (FlashAttention-2, online softmax in base 2, fp32 accumulators and sta
     delta = rowsum(dO * O) for its rows and stores it; then dK/dV per key block, looping over the query
     rows its keys' segments own (the transposed ranges) and reading delta.
   * Segment ids (int32 (C,), id of the segment holding each token; N for tokens past cu_seqlens[-1]):
-    ``segment_ids(cu_seqlens, total)``, one ``torch.searchsorted`` on the device, no host sync. Callers
+    ``segment_ids(cu_seqlens, total)``, one ``torch.bucketize`` on the device, no host sync. Callers
     that run many layers on one batch compute them once and pass them in.
   * dtypes fp16 / bf16 on CUDA (wgmma on sm_90a), also fp32 under ``TRITON_INTERPRET=1`` (every tile is
     upcast to fp32 after loading there); head dims 16, 32, 64, 128; any strides with a unit last one.
@@ -32,6 +32,8 @@ key is tuned, later launches skip the autotuner's per-call Python). It would bel
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -51,20 +53,29 @@ def segment_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     ``cu_seqlens[-1]`` get N = ``cu_seqlens.numel() - 1``). Compute once per batch and side, and pass it to
     ``kernels.attention(..., segment_ids_q=..., segment_ids_k=...)`` in every layer."""
     tokens = torch.arange(total, dtype=torch.int32, device=cu_seqlens.device)  # (total,)
-    return torch.searchsorted(cu_seqlens[1:], tokens, right=True, out_int32=True)
+    return torch.bucketize(tokens, cu_seqlens[1:], right=True, out_int32=True)  # first segment ending after t
 
 
 # ----------------------------------------------------------------------------------------------
 # Launching autotuned kernels
 # ----------------------------------------------------------------------------------------------
 _CHOSEN: dict[tuple, dict] = {}  # (autotuner, *key) -> the config kwargs its autotuner chose
+AUTOTUNE_ENV = "FASTMT_AUTOTUNE"  # "0": every launch takes the kernel's first config that fits, untimed
 
 
 def launch(kernel: triton.runtime.Autotuner, grid, key: tuple, *args, **kwargs) -> None:
-    """``kernel[grid](*args, **kwargs)``. ``key`` must determine the autotuner's own key (its key
-    arguments and the dtypes of the tensors). Once the autotuner has chosen a config for ``key``, later
-    launches go straight to the JIT function with that config: the autotuner's per-call Python (a dict
-    of every argument, a key over every tensor's dtype) is skipped. Tuning still happens once per key."""
+    """``kernel[grid](*args, **kwargs)`` for an autotuned ``kernel``.
+
+    ``key`` must determine the autotuner's own key (its key arguments and the dtypes of the tensors).
+    Once the autotuner has chosen a config for ``key``, later launches go straight to the JIT function
+    with that config: the autotuner's per-call Python (a dict of every argument, a key over every
+    tensor's dtype) is skipped; tuning still happens once per key and process. ``FASTMT_AUTOTUNE=0``
+    (read per call) skips tuning: the first config the kernel's pruner keeps, no benchmarking (quick
+    starts, and test grids that would otherwise compile and time every config of every case).
+    """
+    if os.environ.get(AUTOTUNE_ENV, "1").strip() == "0":
+        kernel.fn[grid](*args, **kwargs, **_first_config(kernel, args, kwargs))
+        return
     chosen = _CHOSEN.get((kernel, *key))
     if chosen is not None:
         kernel.fn[grid](*args, **kwargs, **chosen)
@@ -73,6 +84,14 @@ def launch(kernel: triton.runtime.Autotuner, grid, key: tuple, *args, **kwargs) 
     best = getattr(kernel, "best_config", None)  # set by Autotuner.run to the config it launched
     if best is not None:
         _CHOSEN[(kernel, *key)] = best.all_kwargs()
+
+
+def _first_config(kernel: triton.runtime.Autotuner, args: tuple, kwargs: dict) -> dict:
+    configs = kernel.configs
+    prune = getattr(kernel, "early_config_prune", None)
+    if prune is not None and len(configs) > 1:
+        configs = prune(configs, dict(zip(kernel.arg_names, args)), **kwargs) or configs
+    return configs[0].all_kwargs()
 
 
 def _configs(gpu: list[tuple[int, int, int, int]], interpreted: tuple[int, int]) -> list[triton.Config]:
@@ -349,7 +368,8 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
 
 
 def _pow2(n: int, lo: int, hi: int) -> int:
-    return min(max(triton.next_power_of_2(max(int(n), 1)), lo), hi)
+    """The power of two >= n, clipped to [lo, hi] (plain int ops: triton.next_power_of_2 is slow to call)."""
+    return min(max(1 << (max(int(n), 1) - 1).bit_length(), lo), hi)
 
 
 def _tune_key(rows: int, slots: int) -> tuple[int, int]:
