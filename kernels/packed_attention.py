@@ -112,11 +112,19 @@ STREAM_BWD_Q_CONFIGS = [(64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2)]
 STREAM_BWD_KV_CONFIGS = [(64, 64, 4, 2), (32, 64, 4, 2), (64, 128, 8, 2)]
 
 
+def _prune(configs, named_args, **kwargs):
+    """Head dim 128: drop 4-warp configs with 128-key steps (255 registers and spills on sm_90a, ptxas)."""
+    if kwargs["HEAD_DIM"] < 128:
+        return configs
+    return [c for c in configs if not (c.num_warps == 4 and c.kwargs["BLOCK_N"] >= 128)] or configs[:1]
+
+
 def _autotune(configs, interpreted):
     # key: head dim, causality, power-of-two buckets of the mean segment length and of the stream length
     # (plain ints the kernels ignore): a run of fixed-shape packed batches tunes once per kernel
     return triton.autotune(configs=_configs(configs, interpreted),
-                           key=["HEAD_DIM", "CAUSAL", "MEAN_BUCKET", "ROWS_BUCKET"])
+                           key=["HEAD_DIM", "CAUSAL", "MEAN_BUCKET", "ROWS_BUCKET"],
+                           prune_configs_by=None if interpreting() else {"early_config_prune": _prune})
 
 
 # ----------------------------------------------------------------------------------------------
