@@ -849,10 +849,10 @@ def _check_segment_ids(name: str, ids: torch.Tensor | None, cu: torch.Tensor, x:
     if ids is None:
         return
     total = x.shape[0]
+    fix = f"kernels.packed_attention.segment_ids(cu_seqlens, {total})"
     if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int32 or ids.shape != (total,):
         got = f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
-        raise ValueError(f"attention: {name} must be int32 ({total},) from kernels.segment_ids(cu_seqlens, {total}), "
-                         f"got {got}")
+        raise ValueError(f"attention: {name} must be int32 ({total},) from {fix}, got {got}")
     if ids.device != x.device:
         raise ValueError(f"attention: {name} is on {ids.device}, q on {x.device}")
     if _inspectable(ids) and _inspectable(cu):
@@ -860,8 +860,8 @@ def _check_segment_ids(name: str, ids: torch.Tensor | None, cu: torch.Tensor, x:
         wrong = (ids != want).nonzero()
         if wrong.numel():
             t = int(wrong[0, 0])
-            raise ValueError(f"attention: {name}[{t}]={int(ids[t])} but token {t} lies in segment {int(want[t])} of "
-                             f"{cu.tolist()}; compute it with kernels.segment_ids(cu_seqlens, {total})")
+            raise ValueError(f"attention: {name}[{t}]={int(ids[t])} but token {t} lies in segment {int(want[t])} "
+                             f"of {cu.tolist()}; compute it with {fix}")
 
 
 def triton_supports(q: torch.Tensor) -> bool:
@@ -876,8 +876,7 @@ def _triton_unsupported(q: torch.Tensor) -> str | None:
     # fp32 only for CPU tensors under the interpreter (on CUDA tl.dot would round it to tf32)
     dtypes = (torch.float16, torch.bfloat16) + (() if q.is_cuda else (torch.float32,))
     if q.dtype not in dtypes:
-        where = "on CUDA" if q.is_cuda else "fp32 only under TRITON_INTERPRET=1"
-        return f"dtype={q.dtype} (supported: {dtypes}, {where})"
+        return f"dtype={q.dtype} (supported on CUDA: fp16, bf16; under TRITON_INTERPRET=1 on the CPU also fp32)"
     if D not in HEAD_DIMS:
         return f"head dim D={D} (supported: {HEAD_DIMS})"
     if not triton_usable(q):
@@ -944,7 +943,8 @@ def attention(
     Padded: q (B, H, Tq, D), k/v (B, H, Tk, D), optional int32 (B,) ``q_lengths``/``k_lengths``.
     Varlen: q (total_q, H, D), k/v (total_k, H, D), int32 (N+1,) ``cu_seqlens_q``/``cu_seqlens_k``
     and python-int ``max_seqlen_q``/``max_seqlen_k`` (a static bound is fine). Optional int32
-    ``segment_ids_q`` (total_q,) / ``segment_ids_k`` (total_k,): ``kernels.segment_ids(cu_seqlens, total)``
+    ``segment_ids_q`` (total_q,) / ``segment_ids_k`` (total_k,): ``kernels.packed_attention.segment_ids(cu_seqlens,
+    total)``
     computed once per batch and passed to every layer; without them the stream kernels compute them
     on each call (one small device op per side).
     ``backend``: "auto", "triton", "sdpa" or "reference"; ``FASTMT_ATTN_BACKEND`` overrides "auto".

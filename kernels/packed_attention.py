@@ -269,9 +269,10 @@ def _stream_bwd_dq_kernel(
 
     row_in = rows < C_q
     rows64 = rows[:, None].to(tl.int64)
-    q = tl.load(Q_ptr + h64 * stride_qh + rows64 * stride_qt + offs_d[None, :], mask=row_in[:, None], other=0.0)
-    do = tl.load(DO_ptr + h64 * stride_doh + rows64 * stride_dot + offs_d[None, :], mask=row_in[:, None], other=0.0)
-    o = tl.load(O_ptr + h64 * stride_oh + rows64 * stride_ot + offs_d[None, :], mask=row_in[:, None], other=0.0)
+    row_mask = row_in[:, None]
+    q = tl.load(Q_ptr + h64 * stride_qh + rows64 * stride_qt + offs_d[None, :], mask=row_mask, other=0.0)
+    do = tl.load(DO_ptr + h64 * stride_doh + rows64 * stride_dot + offs_d[None, :], mask=row_mask, other=0.0)
+    o = tl.load(O_ptr + h64 * stride_oh + rows64 * stride_ot + offs_d[None, :], mask=row_mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # (BLOCK_M,)
     tl.store(DELTA_ptr + h64 * stride_lh + rows, delta, mask=row_in)
     lse_log2 = tl.load(LSE_ptr + h64 * stride_lh + rows, mask=row_in, other=float("inf")) * LOG2E_C
@@ -296,8 +297,8 @@ def _stream_bwd_dq_kernel(
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
     dq = dq * sm_scale
-    tl.store(DQ_ptr + h64 * stride_dqh + rows64 * stride_dqt + offs_d[None, :], dq.to(DQ_ptr.dtype.element_ty),
-             mask=row_in[:, None])
+    tl.store(DQ_ptr + h64 * stride_dqh + rows64 * stride_dqt + offs_d[None, :],
+             dq.to(DQ_ptr.dtype.element_ty), mask=row_mask)
 
 
 @_autotune(STREAM_BWD_KV_CONFIGS, interpreted=(32, 32))
@@ -333,8 +334,9 @@ def _stream_bwd_dkdv_kernel(
 
     col_in = cols < C_k
     cols64 = cols[:, None].to(tl.int64)
-    k = tl.load(K_ptr + h64 * stride_kh + cols64 * stride_kt + offs_d[None, :], mask=col_in[:, None], other=0.0)
-    v = tl.load(V_ptr + h64 * stride_vh + cols64 * stride_vt + offs_d[None, :], mask=col_in[:, None], other=0.0)
+    col_mask = col_in[:, None]
+    k = tl.load(K_ptr + h64 * stride_kh + cols64 * stride_kt + offs_d[None, :], mask=col_mask, other=0.0)
+    v = tl.load(V_ptr + h64 * stride_vh + cols64 * stride_vt + offs_d[None, :], mask=col_mask, other=0.0)
     if FP32_DOT:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -345,10 +347,9 @@ def _stream_bwd_dkdv_kernel(
     for start_m in range(start, end, BLOCK_M):
         rows = start_m + offs_m  # (BLOCK_M,) stream query rows
         row_in = rows < end
-        q = tl.load(Q_base + rows[:, None].to(tl.int64) * stride_qt + offs_d[None, :], mask=row_in[:, None],
-                    other=0.0)
-        do = tl.load(DO_base + rows[:, None].to(tl.int64) * stride_dot + offs_d[None, :], mask=row_in[:, None],
-                     other=0.0)
+        rows64 = rows[:, None].to(tl.int64)
+        q = tl.load(Q_base + rows64 * stride_qt + offs_d[None, :], mask=row_in[:, None], other=0.0)
+        do = tl.load(DO_base + rows64 * stride_dot + offs_d[None, :], mask=row_in[:, None], other=0.0)
         lse = tl.load(LSE_ptr + h64 * stride_lh + rows, mask=row_in, other=float("inf"))
         delta = tl.load(DELTA_ptr + h64 * stride_lh + rows, mask=row_in, other=0.0)
         if FP32_DOT:
@@ -361,10 +362,10 @@ def _stream_bwd_dkdv_kernel(
         dsT = pT * (dpT - delta[None, :])
         dk += tl.dot(dsT.to(q.dtype), q)
     dk = dk * sm_scale
-    tl.store(DK_ptr + h64 * stride_dkh + cols64 * stride_dkt + offs_d[None, :], dk.to(DK_ptr.dtype.element_ty),
-             mask=col_in[:, None])
-    tl.store(DV_ptr + h64 * stride_dvh + cols64 * stride_dvt + offs_d[None, :], dv.to(DV_ptr.dtype.element_ty),
-             mask=col_in[:, None])
+    tl.store(DK_ptr + h64 * stride_dkh + cols64 * stride_dkt + offs_d[None, :],
+             dk.to(DK_ptr.dtype.element_ty), mask=col_mask)
+    tl.store(DV_ptr + h64 * stride_dvh + cols64 * stride_dvt + offs_d[None, :],
+             dv.to(DV_ptr.dtype.element_ty), mask=col_mask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -426,7 +427,7 @@ def stream_attn_bwd(
     dv = empty(C_k, H, D, dtype=v.dtype, device=v.device)
     if H == 0 or C_q == 0 or C_k == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    delta = torch.empty(H, C_q, dtype=torch.float32, device=q.device)  # every element written by the dQ kernel
+    delta = torch.empty(H, C_q, dtype=torch.float32, device=q.device)  # all written by the dQ kernel
     common = dict(HEAD_DIM=D, CAUSAL=causal, FP32_DOT=_fp32_dot(q.dtype))
     scales = (softmax_scale * LOG2E, softmax_scale)
     mean, rows = _tune_key(C_q, N)

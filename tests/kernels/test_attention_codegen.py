@@ -1,5 +1,6 @@
 """The flash-attention kernels (per-sequence and stream-tiled) compile for Hopper (sm_90a) on a CPU
-machine, with the H100 configs for head dim 64 / bf16: tensor-core ``wgmma`` for the ``tl.dot`` tiles, 16-byte global loads,
+machine, with the H100 configs for head dim 64 / bf16: tensor-core ``wgmma`` for the ``tl.dot``
+tiles, 16-byte global loads,
 shared memory within the 227 KB an sm_90 block may use, and (when Triton's bundled ptxas is there)
 no register spills.
 

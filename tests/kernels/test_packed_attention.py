@@ -143,7 +143,8 @@ def _varlen_args(lengths=(3, 0, 5)):
                  id="int64"),
     pytest.param(torch.zeros(7, dtype=torch.int32), r"must be int32 \(8,\).*\(7,\)", id="short"),
     pytest.param(torch.tensor([0, 0, 0, 1, 2, 2, 2, 2], dtype=torch.int32),
-                 r"segment_ids_q\[3\]=1 but token 3 lies in segment 2 of \[0, 3, 3, 8\]", id="empty-segment-id"),
+                 r"segment_ids_q\[3\]=1 but token 3 lies in segment 2 of \[0, 3, 3, 8\]",
+                 id="empty-segment-id"),
 ])
 def test_segment_ids_are_validated(ids, match):
     qkv, kw = _varlen_args()
@@ -191,10 +192,12 @@ PACKED_TGT = [11, 5, 19, 2, 0, 0, 11, 0, 0]  # capacity 48
 @pytest.mark.interpreter
 @pytest.mark.parametrize("kind", ["encoder-self", "decoder-causal", "cross"])
 def test_stream_packed_batch_matches_reference(poison, kind):
-    lq, lk, causal = {"encoder-self": (PACKED_SRC, PACKED_SRC, False), "decoder-causal": (PACKED_TGT, PACKED_TGT, True),
+    lq, lk, causal = {"encoder-self": (PACKED_SRC, PACKED_SRC, False),
+                      "decoder-causal": (PACKED_TGT, PACKED_TGT, True),
                       "cross": (PACKED_TGT, PACKED_SRC, False)}[kind]
     dtype = F16 if HAS_CUDA else F32
-    inputs, kernel, reference = _stream_case(lq, lk, 2, 16, dtype, causal, seed=3, max_len=24, ids=kind != "cross")
+    inputs, kernel, reference = _stream_case(lq, lk, 2, 16, dtype, causal, seed=3, max_len=24,
+                                             ids=kind != "cross")
     _check_against_reference(kernel, reference, *inputs)
 
 
@@ -245,10 +248,15 @@ def test_precomputed_segment_ids_change_nothing(poison):
     inputs, with_ids, _ = _stream_case(lq, lq, 2, 16, F16 if HAS_CUDA else F32, True, ids=True)
     _, without_ids, _ = _stream_case(lq, lq, 2, 16, F16 if HAS_CUDA else F32, True)
     q, k, v, do = inputs
+    cu = _cu(lq).to(DEVICE)
+    layer = FlashAttention(causal=True, backend="triton")
+
+    def module(q, k, v):
+        return layer(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu.clone(), max_seqlen_q=19, max_seqlen_k=19,
+                     segment_ids_q=segment_ids(cu, 30))
+
     want = _fwd_bwd(without_ids, *inputs)
-    for got in (_fwd_bwd(with_ids, *inputs), _fwd_bwd(lambda *t: FlashAttention(causal=True, backend="triton")(
-            *t, cu_seqlens_q=_cu(lq).to(DEVICE), cu_seqlens_k=_cu(lq).to(DEVICE), max_seqlen_q=19, max_seqlen_k=19,
-            segment_ids_q=segment_ids(_cu(lq).to(DEVICE), 30)), *inputs)):
+    for got in (_fwd_bwd(with_ids, *inputs), _fwd_bwd(module, *inputs)):
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
             torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
     with torch.no_grad():
@@ -271,15 +279,16 @@ def test_opcheck_stream_ops():
     torch.library.opcheck(_stream_attn_fwd_op, args)
     out, lse = _stream_attn_fwd_op(*args)
     do = torch.randn_like(out)
-    torch.library.opcheck(_stream_attn_bwd_op, (do, q.detach(), k.detach(), v.detach(), out.detach(), lse, cu_q,
-                                                cu_k, seg_q, seg_k, True, 0.3))
+    torch.library.opcheck(_stream_attn_bwd_op, (do, q.detach(), k.detach(), v.detach(), out.detach(), lse,
+                                                cu_q, cu_k, seg_q, seg_k, True, 0.3))
 
 
 @needs_triton
 @pytest.mark.interpreter
 @pytest.mark.parametrize("ids", [False, True], ids=["ids-computed", "ids-passed"])
 def test_compile_fullgraph_stream_matches_eager(ids):
-    """Compiled: the custom ops (segment ids by torch.bucketize in the graph); eager: the autograd.Function."""
+    """Compiled: the custom ops (segment ids by torch.bucketize in the graph); eager: the autograd.Function
+    (same launchers)."""
     torch._dynamo.reset()
     lq, lk = [5, 0, 9, 3], [4, 6, 0, 8]
     inputs, kernel, _ = _stream_case(lq, lk, 2, 16, F16 if HAS_CUDA else F32, False, ids=ids)

@@ -46,8 +46,10 @@ _PROBE = textwrap.dedent(
     def config(c):
         return [c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages]
 
-    tuners = {n: getattr(pa, n) for n in ("_stream_fwd_kernel", "_stream_bwd_dq_kernel", "_stream_bwd_dkdv_kernel")}
-    tuners.update({n: getattr(fa, n) for n in ("_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel")})
+    tuners = {n: getattr(pa, n) for n in ("_stream_fwd_kernel", "_stream_bwd_dq_kernel",
+                                          "_stream_bwd_dkdv_kernel")}
+    tuners.update({n: getattr(fa, n) for n in ("_attn_fwd_kernel", "_attn_bwd_dkdv_kernel",
+                                               "_attn_bwd_dq_kernel")})
     report = {"last": {n: config(t.configs[-1]) for n, t in tuners.items()},
               "first": {n: config(t.configs[0]) for n, t in tuners.items()}}
 
@@ -91,10 +93,10 @@ def test_tuned_configs_are_reused_per_key_and_autotune_can_be_skipped():
         first, again, new_key, untuned = report[layout]
         tuned = [c[1] for c in first if c[0] == "autotuner"]
         assert tuned == names, f"{layout}: the first call should reach each autotuner once: {first}"
-        assert not [c for c in again if c[0] == "autotuner"], f"{layout}: a tuned key re-entered the autotuner: {again}"
+        assert not [c for c in again if c[0] == "autotuner"], f"{layout}: a tuned key re-tuned: {again}"
         launched = {c[1]: c[2:] for c in again if c[1] in names}
         assert launched == {n: report["last"][n] for n in names}, f"{layout}: not the chosen configs: {again}"
-        assert [c[1] for c in new_key if c[0] == "autotuner"] == names, f"{layout}: a new key must tune: {new_key}"
-        assert not [c for c in untuned if c[0] == "autotuner"], f"{layout}: FASTMT_AUTOTUNE=0 tuned: {untuned}"
-        pinned = {c[1]: c[2:] for c in untuned if c[1] in names}  # 300 rows, head dim 64: the pruner keeps all
-        assert pinned == {n: report["first"][n] for n in names}, f"{layout}: FASTMT_AUTOTUNE=0 launched {untuned}"
+        assert [c[1] for c in new_key if c[0] == "autotuner"] == names, f"{layout}: untuned: {new_key}"
+        assert not [c for c in untuned if c[0] == "autotuner"], f"{layout}: FASTMT_AUTOTUNE=0 tuned {untuned}"
+        pinned = {c[1]: c[2:] for c in untuned if c[1] in names}  # 300 rows, head dim 64: nothing pruned
+        assert pinned == {n: report["first"][n] for n in names}, f"{layout}: FASTMT_AUTOTUNE=0 ran {untuned}"
