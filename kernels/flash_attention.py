@@ -31,11 +31,28 @@ Triton kernels (FlashAttention-2 algorithm)
     serves those with SDPA or the reference instead.
   * Lengths are clamped to the tensors' extents inside the kernels, so bad lengths cannot read
     out of bounds; the public function checks them eagerly when they live on the CPU.
+
+Two tilings of the varlen layout (``attention_tiling``)
+  * "sequence": the kernels above, one program per (sequence, head, BLOCK_M rows); padded layouts and
+    long sequences.
+  * "stream": ``kernels.packed_attention``, one program per BLOCK_M consecutive rows of the packed
+    stream, whatever segments they hold (packed batches of short segments, where per-sequence tiles
+    would be mostly empty).
+  "auto" picks "stream" when the mean slot length max(total_q, total_k) / N is at most
+  ``STREAM_MEAN_MAX`` (static: no host sync). ``FASTMT_ATTN_TILING`` = auto | sequence | stream,
+  read at each call, overrides the rule (benchmarks time both kernels with it).
+
+Host path: eagerly, ``attention`` calls a plain ``torch.autograd.Function`` (or the launcher alone when
+no gradient is needed); under torch.compile it calls the ``torch.library`` custom ops (opaque, with fake
+kernels). After an autotuner has chosen a config for a key, launches reuse it without re-entering the
+autotuner (``packed_attention.launch``); ``FASTMT_AUTOTUNE=0`` takes each kernel's first fitting
+config without timing any.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +62,7 @@ from einops import einsum, rearrange
 from torch import nn
 
 from kernels._utils import empty, interpreting, resolve_backend, triton_usable
+from kernels.packed_attention import _pow2, launch, segment_ids, stream_attention
 
 ATTN_BACKENDS = ("auto", "triton", "sdpa", "reference")
 HEAD_DIMS = (16, 32, 64, 128)
@@ -590,7 +608,7 @@ def _stats_strides(lse: torch.Tensor) -> tuple[int, int]:
 
 
 def _bucket(n: int) -> int:
-    return min(max(triton.next_power_of_2(max(int(n), 1)), 16), 8192)
+    return _pow2(n, 16, 8192)
 
 
 def _fp32_dot(dtype: torch.dtype) -> bool:
@@ -610,10 +628,12 @@ def flash_attn_fwd(
     if out.numel() == 0 or rows_q == 0:
         return out.zero_(), lse.fill_(float("inf"))
     grid = lambda meta: (triton.cdiv(rows_q, meta["BLOCK_M"]), H, B)  # noqa: E731
-    _attn_fwd_kernel[grid](
+    bucket = _bucket(rows_q)
+    launch(
+        _attn_fwd_kernel, grid, (D, causal, varlen, bucket, q.dtype),
         q, k, v, out, lse, seq_q, seq_k,
         *_row_strides(q), *_row_strides(k), *_row_strides(v), *_row_strides(out), *_stats_strides(lse),
-        ext_q, ext_k, softmax_scale * LOG2E, _bucket(rows_q),
+        ext_q, ext_k, softmax_scale * LOG2E, bucket,
         HEAD_DIM=D, CAUSAL=causal, VARLEN=varlen, FP32_DOT=_fp32_dot(q.dtype),
     )
     return out, lse
@@ -642,16 +662,19 @@ def flash_attn_bwd(
     common = dict(HEAD_DIM=D, CAUSAL=causal, VARLEN=varlen, FP32_DOT=_fp32_dot(q.dtype))
     strides_in = (*_row_strides(q), *_row_strides(k), *_row_strides(v), *_row_strides(do))
     grid_kv = lambda meta: (triton.cdiv(rows_k, meta["BLOCK_N"]), H, B)  # noqa: E731
-    _attn_bwd_dkdv_kernel[grid_kv](
+    bucket_k, bucket_q = _bucket(rows_k), _bucket(rows_q)
+    launch(
+        _attn_bwd_dkdv_kernel, grid_kv, (D, causal, varlen, bucket_k, q.dtype),
         q, k, v, do, lse, delta, dk, dv, seq_q, seq_k,
         *strides_in, *_row_strides(dk), *_row_strides(dv), *stats,
-        ext_q, ext_k, softmax_scale * LOG2E, softmax_scale, _bucket(rows_k), **common,
+        ext_q, ext_k, softmax_scale * LOG2E, softmax_scale, bucket_k, **common,
     )
     grid_q = lambda meta: (triton.cdiv(rows_q, meta["BLOCK_M"]), H, B)  # noqa: E731
-    _attn_bwd_dq_kernel[grid_q](
+    launch(
+        _attn_bwd_dq_kernel, grid_q, (D, causal, varlen, bucket_q, q.dtype),
         q, k, v, do, lse, delta, dq, seq_q, seq_k,
         *strides_in, *_row_strides(dq), *stats,
-        ext_q, ext_k, softmax_scale * LOG2E, softmax_scale, _bucket(rows_q), **common,
+        ext_q, ext_k, softmax_scale * LOG2E, softmax_scale, bucket_q, **common,
     )
     return dq, dk, dv
 
@@ -703,10 +726,42 @@ def _fwd_backward(ctx, d_out, _d_lse):
 _flash_attn_fwd_op.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 
+class FlashAttnFn(torch.autograd.Function):
+    """The eager path: the launchers under a plain autograd.Function (the custom ops' dispatch costs host
+    time per call that only torch.compile needs). Same saved tensors and results as the ops."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, seq_q, seq_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale):
+        out, lse = flash_attn_fwd(q, k, v, seq_q, seq_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale)
+        ctx.save_for_backward(q, k, v, out, lse, seq_q, seq_k)
+        ctx.args = (max_seqlen_q, max_seqlen_k, causal, softmax_scale)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_out):
+        q, k, v, out, lse, seq_q, seq_k = ctx.saved_tensors
+        dq, dk, dv = flash_attn_bwd(d_out, q, k, v, out, lse, seq_q, seq_k, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def sequence_attention(q, k, v, seq_q, seq_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                       softmax_scale: float) -> torch.Tensor:
+    """Per-sequence-tiled attention on validated inputs. Under torch.compile: the custom op; eagerly: the
+    autograd.Function, or the bare launcher when no gradient is needed."""
+    args = (q, k, v, seq_q, seq_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale)
+    if torch.compiler.is_compiling():
+        return _flash_attn_fwd_op(*args)[0]
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return FlashAttnFn.apply(*args)
+    return flash_attn_fwd(*args)[0]
+
+
 # ----------------------------------------------------------------------------------------------
 # Public function and module
 # ----------------------------------------------------------------------------------------------
-def _check_inputs(q, k, v, causal, q_lengths, k_lengths, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+def _check_inputs(q, k, v, causal, q_lengths, k_lengths, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                  segment_ids_q=None, segment_ids_k=None):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"attention: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -744,7 +799,12 @@ def _check_inputs(q, k, v, causal, q_lengths, k_lengths, cu_seqlens_q, cu_seqlen
                 raise ValueError(f"attention: {name} must be a python int >= 0, got {m!r}")
         _check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
         _check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
+        _check_segment_ids("segment_ids_q", segment_ids_q, cu_seqlens_q, q)
+        _check_segment_ids("segment_ids_k", segment_ids_k, cu_seqlens_k, k)
     else:
+        if segment_ids_q is not None or segment_ids_k is not None:
+            raise ValueError("attention: segment_ids_q/segment_ids_k belong to the varlen layout (cu_seqlens); "
+                             "the padded layout takes q_lengths/k_lengths")
         if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
             raise ValueError(
                 f"attention: padded q, k, v must be (B, H, T, D); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
@@ -785,22 +845,62 @@ def _check_cu_seqlens_values(name: str, cu: torch.Tensor, total: int, max_seqlen
         raise ValueError(f"attention: {name} has a sequence of length {int(lengths.max())} > max_seqlen {max_seqlen}")
 
 
+def _check_segment_ids(name: str, ids: torch.Tensor | None, cu: torch.Tensor, x: torch.Tensor) -> None:
+    if ids is None:
+        return
+    total = x.shape[0]
+    fix = f"kernels.packed_attention.segment_ids(cu_seqlens, {total})"
+    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int32 or ids.shape != (total,):
+        got = f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise ValueError(f"attention: {name} must be int32 ({total},) from {fix}, got {got}")
+    if ids.device != x.device:
+        raise ValueError(f"attention: {name} is on {ids.device}, q on {x.device}")
+    if _inspectable(ids) and _inspectable(cu):
+        want = segment_ids(cu, total)
+        wrong = (ids != want).nonzero()
+        if wrong.numel():
+            t = int(wrong[0, 0])
+            raise ValueError(f"attention: {name}[{t}]={int(ids[t])} but token {t} lies in segment {int(want[t])} "
+                             f"of {cu.tolist()}; compute it with {fix}")
+
+
 def triton_supports(q: torch.Tensor) -> bool:
     """Whether our kernels serve ``q``'s dtype, head dim and device (see ``_check_triton``)."""
     return _triton_unsupported(q) is None
 
 
 def _triton_unsupported(q: torch.Tensor) -> str | None:
+    """Why our kernels cannot serve ``q`` (None when they can): dtype and head dim first, then the device,
+    so a CPU tensor of an unsupported dtype reports its dtype on every machine."""
     D = q.shape[-1]
     # fp32 only for CPU tensors under the interpreter (on CUDA tl.dot would round it to tf32)
     dtypes = (torch.float16, torch.bfloat16) + (() if q.is_cuda else (torch.float32,))
-    if not triton_usable(q):
-        return f"device={q.device} (Triton needs CUDA tensors, or TRITON_INTERPRET=1 on the CPU)"
     if q.dtype not in dtypes:
-        return f"dtype={q.dtype} (supported: {dtypes})"
+        return f"dtype={q.dtype} (supported on CUDA: fp16, bf16; under TRITON_INTERPRET=1 on the CPU also fp32)"
     if D not in HEAD_DIMS:
         return f"head dim D={D} (supported: {HEAD_DIMS})"
+    if not triton_usable(q):
+        return f"device={q.device} (Triton needs CUDA tensors, or TRITON_INTERPRET=1 on the CPU)"
     return None
+
+
+ATTN_TILINGS = ("auto", "sequence", "stream")
+TILING_ENV = "FASTMT_ATTN_TILING"
+# "auto" tiles the stream when segments are short on average: the mean slot length max(C_q, C_k) / N
+# (static: no host sync, no recompile) is at most this many tokens, about one 64-row tile
+STREAM_MEAN_MAX = 64
+
+
+def attention_tiling(total_q: int, total_k: int, slots: int) -> str:
+    """Which Triton kernel family serves a varlen call: "stream" (tiles span segments, ``kernels.
+    packed_attention``) or "sequence" (per-sequence tiles, this file). ``FASTMT_ATTN_TILING`` in
+    {auto, sequence, stream}, read at call time, overrides the "auto" rule (``STREAM_MEAN_MAX``)."""
+    tiling = os.environ.get(TILING_ENV, "").strip() or "auto"
+    if tiling not in ATTN_TILINGS:
+        raise ValueError(f"{TILING_ENV}={tiling!r} is not one of {ATTN_TILINGS}")
+    if tiling == "auto":
+        return "stream" if max(total_q, total_k) <= STREAM_MEAN_MAX * slots else "sequence"
+    return tiling
 
 
 def _needs_mask(causal, q, k, q_lengths, k_lengths, varlen) -> bool:
@@ -834,20 +934,29 @@ def attention(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    segment_ids_q: torch.Tensor | None = None,
+    segment_ids_k: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Scaled dot-product attention; returns a tensor shaped like ``q``.
 
     Padded: q (B, H, Tq, D), k/v (B, H, Tk, D), optional int32 (B,) ``q_lengths``/``k_lengths``.
-    Varlen: q (total_q, H, D), k/v (total_k, H, D), int32 (B+1,) ``cu_seqlens_q``/``cu_seqlens_k``
-    and python-int ``max_seqlen_q``/``max_seqlen_k``.
+    Varlen: q (total_q, H, D), k/v (total_k, H, D), int32 (N+1,) ``cu_seqlens_q``/``cu_seqlens_k``
+    and python-int ``max_seqlen_q``/``max_seqlen_k`` (a static bound is fine). Optional int32
+    ``segment_ids_q`` (total_q,) / ``segment_ids_k`` (total_k,): ``kernels.packed_attention.segment_ids(cu_seqlens,
+    total)``
+    computed once per batch and passed to every layer; without them the stream kernels compute them
+    on each call (one small device op per side).
     ``backend``: "auto", "triton", "sdpa" or "reference"; ``FASTMT_ATTN_BACKEND`` overrides "auto".
     "auto" on CPU tensors is the reference; on CUDA it is our kernel whenever a mask is involved
     (lengths, varlen, causal with Tq != Tk) and the kernel supports the case (fp16/bf16, head dim
     in 16/32/64/128), else SDPA (its flash backend for unmasked / square-causal attention).
     "triton" raises ValueError for what the kernels do not support (``_triton_unsupported``).
+    Varlen on Triton picks stream tiling (tiles span segments) or per-sequence tiling by
+    ``attention_tiling``; ``FASTMT_ATTN_TILING`` = auto | sequence | stream overrides it per call.
     """
-    _check_inputs(q, k, v, causal, q_lengths, k_lengths, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _check_inputs(q, k, v, causal, q_lengths, k_lengths, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                  segment_ids_q, segment_ids_k)
     varlen = cu_seqlens_q is not None
     backend = resolve_backend(backend, "FASTMT_ATTN_BACKEND", ATTN_BACKENDS)
     if backend == "auto":
@@ -857,16 +966,24 @@ def attention(
         reason = _triton_unsupported(q)
         if reason is not None:
             raise ValueError(f"attention: backend='triton' does not support {reason}")
-        if varlen:
-            seq_q, seq_k, mq, mk = cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
-        else:
+        if not varlen:
             B, _, Tq, _ = q.shape
             Tk = k.shape[2]
             seq_q = q_lengths if q_lengths is not None else torch.full((B,), Tq, dtype=torch.int32, device=q.device)
             seq_k = k_lengths if k_lengths is not None else torch.full((B,), Tk, dtype=torch.int32, device=q.device)
-            mq, mk = Tq, Tk
-        out, _lse = _flash_attn_fwd_op(q, k, v, seq_q, seq_k, mq, mk, bool(causal), scale)
-        return out
+            return sequence_attention(q, k, v, seq_q, seq_k, Tq, Tk, bool(causal), scale)
+        total_q, total_k = q.shape[0], k.shape[0]
+        if attention_tiling(total_q, total_k, cu_seqlens_q.shape[0] - 1) == "sequence":
+            return sequence_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(causal),
+                                      scale)
+        seg_q = segment_ids_q if segment_ids_q is not None else segment_ids(cu_seqlens_q, total_q)
+        if segment_ids_k is not None:
+            seg_k = segment_ids_k
+        elif cu_seqlens_k is cu_seqlens_q and total_k == total_q:  # self-attention: one set of ids
+            seg_k = seg_q
+        else:
+            seg_k = segment_ids(cu_seqlens_k, total_k)
+        return stream_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seg_q, seg_k, bool(causal), scale)
     if varlen:
         qp = pad_varlen(q, cu_seqlens_q, max_seqlen_q)  # (B, H, Tq, D)
         kp = pad_varlen(k, cu_seqlens_k, max_seqlen_k)
@@ -901,7 +1018,8 @@ class FlashAttention(nn.Module):
     """``attention`` as a module (no parameters): fixes ``causal``, ``softmax_scale`` and ``backend``.
 
     ``forward(q, k, v, **layout)`` takes the layout keywords of ``attention`` (``q_lengths``,
-    ``k_lengths`` or ``cu_seqlens_q``, ``cu_seqlens_k``, ``max_seqlen_q``, ``max_seqlen_k``).
+    ``k_lengths`` or ``cu_seqlens_q``, ``cu_seqlens_k``, ``max_seqlen_q``, ``max_seqlen_k``, and
+    optionally ``segment_ids_q``, ``segment_ids_k``).
     """
 
     def __init__(self, causal: bool = False, softmax_scale: float | None = None, backend: str = "auto"):

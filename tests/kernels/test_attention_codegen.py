@@ -1,5 +1,6 @@
-"""The flash-attention kernels compile for Hopper (sm_90a) on a CPU machine, with the H100 configs
-for head dim 64 / bf16: tensor-core ``wgmma`` for the ``tl.dot`` tiles, 16-byte global loads,
+"""The flash-attention kernels (per-sequence and stream-tiled) compile for Hopper (sm_90a) on a CPU
+machine, with the H100 configs for head dim 64 / bf16: tensor-core ``wgmma`` for the ``tl.dot``
+tiles, 16-byte global loads,
 shared memory within the 227 KB an sm_90 block may use, and (when Triton's bundled ptxas is there)
 no register spills.
 
@@ -18,26 +19,27 @@ import tempfile
 
 import pytest
 
-# ~15-25 s of compiling on the 2-core CPU machines: kept in CI, the one check that the Hopper
+# ~25-40 s of compiling on the 2-core CPU machines: kept in CI, the one check that the Hopper
 # tensor-core path (wgmma) is taken, with no spills, before any GPU time is spent
 
 SM90_SHARED_LIMIT = 227 * 1024  # bytes of shared memory one block may opt into on H100/H200
 
 
 def _compile_facts() -> dict:
-    """Compile fwd, dK/dV and dQ with each kernel's first (H100 hd-64) config; return codegen facts."""
+    """Compile each kernel with its first (H100 hd-64) config; return codegen facts."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     import kernels.flash_attention as fa
+    import kernels.packed_attention as pa
 
     def signature(fn, constexprs):
         sig = {}
         for name in fn.arg_names:
             if name in constexprs:
                 sig[name] = "constexpr"
-            elif name.startswith("SEQ_") and name.endswith("_ptr"):
+            elif name.startswith(("SEQ_", "CU_", "SEG_")) and name.endswith("_ptr"):
                 sig[name] = "*i32"
             elif name.startswith(("LSE", "DELTA")):
                 sig[name] = "*fp32"
@@ -53,10 +55,15 @@ def _compile_facts() -> dict:
     facts = {}
     kernels = (("fwd", fa._attn_fwd_kernel, fa.FWD_CONFIGS[0]),
                ("bwd_dkdv", fa._attn_bwd_dkdv_kernel, fa.BWD_KV_CONFIGS[0]),
-               ("bwd_dq", fa._attn_bwd_dq_kernel, fa.BWD_Q_CONFIGS[0]))
+               ("bwd_dq", fa._attn_bwd_dq_kernel, fa.BWD_Q_CONFIGS[0]),
+               ("stream_fwd", pa._stream_fwd_kernel, pa.STREAM_FWD_CONFIGS[0]),
+               ("stream_bwd_dq", pa._stream_bwd_dq_kernel, pa.STREAM_BWD_Q_CONFIGS[0]),
+               ("stream_bwd_dkdv", pa._stream_bwd_dkdv_kernel, pa.STREAM_BWD_KV_CONFIGS[0]))
     for name, autotuned, (block_m, block_n, warps, stages) in kernels:
         fn = autotuned.fn  # the JITFunction under the autotuner
-        constexprs = dict(HEAD_DIM=64, CAUSAL=True, VARLEN=True, FP32_DOT=False, BLOCK_M=block_m, BLOCK_N=block_n)
+        constexprs = dict(HEAD_DIM=64, CAUSAL=True, FP32_DOT=False, BLOCK_M=block_m, BLOCK_N=block_n)
+        if "VARLEN" in fn.arg_names:
+            constexprs["VARLEN"] = True
         sig = signature(fn, constexprs)
         # what a launch on torch allocations specialises: 16-byte aligned pointers, strides % 16 == 0 (D = 64)
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
@@ -95,7 +102,7 @@ def facts():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("kernel", ["fwd", "bwd_dkdv", "bwd_dq"])
+@pytest.mark.parametrize("kernel", ["fwd", "bwd_dkdv", "bwd_dq", "stream_fwd", "stream_bwd_dq", "stream_bwd_dkdv"])
 def test_sm90a_codegen(facts, kernel):
     f = facts[kernel]
     assert f["sm90a"], f

@@ -44,10 +44,11 @@ _PROBE = textwrap.dedent(
 
     import kernels.flash_attention as fa
     import kernels.layernorm as ln
+    import kernels.packed_attention as pa
     assert not fa.interpreting()
     fa.triton_usable = ln.triton_usable = lambda t: True  # CPU tensors past the device check
 
-    modules = {"attention": fa, "layernorm": ln}
+    modules = {"attention": fa, "layernorm": ln, "packed_attention": pa}
     autotuners = {id(obj): f"{mod}.{name}" for mod, m in modules.items() for name, obj in vars(m).items()
                   if isinstance(obj, (Autotuner, JITFunction))}
 
@@ -55,6 +56,14 @@ _PROBE = textwrap.dedent(
         q, k, v = (torch.randn(2, 2, 24, 32, dtype=torch.float16, requires_grad=True) for _ in range(3))
         lengths = torch.tensor([24, 17], dtype=torch.int32)
         out = fa.attention(q, k, v, causal=True, q_lengths=lengths, k_lengths=lengths, backend="triton")
+        out.backward(torch.ones_like(out))
+
+    def packed_attention_call():  # tiles that span segments (FASTMT_ATTN_TILING=stream)
+        os.environ["FASTMT_ATTN_TILING"] = "stream"
+        q, k, v = (torch.randn(40, 2, 32, dtype=torch.float16, requires_grad=True) for _ in range(3))
+        cu = torch.tensor([0, 5, 5, 22, 40], dtype=torch.int32)
+        out = fa.attention(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=18,
+                           max_seqlen_k=18, backend="triton")
         out.backward(torch.ones_like(out))
 
     def layer_norm_call():
@@ -65,7 +74,8 @@ _PROBE = textwrap.dedent(
         (y.sum() + s.sum()).backward()
 
     report = {}
-    for name, call in (("attention", attention_call), ("layernorm", layer_norm_call)):
+    for name, call in (("attention", attention_call), ("packed attention", packed_attention_call),
+                       ("layernorm", layer_norm_call)):
         rounds = []
         for _ in range(2):
             calls.clear()
@@ -88,6 +98,8 @@ def test_identical_calls_reuse_module_autotuners_with_keys():
     expected = {
         "attention": {"attention._attn_fwd_kernel", "attention._attn_bwd_dkdv_kernel",
                       "attention._attn_bwd_dq_kernel"},
+        "packed attention": {"packed_attention._stream_fwd_kernel", "packed_attention._stream_bwd_dq_kernel",
+                             "packed_attention._stream_bwd_dkdv_kernel"},
         "layernorm": {"layernorm._ln_fwd_kernel", "layernorm._ln_bwd_kernel"},
     }
     for op, (first, second) in report.items():
