@@ -54,7 +54,7 @@ test: setup
 	$(PYTHON) -m pytest -q -m "not slow and not gpu" --timeout=600 $(ARGS)
 
 kernel-test: setup
-	$(PYTHON) -m pytest -q tests/kernels --timeout=1800 $(ARGS)
+	$(PYTHON) -m pytest -q tests/kernels -m "not slow" --timeout=1800 --durations=15 $(ARGS)
 
 bench: setup
 	PYTHONUNBUFFERED=1 $(PYTHON) -m bench.kernels $(ARGS)

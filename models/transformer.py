@@ -47,6 +47,7 @@ from torch.utils.checkpoint import checkpoint
 
 from kernels import LayerNorm as FusedLayerNorm
 from kernels import attention
+from kernels.packed_attention import segment_ids
 from models.config import ModelConfig
 
 
@@ -57,6 +58,9 @@ class Side(NamedTuple):
     cu_seqlens: torch.Tensor | None  # int32 (B+1,) cumulative lengths (varlen and packed layouts)
     max_len: int | None  # longest sequence (packed: the static bound), python int (varlen and packed)
     index: torch.Tensor | None  # int64 (total,) flat (b*T + t) positions of real tokens (varlen only)
+    # int32 (total,) segment of each packed token, computed once per batch and side and reused by every
+    # layer's attention (varlen and packed layouts; kernels.packed_attention.segment_ids)
+    segment_ids: torch.Tensor | None = None
 
 
 ALL_QUERIES = Side(None, None, None, None)  # padded layout, every query position real (decoding)
@@ -112,7 +116,8 @@ def attend(q, k, v, q_side: Side, k_side: Side, causal: bool, backend: str) -> t
     """kernels.attention on (B, H, T, D) tensors (padded) or (total, H, D) tensors (varlen)."""
     if q.dim() == 3:
         return attention(q, k, v, causal=causal, cu_seqlens_q=q_side.cu_seqlens, cu_seqlens_k=k_side.cu_seqlens,
-                         max_seqlen_q=q_side.max_len, max_seqlen_k=k_side.max_len, backend=backend)
+                         max_seqlen_q=q_side.max_len, max_seqlen_k=k_side.max_len, backend=backend,
+                         segment_ids_q=q_side.segment_ids, segment_ids_k=k_side.segment_ids)
     return attention(q, k, v, causal=causal, q_lengths=q_side.lengths, k_lengths=k_side.lengths, backend=backend)
 
 
@@ -335,13 +340,14 @@ class Transformer(nn.Module):
         if self.cfg.layout == "padded":
             return Side(lengths, None, None, None)
         if self.cfg.layout == "packed":  # the batch's segments as they are: no gather, static shapes
-            return Side(lengths, cu_seqlens, max_len, None)
+            return Side(lengths, cu_seqlens, max_len, None, segment_ids(cu_seqlens, tokens.numel()))
         B, T = tokens.shape
         if cu_seqlens is None:
             cu_seqlens = F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
         valid = torch.arange(T, device=tokens.device)[None, :] < lengths[:, None]  # (B, T)
         index = rearrange(valid, "b t -> (b t)").nonzero().squeeze(1)  # (total,) row-major = cu_seqlens order
-        return Side(lengths, cu_seqlens, T if max_len is None else max_len, index)
+        return Side(lengths, cu_seqlens, T if max_len is None else max_len, index,
+                    segment_ids(cu_seqlens, index.shape[0]))
 
     def _embed(self, tokens, side: Side, table: nn.Embedding, pos_table: nn.Embedding | None,
                positions: torch.Tensor | None = None) -> torch.Tensor:
