@@ -2,14 +2,23 @@
 # The GPU runbook: everything fastmt measures on a GPU, from one command on a bare device machine
 # (torch 2.11 + triton 3.6 in the image's python3, no network). See bench/README.md for the call.
 #
-#   bash bench/gpu_run.sh [STEP ...]        (no STEP, or "all": every step, in this order)
+#   bash bench/gpu_run.sh [STEP|GROUP ...]     (no argument: call1)
 #
-#   kernel-test     make kernel-test SETUP=none PYTHON=python3  (the full CUDA grid of tests/kernels)
-#   bench-kernels   python3 -m bench.kernels --budget-s ...     (bench/results/kernels-<gpu>.*)
-#   ladder          python3 -m bench.ladder --data-files ...     (bench/results/ladder-<gpu>.*)
-#   profile         python3 -m bench.profile --data-files ...    (bench/results/profile-<gpu>/)
-#   train-fast      python3 -m train --preset fast --epochs 18 --data-files ...   (runs/fast-18ep/)
-#   quality         python3 -m bench.quality --run runs/fast-18ep   (bench/results/quality-<gpu>.*)
+# Groups, one device call each (<= 9 minutes), most important first:
+#   call1        kernel-test bench-kernels                  is the GPU path correct, do the kernels win
+#   call2        train quality profile                      `make train`'s run: time to BLEU, compile, GPU busy
+#   call3        frontier ladder                            the HF baseline, the seeds' recipe, s18, default
+#   sweep-adamw  sweep (the AdamW settings)                 the optimiser sweep on wall time to BLEU
+#   sweep-lion   sweep (the Lion settings)
+# Steps:
+#   kernel-test     make kernel-test SETUP=none PYTHON=python3  (tests/kernels on CUDA, slow grids left out)
+#   bench-kernels   python3 -m bench.kernels --groups corpus,ln ...  (bench/results/kernels-<gpu>.*)
+#   train           python3 -m train --auto --run.name default ...   (runs/default/: what `make train` runs)
+#   quality         python3 -m bench.quality --run runs/default  (bench/results/quality-<gpu>.*)
+#   profile         python3 -m bench.profile ...                 (bench/results/profile-<gpu>/, warm compile)
+#   frontier        python3 -m bench.frontier --budget-s ...     (bench/results/frontier-<gpu>.*)
+#   ladder          python3 -m bench.ladder ...                  (bench/results/ladder-<gpu>.*)
+#   sweep           python3 -m bench.sweep --settings ...        (bench/results/sweep-<gpu>.*)
 #
 # Setup (always): install the carried wheels (.whl/*.whl, from `make gpu-wheels`) offline into
 # /tmp/site and put it first on PYTHONPATH; export FASTMT_DATA_FILES from the carried .data/; set the
@@ -27,30 +36,39 @@
 # Without $OUT (by hand), both land in runs/gpu_run/.
 #
 # Environment: PYTHON (default python3); GPU_RUN_DEADLINE_S; LIMIT_<STEP> to change a step's limit
-# in seconds (LIMIT_KERNEL_TEST, LIMIT_BENCH_KERNELS, LIMIT_LADDER, LIMIT_PROFILE, LIMIT_TRAIN_FAST);
-# BENCH_KERNELS_ARGS, LADDER_ARGS, PROFILE_ARGS, TRAIN_ARGS, KERNEL_TEST_ARGS: extra arguments;
+# in seconds (LIMIT_KERNEL_TEST, LIMIT_BENCH_KERNELS, LIMIT_TRAIN, LIMIT_PROFILE, LIMIT_FRONTIER, LIMIT_LADDER,
+# LIMIT_SWEEP); BENCH_KERNELS_ARGS, TRAIN_ARGS, PROFILE_ARGS, FRONTIER_ARGS, LADDER_ARGS, SWEEP_ARGS,
+# KERNEL_TEST_ARGS: extra arguments; SWEEP_SETTINGS: the sweep's settings (comma-separated);
 # FASTMT_GIT_SHA: the commit, recorded in results when the copy on the machine has no .git.
 set -uo pipefail
 
-ALL_STEPS=(kernel-test bench-kernels ladder profile train-fast quality)
-declare -A DEFAULT_LIMIT=([kernel-test]=210 [bench-kernels]=330 [ladder]=540 [profile]=240 [train-fast]=300 [quality]=30)
+ALL_STEPS=(kernel-test bench-kernels train quality profile frontier ladder sweep)
+declare -A DEFAULT_LIMIT=([kernel-test]=200 [bench-kernels]=340 [train]=300 [quality]=30 [profile]=200
+                          [frontier]=420 [ladder]=120 [sweep]=540)
+declare -A STEP_GROUPS=([call1]="kernel-test bench-kernels" [call2]="train quality profile" [call3]="frontier ladder"
+                   [sweep-adamw]="sweep" [sweep-lion]="sweep")
+SWEEP_ADAMW=adamw-base,adamw-8e-4,adamw-3e-4,adamw-warm5,adamw-2k,adamw-8k
+SWEEP_LION=lion-1e-4,lion-1.5e-4,lion-7e-5,lion-wd0.3,lion-b0.95,lion-warm5
 DEADLINE_S=${GPU_RUN_DEADLINE_S:-570}
 PACK_RESERVE_S=20     # kept back from the last step for the final pack
 MAX_TGZ_BYTES=$((15 * 1024 * 1024))
 BIG_FILE_BYTES=$((2 * 1024 * 1024))
 
-usage() { sed -n '2,15p' "$0"; exit 2; }
+usage() { sed -n '2,25p' "$0"; exit 2; }
 
 STEPS=()
 for arg in "$@"; do
     case $arg in
         all) STEPS+=("${ALL_STEPS[@]}") ;;
         -h | --help) usage ;;
+        sweep-adamw) SWEEP_SETTINGS=${SWEEP_SETTINGS:-$SWEEP_ADAMW}; STEPS+=(sweep) ;;
+        sweep-lion) SWEEP_SETTINGS=${SWEEP_SETTINGS:-$SWEEP_LION}; STEPS+=(sweep) ;;
+        call1 | call2 | call3) read -r -a group <<<"${STEP_GROUPS[$arg]}"; STEPS+=("${group[@]}") ;;
         *) [[ -n ${DEFAULT_LIMIT[$arg]+x} ]] || { echo "gpu_run: unknown step '$arg'" >&2; usage; }
            STEPS+=("$arg") ;;
     esac
 done
-((${#STEPS[@]})) || STEPS=("${ALL_STEPS[@]}")
+((${#STEPS[@]})) || { read -r -a STEPS <<<"${STEP_GROUPS[call1]}"; }
 
 cd "$(dirname "$0")/.." || exit 2
 ROOT=$PWD
@@ -192,26 +210,33 @@ step_command() {  # fills CMD for step $1 given its time limit $2
                 CMD=(make kernel-test SETUP=none "PYTHON=$PY" "ARGS=$args")
             else  # the same command as the Makefile's target
                 read -r -a extra <<<"$args"
-                CMD=("$PY" -m pytest -q tests/kernels --timeout=1800 "${extra[@]}")
+                CMD=("$PY" -m pytest -q tests/kernels -m "not slow" --timeout=1800 "${extra[@]}")
             fi ;;
         bench-kernels)
             read -r -a extra <<<"${BENCH_KERNELS_ARGS:-}"
             # leave room for the worker's grace period and the writing of the outputs
             local budget=$((limit > 150 ? limit - 75 : limit / 2))
-            CMD=("$PY" -m bench.kernels --budget-s "$budget" "${extra[@]}") ;;
-        ladder)
-            read -r -a extra <<<"${LADDER_ARGS:-}"
-            CMD=("$PY" -m bench.ladder "${data_arg[@]}")
-            has_flag bench/ladder.py --budget-s && CMD+=(--budget-s $((limit > 150 ? limit - 60 : limit * 2 / 3)))
-            CMD+=("${extra[@]}") ;;
-        profile)
+            CMD=("$PY" -m bench.kernels --groups corpus,ln --budget-s "$budget" "${data_arg[@]}" "${extra[@]}") ;;
+        train)  # what `make train` runs on CUDA, from a cold compile cache
+            read -r -a extra <<<"${TRAIN_ARGS:-}"
+            CMD=("$PY" -m train --auto --run.name default --run.progress false "${data_arg[@]}" "${extra[@]}") ;;
+        quality)
+            CMD=("$PY" -m bench.quality --run runs/default) ;;
+        profile)  # after `train`: its compile is the warm-cache compile
             read -r -a extra <<<"${PROFILE_ARGS:-}"
             CMD=("$PY" -m bench.profile "${data_arg[@]}" "${extra[@]}") ;;
-        train-fast)
-            read -r -a extra <<<"${TRAIN_ARGS:-}"
-            CMD=("$PY" -m train --preset fast --epochs 18 --run.name fast-18ep "${data_arg[@]}" "${extra[@]}") ;;
-        quality)
-            CMD=("$PY" -m bench.quality --run runs/fast-18ep) ;;
+        frontier)
+            read -r -a extra <<<"${FRONTIER_ARGS:-}"
+            CMD=("$PY" -m bench.frontier --budget-s "${FRONTIER_BUDGET_S:-75}" --grace-s 25 "${data_arg[@]}"
+                 "${extra[@]}") ;;
+        ladder)
+            read -r -a extra <<<"${LADDER_ARGS:-}"
+            CMD=("$PY" -m bench.ladder "${data_arg[@]}" --budget-s $((limit > 60 ? limit - 30 : limit / 2))
+                 --cap-s 20 --steps 10 --warmup 3 "${extra[@]}") ;;
+        sweep)
+            read -r -a extra <<<"${SWEEP_ARGS:-}"
+            CMD=("$PY" -m bench.sweep --budget-s "${SWEEP_BUDGET_S:-75}" --grace-s 10
+                 --settings "${SWEEP_SETTINGS:-$SWEEP_ADAMW}" "${data_arg[@]}" "${extra[@]}") ;;
     esac
 }
 

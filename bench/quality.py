@@ -1,16 +1,18 @@
-"""The time-to-quality record of a training run (the ``fast`` preset, 18 epochs, in the runbook).
+"""The time-to-quality record of a training run (``make train``'s run in the runbook).
 
     python -m bench.quality --run runs/<name> [--out DIR]
 
 Reads ``<run>/metrics.jsonl`` (one ``kind: epoch`` record per epoch, one ``kind: test`` at the end)
 and ``<run>/provenance.json`` (config, git sha, versions, GPU) written by ``train.loop.Trainer``, and
 writes ``<out>/quality-<gpu>.md`` and ``.csv`` (default out: bench/results):
-  per epoch   wall seconds so far (training incl. torch.compile's first-step compile, plus evaluation),
+  per epoch   wall seconds since the run's process started (data, compile and evaluation included; older
+              runs without it: the sum of training and evaluation seconds so far),
               the seeds' metric -- the loss of the epoch's *last training batch* (label-smoothed) --
               next to our epoch-mean training loss, the validation loss (no smoothing), validation
               sacreBLEU and chrF, real tokens/s and MFU;
-  at the end  test loss, sacreBLEU and chrF; the epoch at which the seeds' goal "loss < 1.8" was first
-              met, and the wall time to it.
+  at the end  "time to BLEU X" for every threshold of the run's eval.bleu_thresholds (the objective),
+              the first step's seconds (compile + CUDA-graph capture), evaluation's share of the wall time,
+              test loss, sacreBLEU and chrF; the epoch at which the seeds' goal "loss < 1.8" was first met.
 Labelled with the GPU and git sha of the run, and "stand-in corpus" when the data were local files
 that are not OPUS Books.
 """
@@ -28,6 +30,7 @@ from typing import Any
 from bench import harness as H
 
 SEED_GOAL = 1.8  # S18's stated goal: last-batch training loss < 1.8 within 18 epochs
+THRESHOLDS = (20.0, 28.0, 35.0, 37.0, 37.6)  # when the run's config does not list its own
 COLUMNS = ("epoch", "wall_seconds", "epoch_seconds", "eval_seconds", "train_loss_last_batch", "train_loss",
            "valid_loss", "bleu", "chrf", "tokens_per_second", "mfu", "padding_fraction", "peak_memory_gb")
 HEADERS = ("epoch", "wall s (cum.)", "train s", "eval s", "last-batch loss (seeds)", "mean train loss",
@@ -63,20 +66,34 @@ def quality_rows(epochs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     rows, wall = [], 0.0
     for r in epochs:
         wall += float(r.get("epoch_seconds") or 0.0) + float(r.get("eval_seconds") or 0.0)
-        rows.append({"epoch": r["epoch"], "wall_seconds": wall, **{k: r.get(k) for k in COLUMNS[2:]}})
+        at = r.get("wall_seconds") if r.get("wall_seconds") is not None else wall
+        rows.append({"epoch": r["epoch"], "wall_seconds": at, **{k: r.get(k) for k in COLUMNS[2:]}})
     return rows
+
+
+def time_to_bleu(rows: Sequence[dict[str, Any]], thresholds: Sequence[float]) -> dict[str, dict[str, Any] | None]:
+    """threshold -> {seconds, epoch, bleu} of the first epoch whose validation BLEU reached it, or None."""
+    out: dict[str, dict[str, Any] | None] = {}
+    for t in thresholds:
+        hit = next((r for r in rows if _num(r.get("bleu")) >= t), None)
+        out[f"{t:g}"] = {"seconds": hit["wall_seconds"], "epoch": hit["epoch"], "bleu": hit["bleu"]} if hit else None
+    return out
 
 
 def _num(v: Any) -> float:
     return float(v) if isinstance(v, (int, float)) else math.nan
 
 
-def summary(rows: Sequence[dict[str, Any]], test: dict[str, Any] | None, planned: int | None) -> dict[str, Any]:
+def summary(rows: Sequence[dict[str, Any]], test: dict[str, Any] | None, planned: int | None,
+            thresholds: Sequence[float] = THRESHOLDS) -> dict[str, Any]:
     goal = next((r for r in rows if _num(r.get("train_loss_last_batch")) < SEED_GOAL), None)
     total = (rows[-1]["wall_seconds"] if rows else 0.0) + float((test or {}).get("eval_seconds") or 0.0)
+    eval_s = sum(float(r.get("eval_seconds") or 0.0) for r in rows)
     best = max(rows, key=lambda r: _num(r.get("bleu")) if not math.isnan(_num(r.get("bleu"))) else -1.0,
                default=None)
     return {"epochs_done": len(rows), "epochs_planned": planned, "wall_seconds_total": total,
+            "time_to_bleu": time_to_bleu(rows, thresholds), "eval_seconds_total": eval_s,
+            "eval_share": eval_s / total if total > 0 else None,
             "first_epoch_train_seconds": rows[0].get("epoch_seconds") if rows else None,
             "goal_epoch": goal["epoch"] if goal else None, "goal_wall_seconds": goal["wall_seconds"] if goal else None,
             "best_valid_bleu": best.get("bleu") if best else None, "best_epoch": best["epoch"] if best else None,
@@ -98,9 +115,14 @@ def quality_markdown(run: Path, rows, summ: dict[str, Any], prov: dict[str, Any]
         f"- data: **{corpus_label(prov)}**; run folder `{run}`",
         f"- epochs: {done}" + (f" of {planned} planned" + (" (**incomplete run**)" if planned and done < planned else "")
                                if planned else ""),
+        *[f"- time to valid BLEU {k}: " + (f"**{v['seconds']:.1f} s** (epoch {v['epoch']}, BLEU {v['bleu']:.2f})"
+                                          if v else "not reached") for k, v in summ["time_to_bleu"].items()],
         f"- wall time incl. compile and evaluation: **{summ['wall_seconds_total']:.0f} s** "
         f"({summ['wall_seconds_total'] / 60:.1f} min); epoch 1 (with the compile) took "
-        f"{H.fmt(summ['first_epoch_train_seconds'])} s of training",
+        f"{H.fmt(summ['first_epoch_train_seconds'])} s of training; first step (compile + CUDA-graph capture) "
+        f"{H.fmt(summ.get('first_step_seconds'))} s",
+        f"- evaluation: {H.fmt(summ['eval_seconds_total'])} s in all, "
+        + (f"**{100 * summ['eval_share']:.1f} %** of the wall time" if summ["eval_share"] is not None else "n/a"),
         "- seeds' goal, last-batch loss < 1.8: "
         + (f"met at epoch {summ['goal_epoch']} after {summ['goal_wall_seconds']:.0f} s"
            if summ["goal_epoch"] is not None else "not met"),
@@ -113,7 +135,8 @@ def quality_markdown(run: Path, rows, summ: dict[str, Any], prov: dict[str, Any]
         "*last-batch loss (seeds)*: label-smoothed loss of the epoch's last training batch, the number the "
         "seed projects reported; *mean train loss*: label-smoothed, averaged over the epoch's target tokens; "
         "*valid loss*: unsmoothed. BLEU/chrF: sacreBLEU on beam-search translations of the validation "
-        "split (capped by run.eval_max_sentences) and the test split.",
+        "split (capped by eval.max_sentences) and the test split. *wall s*: seconds since the run's process "
+        "started (data, compile and evaluation included).",
     ]
     return "\n".join(lines) + "\n"
 
@@ -123,15 +146,20 @@ def write_quality(run: Path, out: Path) -> dict[str, Path]:
     if not epochs:
         raise ValueError(f"{run}/metrics.jsonl has no epoch records yet (the run has not finished an epoch)")
     rows = quality_rows(epochs)
-    planned = ((prov.get("config") or {}).get("run") or {}).get("epochs")
-    summ = summary(rows, test, planned)
+    cfg = prov.get("config") or {}
+    planned = (cfg.get("run") or {}).get("epochs")
+    thresholds = tuple((cfg.get("eval") or {}).get("bleu_thresholds") or THRESHOLDS)
+    summ = summary(rows, test, planned, thresholds)
+    summ["first_step_seconds"] = epochs[0].get("first_step_seconds")
     slug = H.gpu_slug(prov.get("gpu") or "cpu")
     out.mkdir(parents=True, exist_ok=True)
     csv_path = H.result_path(out, "quality", slug, "csv")
     if csv_path.exists():
         csv_path.unlink()  # one record per device: the latest run
     extra = {"run": str(run), "gpu": prov.get("gpu") or "cpu", "git_sha": prov.get("git_sha"),
-             "corpus": corpus_label(prov), **{f"final_{k}": v for k, v in summ.items()}}
+             "corpus": corpus_label(prov),
+             **{f"final_{k}": v for k, v in summ.items() if k != "time_to_bleu"},
+             **{f"time_to_bleu_{k}": (v or {}).get("seconds") for k, v in summ["time_to_bleu"].items()}}
     H.append_csv(csv_path, [{**r, **extra} for r in rows], COLUMNS)
     md_path = H.result_path(out, "quality", slug, "md")
     md_path.write_text(quality_markdown(run, rows, summ, prov))

@@ -223,6 +223,7 @@ class Trainer:
         self.shapes_seen: set[tuple[int, ...]] = set()
         self.history: list[dict[str, Any]] = []
         self._last_grad_norm = None
+        self.first_step_seconds: float | None = None  # this process's first step: compile + CUDA-graph capture
 
         if self.is_main:
             if ckpt is None:
@@ -253,6 +254,7 @@ class Trainer:
         if not isinstance(batches, Sequence):
             batches = [batches]
         self.model.train()
+        t_first = time.perf_counter() if self.first_step_seconds is None else None
         try:
             loss = forward_backward(self.step_module, batches, device=self.device, autocast=self.autocast,
                                     scaler=self.scaler, ddp=self.ddp, on_batch=self._see_shape)
@@ -269,6 +271,10 @@ class Trainer:
                                               guard=self.cfg.run.nonfinite_guard,
                                               step_scheduler=self.step + 1 < self.total_steps)
         self.step += 1
+        if t_first is not None:  # once per process: a sync to time compilation and capture honestly
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.first_step_seconds = time.perf_counter() - t_first
         return loss
 
     def _see_shape(self, b) -> None:
@@ -463,6 +469,7 @@ class Trainer:
         record["mfu"] = self._mfu(st, record["tgt_tokens_per_second"])
         record["peak_dtype"] = self.peak_dtype
         record["compiled_graphs"] = compiled_graphs() if self.compiled else None
+        record["first_step_seconds"] = self.first_step_seconds
         if self.device.type == "cuda":
             record["peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             torch.cuda.reset_peak_memory_stats(self.device)

@@ -218,7 +218,7 @@ def test_quality_record(tmp_path):
                                                                         "data": {"data_files": ["x/train.jsonl"]}},
         "data_split": {"source": "files:x/train.jsonl"}}))
     recs = [{"kind": "epoch", "epoch": e, "train_loss": 3.0 - e / 2, "train_loss_last_batch": 2.9 - e / 2,
-             "valid_loss": 3.1 - e / 2, "bleu": 5.0 * e, "chrf": 20.0 + e, "epoch_seconds": 10.0 + (30 if e == 1 else 0),
+             "valid_loss": 3.1 - e / 2, "bleu": 10.0 * e, "chrf": 20.0 + e, "epoch_seconds": 10.0 + (30 if e == 1 else 0),
              "eval_seconds": 2.0, "tokens_per_second": 1e5, "mfu": 0.3} for e in (1, 2, 3)]
     recs.append({"kind": "test", "epoch": 3, "test_loss": 1.9, "test_bleu": 17.5, "test_chrf": 40.1,
                  "eval_seconds": 3.0})
@@ -230,3 +230,23 @@ def test_quality_record(tmp_path):
     assert [r["epoch"] for r in rows] == ["1", "2", "3"]
     assert float(rows[-1]["wall_seconds"]) == pytest.approx(40 + 10 + 10 + 3 * 2.0)
     assert paths == 0
+    # BLEU 10, 20, 30 by epoch: 20 is first reached at epoch 2 (wall 40 + 2 + 10 + 2 = 54 s), 35 never
+    assert "time to valid BLEU 20: **54.0 s** (epoch 2" in md and "time to valid BLEU 35: not reached" in md
+    assert float(rows[0]["time_to_bleu_20"]) == pytest.approx(54.0) and rows[0]["time_to_bleu_35"] == ""
+
+
+def test_quality_uses_the_runs_own_clock_and_thresholds(tmp_path):
+    """wall_seconds since process start (data and compile included) wins over the sum of epoch times."""
+    from bench import quality as Q
+
+    run = tmp_path / "runs" / "default"
+    run.mkdir(parents=True)
+    (run / "provenance.json").write_text(json.dumps({"config": {"eval": {"bleu_thresholds": [9.0, 30.0]}}}))
+    recs = [{"kind": "epoch", "epoch": e, "bleu": 10.0 * e, "epoch_seconds": 1.0, "eval_seconds": 0.5,
+             "wall_seconds": 20.0 + 3 * e, "first_step_seconds": 12.5} for e in (1, 2, 3)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    Q.write_quality(run, tmp_path / "res")
+    md = (tmp_path / "res" / "quality-cpu.md").read_text()
+    assert "time to valid BLEU 9: **23.0 s** (epoch 1" in md and "time to valid BLEU 30: **29.0 s** (epoch 3" in md
+    assert "first step (compile + CUDA-graph capture) 12.5 s" in md
+    assert "**5.2 %** of the wall time" in md  # 1.5 s of evaluation in 29 s
