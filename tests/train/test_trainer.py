@@ -274,4 +274,5 @@ def test_fresh_run_moves_an_earlier_run_of_the_same_name_aside(bundle, corpus, t
     assert len(moved) == 1 and any("moved to" in str(m) and "--resume auto" in str(m) for m in logs)
     assert (moved[0] / "metrics.jsonl").read_text().splitlines() == old_lines
     assert any((moved[0] / "checkpoints").iterdir())
-    assert len((second.run_dir / "metrics.jsonl").read_text().splitlines()) == 1  # its own epoch only
+    kinds = [json.loads(x)["kind"] for x in (second.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert kinds == ["epoch", "done"]  # its own epoch only
