@@ -497,7 +497,8 @@ class Transformer(nn.Module):
         # the dtype the decoder's linears produce (autocast's, when it is on), so writes need no cast
         dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else memory.dtype
         caches = [KVCache(B, cfg.n_heads, max_len, cfg.head_dim, dtype, dev) for _ in self.decoder.schedule]
-        return DecodeState(caches, cross_kv, Side(lengths, None, None, None), max_len)
+        # the state owns its lengths (a later refill writes into them, never into the caller's tensor)
+        return DecodeState(caches, cross_kv, Side(lengths.clone(), None, None, None), max_len)
 
     def decode_step(self, tokens: torch.Tensor, state: DecodeState, span: int | None = None) -> torch.Tensor:
         """tokens (B,) at position ``state.pos`` -> next-token logits (B, V); advances the position.
