@@ -321,8 +321,7 @@ def test_static_spans_give_few_step_shapes(monkeypatch, spans, max_shapes):
     assert run.state.t == 0 and int(run.state.pos) == 23
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("beam", [None, 3], ids=["greedy", "beam3"])
+@pytest.mark.parametrize("beam", [pytest.param(None, marks=pytest.mark.slow, id="greedy"), pytest.param(3, id="beam3")])
 def test_static_step_traces_as_one_graph(monkeypatch, beam):
     """torch.compile(fullgraph=True) of the whole static step (decode + bookkeeping) succeeds: no host
     sync, no data-dependent shape or branch (what CUDA-graph capture needs), and no recompilation
@@ -337,9 +336,9 @@ def test_static_step_traces_as_one_graph(monkeypatch, beam):
     run_cls = decoding._GreedyRun if beam is None else decoding._BeamRun
     want = Decoder(model, beam_size=beam, spans="full", **IDS)(batch["src"], batch["src_lengths"])
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     monkeypatch.setattr(run_cls, "step", torch.compile(run_cls.step, fullgraph=True, backend="eager"))
-    got = Decoder(model, beam_size=beam, spans="full", **IDS)(batch["src"], batch["src_lengths"])
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = Decoder(model, beam_size=beam, spans="full", **IDS)(batch["src"], batch["src_lengths"])
     torch._dynamo.reset()
     assert got == want
 
