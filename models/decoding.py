@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -104,13 +105,21 @@ class Decoder:
             raise ValueError(f"spans={spans!r} must be one of {SPANS}")
         if cuda_graph and spans == "exact":
             raise ValueError("cuda_graph=True needs static shapes: spans='pow2' or 'full', not 'exact'")
-        self.model, self.beam_size, self.length_penalty = model, beam_size, length_penalty
+        self._model = weakref.ref(model)  # a weak reference: a cache of decoders keyed by model can free both
+        self.beam_size, self.length_penalty = beam_size, length_penalty
         self.ids = dict(bos=bos_id, eos=eos_id, pad=pad_id)
         self.max_len_ratio, self.max_len_extra = max_len_ratio, max_len_extra
         self.check_every, self.spans, self.cuda_graph = check_every, spans, cuda_graph
         self._runs: dict[tuple, _Run] = {}
         self._params: tuple[int, ...] = ()
         self._pool = None
+
+    @property
+    def model(self) -> Transformer:
+        model = self._model()
+        if model is None:
+            raise RuntimeError("Decoder: its model no longer exists")
+        return model
 
     def __call__(self, src: torch.Tensor, src_lengths: torch.Tensor, *, active: torch.Tensor | None = None,
                  stats: DecodeStats | None = None) -> list[list[int]]:
@@ -150,7 +159,7 @@ class _Run:
     """Static buffers of one batch shape, the step that updates them, and the loop that drives it."""
 
     def __init__(self, dec: Decoder, B: int, T: int, rows: int, device: torch.device):
-        self.dec, self.model, self.B, self.T, self.device = dec, dec.model, B, T, device
+        self.dec, self.B, self.T, self.device = dec, B, T, device
         self.state: DecodeState | None = None
         self.tokens = torch.empty(rows, dtype=torch.long, device=device)  # inputs of the next step
         self.limits = torch.empty(B, dtype=torch.long, device=device)
@@ -162,8 +171,9 @@ class _Run:
     def load(self, src, src_lengths, active):
         """Encode a batch into the state (in place after the first) and reset the search buffers."""
         repeat = 1 if self.dec.beam_size is None else self.dec.beam_size
-        self.state = self.model.start_decoding(src, src_lengths, self.T, repeat=repeat, state=self.state)
-        self.limits.copy_(_length_limits(self.model, src_lengths, self.dec.max_len_ratio, self.dec.max_len_extra))
+        model = self.dec.model
+        self.state = model.start_decoding(src, src_lengths, self.T, repeat=repeat, state=self.state)
+        self.limits.copy_(_length_limits(model, src_lengths, self.dec.max_len_ratio, self.dec.max_len_extra))
         if active is None:
             self.done.fill_(False)
         else:
@@ -172,7 +182,7 @@ class _Run:
 
     def logits(self, span: int | None) -> torch.Tensor:
         """decode_step with PAD and BOS made impossible: (rows, V) fp32."""
-        logits = self.model.decode_step(self.tokens, self.state, span).float()
+        logits = self.dec.model.decode_step(self.tokens, self.state, span).float()
         return logits.index_fill_(1, self.forbidden, -math.inf)
 
     def step(self, span: int | None):
