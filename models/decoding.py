@@ -30,7 +30,9 @@ positions (eager; a new shape every step), "pow2" the next power of two >= 16 (a
 shapes), "full" the whole cache (one shape); the two static modes keep the position on the device
 and sync nothing, so ``cuda_graph=True`` captures one CUDA graph per (batch shape, span), kept with
 the ``Decoder`` and replayed across calls.
-Host syncs: one "all done?" read every ``check_every`` steps, and one read of the answers per batch.
+Host syncs: one "all done?" read every ``check_every`` steps (default: 4 on CUDA, where a read waits
+for the queued steps; every step on the CPU, where it costs nothing and stops at once), and one read
+of the answers per batch.
 Decoding runs in ``torch.inference_mode`` with the model in eval mode (restored after).
 """
 
@@ -93,10 +95,10 @@ class Decoder:
 
     def __init__(self, model: Transformer, *, bos_id: int, eos_id: int, pad_id: int, beam_size: int | None = 4,
                  length_penalty: float = 0.6, max_len_ratio: float = 1.5, max_len_extra: int = 10,
-                 check_every: int = 4, spans: str | None = None, cuda_graph: bool = False):
+                 check_every: int | None = None, spans: str | None = None, cuda_graph: bool = False):
         if beam_size is not None and beam_size < 1:
             raise ValueError(f"beam_size={beam_size} must be >= 1 (or None for greedy decoding)")
-        if check_every < 1:
+        if check_every is not None and check_every < 1:
             raise ValueError(f"check_every={check_every} must be >= 1 (steps between 'all done?' reads)")
         if not math.isfinite(length_penalty):
             raise ValueError(f"length_penalty={length_penalty} must be finite")
@@ -129,7 +131,7 @@ class Decoder:
         with _eval(self.model):
             run = self._run_for(src)
             run.load(src, src_lengths, active)
-            run.decode(stats)
+            run.decode(stats, self.check_every or (4 if src.is_cuda else 1))
             stats.batches += 1
             stats.host_syncs += 1
             return run.answers()
@@ -188,7 +190,7 @@ class _Run:
     def step(self, span: int | None):
         raise NotImplementedError
 
-    def decode(self, stats: DecodeStats):
+    def decode(self, stats: DecodeStats, check_every: int):
         for t in range(self.T):
             span = None
             if self.dec.spans == "full":
@@ -197,7 +199,7 @@ class _Run:
                 span = min(self.T, max(16, 1 << t.bit_length()))  # smallest power of two >= t+1
             self._advance(span, stats)
             stats.steps += 1
-            if (t + 1) % self.dec.check_every == 0 and t + 1 < self.T:
+            if (t + 1) % check_every == 0 and t + 1 < self.T:
                 stats.host_syncs += 1
                 if bool(self.done.all()):  # host sync: once per check_every steps
                     break
@@ -360,7 +362,7 @@ class _BeamRun(_Run):
 
 
 def greedy_decode(model: Transformer, src: torch.Tensor, src_lengths: torch.Tensor, *, bos_id: int, eos_id: int,
-                  pad_id: int, max_len_ratio: float = 1.5, max_len_extra: int = 10, check_every: int = 4,
+                  pad_id: int, max_len_ratio: float = 1.5, max_len_extra: int = 10, check_every: int | None = None,
                   spans: str | None = None, cuda_graph: bool = False, active: torch.Tensor | None = None,
                   stats: DecodeStats | None = None) -> list[list[int]]:
     """src (B, S) int, src_lengths int32 (B,) -> B lists of token ids (no BOS/EOS)."""
@@ -371,7 +373,8 @@ def greedy_decode(model: Transformer, src: torch.Tensor, src_lengths: torch.Tens
 
 def beam_search(model: Transformer, src: torch.Tensor, src_lengths: torch.Tensor, *, bos_id: int, eos_id: int,
                 pad_id: int, beam_size: int = 4, length_penalty: float = 0.6, max_len_ratio: float = 1.5,
-                max_len_extra: int = 10, check_every: int = 4, spans: str | None = None, cuda_graph: bool = False,
+                max_len_extra: int = 10, check_every: int | None = None, spans: str | None = None,
+                cuda_graph: bool = False,
                 active: torch.Tensor | None = None, stats: DecodeStats | None = None) -> list[list[int]]:
     """src (B, S) int, src_lengths int32 (B,) -> B lists of token ids (no BOS/EOS), the best hypothesis each."""
     if beam_size is None or beam_size < 1:

@@ -30,7 +30,7 @@ Architecture (all switches in ``ModelConfig``):
   ``cfg.schedule(side)``; a shared block is one module object called several times.
 - Decoding runs padded batches in every layout (the weights do not depend on it): ``start_decoding``
   (cross-attention K/V per unique decoder block, which is the same for every application of a shared
-  block, plus a preallocated position-major self-attention KV cache per applied layer) ->
+  block, plus a preallocated self-attention KV cache per applied layer) ->
   ``decode_step`` one token at a time (query length 1, every filled position visible), eagerly over the
   filled prefix or over a fixed span with the position on the device (static shapes, no host sync).
 """
@@ -270,37 +270,43 @@ class StepPlan(NamedTuple):
     pos: torch.Tensor  # int64 (1,) position of the input token, on the device
     span: int  # cache positions the self-attention reads (a python int: the step's only shape)
     k_lengths: torch.Tensor | None  # int32 (B,) visible keys (pos + 1); None: all ``span`` are visible
-    gather: torch.Tensor | None  # int64 (B*span,) flat (position, row) cache index per sequence; None: own row
+    gather: torch.Tensor | None  # int64 (B*H*span,) flat cache index of each sequence's keys; None: own row
 
 
 class KVCache:
-    """Preallocated self-attention keys/values of one applied decoder layer, position-major:
-    (T_max, B, H, D) each, so that one step writes one contiguous slab and a gather by (position, row)
-    moves whole (H, D) rows."""
+    """Preallocated self-attention keys/values of one applied decoder layer: (B, H, T_max, D) each."""
 
     def __init__(self, batch: int, heads: int, max_len: int, head_dim: int, dtype, device):
-        self.k = torch.zeros(max_len, batch, heads, head_dim, dtype=dtype, device=device)
+        self.k = torch.zeros(batch, heads, max_len, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
 
     def write(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """k, v (B, H, 1, D) at position ``pos`` (int64 (1,) device tensor), in place."""
-        self.k.index_copy_(0, pos, rearrange(k, "b h 1 d -> 1 b h d").to(self.k.dtype))
-        self.v.index_copy_(0, pos, rearrange(v, "b h 1 d -> 1 b h d").to(self.v.dtype))
+        self.k.index_copy_(2, pos, k.to(self.k.dtype))
+        self.v.index_copy_(2, pos, v.to(self.v.dtype))
 
     def read(self, span: int, gather: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``span`` positions as (B, H, span, D): views of each row's own slots, or with
-        ``gather`` (int64 (B*span,), entry (b, j) = j*B + the row that holds position j of sequence b)
-        a copy of each sequence's slots wherever they were written (beam search's ancestry)."""
-        k, v = self.k[:span], self.v[:span]  # (span, B, H, D)
+        ``gather`` (from ``gather_index``) a copy of each sequence's slots wherever they were written."""
         if gather is None:
-            return rearrange(k, "t b h d -> b h t d"), rearrange(v, "t b h d -> b h t d")
-        B = k.shape[1]
-        k = rearrange(k, "t b h d -> (t b) h d").index_select(0, gather)  # (B*span, H, D)
-        v = rearrange(v, "t b h d -> (t b) h d").index_select(0, gather)
-        return rearrange(k, "(b t) h d -> b h t d", b=B), rearrange(v, "(b t) h d -> b h t d", b=B)
+            return self.k[:, :, :span], self.v[:, :, :span]
+        B, H, _, D = self.k.shape
+        k = rearrange(self.k, "b h t d -> (b h t) d").index_select(0, gather)  # (B*H*span, D)
+        v = rearrange(self.v, "b h t d -> (b h t) d").index_select(0, gather)
+        return rearrange(k, "(b h t) d -> b h t d", b=B, h=H), rearrange(v, "(b h t) d -> b h t d", b=B, h=H)
+
+    @staticmethod
+    def gather_index(rows: torch.Tensor, heads: int, span: int) -> torch.Tensor:
+        """int64 (B*H*span,) flat (b, h, t, :) cache index of position j of sequence b for every head,
+        given ``rows`` (B, T_max): the row that holds position j of sequence b (beam ancestry)."""
+        T = rows.shape[1]
+        h = rearrange(torch.arange(heads, device=rows.device), "h -> 1 h 1")
+        j = rearrange(torch.arange(span, device=rows.device), "t -> 1 1 t")
+        index = (rearrange(rows[:, :span], "b t -> b 1 t") * heads + h) * T + j  # (B, H, span)
+        return rearrange(index, "b h t -> (b h t)")
 
     def reorder(self, index: torch.Tensor):
-        self.k, self.v = self.k.index_select(1, index), self.v.index_select(1, index)
+        self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
 
 
 class DecodeState:
@@ -519,10 +525,7 @@ class Transformer(nn.Module):
             if not 1 <= span <= state.max_len:
                 raise ValueError(f"decode_step: span={span} must lie in [1, max_len={state.max_len}]")
             k_lengths = (state.pos + 1).to(torch.int32).repeat(B)  # (B,)
-        gather = None
-        if state.rows is not None:  # (b, j) -> j*B + row holding position j of sequence b
-            j = torch.arange(span, device=tokens.device)
-            gather = rearrange(j[None, :] * B + state.rows[:, :span], "b t -> (b t)")
+        gather = None if state.rows is None else KVCache.gather_index(state.rows, self.cfg.n_heads, span)
         plan = StepPlan(state.pos, span, k_lengths, gather)
         x = self.tgt_embed(rearrange(tokens, "b -> b 1")) * self.embed_scale  # (B, 1, d)
         x = x + (self.tgt_pos(state.pos) if self.cfg.positions == "learned" else self.pos_table[state.pos])

@@ -40,59 +40,72 @@ def _src_width(longest: int, max_positions: int) -> int:
 
 
 def _decoder(model, tokenizer, decode: str, beam_size: int, length_penalty: float, max_len_ratio: float,
-             max_len_extra: int, cuda_graph: bool):
-    """The model's Decoder for these settings, kept between calls: its buffers and CUDA graphs are
-    built at the first evaluation and replayed at the next ones."""
+             max_len_extra: int, cuda_graph: bool, keep: bool):
+    """A Decoder for these settings; with ``keep`` the model's one for them, kept between calls: its
+    per-shape buffers and CUDA graphs are built at the first evaluation and reused at the next ones."""
     from models.decoding import Decoder
 
+    def make():
+        return Decoder(model, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+                       beam_size=beam_size if decode == "beam" else None, length_penalty=length_penalty,
+                       max_len_ratio=max_len_ratio, max_len_extra=max_len_extra, cuda_graph=cuda_graph)
+
+    if not keep:
+        return make()
     key = (decode, beam_size, length_penalty, max_len_ratio, max_len_extra, cuda_graph, tokenizer.bos_id,
            tokenizer.eos_id, tokenizer.pad_id)
     per_model = _decoders.setdefault(model, {})
     if key not in per_model:
-        per_model[key] = Decoder(model, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-                                 beam_size=beam_size if decode == "beam" else None, length_penalty=length_penalty,
-                                 max_len_ratio=max_len_ratio, max_len_extra=max_len_extra, cuda_graph=cuda_graph)
+        per_model[key] = make()
     return per_model[key]
 
 
 def translate(model, tokenizer, sentences: list[str], device: torch.device, *, beam_size: int = 4,
               batch_size: int = 64, max_len_ratio: float = 1.5, max_len_extra: int = 10, autocast=None,
-              length_penalty: float = 0.6, decode: str = "beam", cuda_graph: bool | None = None,
-              stats=None) -> list[str]:
-    """Translations of ``sentences`` by beam search (``decode="beam"``) or greedy decoding.
+              length_penalty: float = 0.6, decode: str = "beam", fixed_shapes: bool | None = None,
+              cuda_graph: bool | None = None, stats=None) -> list[str]:
+    """Translations of ``sentences`` by beam search (``decode="beam"``) or greedy decoding, batched
+    longest first.
 
-    Sentences are decoded longest first in batches of fixed shape, so that decoding meets a handful
-    of shapes: ``batch_size`` rows (the last batch padded with inactive rows; fewer sentences than
-    that: the next power of two), sources padded to the next of 8, 12, 16, 24, 32, 48, ... tokens.
-    ``cuda_graph`` (None: on for CUDA devices) replays each decoding step from a CUDA graph.
-    ``stats``: a ``models.decoding.DecodeStats`` to add this call's batches, steps and host syncs to.
+    ``fixed_shapes`` (None: on for CUDA devices) gives every batch one of a handful of shapes:
+    ``batch_size`` rows (the last batch padded with inactive rows; fewer sentences than that: the
+    next power of two) and sources padded to the next of 8, 12, 16, 24, 32, 48, ... tokens, so that
+    kernels tune, and the decoders allocate and capture, once per shape, and the model's decoder is
+    kept between calls. Off, each batch is as small as its sentences allow (on the CPU, padding
+    only costs). ``cuda_graph`` (None: on for CUDA devices; needs ``fixed_shapes``) replays each
+    decoding step from a CUDA graph. ``stats``: a ``models.decoding.DecodeStats`` that this call's
+    batches, steps and host syncs are added to.
     """
     if decode not in DECODE_MODES:
         raise ValueError(f"translate: decode={decode!r} must be one of {DECODE_MODES}")
     if beam_size < 1 or batch_size < 1:
         raise ValueError(f"translate: beam_size={beam_size} and batch_size={batch_size} must be >= 1")
+    fixed_shapes = device.type == "cuda" if fixed_shapes is None else fixed_shapes
+    cuda_graph = fixed_shapes and device.type == "cuda" if cuda_graph is None else cuda_graph
+    if cuda_graph and not fixed_shapes:
+        raise ValueError("translate: cuda_graph=True needs fixed_shapes=True (one graph per batch shape)")
     if not sentences:
         return []
-    cuda_graph = device.type == "cuda" if cuda_graph is None else cuda_graph
     max_src = model.cfg.max_positions
     encoded = [ids[: max_src - 1] for ids in tokenizer.encode(sentences)]
     encoded = [np.append(ids, np.int32(tokenizer.eos_id)) for ids in encoded]  # + EOS, as in training
     order = sorted(range(len(encoded)), key=lambda i: -len(encoded[i]))
     rows = batch_size if len(order) >= batch_size else 1 << (len(order) - 1).bit_length()
     decoder = _decoder(model, tokenizer, decode, beam_size, length_penalty, max_len_ratio, max_len_extra,
-                       cuda_graph)
+                       cuda_graph, keep=fixed_shapes)
     out: list[str | None] = [None] * len(sentences)
     ctx = autocast if autocast is not None else torch.autocast(device.type, enabled=False)
     with ctx:
         for start in range(0, len(order), rows):
             idx = order[start : start + rows]
             lens = [len(encoded[i]) for i in idx]
-            src = torch.full((rows, _src_width(max(lens), max_src)), tokenizer.pad_id, dtype=torch.int32)
+            n_rows, width = (rows, _src_width(max(lens), max_src)) if fixed_shapes else (len(idx), max(lens))
+            src = torch.full((n_rows, width), tokenizer.pad_id, dtype=torch.int32)
             src[len(idx) :, 0] = tokenizer.eos_id  # padding rows: an empty source, decoded to nothing
             for row, i in enumerate(idx):
                 src[row, : lens[row]] = torch.from_numpy(encoded[i])
-            src_lengths = torch.tensor(lens + [1] * (rows - len(idx)), dtype=torch.int32)
-            active = torch.arange(rows) < len(idx)
+            src_lengths = torch.tensor(lens + [1] * (n_rows - len(idx)), dtype=torch.int32)
+            active = torch.arange(n_rows) < len(idx)
             hyps = decoder(src.to(device, non_blocking=True), src_lengths.to(device, non_blocking=True),
                            active=active.to(device, non_blocking=True), stats=stats)
             for i, text in zip(idx, tokenizer.decode(hyps[: len(idx)])):
@@ -102,9 +115,9 @@ def translate(model, tokenizer, sentences: list[str], device: torch.device, *, b
 
 def bleu_chrf(model, bundle, split: str, device: torch.device, *, max_sentences: int | None, beam_size: int,
               batch_size: int, max_len_ratio: float, max_len_extra: int, autocast=None, length_penalty: float = 0.6,
-              decode: str = "beam", cuda_graph: bool | None = None) -> dict:
-    """sacreBLEU and chrF of the decoded first N sentences of ``split`` against their references, with
-    the decoding's cost: ``decode_seconds`` (wall, the host waits for the answers), ``decode_steps``,
+              decode: str = "beam", fixed_shapes: bool | None = None, cuda_graph: bool | None = None) -> dict:
+    """sacreBLEU and chrF of the decoded first N sentences of ``split`` against their references (decoding
+    options: ``translate``), with the decoding's cost: ``decode_seconds`` (wall, the host waits for the answers), ``decode_steps``,
     ``host_syncs``, ``decode_batches``, ``graphs_captured`` (CUDA graphs made by this call)."""
     import sacrebleu
 
@@ -117,7 +130,8 @@ def bleu_chrf(model, bundle, split: str, device: torch.device, *, max_sentences:
     t0 = time.perf_counter()
     hyps = translate(model, bundle.tokenizer, src, device, beam_size=beam_size, batch_size=batch_size,
                      max_len_ratio=max_len_ratio, max_len_extra=max_len_extra, autocast=autocast,
-                     length_penalty=length_penalty, decode=decode, cuda_graph=cuda_graph, stats=stats)
+                     length_penalty=length_penalty, decode=decode, fixed_shapes=fixed_shapes, cuda_graph=cuda_graph,
+                     stats=stats)
     seconds = time.perf_counter() - t0
     return {
         "bleu": sacrebleu.corpus_bleu(hyps, [refs]).score,
