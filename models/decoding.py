@@ -114,7 +114,7 @@ class Decoder:
         self.check_every, self.spans, self.cuda_graph = check_every, spans, cuda_graph
         self._runs: dict[tuple, _Run] = {}
         self._params: tuple[int, ...] = ()
-        self._pool = None
+        self._pool, self._stream = None, None
 
     @property
     def model(self) -> Transformer:
@@ -126,8 +126,7 @@ class Decoder:
     def __call__(self, src: torch.Tensor, src_lengths: torch.Tensor, *, active: torch.Tensor | None = None,
                  stats: DecodeStats | None = None) -> list[list[int]]:
         stats = stats if stats is not None else DecodeStats()
-        if self.cuda_graph and not src.is_cuda:
-            raise ValueError(f"cuda_graph=True needs CUDA tensors, src is on {src.device}")
+        self._check_device(src)
         with _eval(self.model):
             run = self._run_for(src)
             run.load(src, src_lengths, active)
@@ -135,6 +134,10 @@ class Decoder:
             stats.batches += 1
             stats.host_syncs += 1
             return run.answers()
+
+    def _check_device(self, src: torch.Tensor):
+        if self.cuda_graph and not src.is_cuda:
+            raise ValueError(f"cuda_graph=True needs CUDA tensors, src is on {src.device}")
 
     def _run_for(self, src: torch.Tensor) -> _Run:
         """The buffers of this batch shape (created on first use); with graphs, dropped when the
@@ -144,8 +147,8 @@ class Decoder:
             if params != self._params:
                 self._runs.clear()
                 self._params = params
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
+            if self._pool is None:  # one memory pool and one side stream for all of this decoder's graphs
+                self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
         dev = src.device.type
         autocast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
         key = (tuple(src.shape), autocast, src.device)
@@ -205,34 +208,45 @@ class _Run:
                     break
 
     def _advance(self, span: int | None, stats: DecodeStats):
-        """One step: eager, or a CUDA graph per span (captured after one eager warm-up step of that
-        span, which initialises lazy state and Triton's autotuning outside the capture)."""
+        """One step: eager, or a CUDA graph per span. The first step of a span runs eagerly on the
+        capture stream (lazy per-stream state, Triton compilation and autotuning happen there, not
+        under capture); the second captures the graph (recording runs nothing) and replays it."""
         if not self.dec.cuda_graph:
             self.step(span)
             return
         graph = self.graphs.get(span)
         if graph is None:
+            stream = self.dec._stream
+            stream.wait_stream(torch.cuda.current_stream())
             if span not in self.warm:
                 self.warm.add(span)
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side), _no_autocast_cache():
+                with torch.cuda.stream(stream), _no_autocast_cache():
                     self.step(span)
-                torch.cuda.current_stream().wait_stream(side)
+                torch.cuda.current_stream().wait_stream(stream)
                 return
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with _no_autocast_cache(), torch.cuda.graph(graph, pool=self.dec._pool):
-                    self.step(span)  # recorded, not run
-            except Exception as err:  # noqa: BLE001 - any capture failure: decode on, eagerly
-                warnings.warn(f"decoding: CUDA graph capture failed ({err!r}); this Decoder runs eagerly "
-                              f"from now on (pass cuda_graph=False to skip the attempt)", stacklevel=2)
-                self.dec.cuda_graph = False
-                self.step(span)
+            graph = self._capture(span, stream)
+            if graph is None:
+                self.step(span)  # the failed capture ran nothing: this step runs eagerly
                 return
             self.graphs[span] = graph
             stats.graphs += 1
         graph.replay()
+
+    def _capture(self, span: int, stream) -> torch.cuda.CUDAGraph | None:
+        """A graph of one step at ``span``; None (and eager decoding from then on) if capture fails
+        twice (a first capture in a process can fail on some lazy initialisation)."""
+        for attempt in (1, 2):
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with _no_autocast_cache(), torch.cuda.graph(graph, pool=self.dec._pool, stream=stream):
+                    self.step(span)
+                return graph
+            except Exception as err:  # noqa: BLE001 - any capture failure: retry once, then decode eagerly
+                if attempt == 2:
+                    warnings.warn(f"decoding: CUDA graph capture failed twice ({err!r}); this Decoder decodes "
+                                  f"eagerly from now on (cuda_graph=False skips the attempt)", stacklevel=3)
+        self.dec.cuda_graph = False
+        return None
 
     def answers(self) -> list[list[int]]:
         raise NotImplementedError

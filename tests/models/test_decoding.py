@@ -452,3 +452,92 @@ def oracle_beam_search(model, src, src_lengths, *, bos_id, eos_id, pad_id, beam_
             if all(done):
                 break
     return [max(f, key=lambda x: x[0])[1] if f else [] for f in finished]
+
+
+class FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on the CPU: capture records which steps a graph would hold
+    (running none of them, as a real capture runs no kernel); replay runs them."""
+
+    recording: FakeGraph | None = None
+    fail_next = 0  # captures that raise (a first capture in a process can fail on a lazy init)
+
+    def __init__(self):
+        self.steps: list = []
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+        for run, span in self.steps:
+            REAL_STEP[type(run)](run, span)
+
+
+REAL_STEP: dict = {}
+
+
+@pytest.fixture
+def fake_cuda_graphs(monkeypatch):
+    """torch.cuda's stream and graph API replaced by CPU stand-ins (see FakeGraph)."""
+    import contextlib
+
+    from models import decoding
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    @contextlib.contextmanager
+    def graph(g, pool=None, stream=None):
+        if FakeGraph.fail_next:
+            FakeGraph.fail_next -= 1
+            raise RuntimeError("operation not permitted when stream is capturing")
+        FakeGraph.recording = g
+        try:
+            yield
+        finally:
+            FakeGraph.recording = None
+
+    def recording_step(run, span):
+        if FakeGraph.recording is not None:
+            FakeGraph.recording.steps.append((run, span))
+        else:
+            REAL_STEP[type(run)](run, span)
+
+    for cls in (decoding._GreedyRun, decoding._BeamRun):
+        REAL_STEP[cls] = cls.step
+        monkeypatch.setattr(cls, "step", recording_step)
+    for name, value in dict(Stream=Stream, stream=lambda s: contextlib.nullcontext(), current_stream=Stream,
+                            CUDAGraph=FakeGraph, graph=graph, graph_pool_handle=object).items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(decoding, "_no_autocast_cache", contextlib.nullcontext)
+    monkeypatch.setattr(decoding.Decoder, "_check_device", lambda self, src: None)
+    FakeGraph.fail_next = 0
+    yield FakeGraph
+
+
+@pytest.mark.parametrize("beam", [None, 3], ids=["greedy", "beam3"])
+def test_graph_driver_warms_captures_and_replays(fake_cuda_graphs, beam):
+    """The CUDA-graph driver, on CPU stand-ins: per span one eager warm-up step, then one capture,
+    then replays; no step lost or doubled (answers equal eager decoding), graphs reused by the next
+    call, dropped when a parameter moves; a capture that fails twice falls back to eager decoding."""
+    model = build_eos(40, 0, 3.0)
+    batch = make_batch(SRC_LENS, [2] * len(SRC_LENS), 40, seed=0)
+    args = (batch["src"], batch["src_lengths"])
+    want = Decoder(model, beam_size=beam, **IDS)(*args)
+    dec = Decoder(model, beam_size=beam, cuda_graph=True, check_every=1000, **IDS)
+    stats = DecodeStats()
+    assert dec(*args, stats=stats) == want
+    (run,) = dec._runs.values()
+    spans = sorted(run.graphs)
+    assert run.T == 28 and stats.steps == 28  # longest source 12: 1.5 * 12 + 10 steps, all run
+    assert spans == [16, 28] and stats.graphs == 2 and run.warm == set(spans)  # spans 1-16, then 17-28
+    assert sum(g.replays for g in run.graphs.values()) == stats.steps - len(spans)  # all but the warm-ups
+    assert all(len(g.steps) == 1 for g in run.graphs.values())  # a graph holds one step
+    assert dec(*args, stats=stats) == want and stats.graphs == 2  # reused: nothing captured again
+    with torch.no_grad():
+        model.lm_head.weight.data = model.lm_head.weight.data.clone()  # a parameter moved
+    assert dec(*args, stats=stats) == want and stats.graphs == 4 and len(dec._runs) == 1
+    fake_cuda_graphs.fail_next = 3  # span 16: fails twice -> eager from then on
+    fallback = Decoder(model, beam_size=beam, cuda_graph=True, **IDS)
+    with pytest.warns(UserWarning, match="capture failed twice"):
+        assert fallback(*args) == want
+    assert not fallback.cuda_graph and fake_cuda_graphs.fail_next == 1
