@@ -52,8 +52,8 @@ def _decoder(model, tokenizer, decode: str, beam_size: int, length_penalty: floa
 
     if not keep:
         return make()
-    key = (decode, beam_size, length_penalty, max_len_ratio, max_len_extra, cuda_graph, tokenizer.bos_id,
-           tokenizer.eos_id, tokenizer.pad_id)
+    key = (decode, beam_size if decode == "beam" else None, length_penalty, max_len_ratio, max_len_extra, cuda_graph,
+           tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id)
     per_model = _decoders.setdefault(model, {})
     if key not in per_model:
         per_model[key] = make()
@@ -69,7 +69,7 @@ def translate(model, tokenizer, sentences: list[str], device: torch.device, *, b
 
     ``fixed_shapes`` (None: on for CUDA devices) gives every batch one of a handful of shapes:
     ``batch_size`` rows (the last batch padded with inactive rows; fewer sentences than that: the
-    next power of two) and sources padded to the next of 8, 12, 16, 24, 32, 48, ... tokens, so that
+    next power of two, if smaller) and sources padded to the next of 8, 12, 16, 24, 32, 48, ... tokens, so that
     kernels tune, and the decoders allocate and capture, once per shape, and the model's decoder is
     kept between calls. Off, each batch is as small as its sentences allow (on the CPU, padding
     only costs). ``cuda_graph`` (None: on for CUDA devices; needs ``fixed_shapes``) replays each
@@ -90,7 +90,7 @@ def translate(model, tokenizer, sentences: list[str], device: torch.device, *, b
     encoded = [ids[: max_src - 1] for ids in tokenizer.encode(sentences)]
     encoded = [np.append(ids, np.int32(tokenizer.eos_id)) for ids in encoded]  # + EOS, as in training
     order = sorted(range(len(encoded)), key=lambda i: -len(encoded[i]))
-    rows = batch_size if len(order) >= batch_size else 1 << (len(order) - 1).bit_length()
+    rows = min(batch_size, 1 << (len(order) - 1).bit_length())  # fewer sentences: a power of two
     decoder = _decoder(model, tokenizer, decode, beam_size, length_penalty, max_len_ratio, max_len_extra,
                        cuda_graph, keep=fixed_shapes)
     out: list[str | None] = [None] * len(sentences)
