@@ -87,10 +87,15 @@ def _length_limit(model, src_len: int, max_len_ratio: float, max_len_extra: floa
 class Decoder:
     """Greedy (``beam_size=None``) or beam-search decoding of one model, reusable across calls.
 
-    ``decoder(src (B, S), src_lengths int32 (B,), active=None) -> B lists of token ids``. ``active``
-    (bool (B,)) marks real rows: the others (padding a batch to a fixed shape) are done from the
-    start and decode to []. Buffers (and CUDA graphs) are kept per (B, S, dtype) and reused, so
-    padding batches to a few shapes pays their set-up once. Arguments: see the module docstring.
+    ``decoder(src (B, S), src_lengths int32 (B,), active=None, stats=None) -> B lists of token ids``.
+    ``active`` (bool (B,)) marks real rows: the others (padding a batch to a fixed shape) are done
+    from the start and decode to []. ``stats`` (a ``DecodeStats``) gets the call's counts added.
+    Buffers (and CUDA graphs) are kept per (B, S, autocast dtype) and reused, so padding batches to a
+    few shapes pays their set-up once; graphs are dropped when a parameter of the model moves.
+    ``check_every``: steps between "all done?" reads (None: 4 on CUDA, 1 on the CPU). ``spans``:
+    "exact" | "pow2" | "full" (None: "pow2" with ``cuda_graph``, else "exact"). ``cuda_graph``:
+    replay each step from a CUDA graph (CUDA tensors; a capture that fails twice falls back to eager
+    decoding with a warning). The model is held by a weak reference.
     """
 
     def __init__(self, model: Transformer, *, bos_id: int, eos_id: int, pad_id: int, beam_size: int | None = 4,
@@ -379,7 +384,8 @@ def greedy_decode(model: Transformer, src: torch.Tensor, src_lengths: torch.Tens
                   pad_id: int, max_len_ratio: float = 1.5, max_len_extra: int = 10, check_every: int | None = None,
                   spans: str | None = None, cuda_graph: bool = False, active: torch.Tensor | None = None,
                   stats: DecodeStats | None = None) -> list[list[int]]:
-    """src (B, S) int, src_lengths int32 (B,) -> B lists of token ids (no BOS/EOS)."""
+    """src (B, S) int, src_lengths int32 (B,) -> B lists of token ids (no BOS/EOS). ``check_every``,
+    ``spans``, ``cuda_graph``, ``active``, ``stats``: see ``Decoder`` (a fresh one per call)."""
     dec = Decoder(model, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, beam_size=None, max_len_ratio=max_len_ratio,
                   max_len_extra=max_len_extra, check_every=check_every, spans=spans, cuda_graph=cuda_graph)
     return dec(src, src_lengths, active=active, stats=stats)
@@ -390,7 +396,8 @@ def beam_search(model: Transformer, src: torch.Tensor, src_lengths: torch.Tensor
                 max_len_extra: int = 10, check_every: int | None = None, spans: str | None = None,
                 cuda_graph: bool = False,
                 active: torch.Tensor | None = None, stats: DecodeStats | None = None) -> list[list[int]]:
-    """src (B, S) int, src_lengths int32 (B,) -> B lists of token ids (no BOS/EOS), the best hypothesis each."""
+    """src (B, S) int, src_lengths int32 (B,) -> B lists of token ids (no BOS/EOS), the best hypothesis each.
+    ``check_every``, ``spans``, ``cuda_graph``, ``active``, ``stats``: see ``Decoder`` (a fresh one per call)."""
     if beam_size is None or beam_size < 1:
         raise ValueError(f"beam_search: beam_size={beam_size} must be >= 1")
     dec = Decoder(model, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, beam_size=beam_size,
