@@ -10,7 +10,7 @@ import torch
 
 from models import Transformer
 from models.decoding import DecodeStats, beam_search, greedy_decode
-from tests.models.test_decoding import assert_same_hypotheses
+from tests.models.test_decoding import assert_same_hypotheses, build_eos
 from tests.models.utils import BOS, EOS, PAD, UNK, build
 from train import evaluate
 from train.evaluate import bleu_chrf, translate
@@ -31,11 +31,8 @@ class IdTokenizer:
 
 
 def eos_model(seed: int) -> Transformer:
-    """A random tiny model whose EOS logit is scaled up, so sentences end at different lengths."""
-    model = build(seed=seed, max_positions=64, tie_embeddings=False, dropout=0.0)
-    with torch.no_grad():
-        model.lm_head.weight[EOS] *= 2.5
-    return model
+    """A random tiny model (vocabulary 40) whose EOS logit is scaled up: sentences end at different lengths."""
+    return build_eos(40, seed, 2.5)
 
 
 def sentences(n: int, seed: int) -> list[str]:
