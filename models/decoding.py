@@ -1,8 +1,8 @@
-"""Batched greedy and beam-search decoding with a KV cache.
+"""Batched greedy and beam-search decoding with a KV cache, kept on the device with static shapes.
 
-Both encode the source once, precompute the cross-attention K/V (once per unique decoder block),
-and feed one token per step through ``Transformer.decode_step`` (decoder self-attention K/V are
-appended to a preallocated cache: the prefix is never re-run).
+Both encode each source once, precompute the cross-attention K/V (once per unique decoder block,
+repeated for the beams), and feed one token per step through ``Transformer.decode_step`` (decoder
+self-attention K/V go into a preallocated cache: the prefix is never re-run).
 
 Length limit per sequence: at most ``floor(max_len_ratio * src_len + max_len_extra)`` generated
 tokens, EOS included (``src_len`` counts the source EOS), and never more than
@@ -16,22 +16,50 @@ Beam search keeps ``beam_size`` live hypotheses per sentence. At each step it ta
 done when it has that many and the worst of them scores at least the best live hypothesis
 normalised at the current length (the usual heuristic: with ``length_penalty > 0`` a longer live
 hypothesis could still overtake), or when it reaches its length limit (its live hypotheses are
-then finished as they are). The answer is the best finished hypothesis.
+then finished as they are). The answer is the best finished hypothesis (on equal scores: the one
+finished first, then the better-ranked candidate).
 With ``beam_size=1`` this is greedy decoding (the first EOS ends the sentence).
 
-Host syncs: one per step (the "all done?" check, and beam search's bookkeeping of finished
-hypotheses). Decoding runs in ``torch.inference_mode`` with the model in eval mode (restored after).
+How it runs: every buffer is allocated once per batch shape (rows, source width): the tokens, the
+(B, K, T) histories of live and finished hypotheses, their scores, lengths and "done" flags; each
+step is tensor work on them (top-k, gathers, a stable sort to merge finished hypotheses). The KV
+cache is never reordered: each row writes its own slot per position and ``DecodeState.rows`` keeps
+the ancestry (which row holds position j of the beam now in row r); attention gathers the filled
+positions from there. ``spans`` picks the shapes a step sees: "exact" reads the t+1 filled
+positions (eager; a new shape every step), "pow2" the next power of two >= 16 (a handful of
+shapes), "full" the whole cache (one shape); the two static modes keep the position on the device
+and sync nothing, so ``cuda_graph=True`` captures one CUDA graph per (batch shape, span), kept with
+the ``Decoder`` and replayed across calls.
+Host syncs: one "all done?" read every ``check_every`` steps (default: 4 on CUDA, where a read waits
+for the queued steps; every step on the CPU, where it costs nothing and stops at once), and one read
+of the answers per batch.
+Decoding runs in ``torch.inference_mode`` with the model in eval mode (restored after).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
+import weakref
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
-from einops import rearrange, repeat
+from einops import rearrange
 
-from models.transformer import Transformer
+from models.transformer import DecodeState, Transformer
+
+SPANS = ("exact", "pow2", "full")
+
+
+@dataclass
+class DecodeStats:
+    """Counters summed over decoding calls (pass one as ``stats=``)."""
+
+    batches: int = 0  # decoded batches
+    steps: int = 0  # decoder steps (each over all rows of a batch)
+    host_syncs: int = 0  # reads of device values by the host ("all done?" checks, answers)
+    graphs: int = 0  # CUDA graphs captured
 
 
 @contextmanager
@@ -51,100 +79,328 @@ def _length_limits(model, src_lengths, max_len_ratio, max_len_extra) -> torch.Te
     return limits.clamp(1, model.cfg.max_positions - 1)
 
 
-def _next_logits(model, tokens, state, forbidden: list[int]) -> torch.Tensor:
-    """decode_step, with the ``forbidden`` ids (PAD, BOS) made impossible. (B, V) fp32."""
-    logits = model.decode_step(tokens, state).float()
-    logits[:, forbidden] = -math.inf
-    return logits
+def _length_limit(model, src_len: int, max_len_ratio: float, max_len_extra: float) -> int:
+    """``_length_limits`` of one host-side length (the same float64 arithmetic)."""
+    return min(max(math.floor(src_len * max_len_ratio + max_len_extra), 1), model.cfg.max_positions - 1)
+
+
+class Decoder:
+    """Greedy (``beam_size=None``) or beam-search decoding of one model, reusable across calls.
+
+    ``decoder(src (B, S), src_lengths int32 (B,), active=None, stats=None) -> B lists of token ids``.
+    ``active`` (bool (B,)) marks real rows: the others (padding a batch to a fixed shape) are done
+    from the start and decode to []. ``stats`` (a ``DecodeStats``) gets the call's counts added.
+    Buffers (and CUDA graphs) are kept per (B, S, autocast dtype) and reused, so padding batches to a
+    few shapes pays their set-up once; graphs are dropped when a parameter of the model moves.
+    ``check_every``: steps between "all done?" reads (None: 4 on CUDA, 1 on the CPU). ``spans``:
+    "exact" | "pow2" | "full" (None: "pow2" with ``cuda_graph``, else "exact"). ``cuda_graph``:
+    replay each step from a CUDA graph (CUDA tensors; a capture that fails twice falls back to eager
+    decoding with a warning). The model is held by a weak reference.
+    """
+
+    def __init__(self, model: Transformer, *, bos_id: int, eos_id: int, pad_id: int, beam_size: int | None = 4,
+                 length_penalty: float = 0.6, max_len_ratio: float = 1.5, max_len_extra: int = 10,
+                 check_every: int | None = None, spans: str | None = None, cuda_graph: bool = False):
+        if beam_size is not None and beam_size < 1:
+            raise ValueError(f"beam_size={beam_size} must be >= 1 (or None for greedy decoding)")
+        if check_every is not None and check_every < 1:
+            raise ValueError(f"check_every={check_every} must be >= 1 (steps between 'all done?' reads)")
+        if not math.isfinite(length_penalty):
+            raise ValueError(f"length_penalty={length_penalty} must be finite")
+        spans = spans if spans is not None else ("pow2" if cuda_graph else "exact")
+        if spans not in SPANS:
+            raise ValueError(f"spans={spans!r} must be one of {SPANS}")
+        if cuda_graph and spans == "exact":
+            raise ValueError("cuda_graph=True needs static shapes: spans='pow2' or 'full', not 'exact'")
+        self._model = weakref.ref(model)  # a weak reference: a cache of decoders keyed by model can free both
+        self.beam_size, self.length_penalty = beam_size, length_penalty
+        self.ids = dict(bos=bos_id, eos=eos_id, pad=pad_id)
+        self.max_len_ratio, self.max_len_extra = max_len_ratio, max_len_extra
+        self.check_every, self.spans, self.cuda_graph = check_every, spans, cuda_graph
+        self._runs: dict[tuple, _Run] = {}
+        self._params: tuple[int, ...] = ()
+        self._pool, self._stream = None, None
+
+    @property
+    def model(self) -> Transformer:
+        model = self._model()
+        if model is None:
+            raise RuntimeError("Decoder: its model no longer exists")
+        return model
+
+    def __call__(self, src: torch.Tensor, src_lengths: torch.Tensor, *, active: torch.Tensor | None = None,
+                 stats: DecodeStats | None = None) -> list[list[int]]:
+        stats = stats if stats is not None else DecodeStats()
+        self._check_device(src)
+        with _eval(self.model):
+            run = self._run_for(src)
+            run.load(src, src_lengths, active)
+            run.decode(stats, self.check_every or (4 if src.is_cuda else 1))
+            stats.batches += 1
+            stats.host_syncs += 1
+            return run.answers()
+
+    def _check_device(self, src: torch.Tensor):
+        if self.cuda_graph and not src.is_cuda:
+            raise ValueError(f"cuda_graph=True needs CUDA tensors, src is on {src.device}")
+
+    def _run_for(self, src: torch.Tensor) -> _Run:
+        """The buffers of this batch shape (created on first use); with graphs, dropped when the
+        model's parameters moved (a graph reads them at their captured addresses)."""
+        if self.cuda_graph:
+            params = tuple(p.data_ptr() for p in self.model.parameters())
+            if params != self._params:
+                self._runs.clear()
+                self._params = params
+            if self._pool is None:  # one memory pool and one side stream for all of this decoder's graphs
+                self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+        dev = src.device.type
+        autocast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        key = (tuple(src.shape), autocast, src.device)
+        if key not in self._runs:
+            B, S = src.shape
+            T = _length_limit(self.model, S, self.max_len_ratio, self.max_len_extra)
+            kind = _GreedyRun if self.beam_size is None else _BeamRun
+            self._runs[key] = kind(self, B, T, src.device)
+        return self._runs[key]
+
+
+class _Run:
+    """Static buffers of one batch shape, the step that updates them, and the loop that drives it."""
+
+    def __init__(self, dec: Decoder, B: int, T: int, rows: int, device: torch.device):
+        self.dec, self.B, self.T, self.device = dec, B, T, device
+        self.state: DecodeState | None = None
+        self.tokens = torch.empty(rows, dtype=torch.long, device=device)  # inputs of the next step
+        self.limits = torch.empty(B, dtype=torch.long, device=device)
+        self.done = torch.empty(B, dtype=torch.bool, device=device)
+        self.forbidden = torch.tensor([dec.ids["pad"], dec.ids["bos"]], device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.warm: set[int] = set()
+
+    def load(self, src, src_lengths, active):
+        """Encode a batch into the state (in place after the first) and reset the search buffers."""
+        repeat = 1 if self.dec.beam_size is None else self.dec.beam_size
+        model = self.dec.model
+        self.state = model.start_decoding(src, src_lengths, self.T, repeat=repeat, state=self.state)
+        self.limits.copy_(_length_limits(model, src_lengths, self.dec.max_len_ratio, self.dec.max_len_extra))
+        if active is None:
+            self.done.fill_(False)
+        else:
+            torch.logical_not(active, out=self.done)
+        self.tokens.fill_(self.dec.ids["bos"])
+
+    def logits(self, span: int | None) -> torch.Tensor:
+        """decode_step with PAD and BOS made impossible: (rows, V) fp32."""
+        logits = self.dec.model.decode_step(self.tokens, self.state, span).float()
+        return logits.index_fill_(1, self.forbidden, -math.inf)
+
+    def step(self, span: int | None):
+        raise NotImplementedError
+
+    def decode(self, stats: DecodeStats, check_every: int):
+        for t in range(self.T):
+            span = None
+            if self.dec.spans == "full":
+                span = self.T
+            elif self.dec.spans == "pow2":
+                span = min(self.T, max(16, 1 << t.bit_length()))  # smallest power of two >= t+1
+            self._advance(span, stats)
+            stats.steps += 1
+            if (t + 1) % check_every == 0 and t + 1 < self.T:
+                stats.host_syncs += 1
+                if bool(self.done.all()):  # host sync: once per check_every steps
+                    break
+
+    def _advance(self, span: int | None, stats: DecodeStats):
+        """One step: eager, or a CUDA graph per span. The first step of a span runs eagerly on the
+        capture stream (lazy per-stream state, Triton compilation and autotuning happen there, not
+        under capture); the second captures the graph (recording runs nothing) and replays it."""
+        if not self.dec.cuda_graph:
+            self.step(span)
+            return
+        graph = self.graphs.get(span)
+        if graph is None:
+            stream = self.dec._stream
+            stream.wait_stream(torch.cuda.current_stream())
+            if span not in self.warm:
+                self.warm.add(span)
+                with torch.cuda.stream(stream), _no_autocast_cache():
+                    self.step(span)
+                torch.cuda.current_stream().wait_stream(stream)
+                return
+            graph = self._capture(span, stream)
+            if graph is None:
+                self.step(span)  # the failed capture ran nothing: this step runs eagerly
+                return
+            self.graphs[span] = graph
+            stats.graphs += 1
+        graph.replay()
+
+    def _capture(self, span: int, stream) -> torch.cuda.CUDAGraph | None:
+        """A graph of one step at ``span``; None (and eager decoding from then on) if capture fails
+        twice (a first capture in a process can fail on some lazy initialisation)."""
+        for attempt in (1, 2):
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with _no_autocast_cache(), torch.cuda.graph(graph, pool=self.dec._pool, stream=stream):
+                    self.step(span)
+                return graph
+            except Exception as err:  # noqa: BLE001 - any capture failure: retry once, then decode eagerly
+                if attempt == 2:
+                    warnings.warn(f"decoding: CUDA graph capture failed twice ({err!r}); this Decoder decodes "
+                                  f"eagerly from now on (cuda_graph=False skips the attempt)", stacklevel=3)
+        self.dec.cuda_graph = False
+        return None
+
+    def answers(self) -> list[list[int]]:
+        raise NotImplementedError
+
+
+@contextmanager
+def _no_autocast_cache():
+    """The current autocast, with its weight-cast cache off: a captured graph must cast the weights
+    itself (a cached cast made outside it would be freed when autocast exits, and never refreshed)."""
+    dev = "cuda"
+    with torch.autocast(dev, dtype=torch.get_autocast_dtype(dev), enabled=torch.is_autocast_enabled(dev),
+                        cache_enabled=False):
+        yield
+
+
+class _GreedyRun(_Run):
+    def __init__(self, dec: Decoder, B: int, T: int, device: torch.device):
+        super().__init__(dec, B, T, B, device)
+        self.out = torch.empty(B, T, dtype=torch.long, device=device)  # generated tokens, PAD after the end
+
+    def load(self, src, src_lengths, active):
+        super().load(src, src_lengths, active)
+        self.out.fill_(self.dec.ids["pad"])
+
+    def step(self, span):
+        ids = self.dec.ids
+        tok = self.logits(span).argmax(-1)  # (B,)
+        tok = torch.where(self.done, ids["pad"], tok)
+        length = self.state.pos  # (1,) tokens generated so far, this one included
+        self.out.index_copy_(1, length - 1, rearrange(tok, "b -> b 1"))
+        self.done |= (tok == ids["eos"]) | (length >= self.limits)
+        self.tokens.copy_(tok)
+
+    def answers(self):
+        ids = self.dec.ids
+        rows = self.out.tolist()  # host sync: once per batch
+        out = []
+        for row in rows:
+            if ids["eos"] in row:
+                row = row[: row.index(ids["eos"])]
+            out.append([tok for tok in row if tok != ids["pad"]])
+        return out
+
+
+class _BeamRun(_Run):
+    def __init__(self, dec: Decoder, B: int, T: int, device: torch.device):
+        K = dec.beam_size
+        super().__init__(dec, B, T, B * K, device)
+        self.K = K
+        self.alive = torch.empty(B, K, device=device)  # cumulative log-probs of the live beams
+        self.hist = torch.empty(B, K, T, dtype=torch.long, device=device)  # their tokens so far
+        self.fin_score = torch.empty(B, K, dtype=torch.float64, device=device)  # best finished, sorted; -inf: none
+        self.fin_tok = torch.empty(B, K, T, dtype=torch.long, device=device)
+        self.fin_len = torch.empty(B, K, dtype=torch.long, device=device)
+        # GNMT length penalty of every length 0..T, in float64 with python's arithmetic
+        lp = dec.length_penalty
+        self.penalty = torch.tensor([((5.0 + n) / 6.0) ** lp for n in range(T + 1)], dtype=torch.float64,
+                                    device=device)
+        self.own_row = torch.arange(B * K, device=device)  # (R,)
+        self.first_row = rearrange(torch.arange(B, device=device) * K, "b -> b 1")  # (B, 1)
+        self.col = torch.arange(T, device=device)  # (T,)
+        self.rank = torch.arange(2 * K, device=device)  # (2K,) candidate order
+
+    def load(self, src, src_lengths, active):
+        super().load(src, src_lengths, active)
+        if self.state.rows is None:
+            self.state.rows = torch.empty(self.B * self.K, self.T, dtype=torch.long, device=self.device)
+        self.state.rows.copy_(rearrange(self.own_row, "r -> r 1").expand(-1, self.T))
+        self.alive.fill_(-math.inf)
+        self.alive[:, 0] = 0.0  # only beam 0 is live at the start (the others are copies of it)
+        self.hist.fill_(self.dec.ids["pad"])
+        self.fin_score.fill_(-math.inf)
+        self.fin_tok.fill_(self.dec.ids["pad"])
+        self.fin_len.zero_()
+
+    def step(self, span):
+        B, K, T, eos = self.B, self.K, self.T, self.dec.ids["eos"]
+        logp = torch.log_softmax(self.logits(span), -1)  # (B*K, V)
+        V = logp.shape[-1]
+        length = self.state.pos  # (1,) tokens generated so far, this step's included
+        penalty = self.penalty[length]  # (1,) float64
+        cand = rearrange(self.alive, "b k -> b k 1") + rearrange(logp, "(b k) v -> b k v", k=K)  # (B, K, V)
+        n = min(2 * K, K * V)
+        top_score, top_idx = rearrange(cand, "b k v -> b (k v)").topk(n, dim=-1)  # (B, n)
+        top_beam, top_tok = top_idx // V, top_idx % V
+        is_eos = top_tok == eos
+        # EOS candidates ranked within the first K finish (their history is the parent's)
+        fresh = is_eos[:, :K] & torch.isfinite(top_score[:, :K]) & ~rearrange(self.done, "b -> b 1")
+        eos_score = torch.where(fresh, top_score[:, :K].double() / penalty, -math.inf)  # (B, K)
+        eos_tok = self.hist.gather(1, rearrange(top_beam[:, :K], "b k -> b k 1").expand(-1, -1, T))
+        eos_len = (length - 1).expand(B, K)
+        # the best K non-EOS candidates live on
+        keep = (is_eos.long() * n + self.rank[:n]).topk(K, dim=-1, largest=False).indices  # (B, K) EOS last
+        alive = top_score.gather(1, keep)
+        parent, tok = top_beam.gather(1, keep), top_tok.gather(1, keep)  # (B, K)
+        hist = self.hist.gather(1, rearrange(parent, "b k -> b k 1").expand(-1, -1, T))
+        hist.index_copy_(2, length - 1, rearrange(tok, "b k -> b k 1"))
+        # a sentence at its length limit finishes its live hypotheses as they are
+        at_limit = (length >= self.limits) & ~self.done  # (B,)
+        lim_score = torch.where(rearrange(at_limit, "b -> b 1") & torch.isfinite(alive), alive.double() / penalty,
+                                -math.inf)
+        # keep the K best finished: earlier ones first on equal scores (a stable sort), then EOS, then limit
+        score = torch.cat([self.fin_score, eos_score, lim_score], 1)  # (B, 3K)
+        order = score.sort(dim=1, descending=True, stable=True).indices[:, :K]  # (B, K)
+        fin_tok = torch.cat([self.fin_tok, eos_tok, hist], 1).gather(1, rearrange(order, "b k -> b k 1")
+                                                                          .expand(-1, -1, T))
+        self.fin_len.copy_(torch.cat([self.fin_len, eos_len, length.expand(B, K)], 1).gather(1, order))
+        self.fin_score.copy_(score.gather(1, order))
+        self.fin_tok.copy_(fin_tok)
+        # done: at the limit, or K finished and the worst beats the best live one normalised now
+        worst = self.fin_score[:, K - 1]
+        best_live = alive.max(1).values.double() / penalty
+        self.done |= at_limit | (torch.isfinite(worst) & (worst >= best_live))
+        # the survivors: scores, histories, next inputs, and where their cached positions live
+        self.alive.copy_(alive)
+        self.hist.copy_(hist)
+        self.tokens.copy_(rearrange(tok, "b k -> (b k)"))
+        parent_row = rearrange(self.first_row + parent, "b k -> (b k)")  # (R,)
+        rows = self.state.rows.index_select(0, parent_row)  # positions <= t: the parent's
+        self.state.rows.copy_(torch.where(self.col < length, rows, rearrange(self.own_row, "r -> r 1")))
+
+    def answers(self):
+        best = self.fin_tok[:, 0]  # (B, T)
+        n = torch.where(torch.isfinite(self.fin_score[:, 0]), self.fin_len[:, 0], 0)  # (B,) 0: none finished
+        rows = torch.cat([rearrange(n, "b -> b 1"), best], 1).tolist()  # host sync: once per batch
+        return [row[1 : 1 + row[0]] for row in rows]
 
 
 def greedy_decode(model: Transformer, src: torch.Tensor, src_lengths: torch.Tensor, *, bos_id: int, eos_id: int,
-                  pad_id: int, max_len_ratio: float = 1.5, max_len_extra: int = 10) -> list[list[int]]:
-    """src (B, S) int, src_lengths int32 (B,) -> B lists of token ids (no BOS/EOS)."""
-    B = src.shape[0]
-    with _eval(model):
-        limits = _length_limits(model, src_lengths, max_len_ratio, max_len_extra)  # (B,)
-        steps = int(limits.max())
-        state = model.start_decoding(src, src_lengths, steps)
-        tokens = torch.full((B,), bos_id, dtype=torch.long, device=src.device)
-        done = torch.zeros(B, dtype=torch.bool, device=src.device)
-        out = []
-        for t in range(steps):
-            logits = _next_logits(model, tokens, state, [pad_id, bos_id])  # (B, V)
-            tokens = logits.argmax(-1)
-            tokens = torch.where(done, torch.full_like(tokens, pad_id), tokens)
-            out.append(tokens)
-            done = done | (tokens == eos_id) | (t + 1 >= limits)
-            if bool(done.all()):  # host sync, once per step
-                break
-        rows = torch.stack(out, 1).tolist()  # (B, steps)
-    return [_strip(row, eos_id, pad_id) for row in rows]
-
-
-def _strip(row: list[int], eos_id: int, pad_id: int) -> list[int]:
-    if eos_id in row:
-        row = row[: row.index(eos_id)]
-    return [tok for tok in row if tok != pad_id]
+                  pad_id: int, max_len_ratio: float = 1.5, max_len_extra: int = 10, check_every: int | None = None,
+                  spans: str | None = None, cuda_graph: bool = False, active: torch.Tensor | None = None,
+                  stats: DecodeStats | None = None) -> list[list[int]]:
+    """src (B, S) int, src_lengths int32 (B,) -> B lists of token ids (no BOS/EOS). ``check_every``,
+    ``spans``, ``cuda_graph``, ``active``, ``stats``: see ``Decoder`` (a fresh one per call)."""
+    dec = Decoder(model, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, beam_size=None, max_len_ratio=max_len_ratio,
+                  max_len_extra=max_len_extra, check_every=check_every, spans=spans, cuda_graph=cuda_graph)
+    return dec(src, src_lengths, active=active, stats=stats)
 
 
 def beam_search(model: Transformer, src: torch.Tensor, src_lengths: torch.Tensor, *, bos_id: int, eos_id: int,
                 pad_id: int, beam_size: int = 4, length_penalty: float = 0.6, max_len_ratio: float = 1.5,
-                max_len_extra: int = 10) -> list[list[int]]:
-    """src (B, S) int, src_lengths int32 (B,) -> B lists of token ids (no BOS/EOS), the best hypothesis each."""
-    if beam_size < 1:
+                max_len_extra: int = 10, check_every: int | None = None, spans: str | None = None,
+                cuda_graph: bool = False,
+                active: torch.Tensor | None = None, stats: DecodeStats | None = None) -> list[list[int]]:
+    """src (B, S) int, src_lengths int32 (B,) -> B lists of token ids (no BOS/EOS), the best hypothesis each.
+    ``check_every``, ``spans``, ``cuda_graph``, ``active``, ``stats``: see ``Decoder`` (a fresh one per call)."""
+    if beam_size is None or beam_size < 1:
         raise ValueError(f"beam_search: beam_size={beam_size} must be >= 1")
-    B, K, device = src.shape[0], beam_size, src.device
-
-    def score(logprob: float, length: int) -> float:
-        return logprob / (((5.0 + length) / 6.0) ** length_penalty)
-
-    with _eval(model):
-        limits = _length_limits(model, src_lengths, max_len_ratio, max_len_extra).tolist()  # B ints
-        steps = max(limits)
-        src_k = repeat(src, "b s -> (b k) s", k=K)  # every beam has its own row
-        state = model.start_decoding(src_k, repeat(src_lengths, "b -> (b k)", k=K), steps)
-        tokens = torch.full((B * K,), bos_id, dtype=torch.long, device=device)
-        # cumulative log-probs; only beam 0 is live at the start (the others are copies of it)
-        scores = torch.full((B, K), -math.inf, device=device)
-        scores[:, 0] = 0.0
-        history = torch.empty(B, K, 0, dtype=torch.long, device=device)  # (B, K, t) generated so far
-        finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]
-        done = [False] * B
-        base = rearrange(torch.arange(B, device=device) * K, "b -> b 1")  # (B, 1) first row of each sentence
-        for t in range(steps):
-            logp = torch.log_softmax(_next_logits(model, tokens, state, [pad_id, bos_id]), -1)  # (B*K, V)
-            V = logp.shape[-1]
-            cand = rearrange(scores, "b k -> b k 1") + rearrange(logp, "(b k) v -> b k v", k=K)  # (B, K, V)
-            top_scores, top_idx = rearrange(cand, "b k v -> b (k v)").topk(min(2 * K, K * V), dim=-1)  # (B, 2K)
-            top_beam, top_tok = top_idx // V, top_idx % V
-            is_eos = top_tok == eos_id
-            # finish EOS candidates ranked within the first K (host bookkeeping, once per step)
-            eos_hits = (is_eos[:, :K] & torch.isfinite(top_scores[:, :K])).nonzero().tolist()
-            if eos_hits:
-                hist_cpu, sc_cpu, beam_cpu = history.tolist(), top_scores.tolist(), top_beam.tolist()
-                for b, j in eos_hits:
-                    if not done[b]:
-                        finished[b].append((score(sc_cpu[b][j], t + 1), hist_cpu[b][beam_cpu[b][j]]))
-            # the best K non-EOS candidates live on
-            rank = is_eos.long() * (2 * K) + torch.arange(top_idx.shape[1], device=device)  # EOS sorted last
-            keep = rank.topk(K, dim=-1, largest=False).indices  # (B, K)
-            scores = top_scores.gather(1, keep)
-            beams, tokens = top_beam.gather(1, keep), top_tok.gather(1, keep)  # (B, K)
-            history = torch.cat([history.gather(1, repeat(beams, "b k -> b k t", t=history.shape[2])),
-                                 rearrange(tokens, "b k -> b k 1")], dim=2)
-            state.reorder(rearrange(base + beams, "b k -> (b k)"))
-            tokens = rearrange(tokens, "b k -> (b k)")
-            best_live = scores.max(1).values.tolist()  # (B,) raw log-probs of the best live beam
-            for b in range(B):
-                if done[b]:
-                    continue
-                finished[b] = sorted(finished[b], key=lambda x: -x[0])[:K]
-                if t + 1 >= limits[b]:  # out of length: finish the live hypotheses as they are
-                    sc, hist = scores[b].tolist(), history[b].tolist()
-                    finished[b].extend((score(s, t + 1), h) for s, h in zip(sc, hist) if math.isfinite(s))
-                    done[b] = True
-                elif len(finished[b]) >= K and finished[b][-1][0] >= score(best_live[b], t + 1):
-                    done[b] = True
-            if all(done):
-                break
-    return [max(f, key=lambda x: x[0])[1] if f else [] for f in finished]
+    dec = Decoder(model, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, beam_size=beam_size,
+                  length_penalty=length_penalty, max_len_ratio=max_len_ratio, max_len_extra=max_len_extra,
+                  check_every=check_every, spans=spans, cuda_graph=cuda_graph)
+    return dec(src, src_lengths, active=active, stats=stats)

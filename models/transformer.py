@@ -30,8 +30,9 @@ Architecture (all switches in ``ModelConfig``):
   ``cfg.schedule(side)``; a shared block is one module object called several times.
 - Decoding runs padded batches in every layout (the weights do not depend on it): ``start_decoding``
   (cross-attention K/V per unique decoder block, which is the same for every application of a shared
-  block, plus a preallocated self-attention KV cache per applied layer) -> ``decode_step`` one token
-  at a time (query length 1, all cached keys visible).
+  block, plus a preallocated self-attention KV cache per applied layer) ->
+  ``decode_step`` one token at a time (query length 1, every filled position visible), eagerly over the
+  filled prefix or over a fixed span with the position on the device (static shapes, no host sync).
 """
 
 from __future__ import annotations
@@ -146,13 +147,13 @@ class SelfAttention(nn.Module):
         q, k, v = split_heads(self.qkv(x), 3, self.heads)  # 3 x (B, H, T, D) or (total, H, D)
         return self.out(merge_heads(attend(q, k, v, side, side, self.causal, self.backend)))
 
-    def step(self, x: torch.Tensor, cache: KVCache, t: int) -> torch.Tensor:
-        """One decoding step: x (B, 1, d_model) at position t; appends its K/V to the cache."""
+    def step(self, x: torch.Tensor, cache: KVCache, plan: StepPlan) -> torch.Tensor:
+        """One decoding step: x (B, 1, d_model) at position ``plan.pos``; writes its K/V to the cache."""
         q, k, v = split_heads(self.qkv(x), 3, self.heads)  # 3 x (B, H, 1, D)
-        cache.k[:, :, t : t + 1] = k
-        cache.v[:, :, t : t + 1] = v
-        # query length 1 against t+1 cached keys: all visible (bottom-right causal), no mask needed
-        o = attention(q, cache.k[:, :, : t + 1], cache.v[:, :, : t + 1], backend=self.backend)  # (B, H, 1, D)
+        cache.write(plan.pos, k, v)
+        keys, values = cache.read(plan.span, plan.gather)  # 2 x (B, H, span, D)
+        # query length 1: every key up to its own position is visible (k_lengths masks a static span)
+        o = attention(q, keys, values, k_lengths=plan.k_lengths, backend=self.backend)  # (B, H, 1, D)
         return self.out(merge_heads(o))
 
 
@@ -228,10 +229,10 @@ class DecoderBlock(nn.Module):
         h = self.drop(self.ffn(x))
         return h, res
 
-    def step(self, h, res, cache: KVCache, cross_kv, src: Side, t: int):
+    def step(self, h, res, cache: KVCache, cross_kv, src: Side, plan: StepPlan):
         """One decoding step for x (B, 1, d_model) (eval mode: dropout is the identity)."""
         x, res = self.norm_self(h, res)
-        h = self.self_attn.step(x, cache, t)
+        h = self.self_attn.step(x, cache, plan)
         x, res = self.norm_cross(h, res)
         h = self.cross_attn(x, None, ALL_QUERIES, src, kv=cross_kv)
         x, res = self.norm_ffn(h, res)
@@ -268,6 +269,15 @@ def sinusoids(n: int, dim: int) -> torch.Tensor:
     return rearrange(torch.stack([angles.sin(), angles.cos()], dim=-1), "n k two -> n (k two)")[:, :dim]
 
 
+class StepPlan(NamedTuple):
+    """What one decoding step reads besides its tokens (built once per step by ``decode_step``)."""
+
+    pos: torch.Tensor  # int64 (1,) position of the input token, on the device
+    span: int  # cache positions the self-attention reads (a python int: the step's only shape)
+    k_lengths: torch.Tensor | None  # int32 (B,) visible keys (pos + 1); None: all ``span`` are visible
+    gather: torch.Tensor | None  # int64 (B*H*span,) flat cache index of each sequence's keys; None: own row
+
+
 class KVCache:
     """Preallocated self-attention keys/values of one applied decoder layer: (B, H, T_max, D) each."""
 
@@ -275,18 +285,53 @@ class KVCache:
         self.k = torch.zeros(batch, heads, max_len, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
 
+    def write(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """k, v (B, H, 1, D) at position ``pos`` (int64 (1,) device tensor), in place."""
+        self.k.index_copy_(2, pos, k.to(self.k.dtype))
+        self.v.index_copy_(2, pos, v.to(self.v.dtype))
+
+    def read(self, span: int, gather: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``span`` positions as (B, H, span, D): views of each row's own slots, or with
+        ``gather`` (from ``gather_index``) a copy of each sequence's slots wherever they were written."""
+        if gather is None:
+            return self.k[:, :, :span], self.v[:, :, :span]
+        B, H, _, D = self.k.shape
+        k = rearrange(self.k, "b h t d -> (b h t) d").index_select(0, gather)  # (B*H*span, D)
+        v = rearrange(self.v, "b h t d -> (b h t) d").index_select(0, gather)
+        return rearrange(k, "(b h t) d -> b h t d", b=B, h=H), rearrange(v, "(b h t) d -> b h t d", b=B, h=H)
+
+    @staticmethod
+    def gather_index(rows: torch.Tensor, heads: int, span: int) -> torch.Tensor:
+        """int64 (B*H*span,) flat (b, h, t, :) cache index of position j of sequence b for every head,
+        given ``rows`` (B, T_max): the row that holds position j of sequence b (beam ancestry)."""
+        T = rows.shape[1]
+        h = rearrange(torch.arange(heads, device=rows.device), "h -> 1 h 1")
+        j = rearrange(torch.arange(span, device=rows.device), "t -> 1 1 t")
+        index = (rearrange(rows[:, :span], "b t -> b 1 t") * heads + h) * T + j  # (B, H, span)
+        return rearrange(index, "b h t -> (b h t)")
+
     def reorder(self, index: torch.Tensor):
         self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
 
 
 class DecodeState:
-    """Everything ``decode_step`` needs: per-layer KV caches, cross K/V per unique block, src lengths."""
+    """Everything ``decode_step`` needs: per-layer KV caches, cross K/V per unique block, src lengths,
+    the input position (``pos`` on the device; ``t`` its host copy, advanced by eager steps only) and,
+    for beam search, ``rows``: int64 (B, max_len), the cache row that holds each position of each
+    sequence (None: every sequence owns its row)."""
 
-    def __init__(self, caches: list[KVCache], cross_kv: list[tuple[torch.Tensor, torch.Tensor]], src: Side):
-        self.caches, self.cross_kv, self.src, self.t = caches, cross_kv, src, 0
+    def __init__(self, caches: list[KVCache], cross_kv: list[tuple[torch.Tensor, torch.Tensor]], src: Side,
+                 max_len: int):
+        self.caches, self.cross_kv, self.src, self.max_len = caches, cross_kv, src, max_len
+        self.t = 0
+        self.pos = torch.zeros(1, dtype=torch.long, device=src.lengths.device)
+        self.rows: torch.Tensor | None = None
 
     def reorder(self, index: torch.Tensor):
         """Keep rows ``index`` (int64 (B',)) of every cached tensor, e.g. the surviving beams."""
+        if self.rows is not None:
+            raise ValueError("DecodeState.reorder: this state tracks beams by `rows` (no reorder needed); "
+                             "set state.rows = None to reorder the caches instead")
         for c in self.caches:
             c.reorder(index)
         self.cross_kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.cross_kv]
@@ -439,29 +484,70 @@ class Transformer(nn.Module):
         return h if return_hidden else self._project(h)  # (B, T, V); packed (1, C_tgt, V)
 
     # -- incremental decoding -------------------------------------------------------------------
-    def start_decoding(self, src, src_lengths, max_len: int) -> DecodeState:
-        """Encode src (padded layout) and allocate caches for ``max_len`` decoder input positions."""
+    def start_decoding(self, src, src_lengths, max_len: int, repeat: int = 1,
+                       state: DecodeState | None = None) -> DecodeState:
+        """Encode src (B, S) (padded layout) and set up decoding of ``max_len`` decoder input positions
+        for B*repeat rows (each source's rows consecutive: beams). The encoder and cross K/V run on the
+        B sources once. ``state``: refill that state in place (same shapes) instead of allocating, so
+        that its tensors keep their addresses (a captured CUDA graph reads them)."""
         if max_len > self.cfg.max_positions:
             raise ValueError(f"max_len={max_len} > max_positions={self.cfg.max_positions}")
         src_side = Side(src_lengths, None, None, None)
         pos = self.src_pos if self.cfg.positions == "learned" else None
         memory = self.encoder(self._embed(src, src_side, self.src_embed, pos), src_side)  # (B, S, d)
-        cross_kv = [blk.cross_attn.memory_kv(memory) for blk in self.decoder.blocks]  # one per unique block
-        B, cfg = src.shape[0], self.cfg
-        caches = [KVCache(B, cfg.n_heads, max_len, cfg.head_dim, memory.dtype, memory.device)
-                  for _ in self.decoder.schedule]
-        return DecodeState(caches, cross_kv, src_side)
+        cross_kv = [tuple(repeat_rows(x, repeat) for x in blk.cross_attn.memory_kv(memory))
+                    for blk in self.decoder.blocks]  # one (K, V) per unique block, (B*repeat, H, S, D) each
+        lengths = repeat_rows(src_lengths, repeat)
+        if state is not None:
+            if state.cross_kv[0][0].shape != cross_kv[0][0].shape or state.max_len != max_len:
+                raise ValueError(f"start_decoding(state=...): the state holds cross K/V "
+                                 f"{tuple(state.cross_kv[0][0].shape)} and max_len {state.max_len}, this batch "
+                                 f"needs {tuple(cross_kv[0][0].shape)} and {max_len}; pass state=None")
+            for (k0, v0), (k1, v1) in zip(state.cross_kv, cross_kv):
+                k0.copy_(k1)
+                v0.copy_(v1)
+            state.src.lengths.copy_(lengths)
+            state.pos.zero_()
+            state.t = 0
+            return state
+        B, cfg, dev = lengths.shape[0], self.cfg, memory.device
+        # the dtype the decoder's linears produce (autocast's, when it is on), so writes need no cast
+        dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else memory.dtype
+        caches = [KVCache(B, cfg.n_heads, max_len, cfg.head_dim, dtype, dev) for _ in self.decoder.schedule]
+        # the state owns its lengths (a later refill writes into them, never into the caller's tensor)
+        return DecodeState(caches, cross_kv, Side(lengths.clone(), None, None, None), max_len)
 
-    def decode_step(self, tokens: torch.Tensor, state: DecodeState) -> torch.Tensor:
-        """tokens (B,) at position ``state.t`` -> next-token logits (B, V); advances ``state.t``."""
-        t = state.t
-        tok = rearrange(tokens, "b -> b 1")  # (B, 1)
-        x = self.tgt_embed(tok) * self.embed_scale
-        pos = torch.full_like(tok, t)
-        x = x + (self.tgt_pos(pos) if self.cfg.positions == "learned" else self.pos_table[pos])  # (B, 1, d)
+    def decode_step(self, tokens: torch.Tensor, state: DecodeState, span: int | None = None) -> torch.Tensor:
+        """tokens (B,) at position ``state.pos`` -> next-token logits (B, V); advances the position.
+
+        ``span=None`` (eager): the self-attention reads exactly the t+1 filled cache positions (t =
+        ``state.t``, a host counter): shapes change every step. ``span=int`` (static): it reads the
+        first ``span`` positions and masks those past the position on the device, so the step's shapes
+        depend on ``span`` only and it syncs nothing: what torch.compile and CUDA-graph capture need
+        (``state.t`` is then not advanced; the caller keeps position < span <= max_len).
+        """
+        B = tokens.shape[0]
+        if span is None:
+            span, k_lengths = state.t + 1, None
+            if span > state.max_len:
+                raise ValueError(f"decode_step: position {state.t} is past the cache (max_len={state.max_len})")
+            state.t += 1
+        else:
+            if not 1 <= span <= state.max_len:
+                raise ValueError(f"decode_step: span={span} must lie in [1, max_len={state.max_len}]")
+            k_lengths = (state.pos + 1).to(torch.int32).repeat(B)  # (B,)
+        gather = None if state.rows is None else KVCache.gather_index(state.rows, self.cfg.n_heads, span)
+        plan = StepPlan(state.pos, span, k_lengths, gather)
+        x = self.tgt_embed(rearrange(tokens, "b -> b 1")) * self.embed_scale  # (B, 1, d)
+        x = x + (self.tgt_pos(state.pos) if self.cfg.positions == "learned" else self.pos_table[state.pos])
         h, res = x, None
         for layer, i in enumerate(self.decoder.schedule):
-            h, res = self.decoder.blocks[i].step(h, res, state.caches[layer], state.cross_kv[i], state.src, t)
+            h, res = self.decoder.blocks[i].step(h, res, state.caches[layer], state.cross_kv[i], state.src, plan)
         y, _ = self.decoder.final_norm(h, res)
-        state.t = t + 1
+        state.pos.add_(1)
         return rearrange(self._project(y), "b 1 v -> b v")
+
+
+def repeat_rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Each row of x (B, ...) n times in a row: (B*n, ...)."""
+    return x if n == 1 else x.repeat_interleave(n, dim=0)

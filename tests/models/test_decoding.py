@@ -1,16 +1,22 @@
-"""Cached decoding: step logits equal the full forward, greedy/beam correctness, a copy task learned."""
+"""Cached decoding: step logits equal the full forward, greedy/beam correctness, a copy task learned;
+the device-side search returns what the previous host-side implementation (kept below as the oracle)
+returned, syncs the host once per ``check_every`` steps, and runs a step at static shapes."""
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
+from einops import rearrange, repeat
 
+from kernels import flash_attention
 from models import ModelConfig, Transformer
-from models.decoding import beam_search, greedy_decode
+from models import transformer as transformer_module
+from models.decoding import Decoder, DecodeStats, _eval, _length_limits, beam_search, greedy_decode
 from tests.models.utils import BOS, EOS, PAD, make_batch, model_inputs
 
 IDS = dict(bos_id=BOS, eos_id=EOS, pad_id=PAD)
@@ -23,19 +29,23 @@ def build(vocab=40, seed=0, **kw) -> Transformer:
     return Transformer(ModelConfig(**{**base, **kw})).eval()
 
 
+@pytest.mark.parametrize("span", [None, 7], ids=["exact", "static7"])
 @pytest.mark.parametrize("kw", [
     pytest.param({}, id="none"),
     pytest.param(dict(sharing="cycle_rev", dec_layers=4, dec_unique=2, enc_unique=1, positions="learned",
                       attn_backend="sdpa", norm="torch"), id="cycle_rev-learned-sdpa-torchnorm"),
 ])
-def test_decode_steps_match_full_forward(kw):
+def test_decode_steps_match_full_forward(kw, span):
+    """Eager steps (the filled prefix) and static steps (a fixed span of a longer cache, masked on the
+    device) both give the full forward's logits."""
     model = build(**kw)
     batch = make_batch([6, 2, 4], [5, 5, 5], 40, seed=1)  # ragged sources, full-length targets
     full = model(**model_inputs(batch))  # (B, T, V)
-    state = model.start_decoding(batch["src"], batch["src_lengths"], max_len=5)
+    state = model.start_decoding(batch["src"], batch["src_lengths"], max_len=5 if span is None else 9)
     with torch.no_grad():
-        steps = torch.stack([model.decode_step(batch["tgt_in"][:, t].long(), state) for t in range(5)], 1)
+        steps = torch.stack([model.decode_step(batch["tgt_in"][:, t].long(), state, span) for t in range(5)], 1)
     torch.testing.assert_close(steps, full.detach(), atol=1e-5, rtol=1e-4)
+    assert int(state.pos) == 5
 
 
 def sequence_logprobs(model, src, src_len, seqs: list[list[int]], forbidden: list[int]) -> torch.Tensor:
@@ -132,3 +142,402 @@ def test_tiny_model_learns_to_copy():
     assert greedy_decode(*args, **IDS) == words
     assert beam_search(*args, beam_size=3, **IDS) == words
     assert model.training  # decoding restored the mode
+
+
+# ----------------------------------------------------------------------------------------------
+# The device-side search against the previous host-side implementation
+# ----------------------------------------------------------------------------------------------
+def build_eos(vocab: int, seed: int, eos_gain: float, **kw) -> Transformer:
+    """A random model whose EOS logit is scaled by ``eos_gain``: EOS is likely after some prefixes and
+    unlikely after others, so beams finish at different steps and some sentences hit their limit."""
+    model = build(vocab=vocab, seed=seed, max_positions=64, **kw)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        # reset_parameters draws the two embeddings in the order of a set of modules, which varies
+        # between processes: redraw them in a fixed order so that each case is the same everywhere
+        for emb in (model.src_embed, model.tgt_embed):
+            emb.weight.copy_(torch.randn(emb.weight.shape, generator=g) * model.cfg.d_model**-0.5)
+        model.lm_head.weight[EOS] *= eos_gain
+    return model
+
+
+def gnmt_score(model, src, src_len, hyp: list[int], limit: int, length_penalty: float) -> float:
+    """Full-forward score of a returned hypothesis: it ended with EOS unless it is ``limit`` long."""
+    seq = hyp + ([EOS] if len(hyp) < limit else [])
+    lp = sequence_logprobs(model, src, src_len, [seq], forbidden=[PAD, BOS])[0]
+    return float(lp) / ((5 + len(seq)) / 6) ** length_penalty
+
+
+def assert_same_hypotheses(model, batch, got, want, limits, length_penalty):
+    """Equal, or (where float rounding may reorder candidates) equal scores under the full forward."""
+    assert len(got) == len(want)
+    for b, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            src, src_len = batch["src"][b : b + 1], batch["src_lengths"][b : b + 1]
+            sg = gnmt_score(model, src, src_len, g, limits[b], length_penalty)
+            sw = gnmt_score(model, src, src_len, w, limits[b], length_penalty)
+            assert math.isclose(sg, sw, abs_tol=1e-4), (b, g, w, sg, sw)
+
+
+SRC_LENS = [9, 1, 5, 3, 7, 2, 12]  # ragged
+
+
+@pytest.mark.parametrize("vocab,gain,beam,lp,ratio,extra,spans,check_every", [
+    pytest.param(12, 1.0, 4, 0.6, 1.5, 10, "exact", 4, id="V12-K4-lp0.6"),
+    pytest.param(7, 1.0, 2, 1.5, 0.5, 2, "full", 1, id="V7-K2-lp1.5-short-full"),
+    pytest.param(40, 3.0, 4, 0.6, 1.5, 10, "pow2", 3, id="V40-eos3-K4-pow2"),
+    pytest.param(40, 2.0, 7, 0.0, 0.5, 2, "exact", 100, id="V40-eos2-K7-lp0-short"),
+    pytest.param(40, 2.0, 3, 1.0, 1.0, 3, "full", 2, id="V40-eos2-K3-lp1-full"),
+    pytest.param(40, 1.0, 1, 0.6, 1.5, 10, "exact", 5, id="V40-K1"),
+])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_beam_search_matches_previous_implementation(vocab, gain, beam, lp, ratio, extra, spans, check_every,
+                                                     seed):
+    model = build_eos(vocab, seed, gain)
+    batch = make_batch(SRC_LENS, [2] * len(SRC_LENS), vocab, seed=seed)
+    args = (model, batch["src"], batch["src_lengths"])
+    kw = dict(beam_size=beam, length_penalty=lp, max_len_ratio=ratio, max_len_extra=extra, **IDS)
+    want = oracle_beam_search(*args, **kw)
+    got = beam_search(*args, spans=spans, check_every=check_every, **kw)
+    limits = _length_limits(model, batch["src_lengths"], ratio, extra).tolist()
+    assert_same_hypotheses(model, batch, got, want, limits, lp)
+
+
+def test_comparison_covers_eos_and_limit_endings():
+    """A case above ends sentences both ways, by EOS at several lengths (what the comparison claims to test)."""
+    model = build_eos(40, 0, 3.0)
+    batch = make_batch(SRC_LENS, [2] * len(SRC_LENS), 40, seed=0)
+    out = beam_search(model, batch["src"], batch["src_lengths"], beam_size=4, length_penalty=0.6, **IDS)
+    limits = _length_limits(model, batch["src_lengths"], 1.5, 10).tolist()
+    by_eos = {len(h) for h, n in zip(out, limits) if len(h) < n}
+    assert len(by_eos) >= 2 and any(len(h) == n for h, n in zip(out, limits)), (out, limits)
+
+
+@pytest.mark.parametrize("spans", ["exact", "full"])
+@pytest.mark.parametrize("ratio,extra", [(1.5, 10), (0.5, 2)])
+def test_greedy_matches_previous_implementation(spans, ratio, extra):
+    for seed in (0, 1):
+        model = build_eos(40, seed, 2.0)
+        batch = make_batch(SRC_LENS, [2] * len(SRC_LENS), 40, seed=seed)
+        args = (model, batch["src"], batch["src_lengths"])
+        kw = dict(max_len_ratio=ratio, max_len_extra=extra, **IDS)
+        assert greedy_decode(*args, spans=spans, **kw) == oracle_greedy_decode(*args, **kw)
+
+
+@pytest.mark.parametrize("beam", [None, 3], ids=["greedy", "beam3"])
+def test_padding_rows_and_reuse_across_batches(beam):
+    """One Decoder, two batches of one shape: inactive (padding) rows decode to [] and change nothing
+    for the others, and the second batch's answers are those of a fresh decoder (buffers refilled)."""
+    model = build_eos(40, 2, 3.0)
+    dec = Decoder(model, beam_size=beam, spans="pow2", **IDS)
+    first = make_batch([5, 8, 2, 6], [2] * 4, 40, seed=3)
+    second = make_batch([7, 3, 1, 8], [2] * 4, 40, seed=4)
+    active = torch.tensor([True, False, True, True])
+    stats = DecodeStats()
+    first_lengths = first["src_lengths"].clone()
+    a = dec(first["src"], first["src_lengths"], stats=stats)
+    b = dec(second["src"], second["src_lengths"], active=active, stats=stats)
+    assert len(dec._runs) == 1 and stats.batches == 2
+    assert torch.equal(first["src_lengths"], first_lengths)  # the state refilled its own buffers
+    fresh = Decoder(model, beam_size=beam, **IDS)
+    assert a == fresh(first["src"], first["src_lengths"])
+    keep = [0, 2, 3]
+    want = fresh(second["src"][keep], second["src_lengths"][keep])
+    assert b[1] == [] and [b[i] for i in keep] == want
+
+
+# ----------------------------------------------------------------------------------------------
+# Host syncs and static shapes
+# ----------------------------------------------------------------------------------------------
+HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero")
+
+
+def count_host_reads(monkeypatch) -> collections.Counter:
+    """Count every Tensor method that hands a value to the host (on CUDA: a sync). The attention's
+    eager checks of CPU length tensors are turned off, as they are for CUDA tensors."""
+    counts: collections.Counter = collections.Counter()
+
+    def counting(name):
+        original = getattr(torch.Tensor, name)
+
+        def wrapped(self, *args, **kwargs):
+            counts[name] += 1
+            return original(self, *args, **kwargs)
+        return wrapped
+
+    for name in HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, counting(name))
+    monkeypatch.setattr(flash_attention, "_inspectable", lambda t: False)
+    return counts
+
+
+@pytest.mark.parametrize("beam", [None, 4], ids=["greedy", "beam4"])
+@pytest.mark.parametrize("spans", ["exact", "full"])
+def test_host_syncs_once_per_check(monkeypatch, beam, spans):
+    """Host reads per batch: one per ``check_every`` steps plus one for the answers, whatever the batch
+    size; the previous implementation read the host at every step (and per finished hypothesis)."""
+    model = build_eos(40, 0, 3.0)
+    batch = make_batch([9, 12, 5, 3, 7, 2, 12, 11], [2] * 8, 40, seed=5)
+    args = (model, batch["src"], batch["src_lengths"])
+    kw = dict(max_len_ratio=1.5, max_len_extra=10, **IDS)
+    check_every, stats = 4, DecodeStats()
+    counts = count_host_reads(monkeypatch)
+    if beam is None:
+        greedy_decode(*args, check_every=check_every, spans=spans, stats=stats, **kw)
+    else:
+        beam_search(*args, beam_size=beam, check_every=check_every, spans=spans, stats=stats, **kw)
+    syncs = sum(counts.values())
+    assert stats.steps >= 8
+    assert syncs == stats.host_syncs <= stats.steps // check_every + 1, (counts, stats)
+    counts.clear()
+    if beam is None:
+        oracle_greedy_decode(*args, **kw)
+    else:
+        oracle_beam_search(*args, beam_size=beam, **kw)
+    assert sum(counts.values()) >= stats.steps  # the contrast: at least one read per step
+
+
+@pytest.mark.parametrize("spans,max_shapes", [("full", 1), ("pow2", 2)])
+def test_static_spans_give_few_step_shapes(monkeypatch, spans, max_shapes):
+    """A static step's self-attention reads a span that changes only at span boundaries (here T=23:
+    "full" 23, "pow2" 16 then 23); the position is on the device (no host counter advances)."""
+    shapes = set()
+    original = transformer_module.attention
+
+    def recording(q, k, v, **kw):
+        shapes.add((tuple(q.shape), tuple(k.shape), kw.get("k_lengths") is not None))
+        return original(q, k, v, **kw)
+
+    monkeypatch.setattr(transformer_module, "attention", recording)
+    model = build_eos(40, 0, 1.0)
+    batch = make_batch([9, 4, 5], [2] * 3, 40, seed=6)
+    dec = Decoder(model, beam_size=2, spans=spans, check_every=1000, **IDS)
+    stats = DecodeStats()
+    dec(batch["src"], batch["src_lengths"], stats=stats)
+    self_attn = {s for s in shapes if s[1][2] != batch["src"].shape[1]}  # not the cross-attention
+    assert stats.steps == 23 and len(self_attn) == max_shapes, sorted(self_attn)
+    assert all(with_lengths for _, _, with_lengths in self_attn)  # masked on the device
+    (run,) = dec._runs.values()
+    assert run.state.t == 0 and int(run.state.pos) == 23
+
+
+@pytest.mark.parametrize("beam", [pytest.param(None, marks=pytest.mark.slow, id="greedy"), pytest.param(3, id="beam3")])
+def test_static_step_traces_as_one_graph(monkeypatch, beam):
+    """torch.compile(fullgraph=True) of the whole static step (decode + bookkeeping) succeeds: no host
+    sync, no data-dependent shape or branch (what CUDA-graph capture needs), and no recompilation
+    across steps; the answers equal the eager ones."""
+    import torch._dynamo
+
+    from models import decoding
+
+    model = build(vocab=40, seed=7, max_positions=64, norm="torch", attn_backend="reference", enc_layers=1,
+                  dec_layers=1)
+    batch = make_batch([9, 1, 5], [2] * 3, 40, seed=7)
+    run_cls = decoding._GreedyRun if beam is None else decoding._BeamRun
+    want = Decoder(model, beam_size=beam, spans="full", **IDS)(batch["src"], batch["src_lengths"])
+    torch._dynamo.reset()
+    monkeypatch.setattr(run_cls, "step", torch.compile(run_cls.step, fullgraph=True, backend="eager"))
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = Decoder(model, beam_size=beam, spans="full", **IDS)(batch["src"], batch["src_lengths"])
+    torch._dynamo.reset()
+    assert got == want
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("beam", [None, 4], ids=["greedy", "beam4"])
+def test_cuda_graph_decoding_equals_eager(beam):
+    """Graph-replayed steps give the eager answers, in bf16 autocast, across two calls (graphs reused)."""
+    model = build_eos(40, 0, 3.0, d_model=64, n_heads=2).cuda()
+    batch = make_batch(SRC_LENS, [2] * len(SRC_LENS), 40, seed=0)
+    src, lens = batch["src"].cuda(), batch["src_lengths"].cuda()
+    eager = Decoder(model, beam_size=beam, spans="pow2", **IDS)
+    graphed = Decoder(model, beam_size=beam, cuda_graph=True, **IDS)
+    stats = DecodeStats()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        want = eager(src, lens)
+        assert graphed(src, lens, stats=stats) == want
+        captured = stats.graphs
+        assert graphed(src, lens, stats=stats) == want
+    assert captured >= 1 and stats.graphs == captured and graphed.cuda_graph
+
+
+# ----------------------------------------------------------------------------------------------
+# The oracle: greedy and beam search as implemented before the device-side rewrite (host bookkeeping
+# every step, a growing history, every cache reordered), unchanged but for names.
+# ----------------------------------------------------------------------------------------------
+def _oracle_next_logits(model, tokens, state, forbidden):
+    logits = model.decode_step(tokens, state).float()
+    logits[:, forbidden] = -math.inf
+    return logits
+
+
+def _oracle_strip(row, eos_id, pad_id):
+    if eos_id in row:
+        row = row[: row.index(eos_id)]
+    return [tok for tok in row if tok != pad_id]
+
+
+def oracle_greedy_decode(model, src, src_lengths, *, bos_id, eos_id, pad_id, max_len_ratio=1.5, max_len_extra=10):
+    B = src.shape[0]
+    with _eval(model):
+        limits = _length_limits(model, src_lengths, max_len_ratio, max_len_extra)  # (B,)
+        steps = int(limits.max())
+        state = model.start_decoding(src, src_lengths, steps)
+        tokens = torch.full((B,), bos_id, dtype=torch.long, device=src.device)
+        done = torch.zeros(B, dtype=torch.bool, device=src.device)
+        out = []
+        for t in range(steps):
+            logits = _oracle_next_logits(model, tokens, state, [pad_id, bos_id])  # (B, V)
+            tokens = logits.argmax(-1)
+            tokens = torch.where(done, torch.full_like(tokens, pad_id), tokens)
+            out.append(tokens)
+            done = done | (tokens == eos_id) | (t + 1 >= limits)
+            if bool(done.all()):
+                break
+        rows = torch.stack(out, 1).tolist()  # (B, steps)
+    return [_oracle_strip(row, eos_id, pad_id) for row in rows]
+
+
+def oracle_beam_search(model, src, src_lengths, *, bos_id, eos_id, pad_id, beam_size=4, length_penalty=0.6,
+                       max_len_ratio=1.5, max_len_extra=10):
+    B, K, device = src.shape[0], beam_size, src.device
+
+    def score(logprob, length):
+        return logprob / (((5.0 + length) / 6.0) ** length_penalty)
+
+    with _eval(model):
+        limits = _length_limits(model, src_lengths, max_len_ratio, max_len_extra).tolist()  # B ints
+        steps = max(limits)
+        src_k = repeat(src, "b s -> (b k) s", k=K)  # every beam has its own row
+        state = model.start_decoding(src_k, repeat(src_lengths, "b -> (b k)", k=K), steps)
+        tokens = torch.full((B * K,), bos_id, dtype=torch.long, device=device)
+        scores = torch.full((B, K), -math.inf, device=device)
+        scores[:, 0] = 0.0
+        history = torch.empty(B, K, 0, dtype=torch.long, device=device)  # (B, K, t) generated so far
+        finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]
+        done = [False] * B
+        base = rearrange(torch.arange(B, device=device) * K, "b -> b 1")  # (B, 1) first row of each sentence
+        for t in range(steps):
+            logp = torch.log_softmax(_oracle_next_logits(model, tokens, state, [pad_id, bos_id]), -1)  # (B*K, V)
+            V = logp.shape[-1]
+            cand = rearrange(scores, "b k -> b k 1") + rearrange(logp, "(b k) v -> b k v", k=K)  # (B, K, V)
+            top_scores, top_idx = rearrange(cand, "b k v -> b (k v)").topk(min(2 * K, K * V), dim=-1)  # (B, 2K)
+            top_beam, top_tok = top_idx // V, top_idx % V
+            is_eos = top_tok == eos_id
+            eos_hits = (is_eos[:, :K] & torch.isfinite(top_scores[:, :K])).nonzero().tolist()
+            if eos_hits:
+                hist_cpu, sc_cpu, beam_cpu = history.tolist(), top_scores.tolist(), top_beam.tolist()
+                for b, j in eos_hits:
+                    if not done[b]:
+                        finished[b].append((score(sc_cpu[b][j], t + 1), hist_cpu[b][beam_cpu[b][j]]))
+            rank = is_eos.long() * (2 * K) + torch.arange(top_idx.shape[1], device=device)  # EOS sorted last
+            keep = rank.topk(K, dim=-1, largest=False).indices  # (B, K)
+            scores = top_scores.gather(1, keep)
+            beams, tokens = top_beam.gather(1, keep), top_tok.gather(1, keep)  # (B, K)
+            history = torch.cat([history.gather(1, repeat(beams, "b k -> b k t", t=history.shape[2])),
+                                 rearrange(tokens, "b k -> b k 1")], dim=2)
+            state.reorder(rearrange(base + beams, "b k -> (b k)"))
+            tokens = rearrange(tokens, "b k -> (b k)")
+            best_live = scores.max(1).values.tolist()  # (B,) raw log-probs of the best live beam
+            for b in range(B):
+                if done[b]:
+                    continue
+                finished[b] = sorted(finished[b], key=lambda x: -x[0])[:K]
+                if t + 1 >= limits[b]:  # out of length: finish the live hypotheses as they are
+                    sc, hist = scores[b].tolist(), history[b].tolist()
+                    finished[b].extend((score(s, t + 1), h) for s, h in zip(sc, hist) if math.isfinite(s))
+                    done[b] = True
+                elif len(finished[b]) >= K and finished[b][-1][0] >= score(best_live[b], t + 1):
+                    done[b] = True
+            if all(done):
+                break
+    return [max(f, key=lambda x: x[0])[1] if f else [] for f in finished]
+
+
+class FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on the CPU: capture records which steps a graph would hold
+    (running none of them, as a real capture runs no kernel); replay runs them."""
+
+    recording: FakeGraph | None = None
+    fail_next = 0  # captures that raise (a first capture in a process can fail on a lazy init)
+
+    def __init__(self):
+        self.steps: list = []
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+        for run, span in self.steps:
+            REAL_STEP[type(run)](run, span)
+
+
+REAL_STEP: dict = {}
+
+
+@pytest.fixture
+def fake_cuda_graphs(monkeypatch):
+    """torch.cuda's stream and graph API replaced by CPU stand-ins (see FakeGraph)."""
+    import contextlib
+
+    from models import decoding
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    @contextlib.contextmanager
+    def graph(g, pool=None, stream=None):
+        if FakeGraph.fail_next:
+            FakeGraph.fail_next -= 1
+            raise RuntimeError("operation not permitted when stream is capturing")
+        FakeGraph.recording = g
+        try:
+            yield
+        finally:
+            FakeGraph.recording = None
+
+    def recording_step(run, span):
+        if FakeGraph.recording is not None:
+            FakeGraph.recording.steps.append((run, span))
+        else:
+            REAL_STEP[type(run)](run, span)
+
+    for cls in (decoding._GreedyRun, decoding._BeamRun):
+        REAL_STEP[cls] = cls.step
+        monkeypatch.setattr(cls, "step", recording_step)
+    for name, value in dict(Stream=Stream, stream=lambda s: contextlib.nullcontext(), current_stream=Stream,
+                            CUDAGraph=FakeGraph, graph=graph, graph_pool_handle=object).items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(decoding, "_no_autocast_cache", contextlib.nullcontext)
+    monkeypatch.setattr(decoding.Decoder, "_check_device", lambda self, src: None)
+    FakeGraph.fail_next = 0
+    yield FakeGraph
+
+
+@pytest.mark.parametrize("beam", [None, 3], ids=["greedy", "beam3"])
+def test_graph_driver_warms_captures_and_replays(fake_cuda_graphs, beam):
+    """The CUDA-graph driver, on CPU stand-ins: per span one eager warm-up step, then one capture,
+    then replays; no step lost or doubled (answers equal eager decoding), graphs reused by the next
+    call, dropped when a parameter moves; a capture that fails twice falls back to eager decoding."""
+    model = build_eos(40, 0, 3.0)
+    batch = make_batch(SRC_LENS, [2] * len(SRC_LENS), 40, seed=0)
+    args = (batch["src"], batch["src_lengths"])
+    want = Decoder(model, beam_size=beam, **IDS)(*args)
+    dec = Decoder(model, beam_size=beam, cuda_graph=True, check_every=1000, **IDS)
+    stats = DecodeStats()
+    assert dec(*args, stats=stats) == want
+    (run,) = dec._runs.values()
+    spans = sorted(run.graphs)
+    assert run.T == 28 and stats.steps == 28  # longest source 12: 1.5 * 12 + 10 steps, all run
+    assert spans == [16, 28] and stats.graphs == 2 and run.warm == set(spans)  # spans 1-16, then 17-28
+    assert sum(g.replays for g in run.graphs.values()) == stats.steps - len(spans)  # all but the warm-ups
+    assert all(len(g.steps) == 1 for g in run.graphs.values())  # a graph holds one step
+    assert dec(*args, stats=stats) == want and stats.graphs == 2  # reused: nothing captured again
+    with torch.no_grad():
+        model.lm_head.weight.data = model.lm_head.weight.data.clone()  # a parameter moved
+    assert dec(*args, stats=stats) == want and stats.graphs == 4 and len(dec._runs) == 1
+    fake_cuda_graphs.fail_next = 3  # span 16: fails twice -> eager from then on
+    fallback = Decoder(model, beam_size=beam, cuda_graph=True, **IDS)
+    with pytest.warns(UserWarning, match="capture failed twice"):
+        assert fallback(*args) == want
+    assert not fallback.cuda_graph and fake_cuda_graphs.fail_next == 1
