@@ -372,7 +372,7 @@ class Transformer(nn.Module):
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.xavier_uniform_(m.weight)
-        for emb in {self.src_embed, self.tgt_embed}:
+        for emb in dict.fromkeys((self.src_embed, self.tgt_embed)):  # a set would order them by id per process
             nn.init.normal_(emb.weight, std=d**-0.5)
         if self.lm_head is not None:
             nn.init.normal_(self.lm_head.weight, std=d**-0.5)

@@ -136,6 +136,7 @@ class EvalConfig:
     max_len_a: float = 1.5  # decoding max length = a * source length + b
     max_len_b: int = 10  # see max_len_a
     length_penalty: float = 0.6  # GNMT length penalty alpha of beam search
+    cuda_graphs: bool = True  # CUDA: replay each decoding step as a CUDA graph (fixed shapes; captured once)
     # the objective: wall seconds from process start to the first validation BLEU >= each threshold
     bleu_thresholds: tuple[float, ...] = (20.0, 28.0, 35.0, 37.0, 37.6)
     patience: int | None = None  # early stop after this many evaluations without a new best (None: off)

@@ -145,3 +145,20 @@ def bleu_chrf(model, bundle, split: str, device: torch.device, *, max_sentences:
         "graphs_captured": stats.graphs,
         "samples": list(zip(src, refs, hyps)),
     }
+
+
+def evaluate_split(model, bundle, split: str, device: torch.device, cfg, *, autocast, decode: str,
+                   loss: bool = True) -> dict:
+    """Loss and BLEU/chrF of ``split`` under an ``EvalConfig``: {loss, bleu, chrf, sentences, samples,
+    decode, decode_seconds, decode_steps, host_syncs, graphs_captured, seconds}. An empty split gives Nones."""
+    t0 = time.perf_counter()
+    if len(bundle.splits[split]) == 0:
+        return {"loss": None, "bleu": None, "chrf": None, "sentences": 0, "samples": [], "seconds": 0.0}
+    out = {"loss": split_loss(model, bundle, split, device, autocast) if loss else None}
+    out.update(bleu_chrf(model, bundle, split, device, max_sentences=cfg.max_sentences, beam_size=cfg.beam_size,
+                         batch_size=cfg.batch_size, max_len_ratio=cfg.max_len_a, max_len_extra=cfg.max_len_b,
+                         autocast=autocast, length_penalty=cfg.length_penalty, decode=decode,
+                         cuda_graph=cfg.cuda_graphs and device.type == "cuda"))
+    out["seconds"] = time.perf_counter() - t0
+    return out
+

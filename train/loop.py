@@ -495,64 +495,48 @@ class Trainer:
     def _evaluate(self, epoch: int, record: dict[str, Any]) -> float | None:
         """Validation loss and BLEU into ``record``; updates the BLEU clock; returns the best-metric value."""
         ev = self.cfg.eval
-        t0 = time.perf_counter()
-        record["valid_loss"] = self._split_loss("valid") if ev.valid_loss else None
-        scores = self._scores("valid", decode=ev.decode)
-        record["bleu"], record["chrf"] = scores["bleu"], scores["chrf"]
-        record["eval_sentences"] = scores["sentences"]
-        record["eval_seconds"] = time.perf_counter() - t0
+        r = self._eval_split("valid", ev.decode, loss=ev.valid_loss)
+        record.update(valid_loss=r["loss"], bleu=r["bleu"], chrf=r["chrf"], eval_sentences=r["sentences"],
+                      eval_seconds=r["seconds"], decode=r.get("decode"), decode_seconds=r.get("decode_seconds"),
+                      decode_steps=r.get("decode_steps"), host_syncs=r.get("host_syncs"),
+                      graphs_captured=r.get("graphs_captured"))
         wall = self.clock.wall()
         for t in self.clock.update(record["bleu"], epoch + 1, wall):
             self.log(f"BLEU {t:g} reached at {wall:.1f} s (epoch {epoch + 1})")
-        fmt = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
         self.log(
             f"epoch {epoch + 1}/{self.cfg.run.epochs}: train_loss {record['train_loss']:.4f} "
-            f"(last batch {fmt(record['train_loss_last_batch'], '.4f')}) valid_loss {fmt(record['valid_loss'], '.4f')} "
-            f"BLEU {fmt(record['bleu'], '.2f')} chrF {fmt(record['chrf'], '.2f')} | {record['epoch_seconds']:.1f} s, "
+            f"(last batch {_fmt(record['train_loss_last_batch'], '.4f')}) valid_loss {_fmt(record['valid_loss'], '.4f')} "
+            f"BLEU {_fmt(record['bleu'], '.2f')} chrF {_fmt(record['chrf'], '.2f')} | {record['epoch_seconds']:.1f} s, "
             f"{record['tokens_per_second']:,.0f} tok/s, pad {100 * record['padding_fraction']:.1f}%, "
             f"eval {record['eval_seconds']:.1f} s, wall {wall:.1f} s"
             + (f", MFU {100 * record['mfu']:.1f}%" if record["mfu"] is not None else "")
         )
-        for src, ref, hyp in scores["samples"][: ev.num_samples]:
+        for src, ref, hyp in r["samples"][: ev.num_samples]:
             self.log(f"  src: {src}\n  ref: {ref}\n  hyp: {hyp}")
         return record["bleu"] if ev.best_metric == "bleu" else record["valid_loss"]
 
     def _final_test(self) -> dict[str, Any]:
         """Test loss and beam-search BLEU with best.pt's weights (the checkpoint translate uses)."""
-        t0 = time.perf_counter()
         best = self.ckpts.dir / "best.pt"
         source = "last"
         if best.is_file():
             state = load_checkpoint(best, map_location=self.device)
             self.model.load_state_dict(state["model"])
             source = f"best.pt (epoch {state['position']['epoch']})"
-        test_loss = self._split_loss("test")
-        scores = self._scores("test", decode="beam")
-        rec = {"kind": "test", "epoch": self.epoch, "weights": source, "test_loss": test_loss,
-               "test_bleu": scores["bleu"], "test_chrf": scores["chrf"], "test_sentences": scores["sentences"],
-               "eval_seconds": time.perf_counter() - t0, "wall_seconds": self.clock.wall()}
-        fmt = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
-        self.log(f"test ({source}): loss {fmt(test_loss, '.4f')} BLEU {fmt(scores['bleu'], '.2f')} "
-                 f"chrF {fmt(scores['chrf'], '.2f')} ({scores['sentences']} sentences, beam {self.cfg.eval.beam_size})")
+        r = self._eval_split("test", "beam")
+        rec = {"kind": "test", "epoch": self.epoch, "weights": source, "test_loss": r["loss"],
+               "test_bleu": r["bleu"], "test_chrf": r["chrf"], "test_sentences": r["sentences"],
+               "eval_seconds": r["seconds"], "wall_seconds": self.clock.wall()}
+        self.log(f"test ({source}): loss {_fmt(r['loss'], '.4f')} BLEU {_fmt(r['bleu'], '.2f')} "
+                 f"chrF {_fmt(r['chrf'], '.2f')} ({r['sentences']} sentences, beam {self.cfg.eval.beam_size})")
         self.metrics.log(rec)
         return rec
 
-    def _split_loss(self, split: str) -> float | None:
-        from train.evaluate import split_loss
+    def _eval_split(self, split: str, decode: str, loss: bool = True) -> dict[str, Any]:
+        from train.evaluate import evaluate_split
 
-        if len(self.data.splits[split]) == 0:
-            return None
-        return split_loss(self.model, self.data, split, self.device, self.autocast)
-
-    def _scores(self, split: str, decode: str = "beam") -> dict[str, Any]:
-        from train.evaluate import bleu_chrf
-
-        ev = self.cfg.eval
-        if len(self.data.splits[split]) == 0:
-            return {"bleu": None, "chrf": None, "sentences": 0, "samples": []}
-        return bleu_chrf(self.model, self.data, split, self.device, max_sentences=ev.max_sentences,
-                         beam_size=1 if decode == "greedy" else ev.beam_size, batch_size=ev.batch_size,
-                         max_len_ratio=ev.max_len_a, max_len_extra=ev.max_len_b, autocast=self.autocast)
+        return evaluate_split(self.model, self.data, split, self.device, self.cfg.eval, autocast=self.autocast,
+                              decode=decode, loss=loss)
 
     def _mfu(self, st: EpochStats, tgt_tps: float) -> float | None:
         """Model FLOPs utilisation against the peak of the run's dtype; None where no peak exists (CPU)."""
@@ -668,6 +652,10 @@ class Trainer:
         accum = self.cfg.optim.accum_steps
         return tqdm(total=math.ceil(n_micro / accum), initial=self.batch_index // accum,
                     desc=f"epoch {epoch + 1}/{self.cfg.run.epochs}", dynamic_ncols=True, leave=False)
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "n/a" if v is None else format(v, spec)
 
 
 def _configure_backend(cfg: Config, device: torch.device) -> None:
