@@ -12,6 +12,7 @@ earlier file; ``latest_loadable_checkpoint`` skips (and reports) a newest file t
 from __future__ import annotations
 
 import errno
+import json
 import os
 import random
 import re
@@ -269,3 +270,23 @@ class CheckpointManager:
         except OSError:  # no hard links here (some network/FUSE file systems): write a copy
             best_tmp.unlink(missing_ok=True)
             atomic_save(state, self.dir / "best.pt")
+
+
+def check_tokenizer(ckpt: dict[str, Any], tok, path) -> None:
+    ref = ckpt.get("tokenizer") or {}
+    if ref.get("key") != tok.key:
+        raise ValueError(
+            f"tokenizer mismatch: checkpoint {path} was trained with tokenizer key {ref.get('key')!r} "
+            f"({ref.get('model_file')}), but the current data settings give key {tok.key!r} ({tok.model_file}). "
+            f"Resume with the same data files and data.* settings as the checkpoint's run (its config is stored "
+            f"in the checkpoint), or start a new run with a different --run.name"
+        )
+
+
+def warn_config_changes(saved: dict[str, Any], now: dict[str, Any], log) -> None:
+    """Resuming with different settings is allowed (e.g. a new eval beam) but never silent."""
+    changed = {f"{sec}.{k}": (v, now.get(sec, {}).get(k)) for sec, fields in saved.items()
+               for k, v in fields.items() if json.dumps(v, default=str) != json.dumps(now.get(sec, {}).get(k), default=str)}
+    if changed:
+        log("resume: config differs from the checkpoint's (saved -> now): "
+            + ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items())))

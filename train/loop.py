@@ -18,11 +18,8 @@ import json
 import math
 import os
 import resource
-import signal
-import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +28,13 @@ from torch import nn
 
 from train.checkpoint import (
     CheckpointManager,
+    check_tokenizer,
     latest_checkpoint,
     latest_loadable_checkpoint,
     load_checkpoint,
     rng_state,
     set_rng_state,
+    warn_config_changes,
 )
 from train.compile import compile_for_training, compiled_graphs, configure_caches
 from train.config import Config
@@ -51,8 +50,9 @@ from train.rundir import (
     move_aside_previous_run,
     remove_stale_temp_files,
     run_finished,
+    stop_on_signals,
 )
-from train.step import StepCounters, forward_backward, optimizer_step
+from train.step import EpochStats, StepCounters, forward_backward, optimizer_step
 
 
 class NonFiniteLossError(RuntimeError):
@@ -69,57 +69,6 @@ def _amp_dtype(precision: str) -> torch.dtype | None:
 
 def _quiet(*_args, **_kwargs):
     pass
-
-
-@dataclass
-class EpochStats:
-    """What one epoch accumulates; the loss sums stay on the device until the epoch ends."""
-
-    loss_sum: torch.Tensor  # float64 sum of (step loss x its target tokens)
-    last_loss: torch.Tensor | None = None  # the last step's loss (device)
-    tgt_tokens: int = 0
-    src_tokens: int = 0
-    real_tokens: int = 0
-    padded_tokens: int = 0
-    micro_batches: int = 0
-    sentences: int = 0
-    seconds: float = 0.0  # training seconds before the current stretch (resume)
-    t0: float = 0.0  # perf_counter at the start of the current stretch
-
-    @classmethod
-    def new(cls, device: torch.device) -> EpochStats:
-        return cls(loss_sum=torch.zeros((), dtype=torch.float64, device=device), t0=time.perf_counter())
-
-    def add(self, loss: torch.Tensor, batches: Sequence) -> None:
-        n_tgt = sum(b.num_target_tokens for b in batches)
-        self.loss_sum += loss.detach().double() * n_tgt  # device-side: no sync
-        self.last_loss = loss.detach()
-        self.tgt_tokens += n_tgt
-        real = sum(b.num_real_tokens for b in batches)
-        self.real_tokens += real
-        self.src_tokens += real - n_tgt
-        self.padded_tokens += sum(b.num_padded_tokens for b in batches)
-        self.micro_batches += len(batches)
-        self.sentences += sum(len(b) for b in batches)
-
-    def elapsed(self) -> float:
-        return self.seconds + (time.perf_counter() - self.t0)
-
-    def state_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("t0", "last_loss")}
-        d["loss_sum"] = self.loss_sum.detach().cpu()
-        d["seconds"] = self.elapsed()
-        return d
-
-    @classmethod
-    def from_state(cls, state: dict[str, Any], device: torch.device) -> EpochStats:
-        s = cls.new(device)
-        for k, v in state.items():
-            if k in ("t0", "last_loss") or not hasattr(s, k):
-                continue
-            setattr(s, k, v.to(device) if isinstance(v, torch.Tensor) else v)
-        s.t0 = time.perf_counter()
-        return s
 
 
 class Trainer:
@@ -168,7 +117,7 @@ class Trainer:
         self.data = data
         tok = data.tokenizer
         if ckpt is not None:
-            _check_tokenizer(ckpt, tok, resume_path)
+            check_tokenizer(ckpt, tok, resume_path)
         # the tokenizer decides the vocabulary: the model config follows it
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tok.vocab_size,
                                                                  pad_id=tok.pad_id))
@@ -238,7 +187,7 @@ class Trainer:
         self._pending_rng = None
         self._stop_signal: str | None = None
         if ckpt is not None:
-            _warn_config_changes(ckpt["config"], cfg.to_dict(), self.log)
+            warn_config_changes(ckpt["config"], cfg.to_dict(), self.log)
             self._load_state(ckpt)
             self.log(f"resumed from {resume_path}: epoch {self.epoch}, batch {self.batch_index}, step {self.step}")
 
@@ -294,12 +243,17 @@ class Trainer:
         ``stop_after``: interrupt after this many optimizer steps *in this call*, writing a checkpoint
         (a preemption drill: the run resumes exactly from it). Returns a summary dict.
         """
-        restore = self._install_signal_handlers()
+        self._stop_signal = None
+
+        def request_stop(name: str) -> None:
+            self._stop_signal = name
+            self.log(f"\n{name}: stopping after this step with a checkpoint"
+                     + (" (Ctrl-C again to abort)" if name == "SIGINT" else ""))
+
         try:
-            return self._fit(stop_after)
+            with stop_on_signals(request_stop):
+                return self._fit(stop_after)
         finally:
-            for sig, handler in restore.items():
-                signal.signal(sig, handler)
             self.close()
 
     def _fit(self, stop_after: int | None) -> dict[str, Any]:
@@ -314,7 +268,7 @@ class Trainer:
             loader = self.data.loader("train", epoch=epoch, rank=self.dist.rank,
                                       world_size=self.dist.world_size, start_batch=self.batch_index)
             it = iter(loader)
-            if self._pending_rng is not None:  # after iter(): creating the iterator draws from the torch RNG
+            if self._pending_rng is not None:  # dropout's RNG as saved (the loader has its own generator)
                 set_rng_state(self._pending_rng)
                 self._pending_rng = None
             self.stats.t0 = time.perf_counter()
@@ -420,23 +374,6 @@ class Trainer:
         if self._stop_signal is not None or (stop_after is not None and steps_this_call >= stop_after):
             return "interrupted"
         return None
-
-    def _install_signal_handlers(self) -> dict[int, Any]:
-        """First Ctrl-C or SIGTERM: finish the current step, checkpoint, return (``--resume auto`` continues
-        exactly). A second Ctrl-C interrupts at once. Returns the handlers to restore."""
-        self._stop_signal = None
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-
-        def request_stop(signum, frame):
-            name = signal.Signals(signum).name
-            self._stop_signal = name
-            if signum == signal.SIGINT:
-                signal.signal(signal.SIGINT, signal.default_int_handler)
-            self.log(f"\n{name}: stopping after this step with a checkpoint"
-                     + (" (Ctrl-C again to abort)" if signum == signal.SIGINT else ""))
-
-        return {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     # ------------------------------------------------------------------------------------------
     # end of epoch: evaluation, metrics line, checkpoint
@@ -667,23 +604,3 @@ def _configure_backend(cfg: Config, device: torch.device) -> None:
         torch.set_float32_matmul_precision("high")
     if run.precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ValueError("this GPU has no bf16; use --run.precision fp16")
-
-
-def _check_tokenizer(ckpt: dict[str, Any], tok, path) -> None:
-    ref = ckpt.get("tokenizer") or {}
-    if ref.get("key") != tok.key:
-        raise ValueError(
-            f"tokenizer mismatch: checkpoint {path} was trained with tokenizer key {ref.get('key')!r} "
-            f"({ref.get('model_file')}), but the current data settings give key {tok.key!r} ({tok.model_file}). "
-            f"Resume with the same data files and data.* settings as the checkpoint's run (its config is stored "
-            f"in the checkpoint), or start a new run with a different --run.name"
-        )
-
-
-def _warn_config_changes(saved: dict[str, Any], now: dict[str, Any], log) -> None:
-    """Resuming with different settings is allowed (e.g. a new eval beam) but never silent."""
-    changed = {f"{sec}.{k}": (v, now.get(sec, {}).get(k)) for sec, fields in saved.items()
-               for k, v in fields.items() if json.dumps(v, default=str) != json.dumps(now.get(sec, {}).get(k), default=str)}
-    if changed:
-        log("resume: config differs from the checkpoint's (saved -> now): "
-            + ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items())))

@@ -13,12 +13,15 @@ over NFS depends on the client. POSIX only (``fcntl``); nothing here imports tor
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
 import os
 import re
+import signal
 import socket
+import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
@@ -408,3 +411,25 @@ def run_finished(run_dir: str | os.PathLike) -> dict[str, Any] | None:
         elif kind == "done" or (kind == "test" and (final is None or final.get("kind") != "done")):
             final = rec
     return final
+
+
+@contextlib.contextmanager
+def stop_on_signals(request_stop: Callable[[str], Any]):
+    """While active, the first Ctrl-C (SIGINT) or SIGTERM calls ``request_stop(name)`` instead of killing the
+    run, so the loop can stop at a step boundary with a checkpoint; a second Ctrl-C interrupts at once.
+    The previous handlers are restored on exit. Only the main thread can install handlers: elsewhere a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        request_stop(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, h in previous.items():
+            signal.signal(sig, h)

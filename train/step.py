@@ -15,7 +15,11 @@ update the scaler, step the schedule, drop the gradients. The skipped-step count
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -110,3 +114,54 @@ def _scaler_found_inf(scaler, optimizer, loss: torch.Tensor) -> torch.Tensor:
     if not flags:
         return (~torch.isfinite(loss)).float()
     return (sum(f.to(loss.device, non_blocking=True) for f in flags) > 0).float()
+
+
+@dataclass
+class EpochStats:
+    """What one epoch accumulates; the loss sums stay on the device until the epoch ends."""
+
+    loss_sum: torch.Tensor  # float64 sum of (step loss x its target tokens)
+    last_loss: torch.Tensor | None = None  # the last step's loss (device)
+    tgt_tokens: int = 0
+    src_tokens: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    micro_batches: int = 0
+    sentences: int = 0
+    seconds: float = 0.0  # training seconds before the current stretch (resume)
+    t0: float = 0.0  # perf_counter at the start of the current stretch
+
+    @classmethod
+    def new(cls, device: torch.device) -> EpochStats:
+        return cls(loss_sum=torch.zeros((), dtype=torch.float64, device=device), t0=time.perf_counter())
+
+    def add(self, loss: torch.Tensor, batches: Sequence) -> None:
+        n_tgt = sum(b.num_target_tokens for b in batches)
+        self.loss_sum += loss.detach().double() * n_tgt  # device-side: no sync
+        self.last_loss = loss.detach()
+        self.tgt_tokens += n_tgt
+        real = sum(b.num_real_tokens for b in batches)
+        self.real_tokens += real
+        self.src_tokens += real - n_tgt
+        self.padded_tokens += sum(b.num_padded_tokens for b in batches)
+        self.micro_batches += len(batches)
+        self.sentences += sum(len(b) for b in batches)
+
+    def elapsed(self) -> float:
+        return self.seconds + (time.perf_counter() - self.t0)
+
+    def state_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("t0", "last_loss")}
+        d["loss_sum"] = self.loss_sum.detach().cpu()
+        d["seconds"] = self.elapsed()
+        return d
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], device: torch.device) -> EpochStats:
+        s = cls.new(device)
+        for k, v in state.items():
+            if k in ("t0", "last_loss") or not hasattr(s, k):
+                continue
+            setattr(s, k, v.to(device) if isinstance(v, torch.Tensor) else v)
+        s.t0 = time.perf_counter()
+        return s
