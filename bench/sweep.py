@@ -61,6 +61,8 @@ SETTINGS: dict[str, F.Contestant] = {c.name: c for c in (
     _setting("adamw-drop0.2", "AdamW 5e-4, dropout 0.2", "--model.dropout", "0.2"),
     _setting("adamw-ls0.2", "AdamW 5e-4, label smoothing 0.2", "--optim.label_smoothing", "0.2"),
     _setting("adamw-lp1.0", "AdamW 5e-4, length penalty 1.0", "--eval.length_penalty", "1.0"),
+    _setting("adamw-avg3", "AdamW 5e-4, average of the last 3 epochs", "--eval.average_last", "3",
+             "--run.keep_last", "3"),
 )}
 
 

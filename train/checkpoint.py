@@ -290,3 +290,23 @@ def warn_config_changes(saved: dict[str, Any], now: dict[str, Any], log) -> None
     if changed:
         log("resume: config differs from the checkpoint's (saved -> now): "
             + ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items())))
+
+
+def average_checkpoints(paths: list[Path], map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """The newest of ``paths`` with its model weights replaced by the mean over all of them (checkpoint
+    averaging, as translation systems do over their last epochs). Float tensors are averaged in fp32 and
+    cast back; integer buffers are taken from the newest."""
+    if not paths:
+        raise ValueError("average_checkpoints: no checkpoints given")
+    newest = load_checkpoint(paths[-1], map_location)
+    total = {k: v.detach().float().clone() for k, v in newest["model"].items() if v.is_floating_point()}
+    for path in paths[:-1]:
+        model = load_checkpoint(path, map_location)["model"]
+        if set(model) != set(newest["model"]):
+            raise ValueError(f"average_checkpoints: {path} holds other parameters than {paths[-1]}")
+        for k in total:
+            total[k] += model[k].float()
+    newest["model"] = {k: (total[k] / len(paths)).to(v.dtype) if k in total else v
+                       for k, v in newest["model"].items()}
+    newest["averaged_from"] = [str(p) for p in paths]
+    return newest

@@ -141,6 +141,9 @@ class EvalConfig:
     bleu_thresholds: tuple[float, ...] = (20.0, 28.0, 35.0, 37.0, 37.6)
     patience: int | None = None  # early stop after this many evaluations without a new best (None: off)
     best_metric: Literal["bleu", "valid_loss"] = "bleu"  # what best.pt maximises (bleu) / minimises (loss)
+    # at the end, average the weights of the last K epoch checkpoints and keep the average as best.pt if its
+    # validation BLEU beats the best single checkpoint (0: off; needs run.keep_last >= K)
+    average_last: int = 0
     test_at_end: bool = True  # score the test split (BLEU/chrF/loss) with best.pt's weights at the end
     num_samples: int = 3  # sample translations printed per evaluation
 
@@ -150,6 +153,8 @@ class EvalConfig:
                 raise ValueError(f"eval.{name}={getattr(self, name)} must be >= 1")
         if self.max_sentences is not None and self.max_sentences < 1:
             raise ValueError(f"eval.max_sentences={self.max_sentences} must be >= 1 or None")
+        if self.average_last < 0 or self.average_last == 1:
+            raise ValueError(f"eval.average_last={self.average_last} must be 0 (off) or >= 2")
         if self.patience is not None and self.patience < 1:
             raise ValueError(f"eval.patience={self.patience} must be >= 1 or None")
         if self.num_samples < 0 or self.max_len_b < 0 or self.max_len_a < 0 or self.length_penalty < 0:

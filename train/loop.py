@@ -28,12 +28,15 @@ from torch import nn
 
 from train.checkpoint import (
     CheckpointManager,
+    atomic_save,
+    average_checkpoints,
     check_tokenizer,
     latest_checkpoint,
     latest_loadable_checkpoint,
     load_checkpoint,
     rng_state,
     set_rng_state,
+    step_checkpoints,
     warn_config_changes,
 )
 from train.compile import compile_for_training, compiled_graphs, configure_caches
@@ -181,6 +184,9 @@ class Trainer:
                 cut_metrics(self.run_dir / "metrics.jsonl", keep=ckpt["position"], log=self.log)
             remove_stale_temp_files(self.run_dir / "checkpoints", self.log)
             remove_stale_temp_files(self.run_dir, self.log)
+        if cfg.eval.average_last > run.keep_last:
+            raise ValueError(f"eval.average_last={cfg.eval.average_last} needs run.keep_last >= it (got "
+                             f"{run.keep_last}): pass --run.keep_last {cfg.eval.average_last}")
         self.ckpts = CheckpointManager(self.run_dir / "checkpoints", run.keep_last,
                                        mode="max" if cfg.eval.best_metric == "bleu" else "min")
         self.metrics = MetricsLogger(self.run_dir, tensorboard=run.tensorboard, enabled=self.is_main)
@@ -330,6 +336,8 @@ class Trainer:
                                    "run_wall_seconds": self.clock.wall(), "stop_reason": stop_reason or "done",
                                    "best_bleu": self.clock.best, "time_to_bleu": self.clock.reached}
         if stop_reason in (None, "max_steps", "wall_budget", "early_stop") and self.is_main:
+            if self.cfg.eval.average_last:
+                self._average_last(self.cfg.eval.average_last)
             if self.cfg.eval.test_at_end:
                 summary["test"] = self._final_test()
             for line in self.clock.summary_lines():
@@ -468,6 +476,30 @@ class Trainer:
                  f"chrF {_fmt(r['chrf'], '.2f')} ({r['sentences']} sentences, beam {self.cfg.eval.beam_size})")
         self.metrics.log(rec)
         return rec
+
+    def _average_last(self, k: int) -> None:
+        """Average the last ``k`` epoch checkpoints; the average becomes best.pt if its validation BLEU beats the
+        best single checkpoint's (that one is kept as best-single.pt)."""
+        epoch_ends = [p for p in step_checkpoints(self.ckpts.dir)
+                      if torch.load(p, map_location="cpu", weights_only=False)["position"]["batch_index"] == 0]
+        if len(epoch_ends) < k:
+            self.log(f"checkpoint averaging: {len(epoch_ends)} epoch checkpoints kept, {k} asked; skipped")
+            return
+        state = average_checkpoints(epoch_ends[-k:])
+        self.model.load_state_dict(state["model"])
+        r = self._eval_split("valid", "beam", loss=False)
+        rec = {"kind": "average", "checkpoints": [p.name for p in epoch_ends[-k:]], "bleu": r["bleu"],
+               "best_single_bleu": self.ckpts.best_value, "wall_seconds": self.clock.wall()}
+        better = r["bleu"] is not None and self.ckpts.is_better(r["bleu"])
+        self.log(f"average of the last {k} epoch checkpoints: valid BLEU {_fmt(r['bleu'], '.2f')} (best single "
+                 f"{_fmt(self.ckpts.best_value, '.2f')}){': kept as best.pt' if better else ''}")
+        if better:
+            best = self.ckpts.dir / "best.pt"
+            if best.exists():
+                os.replace(best, self.ckpts.dir / "best-single.pt")
+            atomic_save(state, best)
+            self.ckpts.best_value = r["bleu"]
+        self.metrics.log(rec)
 
     def _eval_split(self, split: str, decode: str, loss: bool = True) -> dict[str, Any]:
         from train.evaluate import evaluate_split

@@ -201,3 +201,17 @@ def test_other_errors_pass_through_and_leave_no_temp_file(tmp_path):
     with pytest.raises((pickle.PicklingError, AttributeError)):  # a bug in the state, not the disk
         atomic_save({"f": lambda: 0}, tmp_path / "x.pt")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_average_checkpoints_is_the_mean_of_the_weights(tmp_path):
+    from train.checkpoint import average_checkpoints
+
+    paths = []
+    for i, w in enumerate((1.0, 2.0, 6.0)):
+        state = {"model": {"w": torch.full((3,), w), "steps": torch.tensor(i)}, "config": {}, "position": {"step": i}}
+        paths.append(tmp_path / f"step-{i:08d}.pt")
+        torch.save(state, paths[-1])
+    avg = average_checkpoints(paths)
+    assert torch.equal(avg["model"]["w"], torch.full((3,), 3.0))
+    assert avg["model"]["steps"] == 2 and avg["position"]["step"] == 2  # integer buffers: the newest's
+    assert avg["averaged_from"] == [str(p) for p in paths]
