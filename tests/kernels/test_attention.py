@@ -27,12 +27,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kernels.flash_attention as fa
+import kernels.sequence_attention as sa
+from kernels import _utils
 from kernels._utils import interpreting
 from kernels.flash_attention import (
     FlashAttention,
     _auto_backend,
-    _flash_attn_bwd_op,
-    _flash_attn_fwd_op,
+    _sequence_attention_bwd_op,
+    _sequence_attention_fwd_op,
     attention,
     attention_reference,
     pad_varlen,
@@ -260,7 +262,7 @@ def _qkv(B=2, H=2, T=4, D=16, dtype=torch.float32):
                      ValueError, "length 3 > max_seqlen 2", id="max-seqlen-too-small"),
         pytest.param(lambda: (*_qkv(D=24, dtype=torch.float16),), {"backend": "triton"}, ValueError, "head dim D=24",
                      id="triton-hd24"),
-        pytest.param(lambda: (*_qkv(dtype=torch.float64),), {"backend": "triton"}, ValueError, "dtype=torch.float64",
+        pytest.param(lambda: (*_qkv(dtype=torch.float64),), {"backend": "triton"}, TypeError, "dtype=torch.float64",
                      id="triton-fp64"),
         pytest.param(lambda: (*_qkv(),), {"backend": "flash"}, ValueError, "'flash'", id="unknown-backend"),
     ],
@@ -273,7 +275,7 @@ def test_validation_names_the_values(make, kw, exc, match):
 @pytest.mark.gpu
 def test_gpu_triton_refuses_fp32_by_dtype():
     q, k, v = (t.cuda() for t in _qkv(D=64))
-    with pytest.raises(ValueError, match=r"dtype=torch.float32 .*on CUDA"):
+    with pytest.raises(TypeError, match=r"dtype=torch.float32 .*on CUDA"):
         attention(q, k, v, backend="triton")
 
 
@@ -300,8 +302,8 @@ def test_env_override_routes_auto_to_triton(monkeypatch):
     """"auto" (the reference on CPU, SDPA for square causal on CUDA) runs our kernel under the override."""
     (q, k, v, _), _ = _inputs(1, 1, 5, 5, 16, KERNEL_DTYPE)
     launches = []
-    launcher = fa.flash_attn_fwd
-    monkeypatch.setattr(fa, "flash_attn_fwd", lambda *a: launches.append(a) or launcher(*a))
+    launcher = fa.sequence_attention_fwd
+    monkeypatch.setattr(fa, "sequence_attention_fwd", lambda *a: launches.append(a) or launcher(*a))
     monkeypatch.setenv("FASTMT_POISON", "1")
     explicit = attention(q, k, v, causal=True, backend="triton")
     monkeypatch.setenv("FASTMT_ATTN_BACKEND", "triton")
@@ -473,7 +475,7 @@ def test_triton_lse_is_masked_logsumexp(poison):
     (q, k, v, _), _ = _inputs(2, 1, 9, 13, 16, torch.float16)
     ql = torch.tensor([9, 4], dtype=torch.int32, device=DEVICE)
     kl = torch.tensor([13, 0], dtype=torch.int32, device=DEVICE)
-    out, lse = _flash_attn_fwd_op(q, k, v, ql, kl, 9, 13, True, 0.25)
+    out, lse = _sequence_attention_fwd_op(q, k, v, ql, kl, 9, 13, True, 0.25)
     scores = torch.einsum("bhid,bhjd->bhij", q.double(), k.double()) * 0.25
     mask = visibility_mask(9, 13, ql, kl, True)
     want = torch.logsumexp(scores.masked_fill(~mask, float("-inf")), -1)
@@ -503,11 +505,11 @@ def test_opcheck(layout):
         mq, mk = 4, 7
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
     args = (q, k, v, seq_q, seq_k, mq, mk, True, 0.3)
-    torch.library.opcheck(_flash_attn_fwd_op, args)
-    out, lse = _flash_attn_fwd_op(*args)
+    torch.library.opcheck(_sequence_attention_fwd_op, args)
+    out, lse = _sequence_attention_fwd_op(*args)
     do = torch.randn_like(out)
-    torch.library.opcheck(_flash_attn_bwd_op, (do, q.detach(), k.detach(), v.detach(), out.detach(), lse, seq_q,
-                                               seq_k, mq, mk, True, 0.3))
+    torch.library.opcheck(_sequence_attention_bwd_op, (do, q.detach(), k.detach(), v.detach(), out.detach(), lse,
+                                                       seq_q, seq_k, mq, mk, True, 0.3))
 
 
 @pytest.mark.parametrize("backend", [pytest.param("triton", marks=[needs_triton, pytest.mark.interpreter]),
@@ -625,19 +627,18 @@ def test_gpu_grid_varlen_full(poison, monkeypatch, tiling, lengths, D, dtype, ca
     _gpu_varlen_case(monkeypatch, tiling, lengths, D, dtype, causal)
 
 
-SEQUENCE_KERNELS = ("_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel")
+SEQUENCE_KERNELS = ("_sequence_attention_fwd_kernel", "_sequence_attention_bwd_dkdv_kernel",
+                    "_sequence_attention_bwd_dq_kernel")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("index", range(max(len(getattr(fa, n).configs) for n in SEQUENCE_KERNELS)))
+@pytest.mark.parametrize("index", range(max(len(getattr(sa, n).configs) for n in SEQUENCE_KERNELS)))
 def test_gpu_every_config_is_correct(poison, monkeypatch, autotuned, index):
     """Config ``index`` of each kernel (its last one past the end), alone: whatever the autotuner picks on
     some GPU is correct. Bottom-right causal, ragged with an empty sequence, lengths off every block size."""
-    import kernels.packed_attention as pa
-
-    monkeypatch.setattr(pa, "_CHOSEN", {})
+    monkeypatch.setattr(_utils, "_CHOSEN", {})
     for name in SEQUENCE_KERNELS:
-        kernel = getattr(fa, name)
+        kernel = getattr(sa, name)
         monkeypatch.setattr(kernel, "configs", [kernel.configs[min(index, len(kernel.configs) - 1)]])
     _gpu_padded_case("B2-H4-Tq300-Tk77", 64, BF16, True, True)
 

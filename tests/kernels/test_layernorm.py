@@ -458,7 +458,7 @@ def test_autotune_once_per_key_then_direct_launches():
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     first, second, fewer_rows, new_width = report["rounds"]
-    kernels = {"fwd": "_ln_fwd_kernel", "bwd": "_ln_bwd_kernel"}
+    kernels = {"fwd": "_layer_norm_fwd_kernel", "bwd": "_layer_norm_bwd_kernel"}
     for rnd, width in ((first, 0), (new_width, 1)):  # width index into "wanted": 512, 64
         for which, name in kernels.items():
             tried = sorted((r, w) for k, r, w in rnd["timed"] if k == name)
@@ -468,7 +468,7 @@ def test_autotune_once_per_key_then_direct_launches():
     for rnd, rows in ((first, 100), (second, 100), (fewer_rows, 37)):
         assert sorted(k for k, *_ in rnd["launched"]) == sorted(kernels.values()), rnd["launched"]
         for name, rows_per_tile, _, grid in rnd["launched"]:
-            if name == "_ln_fwd_kernel":
+            if name == "_layer_norm_fwd_kernel":
                 assert rows_per_tile == 8 and grid == [-(-rows // 8)], (name, rows_per_tile, grid)
             else:
                 assert rows_per_tile == 8 and grid == [4], (name, rows_per_tile, grid)  # CPU: 4 programs

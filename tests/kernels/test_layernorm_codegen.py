@@ -37,7 +37,7 @@ POINTERS = {  # kernel -> {pointer arg: element type}
 }
 FLAGS = {"fwd": dict(HAS_RESIDUAL=True, HAS_BIAS=True, ACTIVATION=1),
          "bwd": dict(HAS_DS=True, HAS_BIAS=True, ACTIVATION=1)}
-KERNELS = {"fwd": ln._ln_fwd_kernel, "bwd": ln._ln_bwd_kernel}
+KERNELS = {"fwd": ln._layer_norm_fwd_kernel, "bwd": ln._layer_norm_bwd_kernel}
 
 
 def compile_one(which, config):
