@@ -95,7 +95,7 @@ def autotune(configs: list[triton.Config], key: list[str], *, interpret_config: 
 
 
 _CHOSEN: dict[Autotuner, dict[tuple, dict]] = {}  # kernel -> launch key -> the chosen config's kwargs
-TUNING_LOG: list[dict] = []  # one entry per (kernel, Autotuner key) this process tuned: seconds, configs, best
+TUNING_LOG: list[dict] = []  # per (kernel, Autotuner key) this process tuned: seconds, configs, best
 
 
 def launch(kernel: Autotuner, grid, key: tuple, *args, **kwargs) -> None:

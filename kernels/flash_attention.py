@@ -21,7 +21,9 @@ GQA, arbitrary masks or double backward: ``backend="auto"`` serves those with SD
 
 Host path: under torch.compile the ``torch.library`` custom ops (opaque nodes with fake kernels);
 eagerly a plain ``torch.autograd.Function`` over the same launchers (the dispatcher's per-call host
-cost buys nothing there), or the launcher alone when no gradient is needed.
+cost buys nothing there), or the launcher alone when no gradient is needed. The launchers launch
+through ``kernels._utils.launch`` (``kernel[grid]``), inside the custom ops too: ``wrap_triton`` there
+built a new Autotuner on every call on CUDA.
 
 Layout of this file: reference -> custom ops and eager autograd.Functions of both tilings -> checks
 and dispatch -> public ``attention`` -> ``FlashAttention`` module.

@@ -441,8 +441,9 @@ _AUTOTUNE_PROBE = textwrap.dedent(
         timed.clear(), launched.clear()
         call(rows, N)
         rounds.append({"timed": list(timed), "launched": list(launched)})
-    untimed = {k: [[c.kwargs["ROWS"], c.num_warps] for c in ln._tile_pruner(**t)(ln._tile_grid(), {"N": 1000})][0]
-               for k, t in (("fwd", ln._FWD_TILES), ("bwd", ln._BWD_TILES))}
+    kept = {k: ln._tile_pruner(**t)(ln._tile_grid(), {"N": 1000})
+            for k, t in (("fwd", ln._FWD_TILES), ("bwd", ln._BWD_TILES))}
+    untimed = {k: [c[0].kwargs["ROWS"], c[0].num_warps] for k, c in kept.items()}  # the first config kept
     print(json.dumps({"rounds": rounds, "log": [dict(e, key=repr(e["key"])) for e in _utils.TUNING_LOG],
                       "wanted": {k: [ln.width_tiles(N, **t) for N in (512, 64)]
                                  for k, t in (("fwd", ln._FWD_TILES), ("bwd", ln._BWD_TILES))},
