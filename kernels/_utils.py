@@ -135,7 +135,7 @@ def launch(kernel: Autotuner, grid, key: tuple, *args, **kwargs) -> None:
 def _first_config(kernel: Autotuner, args: tuple, kwargs: dict) -> dict:
     """The kwargs of the first config the kernel's pruner keeps for these arguments."""
     configs = kernel.configs
-    prune = kernel.early_config_prune
+    prune = getattr(kernel, "early_config_prune", None)
     if prune is not None and len(configs) > 1:
         configs = prune(configs, dict(zip(kernel.arg_names, args)), **kwargs) or configs
     return configs[0].all_kwargs()
