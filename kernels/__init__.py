@@ -12,7 +12,9 @@ Public API (imported lazily: ``import kernels`` loads neither torch nor triton):
 
 Every public function takes ``backend=`` (one of the tuples below); the environment variables
 ``FASTMT_ATTN_BACKEND`` / ``FASTMT_NORM_BACKEND`` / ``FASTMT_LION_BACKEND`` override "auto" for
-benchmarks and ablations.
+benchmarks and ablations, ``FASTMT_ATTN_TILING`` picks attention's Triton tiling and
+``FASTMT_AUTOTUNE=0`` launches every autotuned kernel untimed (``kernels._utils.launch``).
+Files and their common layout: docs/ARCHITECTURE.md.
 """
 
 from importlib import import_module

@@ -1,5 +1,6 @@
-"""Helpers shared by the kernel files: backend choice, interpreter detection, poisoned outputs, and
-autotuned launches (tune once per kernel and key, then launch the chosen config directly)."""
+"""Helpers shared by the kernel files: backend choice, interpreter detection, poisoned outputs, a few
+host-side helpers of the attention launchers, and the one autotune decorator + launcher every
+autotuned kernel goes through (tune once per kernel and key per process, then launch directly)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 from triton.runtime.autotuner import Autotuner
+
+LOG2E = 1.4426950408889634  # log2(e): the attention kernels' online softmax runs in base 2
+LOG2E_C = tl.constexpr(LOG2E)  # the same, as a constant @triton.jit functions may read
+AUTOTUNE_ENV = "FASTMT_AUTOTUNE"  # "0": every launch takes the kernel's first fitting config, untimed
 
 
 def interpreting() -> bool:
@@ -48,6 +54,30 @@ def empty(*shape, dtype: torch.dtype, device: torch.device, poison: bool | None 
 
 
 # ----------------------------------------------------------------------------------------------
+# Host helpers of the two attention tilings (kernels/sequence_attention.py, kernels/packed_attention.py)
+# ----------------------------------------------------------------------------------------------
+def unit_last(x: torch.Tensor) -> torch.Tensor:
+    """``x``, copied only when its last stride is not 1 (e.g. expanded gradients)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def pow2(n: int, lo: int, hi: int) -> int:
+    """The power of two >= n, clipped to [lo, hi] (plain int ops: triton.next_power_of_2 is slow to call)."""
+    return min(max(1 << (max(int(n), 1) - 1).bit_length(), lo), hi)
+
+
+def fp32_dot(dtype: torch.dtype) -> bool:
+    """Whether the attention kernels upcast every tile to fp32 before ``tl.dot``: fp32 inputs, and the
+    interpreter, whose bf16 (and numpy fp16 matmul) arithmetic is not the GPU's."""
+    return interpreting() or dtype == torch.float32
+
+
+def block_configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) tuples -> Configs."""
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+
+
+# ----------------------------------------------------------------------------------------------
 # Autotuning: one decorator and one launcher for every kernel file
 # ----------------------------------------------------------------------------------------------
 def autotune(configs: list[triton.Config], key: list[str], *, interpret_config: triton.Config, prune=None):
@@ -65,19 +95,25 @@ def autotune(configs: list[triton.Config], key: list[str], *, interpret_config: 
 
 
 _CHOSEN: dict[Autotuner, dict[tuple, dict]] = {}  # kernel -> launch key -> the chosen config's kwargs
-TUNING_LOG: list[dict] = []  # one entry per (kernel, Autotuner key) this process tuned: bench/ reads it
+TUNING_LOG: list[dict] = []  # per (kernel, Autotuner key) this process tuned: seconds, configs, best
 
 
 def launch(kernel: Autotuner, grid, key: tuple, *args, **kwargs) -> None:
     """Launch the autotuned ``kernel`` on ``args``/``kwargs`` (the non-tuned arguments).
 
-    ``grid(meta) -> tuple`` reads the tuned meta-parameters (e.g. ``meta["ROWS"]``). ``key`` is a
+    ``grid(meta) -> tuple`` reads the tuned meta-parameters (e.g. ``meta["BLOCK_M"]``). ``key`` is a
     hashable that determines the Autotuner's key (its key arguments and the tensors' dtypes); it may
     be finer. The first call for a ``key`` goes through the Autotuner, which times the pruned configs
     once per Autotuner key per process (recorded in ``TUNING_LOG``); later calls launch the JIT
     function directly with the config it chose, skipping the Autotuner's per-call argument
-    dictionaries and key building.
+    dictionaries and key building. ``FASTMT_AUTOTUNE=0`` (read per call) times nothing: each launch
+    takes the first config the kernel's pruner keeps (quick starts; test grids that would otherwise
+    compile and time every config of every case).
     """
+    if os.environ.get(AUTOTUNE_ENV, "1").strip() == "0":
+        meta = _first_config(kernel, args, kwargs)
+        kernel.fn.run(*args, grid=grid(meta), warmup=False, **kwargs, **meta)
+        return
     chosen = _CHOSEN.get(kernel)
     meta = chosen.get(key) if chosen is not None else None
     if meta is not None:
@@ -85,7 +121,7 @@ def launch(kernel: Autotuner, grid, key: tuple, *args, **kwargs) -> None:
         return
     tuned = len(kernel.cache)
     kernel[grid](*args, **kwargs)
-    config = getattr(kernel, "best_config", None)
+    config = getattr(kernel, "best_config", None)  # set by Autotuner.run to the config it launched
     if config is None:  # Autotuner.run replaced (tests): nothing chosen to remember
         return
     if len(kernel.cache) > tuned:
@@ -94,3 +130,12 @@ def launch(kernel: Autotuner, grid, key: tuple, *args, **kwargs) -> None:
             "seconds": getattr(kernel, "bench_time", None), "best": str(config),
         })
     _CHOSEN.setdefault(kernel, {})[key] = config.all_kwargs()
+
+
+def _first_config(kernel: Autotuner, args: tuple, kwargs: dict) -> dict:
+    """The kwargs of the first config the kernel's pruner keeps for these arguments."""
+    configs = kernel.configs
+    prune = getattr(kernel, "early_config_prune", None)
+    if prune is not None and len(configs) > 1:
+        configs = prune(configs, dict(zip(kernel.arg_names, args)), **kwargs) or configs
+    return configs[0].all_kwargs()

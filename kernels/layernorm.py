@@ -22,9 +22,10 @@ Limits of the Triton kernels: N <= 8192 (a row lives in registers; BLOCK_N = nex
 masked). ``backend="auto"`` sends wider rows and other dtypes to the reference; "triton" raises.
 Not supported by the kernels: RMSNorm, dropout, elementwise_affine=False (pass ones), fp64.
 
-Layout of this file (every kernel file follows it): reference -> Triton kernels -> launchers
-``layer_norm_fwd`` / ``layer_norm_bwd`` -> custom ops ``fastmt::layer_norm_fwd`` / ``_bwd`` (for
-torch.compile) and the eager autograd.Function -> public ``layer_norm`` -> ``LayerNorm`` module.
+Layout of this file (every kernel file follows it): reference -> autotuning space -> Triton kernels
+``_layer_norm_fwd_kernel`` / ``_bwd_kernel`` -> launchers ``layer_norm_fwd`` / ``_bwd`` -> custom ops
+``fastmt::layer_norm_fwd`` / ``_bwd`` (torch.compile) and the eager autograd.Function -> public
+``layer_norm`` -> ``LayerNorm`` module.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def _tile_pruner(tiles: tuple[int, ...], per_thread: tuple[int, ...]):
     return prune
 
 
-def _ln_autotune(interpret_rows: int, key: list[str], limits: dict):
+def _layer_norm_autotune(interpret_rows: int, key: list[str], limits: dict):
     return autotune(_tile_grid(), key, interpret_config=triton.Config({"ROWS": interpret_rows}, num_warps=4),
                     prune=_tile_pruner(**limits))
 
@@ -161,9 +162,9 @@ def _activation_grad(z, ACTIVATION: tl.constexpr):
         return tl.sigmoid(2.0 * u) + 2.0 * z * du * tl.sigmoid(2.0 * u) * tl.sigmoid(-2.0 * u)
 
 
-@_ln_autotune(16, key=["N", "HAS_RESIDUAL"], limits=_FWD_TILES)
+@_layer_norm_autotune(16, key=["N", "HAS_RESIDUAL"], limits=_FWD_TILES)
 @triton.jit
-def _ln_fwd_kernel(
+def _layer_norm_fwd_kernel(
     X_ptr,  # (M, N) input rows, row stride stride_x_row, last stride 1
     R_ptr,  # (M, N) residual rows (read only when HAS_RESIDUAL)
     W_ptr,  # (N,) weight
@@ -214,9 +215,9 @@ def _ln_fwd_kernel(
     tl.store(Y_ptr + rows64[:, None] * stride_y_row + cols[None, :], y.to(Y_ptr.dtype.element_ty), mask=mask)
 
 
-@_ln_autotune(8, key=["N", "HAS_DS"], limits=_BWD_TILES)
+@_layer_norm_autotune(8, key=["N", "HAS_DS"], limits=_BWD_TILES)
 @triton.jit
-def _ln_bwd_kernel(
+def _layer_norm_bwd_kernel(
     DY_ptr,  # (M, N) upstream gradient of y
     DS_ptr,  # (M, N) upstream gradient of s (read only when HAS_DS)
     S_ptr,  # (M, N) the LN input s saved by the forward (x itself when there was no residual)
@@ -356,7 +357,7 @@ def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     key = (N, act, x.dtype, residual.dtype if residual is not None else None, weight.dtype,
            bias.dtype if bias is not None else None)
     launch(
-        _ln_fwd_kernel, lambda meta: ((M + meta["ROWS"] - 1) // meta["ROWS"],), key,
+        _layer_norm_fwd_kernel, lambda meta: ((M + meta["ROWS"] - 1) // meta["ROWS"],), key,
         x2, r2, weight, bias if bias is not None else weight, y, s if residual is not None else y, stats,
         stride_x, stride_r, N, N, M, N, eps,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, ACTIVATION=act, BLOCK_N=_block_n(N),
@@ -386,7 +387,7 @@ def layer_norm_bwd(dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, w
     key = (N, act, dy.dtype, ds.dtype if ds is not None else None, s.dtype, weight.dtype,
            bias.dtype if bias is not None else None)
     launch(
-        _ln_bwd_kernel, lambda meta: (G,), key,
+        _layer_norm_bwd_kernel, lambda meta: (G,), key,
         dy2, ds2, s2, weight, bias if bias is not None else weight, stats, dx, partial,
         stride_dy, stride_ds, stride_s, N, M, N, (M + G - 1) // G,
         HAS_DS=ds is not None, HAS_BIAS=bias is not None, ACTIVATION=act, BLOCK_N=_block_n(N),

@@ -1,48 +1,43 @@
-"""Attention over packed token streams whose tiles span segments (forward + deterministic backward).
+"""Stream-tiled attention kernels (forward + deterministic backward) over packed token streams, whose
+tiles span segments, and their launchers.
 
-Layout (the varlen layout of ``kernels.attention``, used by packed batches, docs/ARCHITECTURE.md)
-  q (C_q, H, D), k/v (C_k, H, D): segments back to back; ``cu_seqlens_q`` / ``cu_seqlens_k`` int32 (N+1,);
-  segment s of q attends to segment s of k (self or cross attention); empty segments are allowed.
-  Masking as ``kernels.flash_attention``: query i of segment s (lengths Lq, Lk) sees key j iff j < Lk and,
-  when causal, j <= i + (Lk - Lq) (bottom-right aligned); a row with no visible key gives 0.
+Layout: the varlen layout of ``kernels.attention`` as packed batches use it: q (C_q, H, D), k/v
+(C_k, H, D), segments back to back, ``cu_seqlens_q`` / ``cu_seqlens_k`` int32 (N+1,); segment s of q
+attends to segment s of k (self or cross); empty segments are allowed. Masking as
+``kernels.flash_attention``.
 
-Why a second kernel family
-  The per-sequence kernels give each (segment, head, BLOCK_M rows) its own program. Packed training
-  segments average ~15 tokens, so most of every 64-row tile is empty. Here a program takes BLOCK_M
-  consecutive rows of the *stream* (any number of segments) and only the keys those segments own.
+Why a second tiling: the per-sequence kernels (kernels/sequence_attention.py) give each (segment, head,
+BLOCK_M rows) its own program, so short segments leave most of every tile empty. Here a program takes
+BLOCK_M consecutive rows of the *stream* (any number of segments) and only the keys those segments own.
 
 Algorithm (FlashAttention-2, online softmax in base 2, fp32 accumulators and statistics)
   * Row r of segment s sees the contiguous stream keys [cu_k[s], hi_r) with hi_r = cu_k[s+1], or when
     causal min(cu_k[s+1], r + 1 + cu_k[s+1] - cu_q[s+1]) (the bottom-right diagonal in stream
     coordinates). A query block loops over the union of its rows' ranges in BLOCK_N steps and masks
     each element by its row's range, so only per-row segment ids are needed, never per-key ones.
-  * Backward, deterministic (no atomics), two launches: dQ per query block, which also computes
-    delta = rowsum(dO * O) for its rows and stores it; then dK/dV per key block, looping over the query
-    rows its keys' segments own (the transposed ranges) and reading delta.
-  * Segment ids (int32 (C,), id of the segment holding each token; N for tokens past cu_seqlens[-1]):
-    ``segment_ids(cu_seqlens, total)``, one ``torch.bucketize`` on the device, no host sync. Callers
-    that run many layers on one batch compute them once and pass them in.
-  * dtypes fp16 / bf16 on CUDA (wgmma on sm_90a), also fp32 under ``TRITON_INTERPRET=1`` (every tile is
-    upcast to fp32 after loading there); head dims 16, 32, 64, 128; any strides with a unit last one.
-  * Segment ids and cu_seqlens are clamped to the tensors' extents inside the kernels: bad values
-    give wrong numbers, never out-of-bounds accesses. Not supported: dropout, GQA, double backward.
+  * Backward without atomics, two launches: dQ per query block, which also computes and stores
+    delta = rowsum(dO * O) for its rows; then dK/dV per key block over the query rows its keys'
+    segments own (the transposed ranges), reading delta.
+  * Segment ids (int32 (C,), the segment holding each token): ``segment_ids(cu_seqlens, total)``, one
+    ``torch.bucketize`` on the device, no host sync; callers running many layers on one batch compute
+    them once and pass them in.
+  * dtypes fp16 / bf16 on CUDA, also fp32 under ``TRITON_INTERPRET=1`` (every tile upcast to fp32 after
+    loading there); head dims 16, 32, 64, 128; any strides with a unit last one. Segment ids and
+    cu_seqlens are clamped to the tensors' extents inside the kernels: bad values give wrong numbers,
+    never out-of-bounds accesses. Not supported: dropout, GQA, double backward.
 
-Also here: ``launch``, the autotuned-kernel launcher that both attention kernel families use (after a
-key is tuned, later launches skip the autotuner's per-call Python). It would belong in ``kernels/_utils``.
+Layout of this file (as kernels/sequence_attention.py): segment ids -> autotuning space -> Triton
+kernels -> launchers ``stream_attention_fwd`` / ``stream_attention_bwd`` (the custom ops and the eager
+autograd.Function are in kernels/flash_attention.py).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels._utils import empty, interpreting
-
-LOG2E = 1.4426950408889634
-LOG2E_C = tl.constexpr(LOG2E)
+from kernels._utils import LOG2E, LOG2E_C, autotune, block_configs, empty, fp32_dot, launch, pow2, unit_last
 
 
 # ----------------------------------------------------------------------------------------------
@@ -57,52 +52,8 @@ def segment_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# Launching autotuned kernels
+# Autotuning space (CUDA only; the interpreter gets one config: >1 fails there)
 # ----------------------------------------------------------------------------------------------
-_CHOSEN: dict[tuple, dict] = {}  # (autotuner, *key) -> the config kwargs its autotuner chose
-AUTOTUNE_ENV = "FASTMT_AUTOTUNE"  # "0": every launch takes the kernel's first config that fits, untimed
-
-
-def launch(kernel: triton.runtime.Autotuner, grid, key: tuple, *args, **kwargs) -> None:
-    """``kernel[grid](*args, **kwargs)`` for an autotuned ``kernel``.
-
-    ``key`` must determine the autotuner's own key (its key arguments and the dtypes of the tensors).
-    Once the autotuner has chosen a config for ``key``, later launches go straight to the JIT function
-    with that config: the autotuner's per-call Python (a dict of every argument, a key over every
-    tensor's dtype) is skipped; tuning still happens once per key and process. ``FASTMT_AUTOTUNE=0``
-    (read per call) skips tuning: the first config the kernel's pruner keeps, no benchmarking (quick
-    starts, and test grids that would otherwise compile and time every config of every case).
-    """
-    if os.environ.get(AUTOTUNE_ENV, "1").strip() == "0":
-        kernel.fn[grid](*args, **kwargs, **_first_config(kernel, args, kwargs))
-        return
-    chosen = _CHOSEN.get((kernel, *key))
-    if chosen is not None:
-        kernel.fn[grid](*args, **kwargs, **chosen)
-        return
-    kernel[grid](*args, **kwargs)
-    best = getattr(kernel, "best_config", None)  # set by Autotuner.run to the config it launched
-    if best is not None:
-        _CHOSEN[(kernel, *key)] = best.all_kwargs()
-
-
-def _first_config(kernel: triton.runtime.Autotuner, args: tuple, kwargs: dict) -> dict:
-    configs = kernel.configs
-    prune = getattr(kernel, "early_config_prune", None)
-    if prune is not None and len(configs) > 1:
-        configs = prune(configs, dict(zip(kernel.arg_names, args)), **kwargs) or configs
-    return configs[0].all_kwargs()
-
-
-def _configs(gpu: list[tuple[int, int, int, int]], interpreted: tuple[int, int]) -> list[triton.Config]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) tuples -> Configs; one config when interpreting (the
-    interpreter fails on more than one), with blocks small enough that tiles span segments in tests."""
-    if interpreting():
-        m, n = interpreted
-        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=1, num_stages=1)]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in gpu]
-
-
 # H100 (sm_90a) shapes for streams of short segments. 64 rows is one warpgroup's wgmma M; narrow key
 # steps (32) waste less of a range of ~64 + segment length keys; 128-row tiles for longer segments;
 # 32 x 32 tiles on 2 warps (mma.sync, no wgmma below M = 64) waste the least on the shortest segments.
@@ -123,12 +74,12 @@ def _prune(configs, named_args, **kwargs):
     return kept or configs[:1]
 
 
-def _autotune(configs, interpreted):
+def _stream_autotune(shapes):
     # key: head dim, causality, power-of-two buckets of the mean segment length and of the stream length
-    # (plain ints the kernels ignore): a run of fixed-shape packed batches tunes once per kernel
-    return triton.autotune(configs=_configs(configs, interpreted),
-                           key=["HEAD_DIM", "CAUSAL", "MEAN_BUCKET", "ROWS_BUCKET"],
-                           prune_configs_by=None if interpreting() else {"early_config_prune": _prune})
+    # (plain ints the kernels ignore): a run of fixed-shape packed batches tunes once per kernel. The
+    # interpreter's blocks are small enough that tiles span segments in tests.
+    return autotune(block_configs(shapes), ["HEAD_DIM", "CAUSAL", "MEAN_BUCKET", "ROWS_BUCKET"],
+                    interpret_config=block_configs([(32, 32, 1, 1)])[0], prune=_prune)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -170,9 +121,9 @@ def _block_range(lo, hi, n_other):
     return start, end
 
 
-@_autotune(STREAM_FWD_CONFIGS, interpreted=(32, 32))
+@_stream_autotune(STREAM_FWD_CONFIGS)
 @triton.jit
-def _stream_fwd_kernel(
+def _stream_attention_fwd_kernel(
     Q_ptr,  # (C_q, H, D) packed queries; unit last stride
     K_ptr,  # (C_k, H, D) packed keys
     V_ptr,  # (C_k, H, D) packed values
@@ -238,9 +189,9 @@ def _stream_fwd_kernel(
     tl.store(LSE_ptr + h64 * stride_lh + rows, lse, mask=row_in)
 
 
-@_autotune(STREAM_BWD_Q_CONFIGS, interpreted=(32, 32))
+@_stream_autotune(STREAM_BWD_Q_CONFIGS)
 @triton.jit
-def _stream_bwd_dq_kernel(
+def _stream_attention_bwd_dq_kernel(
     Q_ptr, K_ptr, V_ptr,  # forward inputs, (C_q, H, D) / (C_k, H, D)
     O_ptr,  # forward output, (C_q, H, D)
     DO_ptr,  # its gradient, (C_q, H, D)
@@ -305,9 +256,9 @@ def _stream_bwd_dq_kernel(
              dq.to(DQ_ptr.dtype.element_ty), mask=row_mask)
 
 
-@_autotune(STREAM_BWD_KV_CONFIGS, interpreted=(32, 32))
+@_stream_autotune(STREAM_BWD_KV_CONFIGS)
 @triton.jit
-def _stream_bwd_dkdv_kernel(
+def _stream_attention_bwd_dkdv_kernel(
     Q_ptr, K_ptr, V_ptr,  # forward inputs, (C_q, H, D) / (C_k, H, D)
     DO_ptr,  # gradient of the output, (C_q, H, D)
     LSE_ptr, DELTA_ptr,  # (H, C_q) fp32
@@ -373,34 +324,20 @@ def _stream_bwd_dkdv_kernel(
 
 
 # ----------------------------------------------------------------------------------------------
-# Host launchers: strides are passed (no reshapes), outputs allocated, kernels launched
+# Launchers: strides are passed (no reshapes), outputs allocated, kernels launched. Inputs were
+# validated by ``kernels.attention``.
 # ----------------------------------------------------------------------------------------------
-def _unit_last(x: torch.Tensor) -> torch.Tensor:
-    """Copy only when the last stride is not 1 (e.g. expanded gradients)."""
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def _pow2(n: int, lo: int, hi: int) -> int:
-    """The power of two >= n, clipped to [lo, hi] (plain int ops: triton.next_power_of_2 is slow to call)."""
-    return min(max(1 << (max(int(n), 1) - 1).bit_length(), lo), hi)
-
-
 def _tune_key(rows: int, slots: int) -> tuple[int, int]:
     """(mean segment length bucket, stream length bucket): the autotuner's shape key."""
-    return _pow2(-(-rows // max(slots, 1)), 8, 256), _pow2(rows, 1024, 65536)
+    return pow2(-(-rows // max(slots, 1)), 8, 256), pow2(rows, 1024, 65536)
 
 
-def _fp32_dot(dtype: torch.dtype) -> bool:
-    # the interpreter's bf16 (and numpy fp16 matmul) arithmetic is not the GPU's: every tile in fp32
-    return interpreting() or dtype == torch.float32
-
-
-def stream_attn_fwd(
+def stream_attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
     seg_q: torch.Tensor, causal: bool, softmax_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the stream forward. Returns (out (C_q, H, D) contiguous, lse fp32 (H, C_q))."""
-    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    q, k, v = unit_last(q), unit_last(k), unit_last(v)
     C_q, H, D = q.shape
     C_k, N = k.shape[0], cu_q.numel() - 1
     out = empty(C_q, H, D, dtype=q.dtype, device=q.device)
@@ -409,21 +346,21 @@ def stream_attn_fwd(
         return out, lse
     mean, rows = _tune_key(C_q, N)
     grid = lambda meta: (triton.cdiv(C_q, meta["BLOCK_M"]), H)  # noqa: E731
-    launch(_stream_fwd_kernel, grid, (D, causal, mean, rows, q.dtype),
+    launch(_stream_attention_fwd_kernel, grid, (D, causal, mean, rows, q.dtype),
            q, k, v, out, lse, cu_q, cu_k, seg_q,
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
            out.stride(0), out.stride(1), lse.stride(0), C_q, C_k, N, softmax_scale * LOG2E, mean, rows,
-           HEAD_DIM=D, CAUSAL=causal, FP32_DOT=_fp32_dot(q.dtype))
+           HEAD_DIM=D, CAUSAL=causal, FP32_DOT=fp32_dot(q.dtype))
     return out, lse
 
 
-def stream_attn_bwd(
+def stream_attention_bwd(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     cu_q: torch.Tensor, cu_k: torch.Tensor, seg_q: torch.Tensor, seg_k: torch.Tensor, causal: bool,
     softmax_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch dQ (+ delta) then dK/dV. Returns contiguous (dq, dk, dv)."""
-    do, q, k, v, out = _unit_last(do), _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(out)
+    do, q, k, v, out = unit_last(do), unit_last(q), unit_last(k), unit_last(v), unit_last(out)
     C_q, H, D = q.shape
     C_k, N = k.shape[0], cu_q.numel() - 1
     dq = empty(C_q, H, D, dtype=q.dtype, device=q.device)
@@ -432,101 +369,20 @@ def stream_attn_bwd(
     if H == 0 or C_q == 0 or C_k == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     delta = torch.empty(H, C_q, dtype=torch.float32, device=q.device)  # all written by the dQ kernel
-    common = dict(HEAD_DIM=D, CAUSAL=causal, FP32_DOT=_fp32_dot(q.dtype))
+    common = dict(HEAD_DIM=D, CAUSAL=causal, FP32_DOT=fp32_dot(q.dtype))
     scales = (softmax_scale * LOG2E, softmax_scale)
     mean, rows = _tune_key(C_q, N)
     grid_q = lambda meta: (triton.cdiv(C_q, meta["BLOCK_M"]), H)  # noqa: E731
-    launch(_stream_bwd_dq_kernel, grid_q, (D, causal, mean, rows, q.dtype),
+    launch(_stream_attention_bwd_dq_kernel, grid_q, (D, causal, mean, rows, q.dtype),
            q, k, v, out, do, lse, delta, dq, cu_q, cu_k, seg_q,
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
            out.stride(0), out.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
            lse.stride(0), C_q, C_k, N, *scales, mean, rows, **common)
     mean, rows = _tune_key(C_k, N)
     grid_kv = lambda meta: (triton.cdiv(C_k, meta["BLOCK_N"]), H)  # noqa: E731
-    launch(_stream_bwd_dkdv_kernel, grid_kv, (D, causal, mean, rows, q.dtype),
+    launch(_stream_attention_bwd_dkdv_kernel, grid_kv, (D, causal, mean, rows, q.dtype),
            q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, seg_k,
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
            do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
            lse.stride(0), C_q, C_k, N, *scales, mean, rows, **common)
     return dq, dk, dv
-
-
-# ----------------------------------------------------------------------------------------------
-# Custom ops (for torch.compile: opaque, with fake kernels) and the eager autograd path
-# ----------------------------------------------------------------------------------------------
-@torch.library.custom_op("fastmt::stream_attn_fwd", mutates_args=())
-def _stream_attn_fwd_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-    seg_q: torch.Tensor, seg_k: torch.Tensor, causal: bool, softmax_scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    # seg_k is unused here but saved for the backward
-    return stream_attn_fwd(q, k, v, cu_q, cu_k, seg_q, causal, softmax_scale)
-
-
-@_stream_attn_fwd_op.register_fake
-def _(q, k, v, cu_q, cu_k, seg_q, seg_k, causal, softmax_scale):
-    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-
-
-@torch.library.custom_op("fastmt::stream_attn_bwd", mutates_args=())
-def _stream_attn_bwd_op(
-    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    cu_q: torch.Tensor, cu_k: torch.Tensor, seg_q: torch.Tensor, seg_k: torch.Tensor, causal: bool,
-    softmax_scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return stream_attn_bwd(do, q, k, v, out, lse, cu_q, cu_k, seg_q, seg_k, causal, softmax_scale)
-
-
-@_stream_attn_bwd_op.register_fake
-def _(do, q, k, v, out, lse, cu_q, cu_k, seg_q, seg_k, causal, softmax_scale):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, seg_q, seg_k, causal, softmax_scale = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seg_q, seg_k)
-    ctx.args = (causal, softmax_scale)
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx, d_out, _d_lse):
-    q, k, v, out, lse, cu_q, cu_k, seg_q, seg_k = ctx.saved_tensors
-    dq, dk, dv = _stream_attn_bwd_op(d_out, q, k, v, out, lse, cu_q, cu_k, seg_q, seg_k, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None
-
-
-_stream_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-class StreamAttnFn(torch.autograd.Function):
-    """The eager path: the launchers under a plain autograd.Function (the custom ops' dispatch costs host
-    time per call that only torch.compile needs). Same saved tensors and results as the ops."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, seg_q, seg_k, causal, softmax_scale):
-        out, lse = stream_attn_fwd(q, k, v, cu_q, cu_k, seg_q, causal, softmax_scale)
-        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seg_q, seg_k)
-        ctx.args = (causal, softmax_scale)
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, d_out):
-        q, k, v, out, lse, cu_q, cu_k, seg_q, seg_k = ctx.saved_tensors
-        dq, dk, dv = stream_attn_bwd(d_out, q, k, v, out, lse, cu_q, cu_k, seg_q, seg_k, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None
-
-
-def stream_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-    seg_q: torch.Tensor, seg_k: torch.Tensor, causal: bool, softmax_scale: float,
-) -> torch.Tensor:
-    """Stream-tiled attention on validated inputs (``kernels.attention`` validates and dispatches here).
-    Under torch.compile: the custom op; eagerly: the autograd.Function, or the bare launcher when no
-    gradient is needed."""
-    if torch.compiler.is_compiling():
-        return _stream_attn_fwd_op(q, k, v, cu_q, cu_k, seg_q, seg_k, causal, softmax_scale)[0]
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return StreamAttnFn.apply(q, k, v, cu_q, cu_k, seg_q, seg_k, causal, softmax_scale)
-    return stream_attn_fwd(q, k, v, cu_q, cu_k, seg_q, causal, softmax_scale)[0]

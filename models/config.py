@@ -11,10 +11,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from kernels import ATTN_BACKENDS  # the backend names kernels.attention accepts (kernels/__init__.py)
+
 SHARING = ("none", "all", "cycle", "cycle_rev")
 POSITIONS = ("sinusoidal", "learned")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
-ATTN_BACKENDS = ("auto", "triton", "sdpa", "reference")
 NORMS = ("fused", "torch")
 LAYOUTS = ("padded", "varlen", "packed")
 TRITON_HEAD_DIMS = (16, 32, 64, 128)  # what kernels/flash_attention.py's Triton kernel supports

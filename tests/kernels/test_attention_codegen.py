@@ -31,8 +31,8 @@ def _compile_facts() -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    import kernels.flash_attention as fa
     import kernels.packed_attention as pa
+    import kernels.sequence_attention as sa
 
     def signature(fn, constexprs):
         sig = {}
@@ -53,12 +53,12 @@ def _compile_facts() -> dict:
 
     ptxas = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "ptxas")
     facts = {}
-    kernels = (("fwd", fa._attn_fwd_kernel, fa.FWD_CONFIGS[0]),
-               ("bwd_dkdv", fa._attn_bwd_dkdv_kernel, fa.BWD_KV_CONFIGS[0]),
-               ("bwd_dq", fa._attn_bwd_dq_kernel, fa.BWD_Q_CONFIGS[0]),
-               ("stream_fwd", pa._stream_fwd_kernel, pa.STREAM_FWD_CONFIGS[0]),
-               ("stream_bwd_dq", pa._stream_bwd_dq_kernel, pa.STREAM_BWD_Q_CONFIGS[0]),
-               ("stream_bwd_dkdv", pa._stream_bwd_dkdv_kernel, pa.STREAM_BWD_KV_CONFIGS[0]))
+    kernels = (("fwd", sa._sequence_attention_fwd_kernel, sa.FWD_CONFIGS[0]),
+               ("bwd_dkdv", sa._sequence_attention_bwd_dkdv_kernel, sa.BWD_KV_CONFIGS[0]),
+               ("bwd_dq", sa._sequence_attention_bwd_dq_kernel, sa.BWD_Q_CONFIGS[0]),
+               ("stream_fwd", pa._stream_attention_fwd_kernel, pa.STREAM_FWD_CONFIGS[0]),
+               ("stream_bwd_dq", pa._stream_attention_bwd_dq_kernel, pa.STREAM_BWD_Q_CONFIGS[0]),
+               ("stream_bwd_dkdv", pa._stream_attention_bwd_dkdv_kernel, pa.STREAM_BWD_KV_CONFIGS[0]))
     for name, autotuned, (block_m, block_n, warps, stages) in kernels:
         fn = autotuned.fn  # the JITFunction under the autotuner
         constexprs = dict(HEAD_DIM=64, CAUSAL=True, FP32_DOT=False, BLOCK_M=block_m, BLOCK_N=block_n)

@@ -436,13 +436,18 @@ _AUTOTUNE_PROBE = textwrap.dedent(
         (y.sum() + s.sum()).backward()
 
     rounds = []
-    for rows, N in ((100, 512), (100, 512), (37, 512), (100, 64)):
+    for rows, N, tune in ((100, 512, "1"), (100, 512, "1"), (37, 512, "1"), (100, 64, "1"), (37, 1000, "0")):
+        os.environ["FASTMT_AUTOTUNE"] = tune
         timed.clear(), launched.clear()
         call(rows, N)
         rounds.append({"timed": list(timed), "launched": list(launched)})
+    kept = {k: ln._tile_pruner(**t)(ln._tile_grid(), {"N": 1000})
+            for k, t in (("fwd", ln._FWD_TILES), ("bwd", ln._BWD_TILES))}
+    untimed = {k: [c[0].kwargs["ROWS"], c[0].num_warps] for k, c in kept.items()}  # the first config kept
     print(json.dumps({"rounds": rounds, "log": [dict(e, key=repr(e["key"])) for e in _utils.TUNING_LOG],
                       "wanted": {k: [ln.width_tiles(N, **t) for N in (512, 64)]
-                                 for k, t in (("fwd", ln._FWD_TILES), ("bwd", ln._BWD_TILES))}}))
+                                 for k, t in (("fwd", ln._FWD_TILES), ("bwd", ln._BWD_TILES))},
+                      "untimed": untimed}))
     """
 )
 
@@ -450,15 +455,16 @@ _AUTOTUNE_PROBE = textwrap.dedent(
 def test_autotune_once_per_key_then_direct_launches():
     """Interpreter off (the CUDA setup), benchmarking and launches stubbed: the first call of a width
     times at most four configs per kernel, later calls time none and launch the chosen config
-    straight through the JIT function with the grid that config needs."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    straight through the JIT function with the grid that config needs; ``FASTMT_AUTOTUNE=0`` times
+    nothing, logs nothing and launches the first config the pruner keeps."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FASTMT_AUTOTUNE")}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-c", _AUTOTUNE_PROBE], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    first, second, fewer_rows, new_width = report["rounds"]
-    kernels = {"fwd": "_ln_fwd_kernel", "bwd": "_ln_bwd_kernel"}
+    first, second, fewer_rows, new_width, untimed = report["rounds"]
+    kernels = {"fwd": "_layer_norm_fwd_kernel", "bwd": "_layer_norm_bwd_kernel"}
     for rnd, width in ((first, 0), (new_width, 1)):  # width index into "wanted": 512, 64
         for which, name in kernels.items():
             tried = sorted((r, w) for k, r, w in rnd["timed"] if k == name)
@@ -468,11 +474,14 @@ def test_autotune_once_per_key_then_direct_launches():
     for rnd, rows in ((first, 100), (second, 100), (fewer_rows, 37)):
         assert sorted(k for k, *_ in rnd["launched"]) == sorted(kernels.values()), rnd["launched"]
         for name, rows_per_tile, _, grid in rnd["launched"]:
-            if name == "_ln_fwd_kernel":
+            if name == "_layer_norm_fwd_kernel":
                 assert rows_per_tile == 8 and grid == [-(-rows // 8)], (name, rows_per_tile, grid)
             else:
                 assert rows_per_tile == 8 and grid == [4], (name, rows_per_tile, grid)  # CPU: 4 programs
     assert first["launched"] == second["launched"]
+    assert untimed["timed"] == []
+    for which, name in kernels.items():
+        assert [c[1:3] for c in untimed["launched"] if c[0] == name] == [report["untimed"][which]], untimed
     logged = sorted((e["kernel"], e["configs"]) for e in report["log"])
     assert logged == sorted((name, len(report["wanted"][w][i])) for w, name in kernels.items() for i in (0, 1))
 

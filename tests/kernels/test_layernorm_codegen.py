@@ -1,8 +1,8 @@
 """Hopper codegen of the LayerNorm kernels, checked on a CPU machine (no GPU needed).
 
-Compiles ``_ln_fwd_kernel`` and ``_ln_bwd_kernel`` for sm_90a (shared/ENV.md recipe) with every
-tile the autotuner may choose for the benchmark shape (width 512, bf16, residual + GELU + bias),
-then checks the PTX: target sm_90a, 16-byte vector loads and stores of the bf16 rows, shared
+Compiles ``_layer_norm_fwd_kernel`` and ``_layer_norm_bwd_kernel`` for sm_90a (shared/ENV.md recipe)
+with every tile the autotuner may choose for the benchmark shape (width 512, bf16, residual + GELU +
+bias), then checks the PTX: target sm_90a, 16-byte vector loads and stores of the bf16 rows, shared
 memory within an H100 block, and (with Triton's bundled ptxas) no register spills.
 
 Compilation runs in a subprocess without TRITON_INTERPRET: under the interpreter ``triton.jit``
@@ -37,7 +37,7 @@ POINTERS = {  # kernel -> {pointer arg: element type}
 }
 FLAGS = {"fwd": dict(HAS_RESIDUAL=True, HAS_BIAS=True, ACTIVATION=1),
          "bwd": dict(HAS_DS=True, HAS_BIAS=True, ACTIVATION=1)}
-KERNELS = {"fwd": ln._ln_fwd_kernel, "bwd": ln._ln_bwd_kernel}
+KERNELS = {"fwd": ln._layer_norm_fwd_kernel, "bwd": ln._layer_norm_bwd_kernel}
 
 
 def compile_one(which, config):

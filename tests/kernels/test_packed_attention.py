@@ -19,23 +19,27 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kernels.packed_attention as pa
+from kernels import _utils
 from kernels._utils import interpreting
 from kernels.flash_attention import (
     STREAM_MEAN_MAX,
     FlashAttention,
+    _stream_attention_bwd_op,
+    _stream_attention_fwd_op,
     attention,
     attention_reference,
     attention_tiling,
     pad_varlen,
     unpad_varlen,
 )
-from kernels.packed_attention import _stream_attn_bwd_op, _stream_attn_fwd_op, segment_ids
+from kernels.packed_attention import segment_ids
 from tests.kernels.test_attention import _check_against_reference, _fwd_bwd
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 needs_triton = pytest.mark.skipif(not (HAS_CUDA or interpreting()), reason="needs CUDA or TRITON_INTERPRET=1")
-STREAM_KERNELS = ("_stream_fwd_kernel", "_stream_bwd_dq_kernel", "_stream_bwd_dkdv_kernel")
+STREAM_KERNELS = ("_stream_attention_fwd_kernel", "_stream_attention_bwd_dq_kernel",
+                  "_stream_attention_bwd_dkdv_kernel")
 
 
 @pytest.fixture(autouse=True)
@@ -276,11 +280,11 @@ def test_opcheck_stream_ops():
     k, v = (torch.randn(9, 1, 16, generator=gen).to(DEVICE, dtype).requires_grad_(True) for _ in range(2))
     seg_q, seg_k = segment_ids(cu_q, 7), segment_ids(cu_k, 9)
     args = (q, k, v, cu_q, cu_k, seg_q, seg_k, True, 0.3)
-    torch.library.opcheck(_stream_attn_fwd_op, args)
-    out, lse = _stream_attn_fwd_op(*args)
+    torch.library.opcheck(_stream_attention_fwd_op, args)
+    out, lse = _stream_attention_fwd_op(*args)
     do = torch.randn_like(out)
-    torch.library.opcheck(_stream_attn_bwd_op, (do, q.detach(), k.detach(), v.detach(), out.detach(), lse,
-                                                cu_q, cu_k, seg_q, seg_k, True, 0.3))
+    torch.library.opcheck(_stream_attention_bwd_op, (do, q.detach(), k.detach(), v.detach(), out.detach(), lse,
+                                                     cu_q, cu_k, seg_q, seg_k, True, 0.3))
 
 
 @needs_triton
@@ -346,7 +350,7 @@ def test_gpu_every_config_is_correct(poison, monkeypatch, index):
     """Config ``index`` of each stream kernel (its last one past the end), alone, on causal cross-length
     segments (the causal rule with Lq != Lk) of the corpus distribution."""
     monkeypatch.delenv("FASTMT_AUTOTUNE", raising=False)
-    monkeypatch.setattr(pa, "_CHOSEN", {})
+    monkeypatch.setattr(_utils, "_CHOSEN", {})
     for name in STREAM_KERNELS:
         kernel = getattr(pa, name)
         monkeypatch.setattr(kernel, "configs", [kernel.configs[min(index, len(kernel.configs) - 1)]])
