@@ -23,6 +23,7 @@ from importlib import import_module
 ATTN_BACKENDS = ("auto", "triton", "sdpa", "reference")
 NORM_BACKENDS = ("auto", "triton", "reference")
 LION_BACKENDS = ("auto", "triton", "reference")
+ATTN_HEAD_DIMS = (16, 32, 64, 128)  # head dims the Triton attention kernels take (both tilings)
 
 _EXPORTS = {
     "attention": "kernels.flash_attention",
@@ -37,7 +38,7 @@ _EXPORTS = {
     "Lion": "kernels.lion",
 }
 
-__all__ = sorted(_EXPORTS) + ["ATTN_BACKENDS", "LION_BACKENDS", "NORM_BACKENDS"]
+__all__ = sorted(_EXPORTS) + ["ATTN_BACKENDS", "ATTN_HEAD_DIMS", "LION_BACKENDS", "NORM_BACKENDS"]
 
 
 def __getattr__(name: str):

@@ -39,12 +39,12 @@ import torch.nn.functional as F
 from einops import einsum, rearrange
 from torch import nn
 
-from kernels import ATTN_BACKENDS
+from kernels import ATTN_BACKENDS, ATTN_HEAD_DIMS
 from kernels._utils import resolve_backend, triton_usable
 from kernels.packed_attention import segment_ids, stream_attention_bwd, stream_attention_fwd
 from kernels.sequence_attention import lse_shape, sequence_attention_bwd, sequence_attention_fwd
 
-HEAD_DIMS = (16, 32, 64, 128)  # head dims both tilings' kernels take
+HEAD_DIMS = ATTN_HEAD_DIMS  # head dims both tilings' kernels take
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,14 +11,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from kernels import ATTN_BACKENDS  # the backend names kernels.attention accepts (kernels/__init__.py)
+from kernels import ATTN_BACKENDS, ATTN_HEAD_DIMS  # what kernels.attention accepts (kernels/__init__.py)
 
 SHARING = ("none", "all", "cycle", "cycle_rev")
 POSITIONS = ("sinusoidal", "learned")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 NORMS = ("fused", "torch")
 LAYOUTS = ("padded", "varlen", "packed")
-TRITON_HEAD_DIMS = (16, 32, 64, 128)  # what kernels/flash_attention.py's Triton kernel supports
+TRITON_HEAD_DIMS = ATTN_HEAD_DIMS  # what the Triton attention kernels support
 DEFAULT_VOCAB = 8000  # the data package's joint SentencePiece default
 
 
