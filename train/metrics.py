@@ -146,7 +146,8 @@ def plot_curves(metrics_path: str | os.PathLike, out_png: str | os.PathLike) -> 
             ax_l.plot(ep, [float("nan") if y is None else y for y in ys], marker="o", label=label)
     ax_l.set_xlabel("epoch")
     ax_l.set_ylabel("loss (nats/token)")
-    ax_l.legend(fontsize=8)
+    if ax_l.get_legend_handles_labels()[0]:
+        ax_l.legend(fontsize=8)
     ax_l.grid(alpha=0.3)
     for key in ("bleu", "chrf"):
         ys = [r.get(key) for r in rows]
@@ -156,7 +157,8 @@ def plot_curves(metrics_path: str | os.PathLike, out_png: str | os.PathLike) -> 
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax_b.set_xlabel("epoch")
     ax_b.set_ylabel("validation score")
-    ax_b.legend(fontsize=8)
+    if ax_b.get_legend_handles_labels()[0]:  # no validation split: nothing to plot there
+        ax_b.legend(fontsize=8)
     ax_b.grid(alpha=0.3)
     fig.suptitle(Path(metrics_path).parent.name)
     fig.tight_layout()
