@@ -55,6 +55,8 @@ def forward_backward(step_module, batches, *, device: torch.device, autocast, sc
     """Forward and backward of one optimizer step's micro-batches; returns the step's mean loss per real
     target token as a 0-d device tensor (no sync). ``on_batch(device_batch)``: a host-side hook."""
     n_tgt = sum(b.num_target_tokens for b in batches)  # python ints from the collate: no sync
+    if device.type == "cuda":  # a new iteration for CUDA-graph trees (compiled regions run many times per step)
+        torch.compiler.cudagraph_mark_step_begin()
     total = torch.zeros((), device=device)
     for i, cpu_batch in enumerate(batches):
         b = cpu_batch.to(device, non_blocking=True)  # pinned memory -> async H2D copy
