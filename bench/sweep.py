@@ -97,7 +97,9 @@ def sweep_markdown(rows: Sequence[Mapping[str, Any]], prov: Mapping[str, Any], c
              + (" (CPU smoke run on the tiny model: the numbers say nothing about the GPU recipe)" if smoke else ""),
              "", H.provenance_markdown(prov, None),
              f"- data: **{corpus}**; each setting = `python -m train --auto` + its overrides, its own process, the "
-             f"same wall budget; wall seconds from process start (data, compile, evaluation included)", "",
+             f"same wall budget; wall seconds from process start (data, compile, evaluation included)"
+             + ("; on CPU `--auto` is the `tiny` preset (AdamW 3e-3), which the settings' overrides change"
+                if smoke else ""), "",
              ("Decision (CPU smoke run, tiny model: shown to exercise the rule, **not** a decision about the GPU "
               f"recipe): {decision(summ)}" if smoke else f"Decision: {decision(summ)}"),
              "", H.markdown_table(summ, cols, heads), ""]
