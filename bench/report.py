@@ -1,4 +1,5 @@
-"""Outputs of ``bench.kernels``: the targets, the markdown beside the CSV, the PNG, the console summary.
+"""The written results of ``bench.kernels`` (targets, markdown, PNG, console summary) and ``bench.ladder``
+(markdown, PNG, the README's ladder section).
 
 Targets (issues 3 and 11): attention fwd+bwd at head dim 64 against FlashAttention-2's published
 215-296 TFLOP/s; >= 1.5x the best SDPA backend with a padding mask on padded batches; on the packed
@@ -9,6 +10,7 @@ at width 512: the op (host included) no slower than torch.compile's, and >= 2 TB
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -315,3 +317,129 @@ def print_summary(rows, prov, peaks: H.Peaks, paths: Sequence[Path]) -> None:
         print(f"  {provider}: {status}: {err}")
     for p in paths:
         print(f"wrote {p}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The speedup ladder (bench.ladder): markdown, PNG and the README's ladder section
+# ----------------------------------------------------------------------------------------------
+README = H.REPO_ROOT / "README.md"
+README_START, README_END = "<!-- ladder:start -->", "<!-- ladder:end -->"
+LADDER_TABLE = (
+    ("rung", "rung"), ("technique", "technique"), ("tokens_per_second", "real tok/s"),
+    ("speedup_vs_baseline", "× rung 0"), ("speedup_vs_previous", "× parent"), ("step_ms", "step ms"),
+    ("epoch_seconds_projected", "epoch s (proj.)"), ("peak_memory_gb", "peak GiB"),
+    ("padding_fraction_pct", "pad %"), ("mfu_pct", "MFU %"), ("peak_dtype", "MFU of"),
+    ("sdpa_backend", "SDPA kernel"), ("graphs", "graphs"), ("recompiles_timed", "recompiles timed"),
+    ("status_text", "status"),
+)
+README_TABLE = ("rung", "technique", "tokens_per_second", "speedup_vs_baseline", "epoch_seconds_projected",
+                "mfu_pct", "peak_dtype", "padding_fraction_pct", "peak_memory_gb", "status_text")
+
+
+def ladder_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] = tuple(c for c, _ in LADDER_TABLE), *,
+                 text: bool = False) -> str:
+    """The ladder as a markdown (``text``: console) table of ``columns``, percentages and status filled in."""
+    out = []
+    for r in rows:
+        d = dict(r)
+        for k in ("padding_fraction", "mfu"):
+            v = r.get(k)
+            d[f"{k}_pct"] = 100 * v if isinstance(v, (int, float)) and not math.isnan(v) else None
+        st = r.get("status", "")
+        d["status_text"] = st if st == "ok" else f"{st}: {(r.get('error') or r.get('note') or '')[:60]}"
+        out.append(d)
+    return (H.text_table if text else H.markdown_table)(out, columns, [dict(LADDER_TABLE)[c] for c in columns])
+
+
+def ladder_markdown(rows: Sequence[dict[str, Any]], ctx: dict[str, Any], *, smoke: bool) -> str:
+    prov, base = ctx["prov"], ctx["base"]
+    m, d = base.model, base.data
+    lines = [
+        f"# Speedup ladder — {prov['gpu']}" + (" (CPU smoke run: numbers mean nothing)" if smoke else ""),
+        "",
+        H.provenance_markdown(prov, ctx["peaks"]),
+        f"- data: **{ctx['corpus']}**, splits {ctx['bundle_sizes']}; every rung trains on the first "
+        f"batches of the same epoch-0 plan of this one bundle",
+        f"- fixed across rungs: model {m.enc_layers}+{m.dec_layers} x {m.d_model}, d_ff {m.d_ff}, {m.n_heads} heads, "
+        f"optimizer {base.optim.name} lr {base.optim.lr:g} (clip {base.optim.grad_clip}), padded-token budget per "
+        f"step {d.max_tokens:,} (fixed: {d.batch_size} x {d.seq_len}; dynamic: {d.batch_size} sentences), "
+        f"seed {base.run.seed}; fp32 matmul precision 'highest' at the start of every rung (no TF32 in fp32 rungs)",
+        f"- protocol: per rung a fresh model, untimed warm-up steps (compile included), then timed optimizer "
+        f"steps between device syncs; ladder wall time {ctx['wall_s']:.0f} s",
+        "",
+        ladder_table(rows),
+        "",
+        "*real tok/s*: non-pad source+target tokens per second. *× parent*: vs the rung it is compared with "
+        "(same switches minus its technique). *epoch s (proj.)*: real tokens of one training epoch / real tok/s. "
+        "*MFU*: model FLOPs (`models.flops_per_token`, real tokens only) per second / the dense peak of the "
+        "dtype the rung's matmuls ran in (*MFU of*: fp32, tf32, bf16 or fp16; NVIDIA's datasheet, or measured "
+        "in this run for a GPU not in `models.flops.PEAK_TABLE`; none on CPU). *SDPA kernel*: what torch's "
+        "dispatcher picks for the rung's masked SDPA calls. *recompiles timed*: graphs compiled during the "
+        "timed steps (a rung with any is `invalid`).",
+    ]
+    problems = [r for r in rows if r.get("status") != "ok"]
+    if problems:
+        lines += ["", "## Rungs that did not run", ""]
+        lines += [f"- rung {r['rung']} ({r['technique']}): {r.get('status')}: {r.get('error') or r.get('note')}"
+                  for r in problems]
+    noted = [r for r in rows if r.get("status") == "ok" and r.get("note")]
+    if noted:
+        lines += ["", "## Notes", ""] + [f"- rung {r['rung']}: {r['note']}" for r in noted]
+    return "\n".join(lines) + "\n"
+
+
+def ladder_plot(rows: Sequence[dict[str, Any]], path: Path, *, title: str) -> Path:
+    """Horizontal bars: speedup vs rung 0 per rung, top to bottom in ladder order, labelled."""
+    n = len(rows)
+    fig, axes = H.new_figure(1, 1, width=9.0, height=0.45 * n + 1.6)
+    ax = axes[0][0]
+    ys = list(range(n))[::-1]
+    vals = [r.get("speedup_vs_baseline") for r in rows]
+    vals = [v if isinstance(v, (int, float)) and not math.isnan(v) else 0.0 for v in vals]
+    colors = ["#9e9e9e" if r["rung"] == "0" else ("#8fbbe0" if "side" in r["technique"] else "#1f77b4")
+              for r in rows]
+    ax.barh(ys, vals, color=colors)
+    vmax = max(vals + [1.0])
+    for y, v, r in zip(ys, vals, rows):
+        ok = r.get("status") == "ok"
+        text = f"{v:.2f}×  ({r['tokens_per_second']:,.0f} tok/s)" if ok else f"{r.get('status')}"
+        ax.text(v + vmax * 0.01, y, text, va="center", fontsize=8, color="black" if ok else "#c62828")
+    ax.axvline(1.0, color="black", linestyle="--", linewidth=0.8)
+    ax.set_yticks(ys, [f"{r['rung']}  {r['technique'][:44]}" for r in rows], fontsize=8)
+    ax.set_xlim(0, vmax * 1.35)
+    ax.set_xlabel("speedup vs rung 0 (real tokens/s)")
+    ax.grid(True, axis="x", alpha=0.3)
+    return H.save_figure(fig, path, suptitle=title)
+
+
+def update_readme(rows: list[dict[str, Any]], ctx: dict[str, Any], paths: dict[str, Path],
+                  readme: Path = README) -> bool:
+    """Replace the text between the ladder markers (and nothing else) with a summary of this run."""
+    text = readme.read_text()
+    pattern = re.compile(re.escape(README_START) + r".*?" + re.escape(README_END), re.S)
+    if not pattern.search(text):
+        print(f"[ladder] {readme} has no {README_START} ... {README_END} markers; not updated")
+        return False
+
+    def rel(p: Path) -> str:
+        try:
+            return p.resolve().relative_to(readme.resolve().parent).as_posix()
+        except ValueError:
+            return p.as_posix()
+
+    prov = ctx["prov"]
+    body = "\n".join([
+        README_START,
+        f"Speedup ladder on **{prov['gpu']}**, {ctx['corpus']}, git `{str(prov['git_sha'])[:12]}`, "
+        f"{prov['timestamp']} (torch {prov['torch']}, triton {prov['triton']}); s18 model and Adam fixed, "
+        f"only the technique changes. Details: [{rel(paths['md'])}]({rel(paths['md'])}).",
+        "",
+        ladder_table(rows, README_TABLE),
+        "",
+        *([f"![speedup ladder]({rel(paths['png'])})", ""] if "png" in paths else []),
+        README_END,
+    ])
+    tmp = readme.with_suffix(".md.tmp")
+    tmp.write_text(pattern.sub(lambda _m: body, text, count=1))
+    tmp.replace(readme)
+    return True
