@@ -356,11 +356,11 @@ def add_cli_args(p: argparse.ArgumentParser, smoke: str, *, plot: bool = True) -
         p.add_argument("--no-plot", action="store_true", help="skip the PNG")
 
 
-def cli_data_files(p: argparse.ArgumentParser, a: argparse.Namespace, *, toy: Path | None = None,
+def cli_data_files(p: argparse.ArgumentParser, a: argparse.Namespace, *, toy: Callable[[], Path] | None = None,
                    toy_rows: int = 1500) -> list[str]:
     """The shared start of a bench CLI: ``--smoke`` is automatic without CUDA (said once), every
-    ``--data-files`` must exist (returned absolute: runs may start elsewhere), and a smoke run without
-    files gets ``toy_rows`` of the toy corpus written to ``toy``."""
+    ``--data-files`` must exist, and a smoke run without files gets ``toy_rows`` of the toy corpus
+    written to ``toy()``."""
     if not torch.cuda.is_available() and not a.smoke:
         print(f"{p.prog}: no CUDA device: running the --smoke configuration", flush=True)
         a.smoke = True
@@ -371,8 +371,8 @@ def cli_data_files(p: argparse.ArgumentParser, a: argparse.Namespace, *, toy: Pa
     if a.smoke and not files and toy is not None:
         from data.toy import write_toy_corpus
 
-        files = [str(write_toy_corpus(toy, n=toy_rows))]
-    return [str(Path(f).resolve()) for f in files]
+        files = [str(write_toy_corpus(toy(), n=toy_rows))]
+    return files
 
 
 # ----------------------------------------------------------------------------------------------

@@ -73,9 +73,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     cuda = torch.cuda.is_available()
     if opts.cpu_triton and not cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
-    if not cuda and not opts.smoke:
-        print("bench.kernels: no CUDA device: running the --smoke configuration", flush=True)
-        opts.smoke = True
+    opts.data_files = H.cli_data_files(p, opts) or None
     opts.warmup_ms = opts.warmup_ms if opts.warmup_ms is not None else (1.0 if opts.smoke else 10.0)
     opts.rep_ms = opts.rep_ms if opts.rep_ms is not None else (5.0 if opts.smoke else 50.0)
     opts.compile_backend = opts.compile_backend or ("inductor" if cuda else "aot_eager")
@@ -99,10 +97,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--providers: unknown {bad}; choose from {list(known)}")
     if not 0 < opts.min_fill <= 1:
         p.error(f"--min-fill must be in (0, 1], got {opts.min_fill}")
-    if opts.data_files:
-        missing = [f for f in opts.data_files if not Path(f).is_file()]
-        if missing:
-            p.error(f"--data-files: no such file {missing}; give the corpus jsonl/parquet/tsv (e.g. .data/...)")
     if opts.out is None:
         opts.out = Path(tempfile.mkdtemp(prefix="fastmt-bench-smoke-")) if opts.smoke else H.RESULTS_DIR
     opts.out = str(opts.out)

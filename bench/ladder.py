@@ -548,7 +548,7 @@ def parse_settings(argv: Sequence[str] | None) -> tuple[LadderSettings, argparse
     p = build_parser()
     a = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="fastmt-ladder-"))
-    files = H.cli_data_files(p, a, toy=work / "toy.jsonl")
+    files = H.cli_data_files(p, a, toy=lambda: work / "toy.jsonl")
     steps = a.steps if a.steps is not None else (2 if a.smoke else 20)
     warmup = a.warmup if a.warmup is not None else (1 if a.smoke else 5)
     if steps < 1 or warmup < 0:

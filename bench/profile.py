@@ -1,18 +1,11 @@
-"""Profile the compiled training step and check it for graph breaks.
+"""Profile the compiled training step and check it for graph breaks (exit status 3 if it has any).
 
     python -m bench.profile [--preset P] [--smoke] [--data-files F ...] [--out DIR] [--active N]
 
-Default: the ``fast`` preset on CUDA; ``--smoke`` (automatic without CUDA) the ``tiny`` preset on a
-generated toy corpus, compiled with ``aot_eager``. Protocol: a fresh ``Trainer`` (compile on, the
-non-finite guard off), ``--warmup`` untimed optimizer steps (compilation and the dynamic-shape
-recompile land here), then ``torch.profiler`` with ``schedule(wait=1, warmup=1, active=N)`` over
-N + 2 more steps. Writes into ``<out>/profile-<gpu>/`` (default out: bench/results):
-  trace.json[.gz]     Chrome / Perfetto trace of the active steps (gzipped above 8 MB)
-  top_kernels.md/.txt the top ops/kernels by self device time (CPU: self CPU time)
-  dynamo.log          graph-break and recompile logs (TORCH_LOGS="graph_breaks,recompiles")
-  report.md           graphs compiled, graph breaks with reasons (dynamo counters of the real steps
-                      and ``torch._dynamo.explain`` of the loss module on one batch), recompiles
-Exit status 3, with a loud message, if the configuration has any graph break.
+A fresh ``Trainer`` (compile on, the non-finite guard off) runs untimed warm-up steps (compilation
+lands there), then ``torch.profiler`` records N steps. Writes ``<out>/profile-<gpu>/``: the trace,
+the top kernels by self device time, dynamo's graph-break and recompile log, and report.md
+(graphs, graph breaks with reasons, recompiles). Details: bench/README.md.
 """
 
 from __future__ import annotations
@@ -35,6 +28,7 @@ from typing import Any
 import torch
 
 from bench import harness as H
+from bench.harness import dynamo_counters
 from train import flush_denormals
 
 TRACE_GZIP_BYTES = 8 * 2**20
@@ -59,15 +53,6 @@ def explain(fn: Callable, *args, **kwargs) -> dict[str, Any]:
             where = f" ({fr.filename}:{fr.lineno})"
         reasons.append(" ".join(str(r.reason).split())[:300] + where)
     return {"graphs": int(out.graph_count), "graph_breaks": int(out.graph_break_count), "reasons": reasons}
-
-
-def dynamo_counters() -> dict[str, Any]:
-    """Graphs and graph breaks counted by dynamo since the last ``counters.clear()``."""
-    from torch._dynamo.utils import counters
-
-    breaks = dict(counters["graph_break"])
-    return {"graphs": int(counters["stats"]["unique_graphs"]), "graph_breaks": int(sum(breaks.values())),
-            "reasons": [" ".join(k.split())[:300] + f" (x{v})" for k, v in breaks.items()]}
 
 
 def check_no_graph_breaks(*reports: dict[str, Any], what: str = "the training step") -> None:
@@ -244,28 +229,16 @@ def report_markdown(r: dict[str, Any], rows, cfg) -> str:
 # ----------------------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.split("\n\n")[0])
+    H.add_cli_args(p, "tiny preset, aot_eager, CPU", plot=False)
     p.add_argument("--preset", help="training preset (default: fast on CUDA, tiny with --smoke)")
-    p.add_argument("--smoke", action="store_true", help="tiny preset, aot_eager, CPU (automatic without CUDA)")
-    p.add_argument("--data-files", nargs="+", metavar="F", help="local jsonl/parquet/tsv files instead of the Hub")
-    p.add_argument("--out", type=Path, help="parent folder of profile-<gpu>/ (default bench/results; temp with --smoke)")
     p.add_argument("--warmup", type=int, help="untimed steps before profiling, compile included (default 4; smoke 2)")
     p.add_argument("--active", type=int, default=3, help="profiled steps (keep the trace small)")
     a = p.parse_args(argv)
-    if not torch.cuda.is_available() and not a.smoke:
-        print("bench.profile: no CUDA device: running the --smoke configuration", flush=True)
-        a.smoke = True
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    work = Path(tempfile.mkdtemp(prefix="fastmt-profile-"))
+    files = H.cli_data_files(p, a, toy=lambda: work / "toy.jsonl", toy_rows=400)
     if a.smoke:
         flush_denormals()
-    work = Path(tempfile.mkdtemp(prefix="fastmt-profile-"))
-    files = list(a.data_files or [])
-    missing = [f for f in files if not Path(f).is_file()]
-    if missing:
-        p.error(f"--data-files: no such file(s) {missing}")
-    if a.smoke and not files:
-        from bench.ladder import write_toy_corpus
-
-        files = [str(write_toy_corpus(work / "toy.jsonl", n=400))]
     preset = a.preset or ("tiny" if a.smoke else "fast")
     out = a.out or (work / "out" if a.smoke else H.RESULTS_DIR)
     warmup = a.warmup if a.warmup is not None else (2 if a.smoke else 4)

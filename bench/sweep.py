@@ -3,22 +3,16 @@
     python -m bench.sweep [--budget-s 90] [--settings adamw-base,lion-1e-4,...] [--data-files F ...]
                           [--out DIR] [--smoke] [--fresh]
 
-Every setting is the default preset (``python -m train --auto``) plus a few overrides, trained in its own
-process for the same wall-clock budget on the same data (bench/frontier.py runs them), so the table
-compares what a user of ``make train`` would get. Outputs ``<out>/sweep-<gpu>.{csv,md,png}``: per setting
-the best validation BLEU, when it was reached, and the wall seconds to each BLEU threshold. The csv keeps
-the rows of settings not run this time (``--fresh`` resets it), so the sweep can span device calls.
-
-The rule the default follows: Lion stays the design's optimiser if its best setting reaches within
-``LION_MARGIN`` BLEU of the best AdamW setting in the same wall time; otherwise AdamW is the default and
-Lion one switch away. The markdown states which way the measured table decides.
+Every setting is ``python -m train --auto`` plus a few overrides, run by bench/frontier.py for the same
+wall-clock budget on the same data. Outputs ``<out>/sweep-<gpu>.{csv,md,png}`` and the decision rule's
+verdict: Lion stays the default if its best setting comes within ``LION_MARGIN`` BLEU of the best AdamW
+setting in the same wall time; otherwise AdamW is the default and Lion one switch away.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -105,13 +99,11 @@ def sweep_markdown(rows: Sequence[Mapping[str, Any]], prov: Mapping[str, Any], c
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.sweep", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    H.add_cli_args(p, "the tiny model on a toy corpus", plot=False)
     p.add_argument("--budget-s", type=float, help="wall seconds per setting (default 90; smoke 10)")
     p.add_argument("--grace-s", type=float, help="extra seconds before a setting is killed (default 60)")
     p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated subset of {','.join(SETTINGS)}")
-    p.add_argument("--data-files", nargs="+", metavar="F", help="local jsonl/parquet/tsv files instead of the Hub")
-    p.add_argument("--out", type=Path, help="output folder (default bench/results; a temp dir with --smoke)")
     p.add_argument("--work-dir", type=Path, help="parent of the run folders (default runs/; smoke: a temp dir)")
-    p.add_argument("--smoke", action="store_true", help="the tiny model on a toy corpus (automatic without CUDA)")
     p.add_argument("--fresh", action="store_true", help="drop the csv's rows of settings not run now")
     return p
 
@@ -119,25 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
-    if not torch.cuda.is_available() and not a.smoke:
-        print("bench.sweep: no CUDA device: running the --smoke configuration (tiny model, CPU)", flush=True)
-        a.smoke = True
-    names = [n.strip() for n in a.settings.split(",") if n.strip()]
-    unknown = [n for n in names if n not in SETTINGS]
-    if unknown or not names:
-        p.error(f"--settings: unknown {unknown or names}; choose from {','.join(SETTINGS)}")
+    names = F.select(p, a.settings, SETTINGS, "--settings")
+    files = H.cli_data_files(p, a, toy=lambda: F.work_dir(a, "fastmt-sweep-") / "toy.jsonl", toy_rows=600)
+    files = [str(Path(f).resolve()) for f in files]  # the settings run from the repo root
     budget = a.budget_s if a.budget_s is not None else (10.0 if a.smoke else 90.0)
     grace = a.grace_s if a.grace_s is not None else 60.0
-    files = [str(Path(f).resolve()) for f in (a.data_files or ())]
-    missing = [f for f in files if not Path(f).is_file()]
-    if missing:
-        p.error(f"--data-files: no such file(s) {missing}")
-    work = a.work_dir or (Path(tempfile.mkdtemp(prefix="fastmt-sweep-")) if a.smoke else H.REPO_ROOT / "runs")
-    work.mkdir(parents=True, exist_ok=True)
-    if a.smoke and not files:
-        from data.toy import write_toy_corpus
-
-        files = [str(write_toy_corpus(work / "toy.jsonl", n=600))]
+    work = F.work_dir(a, "fastmt-sweep-")
     out = a.out or (work / "out" if a.smoke else H.RESULTS_DIR)
     device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
     prov, corpus = H.provenance(device), F.corpus_of(files)
