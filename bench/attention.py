@@ -1,25 +1,10 @@
 """Attention providers of ``bench.kernels``: our Triton kernel against what PyTorch offers.
 
-Padded groups (train-ragged, train-dense, long)
-  ours            kernels.attention(..., backend="triton"), padded (B, H, T, D) + lengths
-  ours-varlen     the same kernel on packed (total, H, D) + cu_seqlens
-  torch-varlen    torch.nn.attention.varlen.varlen_attn (PyTorch's FlashAttention-2 varlen)
-  sdpa            F.scaled_dot_product_attention, PyTorch's own backend choice
-  sdpa-flash / sdpa-efficient / sdpa-cudnn / sdpa-math   one backend forced (sdpa_kernel); a backend
-                  that refuses the case (flash with a mask, say) gives an 'unsupported' row
-  reference       kernels.attention_reference, eager einops, same dtype (upcast=False)
-  reference-compile  torch.compile of that reference (dynamic=None, as in training)
-Packed corpus group (the model's call: (C, H, D) streams, cu_seqlens, the layout's max_len)
-  ours-sequence   kernels.attention(..., backend="triton") with FASTMT_ATTN_TILING=sequence
-  ours-stream     the same with FASTMT_ATTN_TILING=stream (tiles over the packed stream); where a build
-                  has no such switch the row is 'unsupported' or shows the same Triton kernels
-  torch-varlen    varlen_attn on the same streams and cu_seqlens
-  flex            torch.compile(flex_attention) with a document (segment-id) mask; the block mask is
-                  built once per batch, outside the timing (``setup_ms``)
-  sdpa-padded     SDPA on the equivalent padded batch (real pairs, padded to the longest) with a
-                  boolean padding mask; ``sdpa_backend`` says which backend PyTorch picked
-Counting: FLOPs on real positions (``harness.attention_flops``); for the corpus also the memory floor
-(`floor_bytes`): q, k, v, o, dO read once and dQ, dK, dV written once, real tokens only.
+Padded groups: ``ours`` (padded + lengths), ``ours-varlen``, ``torch-varlen``, ``sdpa`` and one forced
+SDPA backend each, the eager ``reference`` and its ``torch.compile``. The packed corpus group, called as
+the model calls it ((C, H, D) streams + cu_seqlens): ``ours-sequence`` / ``ours-stream`` (the two
+tilings), ``torch-varlen``, ``flex`` (document mask) and ``sdpa-padded``. FLOPs count real positions
+only; the corpus cases also get a memory floor (``floor_bytes``). Each provider: bench/README.md.
 """
 
 from __future__ import annotations
@@ -40,7 +25,6 @@ from bench.registry import Op, Prepared, Unsupported, compiled, register, regist
 CHECK_HEADS = 2  # heads compared against the fp32 reference
 TILING_ENV = "FASTMT_ATTN_TILING"
 RAGGED, DENSE, LONG, CORPUS = "train-ragged", "train-dense", "long", "corpus"
-SDPA_BACKENDS = ("sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from bench import harness as H
+from bench.quality import read_run
 
 THRESHOLDS = (20.0, 28.0, 35.0, 37.0, 37.6)  # valid BLEU levels reported as "time to BLEU X"
 
@@ -102,24 +103,6 @@ def run_contestant(c: Contestant, cmd: list[str], log_path: Path, *, timeout_s: 
     return {"status": status, "returncode": rc, "run_seconds": time.perf_counter() - t0}
 
 
-def epoch_points(run_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """(epoch records with a wall time, provenance) of a run folder; none when it wrote nothing.
-
-    Rows without ``wall_seconds`` (older runs) get the running sum of epoch + eval seconds, marked
-    ``wall_from_epochs`` (it leaves out start-up and data time)."""
-    from bench.quality import read_run
-
-    if not (run_dir / "metrics.jsonl").is_file():
-        return [], {}
-    epochs, _test, prov = read_run(run_dir)
-    total = 0.0
-    for r in epochs:
-        total += float(r.get("epoch_seconds") or 0.0) + float(r.get("eval_seconds") or 0.0)
-        if r.get("wall_seconds") is None:
-            r["wall_seconds"], r["wall_from_epochs"] = total, True
-    return epochs, prov
-
-
 def _tail(path: Path, lines: int = 3, width: int = 240) -> str:
     """The last lines of a log (where a traceback names its error), each cut to ``width`` characters."""
     try:
@@ -132,7 +115,7 @@ def _tail(path: Path, lines: int = 3, width: int = 240) -> str:
 def contestant_rows(c: Contestant, result: Mapping[str, Any], run_dir: Path, log_path: Path, *, budget_s: float,
                     cmd: Sequence[str]) -> list[dict[str, Any]]:
     """One row per epoch point; one error row when the run produced none or failed."""
-    epochs, _prov = epoch_points(run_dir)
+    epochs = read_run(run_dir)[0] if (run_dir / "metrics.jsonl").is_file() else []
     common = {"contestant": c.name, "label": c.label, "budget_s": budget_s, "run_seconds": result["run_seconds"],
               "returncode": result["returncode"], "command": " ".join(["python", *cmd[1:]])}
     status = result["status"]

@@ -132,6 +132,16 @@ def peak_memory_mb(
     return torch.cuda.max_memory_allocated(device) / 2**20
 
 
+def train_batches(bundle, n: int) -> list:
+    """The first ``n`` batches of epoch 0's training plan, collated up front (the loader is never timed)."""
+    from itertools import islice
+
+    batches = list(islice(iter(bundle.loader("train", epoch=0)), n))
+    if len(batches) < n:
+        raise ValueError(f"the training split gives {len(batches)} batches; need {n} (fewer steps or more data)")
+    return batches
+
+
 def short_error(exc: BaseException, limit: int = 160) -> str:
     """``Type: first line of the message``, cut to ``limit`` characters (for a row's ``error`` column)."""
     lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]

@@ -3,16 +3,11 @@
     python -m bench.kernels [--smoke] [--only attention|layernorm] [--groups G,...] [--out DIR]
                             [--budget-s S] [--providers P,...] [--modes M,...] [--data-files F ...]
 
-One row per case x provider x mode in ``kernels-<gpu>.csv`` (appended), with the markdown and PNG of
-this run beside it. The cases are in ``bench.cases``, the providers in ``bench.attention`` and
-``bench.layernorm`` (registered in ``bench.registry``; ``--provider-module`` adds more), the running
-and process isolation in ``bench.runner``, kernel/op/first-call timing in ``bench.timing``, the
-outputs in ``bench.report``. Modes: fwd (the training forward, autograd recording), bwd
-(``backward(retain_graph=True)`` on a graph built once), fwd+bwd.
-
-``--smoke`` (automatic without CUDA): tiny shapes in seconds, written to ``--out`` or a fresh
-temporary directory, never to bench/results. Our Triton providers are skipped on CPU unless
-``--cpu-triton`` (the interpreter is slow); torch.compile uses the aot_eager backend on CPU.
+The command line only: one row per case x provider x mode appended to ``kernels-<gpu>.csv``, with this
+run's markdown and PNG beside it. Cases: ``bench.cases``; providers: ``bench.attention``,
+``bench.layernorm`` over ``bench.registry``; running: ``bench.runner``; outputs: ``bench.report``.
+``--smoke`` (automatic without CUDA): tiny shapes, written to a temp dir, Triton providers skipped
+unless ``--cpu-triton``.
 """
 
 from __future__ import annotations

@@ -26,7 +26,6 @@ import time
 import traceback
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +68,6 @@ class Rung:
     switches: tuple[str, ...]
     compare: str | None  # the rung it is compared with (same switches minus this technique); None: baseline
     cap_s: float | None = None  # time cap (warm-up + timed steps); None: the ladder's default for its kind
-    branch: bool = False  # side branch (drawn lighter)
     cuda_only: bool = False  # skipped (not an error) on CPU
 
     def overrides(self) -> dict[str, str]:
@@ -98,10 +96,9 @@ RUNGS: tuple[Rung, ...] = (
     Rung("6a", "+ varlen Triton attention", ("bf16", "token_bucket", "compile", "varlen"), "5"),
     Rung("6b", "+ padding-free packing", ("bf16", "compile", "packed"), "6a"),
     Rung("7", "+ fused LayerNorm(+GELU)", _MAIN, "6b"),
-    Rung("8", "side: sharing cycle_rev 3+3", (*_MAIN, "sharing"), "7", branch=True),
-    Rung("9a", "side: compile reduce-overhead", (*_MAIN, "cudagraphs"), "7", branch=True, cuda_only=True),
-    Rung("9b", "side: compile max-autotune-no-cudagraphs", (*_MAIN, "autotune"), "7", branch=True,
-         cuda_only=True),
+    Rung("8", "side: sharing cycle_rev 3+3", (*_MAIN, "sharing"), "7"),
+    Rung("9a", "side: compile reduce-overhead", (*_MAIN, "cudagraphs"), "7", cuda_only=True),
+    Rung("9b", "side: compile max-autotune-no-cudagraphs", (*_MAIN, "autotune"), "7", cuda_only=True),
 )
 
 
@@ -270,10 +267,7 @@ def measure_rung(cfg, bundle, s: LadderSettings, *, cap_s: float | None = None) 
             raise RungCapped(f"over its time cap of {cap_s:.0f} s {where}")
 
     view = bundle_view(bundle, cfg.data)
-    batches = list(islice(iter(view.loader("train", epoch=0)), s.warmup + s.steps))
-    if len(batches) < s.warmup + s.steps:
-        raise ValueError(f"the training split gives {len(batches)} batches; need warmup + steps = "
-                         f"{s.warmup + s.steps} (lower --steps/--warmup or use more data)")
+    batches = H.train_batches(view, s.warmup + s.steps)
     warm, timed = batches[: s.warmup], batches[s.warmup:]
     dev, cuda = s.device, s.device.type == "cuda"
     stamps: list[Any] = []  # step boundaries: CUDA events, or the host clock on a CPU

@@ -21,7 +21,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -146,9 +145,7 @@ def run_profile(preset: str, *, smoke: bool, data_files: Sequence[str], out_dir:
     out.mkdir(parents=True, exist_ok=True)
     bundle = build_data(cfg.data, log=lambda m: log(str(m)))
     wait_s, warm_s = 1, 1
-    batches = list(islice(iter(bundle.loader("train", epoch=0)), warmup + wait_s + warm_s + active))
-    if len(batches) < warmup + wait_s + warm_s + active:
-        raise ValueError(f"only {len(batches)} training batches; need {warmup + wait_s + warm_s + active}")
+    batches = H.train_batches(bundle, warmup + wait_s + warm_s + active)
 
     torch._dynamo.reset()
     counters.clear()

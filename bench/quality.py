@@ -29,7 +29,10 @@ HEADERS = ("epoch", "wall s (cum.)", "train s", "eval s", "last-batch loss (seed
 
 
 def read_run(run: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None, dict[str, Any]]:
-    """(epoch records, test record or None, provenance) of a run folder; loud errors when missing."""
+    """(epoch records, test record or None, provenance) of a run folder; loud errors when missing.
+
+    Every epoch record has ``wall_seconds`` (since the run's process started); older runs without it get
+    the running sum of epoch and evaluation seconds, marked ``wall_from_epochs`` (start-up left out)."""
     from train.metrics import read_metrics
 
     metrics, prov_path = run / "metrics.jsonl", run / "provenance.json"
@@ -39,6 +42,11 @@ def read_run(run: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None, di
     epochs = sorted((r for r in records if r.get("kind", "epoch") == "epoch"), key=lambda r: r["epoch"])
     # a resumed run may log an epoch twice: keep the last record of each
     epochs = list({r["epoch"]: r for r in epochs}.values())
+    total = 0.0
+    for r in epochs:
+        total += float(r.get("epoch_seconds") or 0.0) + float(r.get("eval_seconds") or 0.0)
+        if r.get("wall_seconds") is None:
+            r["wall_seconds"], r["wall_from_epochs"] = total, True
     tests = [r for r in records if r.get("kind") == "test"]
     prov = json.loads(prov_path.read_text()) if prov_path.is_file() else {}
     return epochs, (tests[-1] if tests else None), prov
@@ -48,15 +56,6 @@ def corpus_label(prov: dict[str, Any]) -> str:
     """The run's data as results name it (``harness.corpus_label`` of its config and split record)."""
     files = ((prov.get("config") or {}).get("data") or {}).get("data_files") or []
     return H.corpus_label(files, str((prov.get("data_split") or {}).get("source", "")))
-
-
-def quality_rows(epochs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    rows, wall = [], 0.0
-    for r in epochs:
-        wall += float(r.get("epoch_seconds") or 0.0) + float(r.get("eval_seconds") or 0.0)
-        at = r.get("wall_seconds") if r.get("wall_seconds") is not None else wall
-        rows.append({"epoch": r["epoch"], "wall_seconds": at, **{k: r.get(k) for k in COLUMNS[2:]}})
-    return rows
 
 
 def time_to_bleu(rows: Sequence[dict[str, Any]], thresholds: Sequence[float]) -> dict[str, dict[str, Any] | None]:
@@ -133,7 +132,7 @@ def write_quality(run: Path, out: Path) -> dict[str, Path]:
     epochs, test, prov = read_run(run)
     if not epochs:
         raise ValueError(f"{run}/metrics.jsonl has no epoch records yet (the run has not finished an epoch)")
-    rows = quality_rows(epochs)
+    rows = [{k: r.get(k) for k in COLUMNS} for r in epochs]
     cfg = prov.get("config") or {}
     planned = (cfg.get("run") or {}).get("epochs")
     thresholds = tuple((cfg.get("eval") or {}).get("bleu_thresholds") or THRESHOLDS)

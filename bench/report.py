@@ -1,10 +1,5 @@
 """The written results of ``bench.kernels`` (targets, markdown, PNG, console summary) and ``bench.ladder``
-(markdown, PNG, the README's ladder section).
-
-Targets (issues 3 and 11): attention fwd+bwd at head dim 64 against FlashAttention-2's published
-215-296 TFLOP/s; >= 1.5x the best SDPA backend with a padding mask on padded batches; on the packed
-corpus batches >= 2x the best peer in kernel time and within 3x of the memory floor; LayerNorm+GELU
-at width 512: the op (host included) no slower than torch.compile's, and >= 2 TB/s fwd+bwd.
+(markdown, PNG, the README's ladder section). The targets come from issues 3 and 11.
 """
 
 from __future__ import annotations
@@ -57,7 +52,8 @@ def _cases(rows, pred) -> list[str]:
 
 def pivot(rows, bench: str, mode: str, metric: str, providers: Sequence[str], *, pct: str = "pct_peak",
           groups: Sequence[str] | None = None, scale: float = 1.0) -> tuple[list[dict], list[str]]:
-    """Rows = cases (in run order), columns = providers; cells 'value (pct%)' or a short status."""
+    """(table, columns): rows = cases (in run order), columns = "case" and the providers; cells
+    'value (pct%)' or a short status."""
     sel = [r for r in rows if r["bench"] == bench and r["mode"] == mode and (groups is None or r.get("group") in groups)]
     cases = list(dict.fromkeys(r["case"] for r in sel))
     present = [p for p in providers if any(r["provider"] == p for r in sel)]
@@ -74,7 +70,7 @@ def pivot(rows, bench: str, mode: str, metric: str, providers: Sequence[str], *,
             else:
                 line[r["provider"]] = _SHORT.get(r["status"], r["status"])
         table.append(line)
-    return table, present
+    return table, ["case", *present]
 
 
 def _best(get, case, providers, key="tflops", lowest=False):
@@ -159,9 +155,9 @@ def host_table(rows, bench: str, group: str | None = None) -> Table:
     """fwd+bwd op time (host included) per case and provider: 'op ms (host %)', cases timed that way."""
     split = {r["case"] for r in rows if "op_ms" in r}
     rows = [r for r in rows if r["case"] in split]
-    table, present = pivot(rows, bench, "fwd+bwd", "op_ms", registry.names(bench, group), pct="host_pct",
-                           groups=None if group is None else (group,))
-    return (f"{bench} op time fwd+bwd, ms (share of it that is host)", table, ["case", *present])
+    table, cols = pivot(rows, bench, "fwd+bwd", "op_ms", registry.names(bench, group), pct="host_pct",
+                        groups=None if group is None else (group,))
+    return (f"{bench} op time fwd+bwd, ms (share of it that is host)", table, cols)
 
 
 def first_call_table(rows) -> Table:
@@ -200,38 +196,28 @@ def write_markdown(path: Path, rows, prov, peaks: H.Peaks, opts) -> None:
         "",
         "## Targets",
     ]
-    corpus_src = sorted({str(r.get("lengths")) for r in rows if r.get("group") == "corpus" and r.get("lengths")})
-    tables = summary_tables(rows)
-    for title, table, cols in tables:
+    for title, table, cols in summary_tables(rows):
         parts += ["", f"**{title}**", "", H.markdown_table(table, cols) if table else "(no rows)"]
+    corpus_src = sorted({str(r.get("lengths")) for r in rows if r.get("group") == "corpus" and r.get("lengths")})
     if corpus_src:
         parts += ["", "Corpus segment lengths: " + "; ".join(corpus_src)]
-    for mode in opts.modes:
-        table, present = pivot(rows, "attention", mode, "ms", registry.names("attention", "corpus"),
-                               pct="pct_floor", groups=("corpus",), scale=1e3)
-        if table:
-            parts += ["", f"## Packed corpus attention {mode}: kernel µs (% of the memory floor)", "",
-                      H.markdown_table(table, ["case", *present])]
-    for bench in ("attention", "layernorm"):
-        title, table, cols = host_table(rows, bench, "corpus" if bench == "attention" else "ln")
+    padded = [g for g in GROUPS if g not in ("corpus", "ln")]
+    sections: list[Table] = [
+        *((f"Packed corpus attention {mode}: kernel µs (% of the memory floor)",
+           *pivot(rows, "attention", mode, "ms", registry.names("attention", "corpus"), pct="pct_floor",
+                  groups=("corpus",), scale=1e3)) for mode in opts.modes),
+        host_table(rows, "attention", "corpus"), host_table(rows, "layernorm", "ln"),
+        *((f"Attention {mode}: TFLOP/s", *pivot(rows, "attention", mode, "tflops", registry.names("attention"),
+                                                groups=padded)) for mode in opts.modes),
+        *((f"LayerNorm+residual+GELU {mode}: GB/s", *pivot(rows, "layernorm", mode, "gbps",
+                                                           registry.names("layernorm"))) for mode in opts.modes),
+        first_call_table(rows),
+        ("Rows that did not run", [r for r in rows if not _ok(r) and r["status"] != "skipped"],
+         ["case", "provider", "mode", "status", "error"]),
+    ]
+    for title, table, cols in sections:
         if table:
             parts += ["", f"## {title[0].upper()}{title[1:]}", "", H.markdown_table(table, cols)]
-    for mode in opts.modes:
-        padded = [g for g in GROUPS if g not in ("corpus", "ln")]
-        table, present = pivot(rows, "attention", mode, "tflops", registry.names("attention"), groups=padded)
-        if table:
-            parts += ["", f"## Attention {mode}: TFLOP/s", "", H.markdown_table(table, ["case", *present])]
-    for mode in opts.modes:
-        table, present = pivot(rows, "layernorm", mode, "gbps", registry.names("layernorm"))
-        if table:
-            parts += ["", f"## LayerNorm+residual+GELU {mode}: GB/s", "", H.markdown_table(table, ["case", *present])]
-    title, table, cols = first_call_table(rows)
-    if table:
-        parts += ["", f"## {title[0].upper()}{title[1:]}", "", H.markdown_table(table, cols)]
-    problems = [r for r in rows if not _ok(r) and r["status"] != "skipped"]
-    if problems:
-        parts += ["", "## Rows that did not run", "",
-                  H.markdown_table(problems, ["case", "provider", "mode", "status", "error"])]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(parts) + "\n")
 
