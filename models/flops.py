@@ -153,17 +153,20 @@ def matmul_flops(device, dtype: torch.dtype, *, tf32: bool = False, n: int | Non
     the median of ``torch.utils.benchmark``'s blocked autorange)."""
     device = torch.device(device)
     n = n or (8192 if device.type == "cuda" else 256)
-    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
     before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high" if tf32 else "highest")
     try:
-        ms = (timer or _median_ms)(lambda: a @ b)
+        ms = _matmul_ms(n, dtype, device, timer or _median_ms)
     finally:
         torch.set_float32_matmul_precision(before)
-        del a, b
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return 2 * n**3 / (ms * 1e-3)
+
+
+def _matmul_ms(n: int, dtype: torch.dtype, device: torch.device, timer) -> float:
+    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
+    return timer(lambda: a @ b)
 
 
 def _median_ms(fn: Callable[[], object]) -> float:
