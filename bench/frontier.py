@@ -302,15 +302,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def select(p: argparse.ArgumentParser, spec: str, known: Mapping[str, Any], flag: str) -> list[str]:
-    """The comma-separated names of ``spec``, each in ``known`` (else the parser's error lists them)."""
-    names = [n.strip() for n in spec.split(",") if n.strip()]
-    unknown = [n for n in names if n not in known]
-    if unknown or not names:
-        p.error(f"{flag}: unknown {unknown or names}; choose from {','.join(known)}")
-    return names
-
-
 def work_dir(a: argparse.Namespace, prefix: str) -> Path:
     """``--work-dir``, else (chosen once) a temp dir in smoke runs and runs/ otherwise."""
     a.work_dir = a.work_dir or (Path(tempfile.mkdtemp(prefix=prefix)) if a.smoke else H.REPO_ROOT / "runs")
@@ -321,7 +312,7 @@ def work_dir(a: argparse.Namespace, prefix: str) -> Path:
 def main(argv: Sequence[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
-    names = select(p, a.contestants, CONTESTANTS, "--contestants")
+    names = H.choose(p, "--contestants", a.contestants, CONTESTANTS)
     files = H.cli_data_files(p, a, toy=lambda: work_dir(a, "fastmt-frontier-") / "toy.jsonl", toy_rows=600)
     files = [str(Path(f).resolve()) for f in files]  # the contestants run from the repo root
     budget = a.budget_s if a.budget_s is not None else (8.0 if a.smoke else 120.0)

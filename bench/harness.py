@@ -366,6 +366,16 @@ def add_cli_args(p: argparse.ArgumentParser, smoke: str, *, plot: bool = True) -
         p.add_argument("--no-plot", action="store_true", help="skip the PNG")
 
 
+def choose(p: argparse.ArgumentParser, flag: str, spec: str, known: Iterable[str]) -> list[str]:
+    """The comma-separated names of ``spec``, each one of ``known`` (else the parser's error lists them)."""
+    known = list(known)
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        p.error(f"{flag}: unknown {unknown or names}; choose from {','.join(known)}")
+    return names
+
+
 def cli_data_files(p: argparse.ArgumentParser, a: argparse.Namespace, *, toy: Callable[[], Path] | None = None,
                    toy_rows: int = 1500) -> list[str]:
     """The shared start of a bench CLI: ``--smoke`` is automatic without CUDA (said once), every

@@ -30,10 +30,6 @@ from bench import registry, report, runner
 from bench.cases import CORPUS_TOKENS, GROUPS, LENGTH_MEAN, LENGTH_P99
 
 
-def _csv(value: str) -> list[str]:
-    return [s.strip() for s in value.split(",") if s.strip()]
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -72,24 +68,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     opts.warmup_ms = opts.warmup_ms if opts.warmup_ms is not None else (1.0 if opts.smoke else 10.0)
     opts.rep_ms = opts.rep_ms if opts.rep_ms is not None else (5.0 if opts.smoke else 50.0)
     opts.compile_backend = opts.compile_backend or ("inductor" if cuda else "aot_eager")
-    opts.modes = _csv(opts.modes)
-    bad = [m for m in opts.modes if m not in H.MODES]
-    if bad or not opts.modes:
-        p.error(f"--modes: {bad or opts.modes} not in {H.MODES}")
-    opts.groups = _csv(opts.groups) if opts.groups else None
-    bad = [g for g in opts.groups or () if g not in GROUPS]
-    if bad:
-        p.error(f"--groups: unknown {bad}; choose from {GROUPS}")
+    opts.modes = H.choose(p, "--modes", opts.modes, H.MODES)
+    opts.groups = H.choose(p, "--groups", opts.groups, GROUPS) if opts.groups else None
     try:
-        opts.corpus_tokens = [int(t) for t in _csv(opts.corpus_tokens)]
+        opts.corpus_tokens = [int(t) for t in opts.corpus_tokens.split(",") if t.strip()]
         registry.load(opts.provider_modules)
     except (ValueError, ImportError) as e:
         p.error(f"--corpus-tokens {opts.corpus_tokens!r} / --provider-module {opts.provider_modules}: {e}")
-    known = registry.names()
-    opts.providers = _csv(opts.providers) if opts.providers else list(known)
-    bad = [s for s in opts.providers if s not in known]
-    if bad:
-        p.error(f"--providers: unknown {bad}; choose from {list(known)}")
+    opts.providers = H.choose(p, "--providers", opts.providers or ",".join(registry.names()), registry.names())
     if not 0 < opts.min_fill <= 1:
         p.error(f"--min-fill must be in (0, 1], got {opts.min_fill}")
     if opts.out is None:

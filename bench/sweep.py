@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
-    names = F.select(p, a.settings, SETTINGS, "--settings")
+    names = H.choose(p, "--settings", a.settings, SETTINGS)
     files = H.cli_data_files(p, a, toy=lambda: F.work_dir(a, "fastmt-sweep-") / "toy.jsonl", toy_rows=600)
     files = [str(Path(f).resolve()) for f in files]  # the settings run from the repo root
     budget = a.budget_s if a.budget_s is not None else (10.0 if a.smoke else 90.0)
