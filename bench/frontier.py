@@ -55,8 +55,8 @@ CONTESTANTS: dict[str, Contestant] = {c.name: c for c in (
 )}
 # smoke: the tiny preset everywhere, toy-corpus data settings, a small HF batch
 SMOKE_PRESET = {"s18": "tiny"}
-SMOKE_OVERRIDES = ("--data.vocab_size", "400", "--data.valid_size", "40", "--data.test_size", "40",
-                   "--data.max_len", "32", "--eval.max_sentences", "20")
+SMOKE_OVERRIDES = (*(x for k, v in H.SMOKE_DATA.items() for x in (f"--data.{k}", str(v))),
+                   "--eval.max_sentences", "20")
 
 
 def command(c: Contestant, *, budget_s: float, run_name: str, out_dir: Path, data_files: Sequence[str],

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import datetime as _dt
 import math
 import re
@@ -357,6 +358,22 @@ def corpus_label(files: Sequence[str] = (), source: str = "") -> str:
 # ----------------------------------------------------------------------------------------------
 # Command lines
 # ----------------------------------------------------------------------------------------------
+# The toy scale of every smoke run (with the toy corpus): a 400-piece vocabulary, pairs of up to 32 tokens.
+SMOKE_DATA = {"vocab_size": 400, "max_len": 32, "valid_size": 40, "test_size": 40}
+
+
+def bench_config(cfg, name: str, work: Path, data_files: Sequence[str], *, smoke: bool, **run: Any):
+    """``cfg`` as a benchmark runs it: under ``work``, without TensorBoard, progress bars, plots or a test
+    at the end, one data process; a smoke run on the CPU, compiled with aot_eager, at ``SMOKE_DATA``'s
+    scale with its data cache under ``work``. ``run``: more RunConfig changes."""
+    smoke_run = {"device": "cpu", "compile_backend": "aot_eager"} if smoke else {}
+    run = dataclasses.replace(cfg.run, name=name, out_dir=str(work / "runs"), tensorboard=False, progress=False,
+                              plot=False, **{**smoke_run, **run})
+    data = dataclasses.replace(cfg.data, data_files=tuple(data_files), num_workers=0,
+                               **({**SMOKE_DATA, "cache_dir": str(work / "cache")} if smoke else {}))
+    return dataclasses.replace(cfg, data=data, run=run, eval=dataclasses.replace(cfg.eval, test_at_end=False))
+
+
 def add_cli_args(p: argparse.ArgumentParser, smoke: str, *, plot: bool = True) -> None:
     """The flags every run-a-model CLI has: --smoke, --data-files, --out (and --no-plot)."""
     p.add_argument("--smoke", action="store_true", help=f"{smoke} (automatic without CUDA)")

@@ -142,24 +142,18 @@ def base_config(s: LadderSettings):
     from train.config import baseline
 
     cfg = baseline()
-    run = dataclasses.replace(cfg.run, name="ladder", out_dir=str(s.work_dir / "runs"), nonfinite_guard=False,
-                              tensorboard=False, progress=False, plot=False,
-                              device=s.device.type, compile_backend="aot_eager" if s.smoke else "inductor",
-                              # smoke: one graph per compiled rung (a CPU compile costs 5-15 s; the GPU run
-                              # keeps the presets' automatic dynamic shapes)
-                              compile_dynamic=True if s.smoke else cfg.run.compile_dynamic)
-    data = cfg.data
-    if s.smoke:
-        # the baseline's shape of settings at toy scale: fixed padding to the longest allowed pair
-        data = DataConfig(vocab_size=400, max_len=32, seq_len=32, batch_size=8, max_tokens=8 * 2 * 32,
-                          batching="fixed", valid_size=40, test_size=40, num_workers=0)
+    if s.smoke:  # the baseline's shape of settings at toy scale: fixed padding to the longest allowed pair
+        data = DataConfig(seq_len=32, batch_size=8, max_tokens=8 * 2 * 32, batching="fixed")
         model = get_preset("tiny", attn_backend="reference", norm="torch", layout="padded", max_positions=64)
-        cfg = dataclasses.replace(cfg, model=model)
-    data = dataclasses.replace(data, data_files=tuple(s.data_files), num_workers=0,
-                               cache_dir=str(s.work_dir / "cache") if s.smoke else data.cache_dir)
+        cfg = dataclasses.replace(cfg, data=data, model=model)
+    # smoke: one graph per compiled rung (a CPU compile costs 5-15 s; the GPU run keeps the presets' automatic
+    # dynamic shapes)
+    cfg = H.bench_config(cfg, "ladder", s.work_dir, s.data_files, smoke=s.smoke, nonfinite_guard=False,
+                         device=s.device.type, compile_backend="aot_eager" if s.smoke else "inductor",
+                         compile_dynamic=True if s.smoke else cfg.run.compile_dynamic)
     if s.max_tokens is not None:
-        data = dataclasses.replace(data, max_tokens=s.max_tokens)
-    return dataclasses.replace(cfg, data=data, run=run, eval=dataclasses.replace(cfg.eval, test_at_end=False))
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, max_tokens=s.max_tokens))
+    return cfg
 
 
 def rung_overrides(rung: Rung, ran: Collection[str], by_id: dict[str, Rung]) -> tuple[str | None, dict]:

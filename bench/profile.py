@@ -86,18 +86,12 @@ def profile_config(preset: str, *, smoke: bool, data_files: Sequence[str], work:
     from train.config import get_config
 
     cfg = get_config(preset)
-    run = dataclasses.replace(cfg.run, name="profile", out_dir=str(work / "runs"), compile=True,
-                              tensorboard=False, progress=False, plot=False)
-    data = dataclasses.replace(cfg.data, data_files=tuple(data_files), num_workers=0)
-    model = cfg.model
     if smoke:  # the tiny model, keeping the preset's layout and kernel switches (packed stays packed)
-        run = dataclasses.replace(run, device="cpu", compile_backend="aot_eager")
-        data = dataclasses.replace(data, vocab_size=400, max_len=32, max_tokens=512, pad_multiple=8,
-                                   valid_size=40, test_size=40, cache_dir=str(work / "cache"))
-        model = dataclasses.replace(get_config("tiny").model, layout=model.layout, norm=model.norm,
-                                    attn_backend=model.attn_backend, ffn_norm=model.ffn_norm)
-    return dataclasses.replace(cfg, data=data, model=model, run=run,
-                               eval=dataclasses.replace(cfg.eval, test_at_end=False))
+        m = cfg.model
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, max_tokens=512, pad_multiple=8),
+                                  model=dataclasses.replace(get_config("tiny").model, layout=m.layout, norm=m.norm,
+                                                            attn_backend=m.attn_backend, ffn_norm=m.ffn_norm))
+    return H.bench_config(cfg, "profile", work, data_files, smoke=smoke, compile=True)
 
 
 # ----------------------------------------------------------------------------------------------
