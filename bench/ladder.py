@@ -146,8 +146,8 @@ def base_config(s: LadderSettings):
         data = DataConfig(seq_len=32, batch_size=8, max_tokens=8 * 2 * 32, batching="fixed")
         model = get_preset("tiny", attn_backend="reference", norm="torch", layout="padded", max_positions=64)
         cfg = dataclasses.replace(cfg, data=data, model=model)
-    # smoke: one graph per compiled rung (a CPU compile costs 5-15 s; the GPU run keeps the presets' automatic
-    # dynamic shapes)
+    # smoke: one graph per compiled rung (CPU compiles are slow); the GPU run keeps the presets' automatic
+    # dynamic shapes
     cfg = H.bench_config(cfg, "ladder", s.work_dir, s.data_files, smoke=s.smoke, nonfinite_guard=False,
                          device=s.device.type, compile_backend="aot_eager" if s.smoke else "inductor",
                          compile_dynamic=True if s.smoke else cfg.run.compile_dynamic)
