@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from bench import cli
 from bench import harness as H
 from bench.quality import read_run
 
@@ -55,7 +56,7 @@ CONTESTANTS: dict[str, Contestant] = {c.name: c for c in (
 )}
 # smoke: the tiny preset everywhere, toy-corpus data settings, a small HF batch
 SMOKE_PRESET = {"s18": "tiny"}
-SMOKE_OVERRIDES = (*(x for k, v in H.SMOKE_DATA.items() for x in (f"--data.{k}", str(v))),
+SMOKE_OVERRIDES = (*(x for k, v in cli.SMOKE_DATA.items() for x in (f"--data.{k}", str(v))),
                    "--eval.max_sentences", "20")
 
 
@@ -244,7 +245,7 @@ def write_outputs(rows: list[dict[str, Any]], prov: Mapping[str, Any], corpus: s
 def corpus_of(data_files: Sequence[str]) -> str:
     """The label of the contestants' data: the files given, else ``$FASTMT_DATA_FILES``, else the Hub's."""
     files = list(data_files) or os.environ.get("FASTMT_DATA_FILES", "").split()
-    return H.corpus_label(files) if files else "OPUS Books en-it (Hub)"
+    return cli.corpus_label(files) if files else "OPUS Books en-it (Hub)"
 
 
 def run_frontier(names: Sequence[str | Contestant], *, budget_s: float, grace_s: float, data_files: Sequence[str],
@@ -290,7 +291,7 @@ def run_frontier(names: Sequence[str | Contestant], *, budget_s: float, grace_s:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.frontier", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    H.add_cli_args(p, "tiny preset on a toy corpus")
+    cli.add_cli_args(p, "tiny preset on a toy corpus")
     p.add_argument("--budget-s", type=float, help="wall seconds per contestant (default 120; smoke 8)")
     p.add_argument("--grace-s", type=float,
                    help="extra seconds before a contestant is killed (default max(60, budget/2))")
@@ -312,8 +313,8 @@ def work_dir(a: argparse.Namespace, prefix: str) -> Path:
 def main(argv: Sequence[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
-    names = H.choose(p, "--contestants", a.contestants, CONTESTANTS)
-    files = H.cli_data_files(p, a, toy=lambda: work_dir(a, "fastmt-frontier-") / "toy.jsonl", toy_rows=600)
+    names = cli.choose(p, "--contestants", a.contestants, CONTESTANTS)
+    files = cli.cli_data_files(p, a, toy=lambda: work_dir(a, "fastmt-frontier-") / "toy.jsonl", toy_rows=600)
     files = [str(Path(f).resolve()) for f in files]  # the contestants run from the repo root
     budget = a.budget_s if a.budget_s is not None else (8.0 if a.smoke else 120.0)
     if not budget > 0:

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
+from bench import cli, registry, report, runner
 from bench import harness as H
-from bench import registry, report, runner
 from bench.cases import CORPUS_TOKENS, GROUPS, LENGTH_MEAN, LENGTH_P99
 
 
@@ -64,18 +64,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     cuda = torch.cuda.is_available()
     if opts.cpu_triton and not cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
-    opts.data_files = H.cli_data_files(p, opts) or None
+    opts.data_files = cli.cli_data_files(p, opts) or None
     opts.warmup_ms = opts.warmup_ms if opts.warmup_ms is not None else (1.0 if opts.smoke else 10.0)
     opts.rep_ms = opts.rep_ms if opts.rep_ms is not None else (5.0 if opts.smoke else 50.0)
     opts.compile_backend = opts.compile_backend or ("inductor" if cuda else "aot_eager")
-    opts.modes = H.choose(p, "--modes", opts.modes, H.MODES)
-    opts.groups = H.choose(p, "--groups", opts.groups, GROUPS) if opts.groups else None
+    opts.modes = cli.choose(p, "--modes", opts.modes, H.MODES)
+    opts.groups = cli.choose(p, "--groups", opts.groups, GROUPS) if opts.groups else None
     try:
         opts.corpus_tokens = [int(t) for t in opts.corpus_tokens.split(",") if t.strip()]
         registry.load(opts.provider_modules)
     except (ValueError, ImportError) as e:
         p.error(f"--corpus-tokens {opts.corpus_tokens!r} / --provider-module {opts.provider_modules}: {e}")
-    opts.providers = H.choose(p, "--providers", opts.providers or ",".join(registry.names()), registry.names())
+    opts.providers = cli.choose(p, "--providers", opts.providers or ",".join(registry.names()), registry.names())
     if not 0 < opts.min_fill <= 1:
         p.error(f"--min-fill must be in (0, 1], got {opts.min_fill}")
     if opts.out is None:

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
+from bench import cli, report
 from bench import harness as H
-from bench import report
 from train import flush_denormals
 
 # DataConfig fields that only change how batches are cut: rungs may differ in these, and in nothing
@@ -148,7 +148,7 @@ def base_config(s: LadderSettings):
         cfg = dataclasses.replace(cfg, data=data, model=model)
     # smoke: one graph per compiled rung (CPU compiles are slow); the GPU run keeps the presets' automatic
     # dynamic shapes
-    cfg = H.bench_config(cfg, "ladder", s.work_dir, s.data_files, smoke=s.smoke, nonfinite_guard=False,
+    cfg = cli.bench_config(cfg, "ladder", s.work_dir, s.data_files, smoke=s.smoke, nonfinite_guard=False,
                          device=s.device.type, compile_backend="aot_eager" if s.smoke else "inductor",
                          compile_dynamic=True if s.smoke else cfg.run.compile_dynamic)
     if s.max_tokens is not None:
@@ -261,7 +261,7 @@ def measure_rung(cfg, bundle, s: LadderSettings, *, cap_s: float | None = None) 
             raise RungCapped(f"over its time cap of {cap_s:.0f} s {where}")
 
     view = bundle_view(bundle, cfg.data)
-    batches = H.train_batches(view, s.warmup + s.steps)
+    batches = cli.train_batches(view, s.warmup + s.steps)
     warm, timed = batches[: s.warmup], batches[s.warmup:]
     dev, cuda = s.device, s.device.type == "cuda"
     stamps: list[Any] = []  # step boundaries: CUDA events, or the host clock on a CPU
@@ -436,7 +436,7 @@ def run_ladder(s: LadderSettings, rungs: Sequence[Rung] = RUNGS, log: Callable[[
     log(f"[ladder] measured ceilings: bf16 matmul {peaks.matmul_tflops:,.1f} TFLOP/s, copy {peaks.copy_gbps:,.0f} GB/s")
     base = base_config(s)
     bundle = build_data(base.data, log=lambda m: log(str(m)))
-    corpus = H.corpus_label(bundle.cfg.resolved_data_files(), str((bundle.split_record or {}).get("source", "")))
+    corpus = cli.corpus_label(bundle.cfg.resolved_data_files(), str((bundle.split_record or {}).get("source", "")))
     log(f"[ladder] data: {corpus}, train {len(bundle.splits['train']):,} pairs, vocab {bundle.tokenizer.vocab_size}")
 
     ctx = {"prov": prov, "peaks": peaks, "corpus": corpus, "base": base, "wall_s": 0.0,
@@ -520,7 +520,7 @@ def write_outputs(rows: list[dict[str, Any]], ctx: dict[str, Any], out: Path, *,
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.ladder", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    H.add_cli_args(p, "tiny model on the toy corpus, CPU")
+    cli.add_cli_args(p, "tiny model on the toy corpus, CPU")
     p.add_argument("--steps", type=int, help="timed optimizer steps per rung (default 20; smoke 2)")
     p.add_argument("--warmup", type=int, help="untimed steps per rung, compile included (default 5; smoke 1)")
     p.add_argument("--rungs", help=f"comma-separated subset of {','.join(r.id for r in RUNGS)} (0 always runs)")
@@ -536,7 +536,7 @@ def parse_settings(argv: Sequence[str] | None) -> tuple[LadderSettings, argparse
     p = build_parser()
     a = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="fastmt-ladder-"))
-    files = H.cli_data_files(p, a, toy=lambda: work / "toy.jsonl")
+    files = cli.cli_data_files(p, a, toy=lambda: work / "toy.jsonl")
     steps = a.steps if a.steps is not None else (2 if a.smoke else 20)
     warmup = a.warmup if a.warmup is not None else (1 if a.smoke else 5)
     if steps < 1 or warmup < 0:

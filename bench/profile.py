@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from bench import cli
 from bench import harness as H
 from bench.harness import dynamo_counters
 from train import flush_denormals
@@ -91,7 +92,7 @@ def profile_config(preset: str, *, smoke: bool, data_files: Sequence[str], work:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, max_tokens=512, pad_multiple=8),
                                   model=dataclasses.replace(get_config("tiny").model, layout=m.layout, norm=m.norm,
                                                             attn_backend=m.attn_backend, ffn_norm=m.ffn_norm))
-    return H.bench_config(cfg, "profile", work, data_files, smoke=smoke, compile=True)
+    return cli.bench_config(cfg, "profile", work, data_files, smoke=smoke, compile=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,7 +140,7 @@ def run_profile(preset: str, *, smoke: bool, data_files: Sequence[str], out_dir:
     out.mkdir(parents=True, exist_ok=True)
     bundle = build_data(cfg.data, log=lambda m: log(str(m)))
     wait_s, warm_s = 1, 1
-    batches = H.train_batches(bundle, warmup + wait_s + warm_s + active)
+    batches = cli.train_batches(bundle, warmup + wait_s + warm_s + active)
 
     torch._dynamo.reset()
     counters.clear()
@@ -220,14 +221,14 @@ def report_markdown(r: dict[str, Any], rows, cfg) -> str:
 # ----------------------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.split("\n\n")[0])
-    H.add_cli_args(p, "tiny preset, aot_eager, CPU", plot=False)
+    cli.add_cli_args(p, "tiny preset, aot_eager, CPU", plot=False)
     p.add_argument("--preset", help="training preset (default: fast on CUDA, tiny with --smoke)")
     p.add_argument("--warmup", type=int, help="untimed steps before profiling, compile included (default 4; smoke 2)")
     p.add_argument("--active", type=int, default=3, help="profiled steps (keep the trace small)")
     a = p.parse_args(argv)
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     work = Path(tempfile.mkdtemp(prefix="fastmt-profile-"))
-    files = H.cli_data_files(p, a, toy=lambda: work / "toy.jsonl", toy_rows=400)
+    files = cli.cli_data_files(p, a, toy=lambda: work / "toy.jsonl", toy_rows=400)
     if a.smoke:
         flush_denormals()
     preset = a.preset or ("tiny" if a.smoke else "fast")

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench import cli
 from bench import harness as H
 
 SEED_GOAL = 1.8  # S18's stated goal: last-batch training loss < 1.8 within 18 epochs
@@ -55,7 +56,7 @@ def read_run(run: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None, di
 def corpus_label(prov: dict[str, Any]) -> str:
     """The run's data as results name it (``harness.corpus_label`` of its config and split record)."""
     files = ((prov.get("config") or {}).get("data") or {}).get("data_files") or []
-    return H.corpus_label(files, str((prov.get("data_split") or {}).get("source", "")))
+    return cli.corpus_label(files, str((prov.get("data_split") or {}).get("source", "")))
 
 
 def time_to_bleu(rows: Sequence[dict[str, Any]], thresholds: Sequence[float]) -> dict[str, dict[str, Any] | None]:

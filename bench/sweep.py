@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from bench import cli
 from bench import frontier as F
 from bench import harness as H
 
@@ -99,7 +100,7 @@ def sweep_markdown(rows: Sequence[Mapping[str, Any]], prov: Mapping[str, Any], c
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.sweep", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    H.add_cli_args(p, "the tiny model on a toy corpus", plot=False)
+    cli.add_cli_args(p, "the tiny model on a toy corpus", plot=False)
     p.add_argument("--budget-s", type=float, help="wall seconds per setting (default 90; smoke 10)")
     p.add_argument("--grace-s", type=float, help="extra seconds before a setting is killed (default 60)")
     p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated subset of {','.join(SETTINGS)}")
@@ -111,8 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
-    names = H.choose(p, "--settings", a.settings, SETTINGS)
-    files = H.cli_data_files(p, a, toy=lambda: F.work_dir(a, "fastmt-sweep-") / "toy.jsonl", toy_rows=600)
+    names = cli.choose(p, "--settings", a.settings, SETTINGS)
+    files = cli.cli_data_files(p, a, toy=lambda: F.work_dir(a, "fastmt-sweep-") / "toy.jsonl", toy_rows=600)
     files = [str(Path(f).resolve()) for f in files]  # the settings run from the repo root
     budget = a.budget_s if a.budget_s is not None else (10.0 if a.smoke else 90.0)
     grace = a.grace_s if a.grace_s is not None else 60.0
