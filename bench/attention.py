@@ -1,25 +1,10 @@
 """Attention providers of ``bench.kernels``: our Triton kernel against what PyTorch offers.
 
-Padded groups (train-ragged, train-dense, long)
-  ours            kernels.attention(..., backend="triton"), padded (B, H, T, D) + lengths
-  ours-varlen     the same kernel on packed (total, H, D) + cu_seqlens
-  torch-varlen    torch.nn.attention.varlen.varlen_attn (PyTorch's FlashAttention-2 varlen)
-  sdpa            F.scaled_dot_product_attention, PyTorch's own backend choice
-  sdpa-flash / sdpa-efficient / sdpa-cudnn / sdpa-math   one backend forced (sdpa_kernel); a backend
-                  that refuses the case (flash with a mask, say) gives an 'unsupported' row
-  reference       kernels.attention_reference, eager einops, same dtype (upcast=False)
-  reference-compile  torch.compile of that reference (dynamic=None, as in training)
-Packed corpus group (the model's call: (C, H, D) streams, cu_seqlens, the layout's max_len)
-  ours-sequence   kernels.attention(..., backend="triton") with FASTMT_ATTN_TILING=sequence
-  ours-stream     the same with FASTMT_ATTN_TILING=stream (tiles over the packed stream); where a build
-                  has no such switch the row is 'unsupported' or shows the same Triton kernels
-  torch-varlen    varlen_attn on the same streams and cu_seqlens
-  flex            torch.compile(flex_attention) with a document (segment-id) mask; the block mask is
-                  built once per batch, outside the timing (``setup_ms``)
-  sdpa-padded     SDPA on the equivalent padded batch (real pairs, padded to the longest) with a
-                  boolean padding mask; ``sdpa_backend`` says which backend PyTorch picked
-Counting: FLOPs on real positions (``harness.attention_flops``); for the corpus also the memory floor
-(`floor_bytes`): q, k, v, o, dO read once and dQ, dK, dV written once, real tokens only.
+Padded groups: ``ours`` (padded + lengths), ``ours-varlen``, ``torch-varlen``, ``sdpa`` and one forced
+SDPA backend each, the eager ``reference`` and its ``torch.compile``. The packed corpus group, called as
+the model calls it ((C, H, D) streams + cu_seqlens): ``ours-sequence`` / ``ours-stream`` (the two
+tilings), ``torch-varlen``, ``flex`` (document mask) and ``sdpa-padded``. FLOPs count real positions
+only; the corpus cases also get a memory floor (``floor_bytes``). Each provider: bench/README.md.
 """
 
 from __future__ import annotations
@@ -40,7 +25,6 @@ from bench.registry import Op, Prepared, Unsupported, compiled, register, regist
 CHECK_HEADS = 2  # heads compared against the fp32 reference
 TILING_ENV = "FASTMT_ATTN_TILING"
 RAGGED, DENSE, LONG, CORPUS = "train-ragged", "train-dense", "long", "corpus"
-SDPA_BACKENDS = ("sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -194,16 +178,6 @@ def _sdpa_backend(name: str):
             "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-math": SDPBackend.MATH}[name]
 
 
-def _sdpa_choice(q, k, v, mask, is_causal: bool) -> str:
-    """The backend SDPA picks for these inputs (its own dispatcher), e.g. 'EFFICIENT_ATTENTION'."""
-    try:
-        from torch.nn.attention import SDPBackend
-
-        return SDPBackend(torch._fused_sdp_choice(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=is_causal)).name
-    except Exception as e:  # noqa: BLE001 - a private helper: report, do not fail the row
-        return f"unknown ({type(e).__name__})"
-
-
 def _sdpa(name: str):
     def prepare(case: Case, d: AttnInputs, opts) -> Prepared:
         from torch.nn.attention import sdpa_kernel
@@ -216,7 +190,7 @@ def _sdpa(name: str):
             with sdpa_kernel(backends) if backends else contextlib.nullcontext():
                 return F.scaled_dot_product_attention(*qkv, attn_mask=mask, is_causal=is_causal)
 
-        extra = {"sdpa_backend": _sdpa_choice(*qkv, mask, is_causal)} if name == "sdpa" else {}
+        extra = {"sdpa_backend": H.sdpa_choice(*qkv, mask, is_causal)} if name == "sdpa" else {}
         note = "" if mask is None else f"bool mask {tuple(mask.shape)}"
         return Prepared(sdpa, qkv, _padded_check(case, d), note=note, extra=extra)
 
@@ -304,11 +278,6 @@ def document_mask_mod(doc_q: torch.Tensor, doc_k: torch.Tensor, causal: bool):
     return causal_segment if causal else same_segment
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @register("attention", "flex", groups=(CORPUS,))
 def flex(case: Case, d: CorpusInputs, opts) -> Prepared:
     device = d.q.device
@@ -318,10 +287,10 @@ def flex(case: Case, d: CorpusInputs, opts) -> Prepared:
 
     cq, ck = d.q.shape[0], d.k.shape[0]
     mask_mod = document_mask_mod(segment_ids(d.cu_q, cq), segment_ids(d.cu_k, ck), d.causal)
-    _sync(device)
+    H.synchronize(device)
     t0 = time.perf_counter()
     block_mask = create_block_mask(mask_mod, None, None, cq, ck, device=device)
-    _sync(device)
+    H.synchronize(device)
     setup_ms = (time.perf_counter() - t0) * 1e3
     fx = compiled("flex_attention", flex_attention, opts.compile_backend, False)
 
@@ -348,7 +317,7 @@ def sdpa_padded(case: Case, d: CorpusInputs, opts) -> Prepared:
     device = d.q.device
     lq, lk = d.lengths_q[: d.real], d.lengths_k[: d.real]
     Tq, Tk = max(lq), max(lk)
-    _sync(device)
+    H.synchronize(device)
     t0 = time.perf_counter()
     q = _pad_segments(d.q, d.offsets_q, lq, Tq)
     k, v = (_pad_segments(t, d.offsets_k, lk, Tk) for t in (d.k, d.v))
@@ -358,9 +327,9 @@ def sdpa_padded(case: Case, d: CorpusInputs, opts) -> Prepared:
         mask = rearrange(keys[:, None, :] & (i[:, None] >= i[None, :])[None], "n i j -> n 1 i j")
     else:
         mask = rearrange(keys, "n j -> n 1 1 j")
-    _sync(device)
+    H.synchronize(device)
     setup_ms = (time.perf_counter() - t0) * 1e3
-    backend = _sdpa_choice(q, k, v, mask, False)
+    backend = H.sdpa_choice(q, k, v, mask, False)
     h = min(CHECK_HEADS, case.H)
 
     def check(out):  # padded row i is segment i: the real pairs come first in the stream

@@ -1,17 +1,9 @@
 """The cases of ``bench.kernels`` (shapes, in priority order) and the inputs each case is timed on.
 
-Groups
-  train-ragged  padded batches, H 8, head dim 64, T 32..512, 32k padded tokens, per-sequence lengths
-                uniform in [min_fill*T, T]; SDPA gets a boolean padding mask built outside the timing.
-  train-dense   the same shapes, every sequence full (no mask).
-  long          T 1k..8k, head dim 64 and 128, 16k tokens, hidden 2048: FlashAttention-2's grid.
-  corpus        packed streams as training feeds them (``data`` batching="packed"): segment lengths
-                from the stand-in corpus (``--data-files``) or a log-normal with its mean and p99,
-                4,096 and 16,384 tokens per batch (src + tgt); encoder self (bidirectional, src
-                stream), decoder self (causal, tgt stream) and cross (tgt queries, src keys).
-  ln            LayerNorm(x + r) -> GELU rows x width, bf16.
-Cases of ``corpus`` and of LayerNorm at width 512 are timed twice (``host_split``): kernel time and op
-time, see ``bench.timing``.
+Groups: ``train-ragged`` / ``train-dense`` (padded training batches with and without padding),
+``long`` (FlashAttention-2's grid), ``corpus`` (one packed batch built exactly as training builds it,
+segment lengths from ``--data-files`` or a log-normal fitted to the stand-in corpus) and ``ln``
+(LayerNorm rows). The shapes of each group: bench/README.md.
 """
 
 from __future__ import annotations

@@ -4,25 +4,12 @@ for the same wall-clock budget.
     python -m bench.frontier [--budget-s 120] [--contestants hf,seeds,s18,default] [--data-files F ...]
                              [--grace-s S] [--out DIR] [--smoke] [--fresh]
 
-Contestants, each trained in its own process (sequentially: one GPU, no sharing) and stopped at the
-first step boundary after ``--budget-s`` seconds since its process started, then evaluated once more:
-  hf       the Hugging Face baseline (``python -m bench.peers``, ../shared/gpu/PEERS.md §1)
-  seeds    the seeds' recipe on the s18 preset: fp16 + GradScaler, dynamic padding, 32 sentences,
-           Lion 1e-4 OneCycle, eager (``python -m train --preset s18`` + the overrides in ``CONTESTANTS``)
-  s18      ``python -m train --preset s18``
-  default  ``python -m train --auto`` (what ``make train`` runs)
-All share the data files and fastmt's validation protocol; the test split is skipped (only validation
-BLEU is plotted). Every epoch row of a run's ``metrics.jsonl`` carries ``wall_seconds`` since its process
-started (data, compile and evaluation included) and ``bleu``; those are the points.
-
-A contestant that fails (a crash, a non-zero exit, no epoch row) becomes an error row with the tail of
-its log and the frontier goes on; one that runs past ``budget + grace`` is killed (its rows so far
-are kept, status ``timeout``). Outputs: ``<out>/frontier-<gpu>.csv`` (one row per contestant and
-epoch, with provenance), ``.md`` (best BLEU, time to each threshold) and ``.png`` (BLEU vs wall
-seconds, one line per contestant). The csv keeps the rows of contestants not run this time (with
-their own git sha and timestamp), so contestants can be measured in separate calls; ``--fresh``
-starts it anew. ``--smoke`` (automatic without CUDA): the tiny preset on a generated toy corpus,
-short budgets, written to a temp dir.
+Each contestant (``CONTESTANTS``: the Hugging Face baseline, the seeds' recipe, two fastmt presets) trains
+in its own process until the first step boundary after ``--budget-s`` seconds, then evaluates; the
+points are its ``metrics.jsonl`` epoch rows (``wall_seconds`` since process start, ``bleu``). A failed
+or killed contestant becomes a row saying so and the frontier goes on. Outputs
+``<out>/frontier-<gpu>.{csv,md,png}``; the csv keeps contestants not run this time (``--fresh``
+resets it). Details: bench/README.md.
 """
 
 from __future__ import annotations
@@ -42,7 +29,9 @@ from typing import Any
 
 import torch
 
+from bench import cli
 from bench import harness as H
+from bench.quality import read_run
 
 THRESHOLDS = (20.0, 28.0, 35.0, 37.0, 37.6)  # valid BLEU levels reported as "time to BLEU X"
 
@@ -67,8 +56,8 @@ CONTESTANTS: dict[str, Contestant] = {c.name: c for c in (
 )}
 # smoke: the tiny preset everywhere, toy-corpus data settings, a small HF batch
 SMOKE_PRESET = {"s18": "tiny"}
-SMOKE_OVERRIDES = ("--data.vocab_size", "400", "--data.valid_size", "40", "--data.test_size", "40",
-                   "--data.max_len", "32", "--eval.max_sentences", "20")
+SMOKE_OVERRIDES = (*(x for k, v in cli.SMOKE_DATA.items() for x in (f"--data.{k}", str(v))),
+                   "--eval.max_sentences", "20")
 
 
 def command(c: Contestant, *, budget_s: float, run_name: str, out_dir: Path, data_files: Sequence[str],
@@ -115,24 +104,6 @@ def run_contestant(c: Contestant, cmd: list[str], log_path: Path, *, timeout_s: 
     return {"status": status, "returncode": rc, "run_seconds": time.perf_counter() - t0}
 
 
-def epoch_points(run_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """(epoch records with a wall time, provenance) of a run folder; none when it wrote nothing.
-
-    Rows without ``wall_seconds`` (older runs) get the running sum of epoch + eval seconds, marked
-    ``wall_from_epochs`` (it leaves out start-up and data time)."""
-    from bench.quality import read_run
-
-    if not (run_dir / "metrics.jsonl").is_file():
-        return [], {}
-    epochs, _test, prov = read_run(run_dir)
-    total = 0.0
-    for r in epochs:
-        total += float(r.get("epoch_seconds") or 0.0) + float(r.get("eval_seconds") or 0.0)
-        if r.get("wall_seconds") is None:
-            r["wall_seconds"], r["wall_from_epochs"] = total, True
-    return epochs, prov
-
-
 def _tail(path: Path, lines: int = 3, width: int = 240) -> str:
     """The last lines of a log (where a traceback names its error), each cut to ``width`` characters."""
     try:
@@ -145,7 +116,7 @@ def _tail(path: Path, lines: int = 3, width: int = 240) -> str:
 def contestant_rows(c: Contestant, result: Mapping[str, Any], run_dir: Path, log_path: Path, *, budget_s: float,
                     cmd: Sequence[str]) -> list[dict[str, Any]]:
     """One row per epoch point; one error row when the run produced none or failed."""
-    epochs, _prov = epoch_points(run_dir)
+    epochs = read_run(run_dir)[0] if (run_dir / "metrics.jsonl").is_file() else []
     common = {"contestant": c.name, "label": c.label, "budget_s": budget_s, "run_seconds": result["run_seconds"],
               "returncode": result["returncode"], "command": " ".join(["python", *cmd[1:]])}
     status = result["status"]
@@ -258,32 +229,23 @@ def write_outputs(rows: list[dict[str, Any]], prov: Mapping[str, Any], corpus: s
                   markdown: Callable[..., str] | None = None) -> dict[str, Path]:
     """Write ``<name>-<gpu>.csv`` (keeping the rows of contestants not in ``rows`` unless ``fresh``), ``.md``
     (``markdown(rows, prov, corpus, smoke=...)``, default the frontier's) and ``.png``."""
-    slug = prov["gpu_slug"]
-    out.mkdir(parents=True, exist_ok=True)
-    csv_path = H.result_path(out, name, slug, "csv")
+    csv_path = H.result_path(out, name, prov["gpu_slug"], "csv")
     mine = {str(r["contestant"]) for r in rows}
     kept = [] if fresh or not csv_path.is_file() else [r for r in H.read_csv(csv_path) if r["contestant"] not in mine]
-    all_rows = kept + rows
-    if csv_path.exists():
-        csv_path.unlink()
-    H.append_csv(csv_path, all_rows, COLUMNS)
-    md_path = H.result_path(out, name, slug, "md")
-    md_path.write_text((markdown or frontier_markdown)(all_rows, prov, corpus, smoke=smoke))
-    paths = {"csv": csv_path, "md": md_path}
-    if plot:
-        title = f"fastmt {'time-to-quality ' if name == 'frontier' else ''}{name} — {prov['gpu']} — {corpus}"
-        paths["png"] = frontier_plot(all_rows, H.result_path(out, name, slug, "png"), title=title)
-    return paths
+    rows = kept + rows
+    title = f"fastmt {'time-to-quality ' if name == 'frontier' else ''}{name} — {prov['gpu']} — {corpus}"
+    return H.write_results(out, name, prov["gpu_slug"], rows, COLUMNS,
+                           (markdown or frontier_markdown)(rows, prov, corpus, smoke=smoke),
+                           (lambda path: frontier_plot(rows, path, title=title)) if plot else None)
 
 
 # ----------------------------------------------------------------------------------------------
 # The frontier
 # ----------------------------------------------------------------------------------------------
 def corpus_of(data_files: Sequence[str]) -> str:
-    if data_files:
-        return f"stand-in corpus ({','.join(Path(f).name for f in data_files)})"
-    env = os.environ.get("FASTMT_DATA_FILES", "").split()
-    return f"stand-in corpus ({','.join(Path(f).name for f in env)})" if env else "OPUS Books en-it (Hub)"
+    """The label of the contestants' data: the files given, else ``$FASTMT_DATA_FILES``, else the Hub's."""
+    files = list(data_files) or os.environ.get("FASTMT_DATA_FILES", "").split()
+    return cli.corpus_label(files) if files else "OPUS Books en-it (Hub)"
 
 
 def run_frontier(names: Sequence[str | Contestant], *, budget_s: float, grace_s: float, data_files: Sequence[str],
@@ -329,46 +291,36 @@ def run_frontier(names: Sequence[str | Contestant], *, budget_s: float, grace_s:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.frontier", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    cli.add_cli_args(p, "tiny preset on a toy corpus")
     p.add_argument("--budget-s", type=float, help="wall seconds per contestant (default 120; smoke 8)")
     p.add_argument("--grace-s", type=float,
                    help="extra seconds before a contestant is killed (default max(60, budget/2))")
     p.add_argument("--contestants", default=",".join(CONTESTANTS),
                    help=f"comma-separated subset of {','.join(CONTESTANTS)}, run in that order")
-    p.add_argument("--data-files", nargs="+", metavar="F", help="local jsonl/parquet/tsv files instead of the Hub")
-    p.add_argument("--out", type=Path, help="output folder (default bench/results; a temp dir with --smoke)")
     p.add_argument("--work-dir", type=Path, help="parent of the run folders and logs (default runs/; smoke: a "
                                                  "temp dir)")
-    p.add_argument("--smoke", action="store_true", help="tiny preset on a toy corpus (automatic without CUDA)")
     p.add_argument("--fresh", action="store_true", help="drop the csv's rows of contestants not run now")
-    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     return p
+
+
+def work_dir(a: argparse.Namespace, prefix: str) -> Path:
+    """``--work-dir``, else (chosen once) a temp dir in smoke runs and runs/ otherwise."""
+    a.work_dir = a.work_dir or (Path(tempfile.mkdtemp(prefix=prefix)) if a.smoke else H.REPO_ROOT / "runs")
+    a.work_dir.mkdir(parents=True, exist_ok=True)
+    return a.work_dir
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
-    if not torch.cuda.is_available() and not a.smoke:
-        print("bench.frontier: no CUDA device: running the --smoke configuration", flush=True)
-        a.smoke = True
-    names = [n.strip() for n in a.contestants.split(",") if n.strip()]
-    unknown = [n for n in names if n not in CONTESTANTS]
-    if unknown or not names:
-        p.error(f"--contestants: unknown {unknown or names}; choose from {','.join(CONTESTANTS)}")
+    names = cli.choose(p, "--contestants", a.contestants, CONTESTANTS)
+    files = cli.cli_data_files(p, a, toy=lambda: work_dir(a, "fastmt-frontier-") / "toy.jsonl", toy_rows=600)
+    files = [str(Path(f).resolve()) for f in files]  # the contestants run from the repo root
     budget = a.budget_s if a.budget_s is not None else (8.0 if a.smoke else 120.0)
     if not budget > 0:
         p.error(f"--budget-s {budget} must be > 0")
     grace = a.grace_s if a.grace_s is not None else max(60.0, budget / 2)
-    files = list(a.data_files or ())
-    missing = [f for f in files if not Path(f).is_file()]
-    if missing:
-        p.error(f"--data-files: no such file(s) {missing}")
-    files = [str(Path(f).resolve()) for f in files]  # the contestants run from the repo root
-    work = a.work_dir or (Path(tempfile.mkdtemp(prefix="fastmt-frontier-")) if a.smoke else H.REPO_ROOT / "runs")
-    work.mkdir(parents=True, exist_ok=True)
-    if a.smoke and not files:
-        from bench.ladder import write_toy_corpus
-
-        files = [str(write_toy_corpus(work / "toy.jsonl", n=600))]
+    work = work_dir(a, "fastmt-frontier-")
     out = a.out or (work / "out" if a.smoke else H.RESULTS_DIR)
     device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
     prov, corpus = H.provenance(device), corpus_of(files)

@@ -1,24 +1,8 @@
-"""The one benchmark harness of fastmt: timing, device ceilings, provenance, counts and writers.
+"""The shared harness of bench/: timing, device ceilings, FLOP/byte counts, provenance, result files.
 
-Used by ``bench.kernels`` (kernel providers) and the training ladder; nothing here knows about a
-particular kernel. One result is one ``dict`` row; a run appends its rows to a CSV and rewrites a
-markdown table and a PNG beside it, all named after the GPU (``kernels-h100.csv``, ``-cpu`` on CPU).
-
-Timing
-  CUDA: ``triton.testing.do_bench`` (CUDA events, L2 flushed before every repetition, the first
-  call and a warm-up untimed, so compilation and autotuning never land in a number), reporting the
-  median and the 20th/80th percentiles in milliseconds.
-  CPU: a wall-clock loop with the same statistics so the smoke path runs anywhere.
-Ceilings (``measure_peaks``), measured in the same run as the numbers they normalise:
-  a large device-to-device copy (GB/s counting bytes read + bytes written) and a large random bf16
-  matrix product (TFLOP/s, 2*M*N*K). Rates are reported in GB/s = 1e9 B/s and TFLOP/s = 1e12 FLOP/s.
-Counting conventions (``attention_flops``, ``layer_norm_bytes``)
-  Attention counts the FLOPs of the two matrix products on real (unmasked) positions:
-  4 * H * D * sum_b(Lq_b * Lk_b), halved when causal, backward = 2.5x forward and forward+backward
-  = 3.5x forward -- FlashAttention-2's convention (its ``benchmark_flash_attention.py``), so numbers
-  compare with its published ones. Padding a baseline computes is never counted as useful work.
-  LayerNorm counts the fewest bytes any implementation must move (each input read once, each output
-  written once; saved statistics excluded because they can be recomputed from the row).
+One result is one ``dict`` row carrying the GPU, versions and git sha (``provenance``). The CLIs write
+``<out>/<name>-<gpu>.csv`` with a markdown table and a PNG beside it (``write_results``, tables,
+figures). The timing protocol and the counting conventions are in bench/README.md.
 """
 
 from __future__ import annotations
@@ -26,8 +10,6 @@ from __future__ import annotations
 import csv
 import datetime as _dt
 import math
-import os
-import platform
 import re
 import subprocess
 import time
@@ -38,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from models.flops import matmul_flops
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
@@ -88,21 +72,26 @@ def bench(
     return _bench_wallclock(fn, warmup_ms=warmup_ms, rep_ms=rep_ms, grad_to_none=grads)
 
 
-def _bench_wallclock(fn, *, warmup_ms, rep_ms, grad_to_none, min_reps=3, max_reps=1000) -> Timing:
-    fn()  # first call: compilation, allocation
-    t0 = time.perf_counter()
-    fn()
-    estimate_ms = max((time.perf_counter() - t0) * 1e3, 1e-3)
-    for _ in range(max(0, min(max_reps, int(warmup_ms / estimate_ms)))):
-        fn()
-    times = []
-    for _ in range(max(min_reps, min(max_reps, int(rep_ms / estimate_ms)))):
-        if grad_to_none is not None:
-            for t in grad_to_none:
-                t.grad = None
+def _bench_wallclock(fn, *, warmup_ms, rep_ms, grad_to_none) -> Timing:
+    def once() -> float:
+        for t in grad_to_none or ():
+            t.grad = None
         t0 = time.perf_counter()
         fn()
-        times.append((time.perf_counter() - t0) * 1e3)
+        return (time.perf_counter() - t0) * 1e3
+
+    return repeat(once, warmup_ms=warmup_ms, rep_ms=rep_ms)
+
+
+def repeat(once: Callable[[], float], *, warmup_ms: float, rep_ms: float, min_reps: int = 3,
+           max_reps: int = 1000) -> Timing:
+    """Quantiles of ``once()``, which times one call itself (ms): a first call (compilation, allocation)
+    and an estimate untimed, ``warmup_ms`` of warm-up, then ``rep_ms`` worth of calls."""
+    once()
+    estimate = max(once(), 1e-3)
+    for _ in range(min(max_reps, int(warmup_ms / estimate))):
+        once()
+    times = [once() for _ in range(max(min_reps, min(max_reps, int(rep_ms / estimate))))]
     return Timing(*quantiles(times, QUANTILES))
 
 
@@ -141,6 +130,33 @@ def peak_memory_mb(
     return torch.cuda.max_memory_allocated(device) / 2**20
 
 
+def short_error(exc: BaseException, limit: int = 160) -> str:
+    """``Type: first line of the message``, cut to ``limit`` characters (for a row's ``error`` column)."""
+    lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:limit]
+
+
+def sdpa_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                is_causal: bool = False) -> str:
+    """The kernel SDPA's own dispatcher picks for these inputs, e.g. 'EFFICIENT_ATTENTION' (a private torch
+    helper: 'unknown (<error>)' when it fails)."""
+    try:
+        from torch.nn.attention import SDPBackend
+
+        return SDPBackend(int(torch._fused_sdp_choice(q, k, v, mask, 0.0, is_causal))).name
+    except Exception as e:  # noqa: BLE001 - report, do not fail the row
+        return f"unknown ({type(e).__name__})"
+
+
+def dynamo_counters() -> dict[str, Any]:
+    """Graphs and graph breaks counted by dynamo since the last ``counters.clear()``, with the reasons."""
+    from torch._dynamo.utils import counters
+
+    breaks = dict(counters["graph_break"])
+    return {"graphs": int(counters["stats"]["unique_graphs"]), "graph_breaks": int(sum(breaks.values())),
+            "reasons": [" ".join(k.split())[:300] + f" (x{v})" for k, v in breaks.items()]}
+
+
 # ----------------------------------------------------------------------------------------------
 # Device ceilings, measured in the same run
 # ----------------------------------------------------------------------------------------------
@@ -165,55 +181,23 @@ def measure_peaks(
     warmup_ms: float = 25.0,
     rep_ms: float = 100.0,
 ) -> Peaks:
-    """Copy bandwidth and matmul rate of ``device`` (defaults: 1 GiB and n=8192 on CUDA; small on CPU).
-
-    Random data throughout: a product of zeros runs measurably faster on Hopper.
-    """
+    """Copy bandwidth and matmul rate of ``device`` (defaults: 1 GiB and n=8192 on CUDA; small on CPU);
+    the matmul is ``models.flops.matmul_flops``, the measurement MFU falls back on, timed with ``bench``."""
     device = torch.device(device)
     on_cuda = device.type == "cuda"
     copy_bytes = copy_bytes or (2**30 if on_cuda else 16 * 2**20)
     matmul_n = matmul_n or (8192 if on_cuda else 256)
     t_copy = _time_copy(copy_bytes, device, warmup_ms, rep_ms)
-    t_mm = _time_matmul(matmul_n, dtype, device, warmup_ms, rep_ms)
-    if on_cuda:
-        torch.cuda.empty_cache()
-    return Peaks(
-        copy_gbps=gbps(2 * copy_bytes, t_copy.ms),
-        matmul_tflops=tflops(2 * matmul_n**3, t_mm.ms),
-        copy_bytes=copy_bytes,
-        matmul_n=matmul_n,
-        dtype=str(dtype).removeprefix("torch."),
-    )
-
-
-def matmul_tflops(device: torch.device | str, dtype: torch.dtype, *, tf32: bool = False, n: int | None = None,
-                  warmup_ms: float = 25.0, rep_ms: float = 100.0) -> float:
-    """TFLOP/s of a random (n x n) @ (n x n) product in ``dtype`` (default n: 8192 on CUDA, large
-    enough to reach the tensor cores' rate; 256 on CPU). ``tf32``: fp32 inputs with TF32 matmuls
-    allowed for this measurement only (torch's matmul precision is restored after)."""
-    device = torch.device(device)
-    n = n or (8192 if device.type == "cuda" else 256)
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high" if tf32 else "highest")
-    try:
-        t = _time_matmul(n, dtype, device, warmup_ms, rep_ms)
-    finally:
-        torch.set_float32_matmul_precision(before)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return tflops(2 * n**3, t.ms)
+    matmul = matmul_flops(device, dtype, n=matmul_n, timer=lambda fn: bench(
+        fn, device=device, warmup_ms=warmup_ms, rep_ms=rep_ms).ms)
+    return Peaks(copy_gbps=gbps(2 * copy_bytes, t_copy.ms), matmul_tflops=matmul / 1e12, copy_bytes=copy_bytes,
+                 matmul_n=matmul_n, dtype=str(dtype).removeprefix("torch."))
 
 
 def _time_copy(nbytes: int, device: torch.device, warmup_ms: float, rep_ms: float) -> Timing:
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     return bench(lambda: dst.copy_(src), device=device, warmup_ms=warmup_ms, rep_ms=rep_ms)
-
-
-def _time_matmul(n: int, dtype: torch.dtype, device: torch.device, warmup_ms: float, rep_ms: float) -> Timing:
-    a = torch.randn(n, n, dtype=dtype, device=device)
-    b = torch.randn(n, n, dtype=dtype, device=device)
-    return bench(lambda: a @ b, device=device, warmup_ms=warmup_ms, rep_ms=rep_ms)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -310,21 +294,6 @@ def device_name(device: torch.device | str) -> str:
     return "cpu"
 
 
-def git_sha(root: Path = REPO_ROOT) -> tuple[str, str]:
-    """(sha, dirty) of the checkout: git, else ``$FASTMT_GIT_SHA`` (a device copy without .git),
-    else 'unknown'. ``dirty`` is 'yes'/'no' (tracked files changed), '' when unknown."""
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                             timeout=10, check=True).stdout.strip()
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                                capture_output=True, text=True, timeout=30, check=True).stdout
-        if sha:
-            return sha, ("yes" if status.strip() else "no")
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return os.environ.get("FASTMT_GIT_SHA", "").strip() or "unknown", ""
-
-
 def _nvidia_driver() -> str:
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
@@ -335,27 +304,23 @@ def _nvidia_driver() -> str:
 
 
 def provenance(device: torch.device | str) -> Row:
-    """Columns every result row carries: when, where, with what (GPU, versions, git sha)."""
-    device = torch.device(device)
-    try:
-        import triton
+    """Columns every result row carries: when, where, with what. Versions and the git sha are the
+    training runs' own (``train.metrics``), so a result and a run name a checkout the same way."""
+    from train.metrics import environment, git_sha
 
-        triton_version = triton.__version__
-    except ImportError:  # pragma: no cover - triton is a dependency
-        triton_version = ""
-    name = device_name(device)
-    sha, dirty = git_sha()
+    device = torch.device(device)
+    env, sha, name = environment(), git_sha() or "unknown", device_name(device)
     row: Row = {
         "timestamp": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "gpu": name,
         "gpu_slug": gpu_slug(name),
-        "torch": torch.__version__,
-        "triton": triton_version,
-        "cuda": torch.version.cuda or "",
+        "torch": env["torch"],
+        "triton": env["triton"] or "",
+        "cuda": env["cuda"] or "",
         "driver": _nvidia_driver() if device.type == "cuda" else "",
-        "python": platform.python_version(),
-        "git_sha": sha,
-        "git_dirty": dirty,
+        "python": env["python"],
+        "git_sha": sha.removesuffix("-dirty"),
+        "git_dirty": "yes" if sha.endswith("-dirty") else ("" if sha == "unknown" else "no"),
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -423,6 +388,20 @@ def append_csv(path: Path | str, rows: Iterable[Mapping[str, Any]], columns: Seq
 def read_csv(path: Path | str) -> list[dict[str, str]]:
     with Path(path).open(newline="") as f:
         return list(csv.DictReader(f))
+
+
+def write_results(out: Path, name: str, slug: str, rows: Sequence[Mapping[str, Any]], columns: Sequence[str],
+                  markdown: str, plot: Callable[[Path], Path] | None = None) -> dict[str, Path]:
+    """``<out>/<name>-<slug>.csv`` rewritten with ``rows`` (one table per device: the latest run; git keeps
+    the history), the ``.md`` holding ``markdown`` and, given ``plot(path)``, the ``.png``."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {ext: result_path(out, name, slug, ext) for ext in ("csv", "md")}
+    paths["csv"].unlink(missing_ok=True)
+    append_csv(paths["csv"], rows, columns)
+    paths["md"].write_text(markdown)
+    if plot is not None:
+        paths["png"] = plot(result_path(out, name, slug, "png"))
+    return paths
 
 
 def fmt(v: Any) -> str:

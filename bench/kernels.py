@@ -3,16 +3,11 @@
     python -m bench.kernels [--smoke] [--only attention|layernorm] [--groups G,...] [--out DIR]
                             [--budget-s S] [--providers P,...] [--modes M,...] [--data-files F ...]
 
-One row per case x provider x mode in ``kernels-<gpu>.csv`` (appended), with the markdown and PNG of
-this run beside it. The cases are in ``bench.cases``, the providers in ``bench.attention`` and
-``bench.layernorm`` (registered in ``bench.registry``; ``--provider-module`` adds more), the running
-and process isolation in ``bench.runner``, kernel/op/first-call timing in ``bench.timing``, the
-outputs in ``bench.report``. Modes: fwd (the training forward, autograd recording), bwd
-(``backward(retain_graph=True)`` on a graph built once), fwd+bwd.
-
-``--smoke`` (automatic without CUDA): tiny shapes in seconds, written to ``--out`` or a fresh
-temporary directory, never to bench/results. Our Triton providers are skipped on CPU unless
-``--cpu-triton`` (the interpreter is slow); torch.compile uses the aot_eager backend on CPU.
+The command line only: one row per case x provider x mode appended to ``kernels-<gpu>.csv``, with this
+run's markdown and PNG beside it. Cases: ``bench.cases``; providers: ``bench.attention``,
+``bench.layernorm`` over ``bench.registry``; running: ``bench.runner``; outputs: ``bench.report``.
+``--smoke`` (automatic without CUDA): tiny shapes, written to a temp dir, Triton providers skipped
+unless ``--cpu-triton``.
 """
 
 from __future__ import annotations
@@ -30,13 +25,9 @@ from typing import Any
 
 import torch
 
+from bench import cli, registry, report, runner
 from bench import harness as H
-from bench import registry, report, runner
 from bench.cases import CORPUS_TOKENS, GROUPS, LENGTH_MEAN, LENGTH_P99
-
-
-def _csv(value: str) -> list[str]:
-    return [s.strip() for s in value.split(",") if s.strip()]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -73,36 +64,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     cuda = torch.cuda.is_available()
     if opts.cpu_triton and not cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
-    if not cuda and not opts.smoke:
-        print("bench.kernels: no CUDA device: running the --smoke configuration", flush=True)
-        opts.smoke = True
+    opts.data_files = cli.cli_data_files(p, opts) or None
     opts.warmup_ms = opts.warmup_ms if opts.warmup_ms is not None else (1.0 if opts.smoke else 10.0)
     opts.rep_ms = opts.rep_ms if opts.rep_ms is not None else (5.0 if opts.smoke else 50.0)
     opts.compile_backend = opts.compile_backend or ("inductor" if cuda else "aot_eager")
-    opts.modes = _csv(opts.modes)
-    bad = [m for m in opts.modes if m not in H.MODES]
-    if bad or not opts.modes:
-        p.error(f"--modes: {bad or opts.modes} not in {H.MODES}")
-    opts.groups = _csv(opts.groups) if opts.groups else None
-    bad = [g for g in opts.groups or () if g not in GROUPS]
-    if bad:
-        p.error(f"--groups: unknown {bad}; choose from {GROUPS}")
+    opts.modes = cli.choose(p, "--modes", opts.modes, H.MODES)
+    opts.groups = cli.choose(p, "--groups", opts.groups, GROUPS) if opts.groups else None
     try:
-        opts.corpus_tokens = [int(t) for t in _csv(opts.corpus_tokens)]
+        opts.corpus_tokens = [int(t) for t in opts.corpus_tokens.split(",") if t.strip()]
         registry.load(opts.provider_modules)
     except (ValueError, ImportError) as e:
         p.error(f"--corpus-tokens {opts.corpus_tokens!r} / --provider-module {opts.provider_modules}: {e}")
-    known = registry.names()
-    opts.providers = _csv(opts.providers) if opts.providers else list(known)
-    bad = [s for s in opts.providers if s not in known]
-    if bad:
-        p.error(f"--providers: unknown {bad}; choose from {list(known)}")
+    opts.providers = cli.choose(p, "--providers", opts.providers or ",".join(registry.names()), registry.names())
     if not 0 < opts.min_fill <= 1:
         p.error(f"--min-fill must be in (0, 1], got {opts.min_fill}")
-    if opts.data_files:
-        missing = [f for f in opts.data_files if not Path(f).is_file()]
-        if missing:
-            p.error(f"--data-files: no such file {missing}; give the corpus jsonl/parquet/tsv (e.g. .data/...)")
     if opts.out is None:
         opts.out = Path(tempfile.mkdtemp(prefix="fastmt-bench-smoke-")) if opts.smoke else H.RESULTS_DIR
     opts.out = str(opts.out)

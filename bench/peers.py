@@ -4,30 +4,12 @@
                           [--max-wall-seconds S] [--max-steps N] [--name hf-marian] [--out-dir runs]
                           [--no-test] [--section.field value ...]
 
-What a user would write instead of fastmt: ``transformers.MarianMTModel`` from scratch with the
-preset's model size (layers, d_model, heads, FFN, dropout, max positions), fastmt's own SentencePiece
-model as the shared vocabulary (ids: pad 0, bos 2 = the decoder start, eos 3), tied embeddings,
-Marian's post-LN and ReLU, SDPA attention; trained with the ``Seq2SeqTrainer`` recipe written out as a
-plain loop: bf16 autocast on CUDA (fp32 on CPU), fused AdamW lr 5e-4 betas (0.9, 0.98) eps 1e-8 weight
-decay 0.01 (not on biases and LayerNorms, as the Trainer does), the Trainer's default gradient clipping
-at 1.0, a linear schedule with ceil(10 %) warm-up steps, label smoothing 0.1, 128 sentences per batch
-grouped by length (``transformers``' ``LengthGroupedSampler``, as ``group_by_length=True``), 18 epochs,
-no compile. The data are fastmt's: ``data.build_data(cfg.data)``, the same splits and tokenizer a
-fastmt run of the preset trains on.
-
-Validation is fastmt's protocol (the preset's ``cfg.eval``: every ``eval.every`` epochs and after the
-last): un-smoothed loss per real target token over the valid split, and sacreBLEU/chrF of beam search
-(beam 4; greedy if ``eval.decode`` is) on its first 500 sentences with at most
-floor(1.5 x source length + 10) generated tokens per sentence (source length counting its EOS; a
-per-sentence logits processor forces EOS there) -- decoded by ``generate`` with its own beam scoring.
-Rows go to ``<out-dir>/<name>/metrics.jsonl`` in fastmt's format: one ``{"kind": "epoch", "epoch",
-"wall_seconds", "bleu", "chrf", "valid_loss", "train_loss", "epoch_seconds", "eval_seconds", ...}`` per
-epoch (``wall_seconds``: fastmt's clock, ``train.objective.process_seconds``, since the OS started the
-process), a ``{"kind": "test", ...}`` row scored with the best-BLEU weights, as fastmt scores best.pt,
-and a final ``{"kind": "done", ...}``. ``--max-wall-seconds S`` stops at the first step boundary after
-S seconds, then evaluates and writes that epoch's row (``"partial_epoch": true``). The run folder is
-claimed as fastmt claims it (``train.rundir``: a lock, an earlier same-name run moved aside).
-Needs the ``peers`` extra: ``pip install -e .[peers]`` (transformers, accelerate).
+What a user would write instead of fastmt: ``transformers.MarianMTModel`` from scratch at the preset's
+size with fastmt's tokenizer, trained with the ``Seq2SeqTrainer`` recipe (``PeerRecipe``) written out as
+a plain loop on the splits ``data.build_data`` gives fastmt, and validated with fastmt's protocol (the
+preset's ``cfg.eval``). Rows go to ``<out-dir>/<name>/metrics.jsonl`` in fastmt's format, so
+bench/frontier.py reads both alike. Needs the ``peers`` extra (transformers, accelerate); details in
+bench/README.md.
 """
 
 from __future__ import annotations
@@ -136,24 +118,13 @@ def collate(pairs: Sequence[tuple[np.ndarray, np.ndarray]], pad_id: int) -> dict
     return {"input_ids": src, "attention_mask": (src != pad_id).long(), "labels": labels}
 
 
-class _Pairs(torch.utils.data.Dataset):
-    def __init__(self, src, tgt):
-        self.src, self.tgt = src, tgt
-
-    def __len__(self):
-        return len(self.src)
-
-    def __getitem__(self, i):
-        return self.src[i], self.tgt[i]
-
-
 def train_loader(src, tgt, recipe: PeerRecipe, pad_id: int, epoch: int):
     """Batches of ``recipe.batch_size`` sentences grouped by source length (the Trainer's sampler)."""
     from transformers.trainer_pt_utils import LengthGroupedSampler
 
     g = torch.Generator().manual_seed(recipe.seed * 1000 + epoch)
     sampler = LengthGroupedSampler(recipe.batch_size, lengths=[len(s) for s in src], generator=g)
-    return torch.utils.data.DataLoader(_Pairs(src, tgt), batch_size=recipe.batch_size, sampler=sampler,
+    return torch.utils.data.DataLoader(list(zip(src, tgt)), batch_size=recipe.batch_size, sampler=sampler,
                                        collate_fn=lambda b: collate(b, pad_id), pin_memory=torch.cuda.is_available())
 
 
@@ -166,10 +137,15 @@ def _autocast(device: torch.device):
     return torch.autocast("cpu", enabled=False)
 
 
-def _decoder_inputs(labels: torch.Tensor, pad_id: int, start_id: int) -> torch.Tensor:
+def _loss(model, b: dict[str, torch.Tensor], tok, **options) -> torch.Tensor:
+    """Cross-entropy of a collated batch on the device (forward under autocast); ``options``:
+    ``F.cross_entropy``'s (reduction, label_smoothing)."""
     from transformers.models.marian.modeling_marian import shift_tokens_right
 
-    return shift_tokens_right(labels, pad_id, start_id)
+    with _autocast(b["input_ids"].device):
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                       decoder_input_ids=shift_tokens_right(b["labels"], tok.pad_id, tok.bos_id)).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), b["labels"].flatten(), ignore_index=-100, **options)
 
 
 @torch.no_grad()
@@ -184,11 +160,7 @@ def valid_loss(model, src, tgt, tok, device: torch.device, batch_size: int) -> f
     for start in range(0, len(order), batch_size):
         b = collate([(src[i], tgt[i]) for i in order[start:start + batch_size]], tok.pad_id)
         b = {k: v.to(device) for k, v in b.items()}
-        with _autocast(device):
-            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-                           decoder_input_ids=_decoder_inputs(b["labels"], tok.pad_id, tok.bos_id)).logits
-        total += F.cross_entropy(logits.float().flatten(0, 1), b["labels"].flatten(), ignore_index=-100,
-                                 reduction="sum")
+        total += _loss(model, b, tok, reduction="sum")
         n += int((b["labels"] != -100).sum())
     model.train(was)
     return float(total) / max(n, 1)
@@ -338,11 +310,7 @@ def _train(cfg, recipe: PeerRecipe, bundle, run_dir: Path, metrics, device: torc
         n_batches = 0
         for batch in train_loader(train_src, train_tgt, recipe, tok.pad_id, epoch):
             b = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            with _autocast(device):
-                logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-                               decoder_input_ids=_decoder_inputs(b["labels"], tok.pad_id, tok.bos_id)).logits
-            loss = F.cross_entropy(logits.float().flatten(0, 1), b["labels"].flatten(), ignore_index=-100,
-                                   label_smoothing=recipe.label_smoothing)
+            loss = _loss(model, b, tok, label_smoothing=recipe.label_smoothing)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)
             opt.step()

@@ -1,18 +1,11 @@
-"""Profile the compiled training step and check it for graph breaks.
+"""Profile the compiled training step and check it for graph breaks (exit status 3 if it has any).
 
     python -m bench.profile [--preset P] [--smoke] [--data-files F ...] [--out DIR] [--active N]
 
-Default: the ``fast`` preset on CUDA; ``--smoke`` (automatic without CUDA) the ``tiny`` preset on a
-generated toy corpus, compiled with ``aot_eager``. Protocol: a fresh ``Trainer`` (compile on, the
-non-finite guard off), ``--warmup`` untimed optimizer steps (compilation and the dynamic-shape
-recompile land here), then ``torch.profiler`` with ``schedule(wait=1, warmup=1, active=N)`` over
-N + 2 more steps. Writes into ``<out>/profile-<gpu>/`` (default out: bench/results):
-  trace.json[.gz]     Chrome / Perfetto trace of the active steps (gzipped above 8 MB)
-  top_kernels.md/.txt the top ops/kernels by self device time (CPU: self CPU time)
-  dynamo.log          graph-break and recompile logs (TORCH_LOGS="graph_breaks,recompiles")
-  report.md           graphs compiled, graph breaks with reasons (dynamo counters of the real steps
-                      and ``torch._dynamo.explain`` of the loss module on one batch), recompiles
-Exit status 3, with a loud message, if the configuration has any graph break.
+A fresh ``Trainer`` (compile on, the non-finite guard off) runs untimed warm-up steps (compilation
+lands there), then ``torch.profiler`` records N steps. Writes ``<out>/profile-<gpu>/``: the trace,
+the top kernels by self device time, dynamo's graph-break and recompile log, and report.md
+(graphs, graph breaks with reasons, recompiles). Details: bench/README.md.
 """
 
 from __future__ import annotations
@@ -28,13 +21,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from itertools import islice
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench import cli
 from bench import harness as H
+from bench.harness import dynamo_counters
 from train import flush_denormals
 
 TRACE_GZIP_BYTES = 8 * 2**20
@@ -59,15 +53,6 @@ def explain(fn: Callable, *args, **kwargs) -> dict[str, Any]:
             where = f" ({fr.filename}:{fr.lineno})"
         reasons.append(" ".join(str(r.reason).split())[:300] + where)
     return {"graphs": int(out.graph_count), "graph_breaks": int(out.graph_break_count), "reasons": reasons}
-
-
-def dynamo_counters() -> dict[str, Any]:
-    """Graphs and graph breaks counted by dynamo since the last ``counters.clear()``."""
-    from torch._dynamo.utils import counters
-
-    breaks = dict(counters["graph_break"])
-    return {"graphs": int(counters["stats"]["unique_graphs"]), "graph_breaks": int(sum(breaks.values())),
-            "reasons": [" ".join(k.split())[:300] + f" (x{v})" for k, v in breaks.items()]}
 
 
 def check_no_graph_breaks(*reports: dict[str, Any], what: str = "the training step") -> None:
@@ -102,18 +87,12 @@ def profile_config(preset: str, *, smoke: bool, data_files: Sequence[str], work:
     from train.config import get_config
 
     cfg = get_config(preset)
-    run = dataclasses.replace(cfg.run, name="profile", out_dir=str(work / "runs"), compile=True,
-                              tensorboard=False, progress=False, plot=False)
-    data = dataclasses.replace(cfg.data, data_files=tuple(data_files), num_workers=0)
-    model = cfg.model
     if smoke:  # the tiny model, keeping the preset's layout and kernel switches (packed stays packed)
-        run = dataclasses.replace(run, device="cpu", compile_backend="aot_eager")
-        data = dataclasses.replace(data, vocab_size=400, max_len=32, max_tokens=512, pad_multiple=8,
-                                   valid_size=40, test_size=40, cache_dir=str(work / "cache"))
-        model = dataclasses.replace(get_config("tiny").model, layout=model.layout, norm=model.norm,
-                                    attn_backend=model.attn_backend, ffn_norm=model.ffn_norm)
-    return dataclasses.replace(cfg, data=data, model=model, run=run,
-                               eval=dataclasses.replace(cfg.eval, test_at_end=False))
+        m = cfg.model
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, max_tokens=512, pad_multiple=8),
+                                  model=dataclasses.replace(get_config("tiny").model, layout=m.layout, norm=m.norm,
+                                                            attn_backend=m.attn_backend, ffn_norm=m.ffn_norm))
+    return cli.bench_config(cfg, "profile", work, data_files, smoke=smoke, compile=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -161,9 +140,7 @@ def run_profile(preset: str, *, smoke: bool, data_files: Sequence[str], out_dir:
     out.mkdir(parents=True, exist_ok=True)
     bundle = build_data(cfg.data, log=lambda m: log(str(m)))
     wait_s, warm_s = 1, 1
-    batches = list(islice(iter(bundle.loader("train", epoch=0)), warmup + wait_s + warm_s + active))
-    if len(batches) < warmup + wait_s + warm_s + active:
-        raise ValueError(f"only {len(batches)} training batches; need {warmup + wait_s + warm_s + active}")
+    batches = cli.train_batches(bundle, warmup + wait_s + warm_s + active)
 
     torch._dynamo.reset()
     counters.clear()
@@ -244,28 +221,16 @@ def report_markdown(r: dict[str, Any], rows, cfg) -> str:
 # ----------------------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.split("\n\n")[0])
+    cli.add_cli_args(p, "tiny preset, aot_eager, CPU", plot=False)
     p.add_argument("--preset", help="training preset (default: fast on CUDA, tiny with --smoke)")
-    p.add_argument("--smoke", action="store_true", help="tiny preset, aot_eager, CPU (automatic without CUDA)")
-    p.add_argument("--data-files", nargs="+", metavar="F", help="local jsonl/parquet/tsv files instead of the Hub")
-    p.add_argument("--out", type=Path, help="parent folder of profile-<gpu>/ (default bench/results; temp with --smoke)")
     p.add_argument("--warmup", type=int, help="untimed steps before profiling, compile included (default 4; smoke 2)")
     p.add_argument("--active", type=int, default=3, help="profiled steps (keep the trace small)")
     a = p.parse_args(argv)
-    if not torch.cuda.is_available() and not a.smoke:
-        print("bench.profile: no CUDA device: running the --smoke configuration", flush=True)
-        a.smoke = True
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    work = Path(tempfile.mkdtemp(prefix="fastmt-profile-"))
+    files = cli.cli_data_files(p, a, toy=lambda: work / "toy.jsonl", toy_rows=400)
     if a.smoke:
         flush_denormals()
-    work = Path(tempfile.mkdtemp(prefix="fastmt-profile-"))
-    files = list(a.data_files or [])
-    missing = [f for f in files if not Path(f).is_file()]
-    if missing:
-        p.error(f"--data-files: no such file(s) {missing}")
-    if a.smoke and not files:
-        from bench.ladder import write_toy_corpus
-
-        files = [str(write_toy_corpus(work / "toy.jsonl", n=400))]
     preset = a.preset or ("tiny" if a.smoke else "fast")
     out = a.out or (work / "out" if a.smoke else H.RESULTS_DIR)
     warmup = a.warmup if a.warmup is not None else (2 if a.smoke else 4)

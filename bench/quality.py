@@ -2,19 +2,10 @@
 
     python -m bench.quality --run runs/<name> [--out DIR]
 
-Reads ``<run>/metrics.jsonl`` (one ``kind: epoch`` record per epoch, one ``kind: test`` at the end)
-and ``<run>/provenance.json`` (config, git sha, versions, GPU) written by ``train.loop.Trainer``, and
-writes ``<out>/quality-<gpu>.md`` and ``.csv`` (default out: bench/results):
-  per epoch   wall seconds since the run's process started (data, compile and evaluation included; older
-              runs without it: the sum of training and evaluation seconds so far),
-              the seeds' metric -- the loss of the epoch's *last training batch* (label-smoothed) --
-              next to our epoch-mean training loss, the validation loss (no smoothing), validation
-              sacreBLEU and chrF, real tokens/s and MFU;
-  at the end  "time to BLEU X" for every threshold of the run's eval.bleu_thresholds (the objective),
-              the first step's seconds (compile + CUDA-graph capture), evaluation's share of the wall time,
-              test loss, sacreBLEU and chrF; the epoch at which the seeds' goal "loss < 1.8" was first met.
-Labelled with the GPU and git sha of the run, and "stand-in corpus" when the data were local files
-that are not OPUS Books.
+Reads the run's ``metrics.jsonl`` and ``provenance.json`` and writes ``<out>/quality-<gpu>.{md,csv}``:
+per epoch the wall seconds since the process started, the seeds' last-batch loss beside our losses,
+validation BLEU/chrF, tokens/s and MFU; then the time to each BLEU threshold (the objective), the
+first step's seconds, evaluation's share of the wall time and the test scores.
 """
 
 from __future__ import annotations
@@ -27,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench import cli
 from bench import harness as H
 
 SEED_GOAL = 1.8  # S18's stated goal: last-batch training loss < 1.8 within 18 epochs
@@ -38,37 +30,33 @@ HEADERS = ("epoch", "wall s (cum.)", "train s", "eval s", "last-batch loss (seed
 
 
 def read_run(run: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None, dict[str, Any]]:
-    """(epoch records, test record or None, provenance) of a run folder; loud errors when missing."""
+    """(epoch records, test record or None, provenance) of a run folder; loud errors when missing.
+
+    Every epoch record has ``wall_seconds`` (since the run's process started); older runs without it get
+    the running sum of epoch and evaluation seconds, marked ``wall_from_epochs`` (start-up left out)."""
+    from train.metrics import read_metrics
+
     metrics, prov_path = run / "metrics.jsonl", run / "provenance.json"
     if not metrics.is_file():
         raise FileNotFoundError(f"{metrics} not found: give --run the folder of a training run (runs/<name>)")
-    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    records = read_metrics(metrics)
     epochs = sorted((r for r in records if r.get("kind", "epoch") == "epoch"), key=lambda r: r["epoch"])
     # a resumed run may log an epoch twice: keep the last record of each
     epochs = list({r["epoch"]: r for r in epochs}.values())
+    total = 0.0
+    for r in epochs:
+        total += float(r.get("epoch_seconds") or 0.0) + float(r.get("eval_seconds") or 0.0)
+        if r.get("wall_seconds") is None:
+            r["wall_seconds"], r["wall_from_epochs"] = total, True
     tests = [r for r in records if r.get("kind") == "test"]
     prov = json.loads(prov_path.read_text()) if prov_path.is_file() else {}
     return epochs, (tests[-1] if tests else None), prov
 
 
 def corpus_label(prov: dict[str, Any]) -> str:
-    source = str((prov.get("data_split") or {}).get("source", ""))
+    """The run's data as results name it (``harness.corpus_label`` of its config and split record)."""
     files = ((prov.get("config") or {}).get("data") or {}).get("data_files") or []
-    if "opus_books" in source.lower() or "opus-books" in source.lower():
-        return "OPUS Books"
-    if files or source.startswith("files:"):
-        names = ",".join(Path(f).name for f in files) or source.removeprefix("files:")
-        return f"stand-in corpus ({names})"
-    return source or "unknown corpus"
-
-
-def quality_rows(epochs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    rows, wall = [], 0.0
-    for r in epochs:
-        wall += float(r.get("epoch_seconds") or 0.0) + float(r.get("eval_seconds") or 0.0)
-        at = r.get("wall_seconds") if r.get("wall_seconds") is not None else wall
-        rows.append({"epoch": r["epoch"], "wall_seconds": at, **{k: r.get(k) for k in COLUMNS[2:]}})
-    return rows
+    return cli.corpus_label(files, str((prov.get("data_split") or {}).get("source", "")))
 
 
 def time_to_bleu(rows: Sequence[dict[str, Any]], thresholds: Sequence[float]) -> dict[str, dict[str, Any] | None]:
@@ -145,25 +133,19 @@ def write_quality(run: Path, out: Path) -> dict[str, Path]:
     epochs, test, prov = read_run(run)
     if not epochs:
         raise ValueError(f"{run}/metrics.jsonl has no epoch records yet (the run has not finished an epoch)")
-    rows = quality_rows(epochs)
+    rows = [{k: r.get(k) for k in COLUMNS} for r in epochs]
     cfg = prov.get("config") or {}
     planned = (cfg.get("run") or {}).get("epochs")
     thresholds = tuple((cfg.get("eval") or {}).get("bleu_thresholds") or THRESHOLDS)
     summ = summary(rows, test, planned, thresholds)
     summ["first_step_seconds"] = epochs[0].get("first_step_seconds")
-    slug = H.gpu_slug(prov.get("gpu") or "cpu")
-    out.mkdir(parents=True, exist_ok=True)
-    csv_path = H.result_path(out, "quality", slug, "csv")
-    if csv_path.exists():
-        csv_path.unlink()  # one record per device: the latest run
     extra = {"run": str(run), "gpu": prov.get("gpu") or "cpu", "git_sha": prov.get("git_sha"),
              "corpus": corpus_label(prov),
              **{f"final_{k}": v for k, v in summ.items() if k != "time_to_bleu"},
              **{f"time_to_bleu_{k}": (v or {}).get("seconds") for k, v in summ["time_to_bleu"].items()}}
-    H.append_csv(csv_path, [{**r, **extra} for r in rows], COLUMNS)
-    md_path = H.result_path(out, "quality", slug, "md")
-    md_path.write_text(quality_markdown(run, rows, summ, prov))
-    return {"csv": csv_path, "md": md_path}
+    # one record per device: the latest run
+    return H.write_results(out, "quality", H.gpu_slug(prov.get("gpu") or "cpu"), [{**r, **extra} for r in rows],
+                           COLUMNS, quality_markdown(run, rows, summ, prov))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

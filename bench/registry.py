@@ -1,10 +1,9 @@
 """The provider registry of ``bench.kernels``: which implementations of an op a case group runs.
 
-A benchmarked op (``attention``, ``layernorm``) registers itself once with `register_op` (how to build
-its inputs, its fp32 reference and the work it counts) and each implementation with `register`
-(a ``prepare`` function returning a `Prepared` forward). The op modules ``bench.attention`` and
-``bench.layernorm`` register at import; `load` imports them and any extra modules named on the
-command line (``--provider-module``), so a new kernel is benchmarked without editing ``bench/``.
+An op (``attention``, ``layernorm``) registers how to build its inputs, its fp32 reference and the work
+it counts (`register_op`); each implementation registers a ``prepare`` returning a `Prepared` forward
+(`register`). `load` imports the op modules and any ``--provider-module``, so a new kernel is
+benchmarked without editing ``bench/``.
 """
 
 from __future__ import annotations
@@ -54,7 +53,6 @@ class Provider:
     prepare: Callable[..., Prepared]  # (case, inputs, opts) -> Prepared
     triton: bool = False  # our Triton kernels: skipped on CPU unless --cpu-triton
     env: Mapping[str, str] = field(default_factory=dict)  # environment set while it runs
-    doc: str = ""
 
 
 _OPS: dict[str, Op] = {}
@@ -69,7 +67,7 @@ def register_op(op: Op) -> Op:
 
 
 def register(op: str, name: str, *, groups: Sequence[str], triton: bool = False,
-             env: Mapping[str, str] | None = None, doc: str = "") -> Callable:
+             env: Mapping[str, str] | None = None) -> Callable:
     """Decorator: ``prepare`` serves provider ``name`` of ``op`` on the case ``groups``.
 
     A name may be registered several times for disjoint groups (one prepare per input layout).
@@ -80,7 +78,7 @@ def register(op: str, name: str, *, groups: Sequence[str], triton: bool = False,
         if clash:
             raise ValueError(f"provider {op}/{name} is already registered for groups {clash}")
         if not any(p.prepare is prepare and (p.op, p.name) == (op, name) for p in _PROVIDERS):
-            _PROVIDERS.append(Provider(op, name, tuple(groups), prepare, triton, dict(env or {}), doc))
+            _PROVIDERS.append(Provider(op, name, tuple(groups), prepare, triton, dict(env or {})))
         return prepare
 
     return deco

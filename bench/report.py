@@ -1,14 +1,11 @@
-"""Outputs of ``bench.kernels``: the targets, the markdown beside the CSV, the PNG, the console summary.
-
-Targets (issues 3 and 11): attention fwd+bwd at head dim 64 against FlashAttention-2's published
-215-296 TFLOP/s; >= 1.5x the best SDPA backend with a padding mask on padded batches; on the packed
-corpus batches >= 2x the best peer in kernel time and within 3x of the memory floor; LayerNorm+GELU
-at width 512: the op (host included) no slower than torch.compile's, and >= 2 TB/s fwd+bwd.
+"""The written results of ``bench.kernels`` (targets, markdown, PNG, console summary) and ``bench.ladder``
+(markdown, PNG, the README's ladder section). The targets come from issues 3 and 11.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -55,7 +52,8 @@ def _cases(rows, pred) -> list[str]:
 
 def pivot(rows, bench: str, mode: str, metric: str, providers: Sequence[str], *, pct: str = "pct_peak",
           groups: Sequence[str] | None = None, scale: float = 1.0) -> tuple[list[dict], list[str]]:
-    """Rows = cases (in run order), columns = providers; cells 'value (pct%)' or a short status."""
+    """(table, columns): rows = cases (in run order), columns = "case" and the providers; cells
+    'value (pct%)' or a short status."""
     sel = [r for r in rows if r["bench"] == bench and r["mode"] == mode and (groups is None or r.get("group") in groups)]
     cases = list(dict.fromkeys(r["case"] for r in sel))
     present = [p for p in providers if any(r["provider"] == p for r in sel)]
@@ -72,7 +70,7 @@ def pivot(rows, bench: str, mode: str, metric: str, providers: Sequence[str], *,
             else:
                 line[r["provider"]] = _SHORT.get(r["status"], r["status"])
         table.append(line)
-    return table, present
+    return table, ["case", *present]
 
 
 def _best(get, case, providers, key="tflops", lowest=False):
@@ -157,9 +155,9 @@ def host_table(rows, bench: str, group: str | None = None) -> Table:
     """fwd+bwd op time (host included) per case and provider: 'op ms (host %)', cases timed that way."""
     split = {r["case"] for r in rows if "op_ms" in r}
     rows = [r for r in rows if r["case"] in split]
-    table, present = pivot(rows, bench, "fwd+bwd", "op_ms", registry.names(bench, group), pct="host_pct",
-                           groups=None if group is None else (group,))
-    return (f"{bench} op time fwd+bwd, ms (share of it that is host)", table, ["case", *present])
+    table, cols = pivot(rows, bench, "fwd+bwd", "op_ms", registry.names(bench, group), pct="host_pct",
+                        groups=None if group is None else (group,))
+    return (f"{bench} op time fwd+bwd, ms (share of it that is host)", table, cols)
 
 
 def first_call_table(rows) -> Table:
@@ -198,38 +196,28 @@ def write_markdown(path: Path, rows, prov, peaks: H.Peaks, opts) -> None:
         "",
         "## Targets",
     ]
-    corpus_src = sorted({str(r.get("lengths")) for r in rows if r.get("group") == "corpus" and r.get("lengths")})
-    tables = summary_tables(rows)
-    for title, table, cols in tables:
+    for title, table, cols in summary_tables(rows):
         parts += ["", f"**{title}**", "", H.markdown_table(table, cols) if table else "(no rows)"]
+    corpus_src = sorted({str(r.get("lengths")) for r in rows if r.get("group") == "corpus" and r.get("lengths")})
     if corpus_src:
         parts += ["", "Corpus segment lengths: " + "; ".join(corpus_src)]
-    for mode in opts.modes:
-        table, present = pivot(rows, "attention", mode, "ms", registry.names("attention", "corpus"),
-                               pct="pct_floor", groups=("corpus",), scale=1e3)
-        if table:
-            parts += ["", f"## Packed corpus attention {mode}: kernel µs (% of the memory floor)", "",
-                      H.markdown_table(table, ["case", *present])]
-    for bench in ("attention", "layernorm"):
-        title, table, cols = host_table(rows, bench, "corpus" if bench == "attention" else "ln")
+    padded = [g for g in GROUPS if g not in ("corpus", "ln")]
+    sections: list[Table] = [
+        *((f"Packed corpus attention {mode}: kernel µs (% of the memory floor)",
+           *pivot(rows, "attention", mode, "ms", registry.names("attention", "corpus"), pct="pct_floor",
+                  groups=("corpus",), scale=1e3)) for mode in opts.modes),
+        host_table(rows, "attention", "corpus"), host_table(rows, "layernorm", "ln"),
+        *((f"Attention {mode}: TFLOP/s", *pivot(rows, "attention", mode, "tflops", registry.names("attention"),
+                                                groups=padded)) for mode in opts.modes),
+        *((f"LayerNorm+residual+GELU {mode}: GB/s", *pivot(rows, "layernorm", mode, "gbps",
+                                                           registry.names("layernorm"))) for mode in opts.modes),
+        first_call_table(rows),
+        ("Rows that did not run", [r for r in rows if not _ok(r) and r["status"] != "skipped"],
+         ["case", "provider", "mode", "status", "error"]),
+    ]
+    for title, table, cols in sections:
         if table:
             parts += ["", f"## {title[0].upper()}{title[1:]}", "", H.markdown_table(table, cols)]
-    for mode in opts.modes:
-        padded = [g for g in GROUPS if g not in ("corpus", "ln")]
-        table, present = pivot(rows, "attention", mode, "tflops", registry.names("attention"), groups=padded)
-        if table:
-            parts += ["", f"## Attention {mode}: TFLOP/s", "", H.markdown_table(table, ["case", *present])]
-    for mode in opts.modes:
-        table, present = pivot(rows, "layernorm", mode, "gbps", registry.names("layernorm"))
-        if table:
-            parts += ["", f"## LayerNorm+residual+GELU {mode}: GB/s", "", H.markdown_table(table, ["case", *present])]
-    title, table, cols = first_call_table(rows)
-    if table:
-        parts += ["", f"## {title[0].upper()}{title[1:]}", "", H.markdown_table(table, cols)]
-    problems = [r for r in rows if not _ok(r) and r["status"] != "skipped"]
-    if problems:
-        parts += ["", "## Rows that did not run", "",
-                  H.markdown_table(problems, ["case", "provider", "mode", "status", "error"])]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(parts) + "\n")
 
@@ -315,3 +303,129 @@ def print_summary(rows, prov, peaks: H.Peaks, paths: Sequence[Path]) -> None:
         print(f"  {provider}: {status}: {err}")
     for p in paths:
         print(f"wrote {p}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The speedup ladder (bench.ladder): markdown, PNG and the README's ladder section
+# ----------------------------------------------------------------------------------------------
+README = H.REPO_ROOT / "README.md"
+README_START, README_END = "<!-- ladder:start -->", "<!-- ladder:end -->"
+LADDER_TABLE = (
+    ("rung", "rung"), ("technique", "technique"), ("tokens_per_second", "real tok/s"),
+    ("speedup_vs_baseline", "× rung 0"), ("speedup_vs_previous", "× parent"), ("step_ms", "step ms"),
+    ("epoch_seconds_projected", "epoch s (proj.)"), ("peak_memory_gb", "peak GiB"),
+    ("padding_fraction_pct", "pad %"), ("mfu_pct", "MFU %"), ("peak_dtype", "MFU of"),
+    ("sdpa_backend", "SDPA kernel"), ("graphs", "graphs"), ("recompiles_timed", "recompiles timed"),
+    ("status_text", "status"),
+)
+README_TABLE = ("rung", "technique", "tokens_per_second", "speedup_vs_baseline", "epoch_seconds_projected",
+                "mfu_pct", "peak_dtype", "padding_fraction_pct", "peak_memory_gb", "status_text")
+
+
+def ladder_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] = tuple(c for c, _ in LADDER_TABLE), *,
+                 text: bool = False) -> str:
+    """The ladder as a markdown (``text``: console) table of ``columns``, percentages and status filled in."""
+    out = []
+    for r in rows:
+        d = dict(r)
+        for k in ("padding_fraction", "mfu"):
+            v = r.get(k)
+            d[f"{k}_pct"] = 100 * v if isinstance(v, (int, float)) and not math.isnan(v) else None
+        st = r.get("status", "")
+        d["status_text"] = st if st == "ok" else f"{st}: {(r.get('error') or r.get('note') or '')[:60]}"
+        out.append(d)
+    return (H.text_table if text else H.markdown_table)(out, columns, [dict(LADDER_TABLE)[c] for c in columns])
+
+
+def ladder_markdown(rows: Sequence[dict[str, Any]], ctx: dict[str, Any], *, smoke: bool) -> str:
+    prov, base = ctx["prov"], ctx["base"]
+    m, d = base.model, base.data
+    lines = [
+        f"# Speedup ladder — {prov['gpu']}" + (" (CPU smoke run: numbers mean nothing)" if smoke else ""),
+        "",
+        H.provenance_markdown(prov, ctx["peaks"]),
+        f"- data: **{ctx['corpus']}**, splits {ctx['bundle_sizes']}; every rung trains on the first "
+        f"batches of the same epoch-0 plan of this one bundle",
+        f"- fixed across rungs: model {m.enc_layers}+{m.dec_layers} x {m.d_model}, d_ff {m.d_ff}, {m.n_heads} heads, "
+        f"optimizer {base.optim.name} lr {base.optim.lr:g} (clip {base.optim.grad_clip}), padded-token budget per "
+        f"step {d.max_tokens:,} (fixed: {d.batch_size} x {d.seq_len}; dynamic: {d.batch_size} sentences), "
+        f"seed {base.run.seed}; fp32 matmul precision 'highest' at the start of every rung (no TF32 in fp32 rungs)",
+        f"- protocol: per rung a fresh model, untimed warm-up steps (compile included), then timed optimizer "
+        f"steps between device syncs; ladder wall time {ctx['wall_s']:.0f} s",
+        "",
+        ladder_table(rows),
+        "",
+        "*real tok/s*: non-pad source+target tokens per second. *× parent*: vs the rung it is compared with "
+        "(same switches minus its technique). *epoch s (proj.)*: real tokens of one training epoch / real tok/s. "
+        "*MFU*: model FLOPs (`models.flops_per_token`, real tokens only) per second / the dense peak of the "
+        "dtype the rung's matmuls ran in (*MFU of*: fp32, tf32, bf16 or fp16; NVIDIA's datasheet, or measured "
+        "in this run for a GPU not in `models.flops.PEAK_TABLE`; none on CPU). *SDPA kernel*: what torch's "
+        "dispatcher picks for the rung's masked SDPA calls. *recompiles timed*: graphs compiled during the "
+        "timed steps (a rung with any is `invalid`).",
+    ]
+    problems = [r for r in rows if r.get("status") != "ok"]
+    if problems:
+        lines += ["", "## Rungs that did not run", ""]
+        lines += [f"- rung {r['rung']} ({r['technique']}): {r.get('status')}: {r.get('error') or r.get('note')}"
+                  for r in problems]
+    noted = [r for r in rows if r.get("status") == "ok" and r.get("note")]
+    if noted:
+        lines += ["", "## Notes", ""] + [f"- rung {r['rung']}: {r['note']}" for r in noted]
+    return "\n".join(lines) + "\n"
+
+
+def ladder_plot(rows: Sequence[dict[str, Any]], path: Path, *, title: str) -> Path:
+    """Horizontal bars: speedup vs rung 0 per rung, top to bottom in ladder order, labelled."""
+    n = len(rows)
+    fig, axes = H.new_figure(1, 1, width=9.0, height=0.45 * n + 1.6)
+    ax = axes[0][0]
+    ys = list(range(n))[::-1]
+    vals = [r.get("speedup_vs_baseline") for r in rows]
+    vals = [v if isinstance(v, (int, float)) and not math.isnan(v) else 0.0 for v in vals]
+    colors = ["#9e9e9e" if r["rung"] == "0" else ("#8fbbe0" if "side" in r["technique"] else "#1f77b4")
+              for r in rows]
+    ax.barh(ys, vals, color=colors)
+    vmax = max(vals + [1.0])
+    for y, v, r in zip(ys, vals, rows):
+        ok = r.get("status") == "ok"
+        text = f"{v:.2f}×  ({r['tokens_per_second']:,.0f} tok/s)" if ok else f"{r.get('status')}"
+        ax.text(v + vmax * 0.01, y, text, va="center", fontsize=8, color="black" if ok else "#c62828")
+    ax.axvline(1.0, color="black", linestyle="--", linewidth=0.8)
+    ax.set_yticks(ys, [f"{r['rung']}  {r['technique'][:44]}" for r in rows], fontsize=8)
+    ax.set_xlim(0, vmax * 1.35)
+    ax.set_xlabel("speedup vs rung 0 (real tokens/s)")
+    ax.grid(True, axis="x", alpha=0.3)
+    return H.save_figure(fig, path, suptitle=title)
+
+
+def update_readme(rows: list[dict[str, Any]], ctx: dict[str, Any], paths: dict[str, Path],
+                  readme: Path = README) -> bool:
+    """Replace the text between the ladder markers (and nothing else) with a summary of this run."""
+    text = readme.read_text()
+    pattern = re.compile(re.escape(README_START) + r".*?" + re.escape(README_END), re.S)
+    if not pattern.search(text):
+        print(f"[ladder] {readme} has no {README_START} ... {README_END} markers; not updated")
+        return False
+
+    def rel(p: Path) -> str:
+        try:
+            return p.resolve().relative_to(readme.resolve().parent).as_posix()
+        except ValueError:
+            return p.as_posix()
+
+    prov = ctx["prov"]
+    body = "\n".join([
+        README_START,
+        f"Speedup ladder on **{prov['gpu']}**, {ctx['corpus']}, git `{str(prov['git_sha'])[:12]}`, "
+        f"{prov['timestamp']} (torch {prov['torch']}, triton {prov['triton']}); s18 model and Adam fixed, "
+        f"only the technique changes. Details: [{rel(paths['md'])}]({rel(paths['md'])}).",
+        "",
+        ladder_table(rows, README_TABLE),
+        "",
+        *([f"![speedup ladder]({rel(paths['png'])})", ""] if "png" in paths else []),
+        README_END,
+    ])
+    tmp = readme.with_suffix(".md.tmp")
+    tmp.write_text(pattern.sub(lambda _m: body, text, count=1))
+    tmp.replace(readme)
+    return True

@@ -1,16 +1,10 @@
 """Running cases: every (case, provider, mode) becomes one row, whatever happens; process isolation.
 
-Each provider's errors (OOM, unsupported, not implemented, compile failures) become rows with a status.
-On CUDA the cases run in a worker process (``python -m bench.runner SPEC``, environment
-``FASTMT_BENCH_WORKER=1``): a crash that poisons the CUDA context (an illegal address in a kernel under
-development) costs that provider's case, not the run; the parent starts a new worker for what is left
-and leaves out a provider that crashed twice. ``deadline`` stops starting new work when the budget is
-spent (the rest is recorded as skipped).
-
-Timing per mode: ``harness.bench`` (CUDA events around the eager launches, L2 flushed) or, for
-``host_split`` cases, kernel time from a CUDA graph plus op time (``bench.timing``). Every row of a
-provider also carries its first call's seconds (fwd + bwd, autotuning and compilation included),
-never part of the medians.
+A provider's errors (OOM, unsupported, not implemented, compile failures) become rows with a status.
+On CUDA the cases run in a worker process (``python -m bench.runner SPEC``, ``FASTMT_BENCH_WORKER=1``),
+so a crash that poisons the CUDA context costs that provider's case, not the run: the parent starts a
+new worker for the rest and leaves out a provider that crashed twice. Past the deadline nothing new
+starts (the rest are 'skipped' rows).
 """
 
 from __future__ import annotations
@@ -107,8 +101,7 @@ def classify(exc: BaseException) -> str:
 
 
 def message(exc: BaseException, caught: Sequence[warnings.WarningMessage] = ()) -> str:
-    lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
-    msg = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    msg = H.short_error(exc, limit=400)
     reasons = []
     for w in caught:  # SDPA explains a refusal in warnings: keep the first few
         text = str(w.message).strip().splitlines()[0] if str(w.message).strip() else ""
@@ -177,6 +170,7 @@ def _pick(out, keep: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
 
 @contextlib.contextmanager
 def _environ(env: Mapping[str, str]) -> Iterator[None]:
+    """``env`` set in ``os.environ`` for the block; those keys (only) restored after."""
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:

@@ -3,28 +3,23 @@
     python -m bench.sweep [--budget-s 90] [--settings adamw-base,lion-1e-4,...] [--data-files F ...]
                           [--out DIR] [--smoke] [--fresh]
 
-Every setting is the default preset (``python -m train --auto``) plus a few overrides, trained in its own
-process for the same wall-clock budget on the same data (bench/frontier.py runs them), so the table
-compares what a user of ``make train`` would get. Outputs ``<out>/sweep-<gpu>.{csv,md,png}``: per setting
-the best validation BLEU, when it was reached, and the wall seconds to each BLEU threshold. The csv keeps
-the rows of settings not run this time (``--fresh`` resets it), so the sweep can span device calls.
-
-The rule the default follows: Lion stays the design's optimiser if its best setting reaches within
-``LION_MARGIN`` BLEU of the best AdamW setting in the same wall time; otherwise AdamW is the default and
-Lion one switch away. The markdown states which way the measured table decides.
+Every setting is ``python -m train --auto`` plus a few overrides, run by bench/frontier.py for the same
+wall-clock budget on the same data. Outputs ``<out>/sweep-<gpu>.{csv,md,png}`` and the decision rule's
+verdict: Lion stays the default if its best setting comes within ``LION_MARGIN`` BLEU of the best AdamW
+setting in the same wall time; otherwise AdamW is the default and Lion one switch away.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench import cli
 from bench import frontier as F
 from bench import harness as H
 
@@ -38,14 +33,14 @@ def _setting(name: str, label: str, *overrides: str) -> F.Contestant:
 
 LION = ("--optim.name", "lion")
 SETTINGS: dict[str, F.Contestant] = {c.name: c for c in (
-    # AdamW around the measured best (PEERS.md: 5e-4, betas 0.9/0.98, wd 0.01, OneCycle 10 %, 4k tokens)
+    # AdamW around the best setting measured in ../shared/gpu/PEERS.md (the default)
     _setting("adamw-base", "AdamW 5e-4 (the default)"),
     _setting("adamw-8e-4", "AdamW 8e-4", "--optim.lr", "8e-4"),
     _setting("adamw-3e-4", "AdamW 3e-4", "--optim.lr", "3e-4"),
     _setting("adamw-warm5", "AdamW 5e-4, warm-up 5 %", "--optim.pct_start", "0.05"),
     _setting("adamw-2k", "AdamW 3.5e-4, 2k tokens", "--data.max_tokens", "2048", "--optim.lr", "3.5e-4"),
     _setting("adamw-8k", "AdamW 7e-4, 8k tokens", "--data.max_tokens", "8192", "--optim.lr", "7e-4"),
-    # Lion: lr 3-10x below AdamW's, more weight decay (its authors); PEERS.md: 1e-4/0.1 -> 35.6, 3e-4 at 16k -> 4
+    # Lion: lr 3-10x below AdamW's and more weight decay (its authors' advice), around PEERS.md's best Lion
     _setting("lion-1e-4", "Lion 1e-4, wd 0.1", *LION, "--optim.lr", "1e-4", "--optim.weight_decay", "0.1"),
     _setting("lion-1.5e-4", "Lion 1.5e-4, wd 0.1", *LION, "--optim.lr", "1.5e-4", "--optim.weight_decay", "0.1"),
     _setting("lion-7e-5", "Lion 7e-5, wd 0.1", *LION, "--optim.lr", "7e-5", "--optim.weight_decay", "0.1"),
@@ -58,7 +53,7 @@ SETTINGS: dict[str, F.Contestant] = {c.name: c for c in (
              "--data.max_tokens", "2048"),
     _setting("lion-8k", "Lion 1.5e-4, 8k tokens", *LION, "--optim.lr", "1.5e-4", "--optim.weight_decay", "0.1",
              "--data.max_tokens", "8192"),
-    # beyond the baseline: the model over-fits 21k pairs (valid loss bottoms at epoch 8)
+    # beyond the optimiser: regularisation, the model over-fits the stand-in corpus
     _setting("adamw-drop0.2", "AdamW 5e-4, dropout 0.2", "--model.dropout", "0.2"),
     _setting("adamw-ls0.2", "AdamW 5e-4, label smoothing 0.2", "--optim.label_smoothing", "0.2"),
     _setting("adamw-lp1.0", "AdamW 5e-4, length penalty 1.0", "--eval.length_penalty", "1.0"),
@@ -112,13 +107,11 @@ def sweep_markdown(rows: Sequence[Mapping[str, Any]], prov: Mapping[str, Any], c
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.sweep", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    cli.add_cli_args(p, "the tiny model on a toy corpus", plot=False)
     p.add_argument("--budget-s", type=float, help="wall seconds per setting (default 90; smoke 45)")
     p.add_argument("--grace-s", type=float, help="extra seconds before a setting is killed (default 60)")
     p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated subset of {','.join(SETTINGS)}")
-    p.add_argument("--data-files", nargs="+", metavar="F", help="local jsonl/parquet/tsv files instead of the Hub")
-    p.add_argument("--out", type=Path, help="output folder (default bench/results; a temp dir with --smoke)")
     p.add_argument("--work-dir", type=Path, help="parent of the run folders (default runs/; smoke: a temp dir)")
-    p.add_argument("--smoke", action="store_true", help="the tiny model on a toy corpus (automatic without CUDA)")
     p.add_argument("--fresh", action="store_true", help="drop the csv's rows of settings not run now")
     return p
 
@@ -126,29 +119,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
-    if not torch.cuda.is_available() and not a.smoke:
-        print("bench.sweep: no CUDA device: running the --smoke configuration (tiny model, CPU)", flush=True)
-        a.smoke = True
-    names = [n.strip() for n in a.settings.split(",") if n.strip()]
-    unknown = [n for n in names if n not in SETTINGS]
-    if unknown or not names:
-        p.error(f"--settings: unknown {unknown or names}; choose from {','.join(SETTINGS)}")
+    names = cli.choose(p, "--settings", a.settings, SETTINGS)
+    files = cli.cli_data_files(p, a, toy=lambda: F.work_dir(a, "fastmt-sweep-") / "toy.jsonl",
+                               toy_rows=SMOKE_TOY_ROWS)
+    files = [str(Path(f).resolve()) for f in files]  # the settings run from the repo root
     budget = a.budget_s if a.budget_s is not None else (45.0 if a.smoke else 90.0)
     grace = a.grace_s if a.grace_s is not None else 60.0
-    files = [str(Path(f).resolve()) for f in (a.data_files or ())]
-    missing = [f for f in files if not Path(f).is_file()]
-    if missing:
-        p.error(f"--data-files: no such file(s) {missing}")
-    work = a.work_dir or (Path(tempfile.mkdtemp(prefix="fastmt-sweep-")) if a.smoke else H.REPO_ROOT / "runs")
-    work.mkdir(parents=True, exist_ok=True)
-    corpus = F.corpus_of(files)
+    work = F.work_dir(a, "fastmt-sweep-")
     settings = [SETTINGS[n] for n in names]
+    toy = a.smoke and not a.data_files
+    corpus = f"toy corpus (data/toy.py, {SMOKE_TOY_ROWS:,} rows)" if toy else cli.corpus_label(files)
     if a.smoke:  # the tiny model on a corpus it can learn in a minute; enough epochs for the budget to bind
-        if not files:
-            from data.toy import write_toy_corpus
-
-            files = [str(write_toy_corpus(work / "toy.jsonl", n=SMOKE_TOY_ROWS))]
-            corpus = f"toy corpus (data/toy.py, {SMOKE_TOY_ROWS:,} rows)"
         settings = [F.Contestant(c.name, c.label, c.module, (*c.args, "--epochs", "100")) for c in settings]
     out = a.out or (work / "out" if a.smoke else H.RESULTS_DIR)
     device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")

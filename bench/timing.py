@@ -1,17 +1,9 @@
-"""Kernel time, op time and the first call: the three timings of a ``host_split`` case.
+"""Kernel time, op time and first-call time: the three timings of a ``host_split`` case.
 
-kernel time  the GPU time of one call without the host: the call is captured in a CUDA graph and the
-             graph replayed under ``harness.bench`` (``triton.testing.do_bench``: L2 flushed before each
-             replay, CUDA events). The capture follows torch.cuda.graphs' recipe: warm-up iterations on
-             a side stream first, then the capture on that stream. One unrelated capture per process
-             comes first (on an H100 the first capture in a process failed whatever the op). When a
-             provider cannot be captured, CUDA events around its eager launches are the fallback and
-             the row says so.
-op time      what a call costs the model in eager mode, host included: wall clock of one call
-             followed by a device synchronisation, L2 flushed before each call. op - kernel = host.
-first call   the first call of a provider on a case (autotuning, compilation), timed alone and never
-             part of the medians.
-Without CUDA all three are wall clock, and kernel and op time are one measurement.
+Kernel time replays one call captured in a CUDA graph under ``harness.bench`` (host cost removed; CUDA
+events around the eager launches where a provider cannot be captured); op time is the eager call as the
+model makes it, wall clock with a device synchronisation (op - kernel = host); the first call
+(autotuning, compilation) is timed alone. Without CUDA all are wall clock. Protocol: bench/README.md.
 """
 
 from __future__ import annotations
@@ -43,11 +35,6 @@ def _reset(leaves: Sequence[torch.Tensor]) -> None:
         t.grad = None
 
 
-def _short(exc: BaseException) -> str:
-    lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:160]
-
-
 def warm_up_capture(device: torch.device) -> str:
     """Capture and replay one tiny unrelated graph, once per process and device; '' or why it failed."""
     if str(device) in _warm_devices:
@@ -69,7 +56,7 @@ def warm_up_capture(device: torch.device) -> str:
             torch.cuda.synchronize(device)
             return ""
         except Exception as e:  # noqa: BLE001 - reported, the timing falls back per provider
-            why = _short(e)
+            why = H.short_error(e)
             with contextlib.suppress(Exception):
                 torch.cuda.synchronize(device)
     return why
@@ -110,7 +97,7 @@ def kernel_time(
         with torch.cuda.graph(graph, stream=side):
             step(state)
     except Exception as e:  # noqa: BLE001 - not capturable: time the eager launches instead
-        why = _short(e)
+        why = H.short_error(e)
         graph = state = None
         _reset(leaves)
         torch.cuda.synchronize(device)
@@ -142,13 +129,7 @@ def op_time(fn: Callable[[], Any], *, device: torch.device, leaves: Sequence[tor
         torch.cuda.synchronize(device)
         return (time.perf_counter() - t0) * 1e3
 
-    once()
-    estimate = max(sum(once() for _ in range(3)) / 3, 1e-3)
-    for _ in range(min(MAX_OP_REPS, int(warmup_ms / estimate))):
-        once()
-    n = max(MIN_OP_REPS, min(MAX_OP_REPS, int(rep_ms / estimate)))
-    times = [once() for _ in range(n)]
-    return H.Timing(*H.quantiles(times, H.QUANTILES))
+    return H.repeat(once, warmup_ms=warmup_ms, rep_ms=rep_ms, min_reps=MIN_OP_REPS, max_reps=MAX_OP_REPS)
 
 
 @contextlib.contextmanager

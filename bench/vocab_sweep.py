@@ -1,14 +1,11 @@
-"""Vocabulary-size sweep (and token-bucket settings sweep) behind the data defaults.
+"""Vocabulary-size sweep (and token-bucket / packing settings sweep) behind the data defaults.
 
     python -m bench.vocab_sweep --data-files F [--sizes 2000 4000 8000 16000 24000] [--out bench/results/vocab-sweep.md]
 
-For each SentencePiece setting, trained on the train split exactly as `build_data` does, it reports on the
-train split: subwords per epoch, mean / p99 length, the share of pieces seen fewer than 10 times in train
-(embeddings that barely train), byte-fallback and unk rates on the valid split, and the training FLOPs
-per epoch of the S18-sized model (6+6 layers, d 512, d_ff 2048): 6 x (body params x tokens) + 6 x d x V x
-target tokens for the tied output projection. Then, at the default vocabulary, token_bucket padding /
-batches / shapes for a grid of max_tokens x pad_multiple, and the packed mode's layout and padding at
-2048 / 8192 / 16384 / 32768 tokens (``--only-packing`` prints just that table, at the default vocabulary).
+Per SentencePiece setting, trained on the train split as ``build_data`` does: subwords per epoch, length
+statistics, rarely seen pieces, byte-fallback and unk rates, and the S18 model's training FLOPs per epoch
+(``models.flops``). Then, at the default vocabulary, padding / batches / shapes of token buckets and of
+the packed mode at several budgets (``--only-packing``: just the packed table).
 """
 
 from __future__ import annotations
@@ -24,16 +21,15 @@ import numpy as np
 from data.batching import BatchSpec, pack_layout, plan_batches, plan_stats
 from data.config import DataConfig
 from data.pipeline import build_data
-
-D, DFF, LAYERS = 512, 2048, 6
-ENC_PARAMS = 4 * D * D + 2 * D * DFF  # per encoder layer: attention + FFN weights
-DEC_PARAMS = 8 * D * D + 2 * D * DFF  # per decoder layer: self + cross attention + FFN
+from models import flops_per_token, get_preset
 
 
-def epoch_flops(src_tokens: int, tgt_tokens: int, vocab: int) -> float:
-    return 6.0 * (
-        LAYERS * ENC_PARAMS * src_tokens + LAYERS * DEC_PARAMS * tgt_tokens + D * vocab * tgt_tokens
-    )
+def epoch_flops(split, vocab: int) -> float:
+    """Training FLOPs of one epoch of ``split`` for the S18 model at this vocabulary (``models.flops``, at
+    the split's mean lengths)."""
+    model = get_preset("s18", vocab_size=vocab)
+    src, tgt = split.src_lengths, split.tgt_lengths
+    return flops_per_token(model, float(src.mean()), float(tgt.mean())) * float(tgt.sum())
 
 
 def vocab_row(cfg: DataConfig) -> dict:
@@ -46,17 +42,16 @@ def vocab_row(cfg: DataConfig) -> dict:
     va_ids = np.concatenate([va.src_ids, va.tgt_ids])
     is_byte = np.array([tok.sp.is_byte(i) for i in range(tok.vocab_size)])
     lens = np.concatenate([tr.src_lengths, tr.tgt_lengths])
-    src_tok, tgt_tok = int(tr.src_lengths.sum()), int(tr.tgt_lengths.sum())
     return {
         "model": cfg.spm_model,
         "vocab": tok.vocab_size,
-        "tokens": src_tok + tgt_tok,
+        "tokens": int(lens.sum()),
         "mean": float(lens.mean()),
         "p99": float(np.percentile(lens, 99)),
         "rare": float((real < 10).mean()),
         "byte": float(is_byte[va_ids].mean()),
         "unk": float((va_ids == tok.unk_id).mean()),
-        "flops": epoch_flops(src_tok, tgt_tok, tok.vocab_size),
+        "flops": epoch_flops(tr, tok.vocab_size),
         "secs": secs,
         "bundle": b,
     }

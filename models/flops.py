@@ -145,11 +145,40 @@ def resolve_peak(device_name: str, dtype: str, *, table=PEAK_TABLE,
     return _MEASURED[key], f"measured in this run: {dtype} matmul ({why})"
 
 
-def measure_peak(device, dtype: str) -> float:
-    """FLOP/s of a large random matrix product in ``dtype`` on ``device`` (bench.harness times it)."""
-    from bench.harness import matmul_tflops
+def matmul_flops(device, dtype: torch.dtype, *, tf32: bool = False, n: int | None = None,
+                 timer: Callable[[Callable[[], object]], float] | None = None) -> float:
+    """FLOP/s of a random (n x n) @ (n x n) product in ``dtype`` (n: 8192 on CUDA, enough for the tensor
+    cores' rate; 256 elsewhere). Random data: a product of zeros runs faster on Hopper. ``tf32``: fp32
+    inputs with TF32 allowed for this measurement only. ``timer(fn)``: milliseconds per call (default
+    the median of ``torch.utils.benchmark``'s blocked autorange)."""
+    device = torch.device(device)
+    n = n or (8192 if device.type == "cuda" else 256)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    try:
+        ms = _matmul_ms(n, dtype, device, timer or _median_ms)
+    finally:
+        torch.set_float32_matmul_precision(before)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return 2 * n**3 / (ms * 1e-3)
 
-    return 1e12 * matmul_tflops(device, getattr(torch, _TORCH_DTYPES[dtype]), tf32=dtype == "tf32")
+
+def _matmul_ms(n: int, dtype: torch.dtype, device: torch.device, timer) -> float:
+    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
+    return timer(lambda: a @ b)
+
+
+def _median_ms(fn: Callable[[], object]) -> float:
+    from torch.utils.benchmark import Timer
+
+    fn()  # first call: allocation, library initialisation
+    return Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=0.2).median * 1e3
+
+
+def measure_peak(device, dtype: str) -> float:
+    """FLOP/s of a large random matrix product in ``dtype`` (fp32, tf32, bf16, fp16) on ``device``."""
+    return matmul_flops(device, getattr(torch, _TORCH_DTYPES[dtype]), tf32=dtype == "tf32")
 
 
 def peak_flops(device, dtype: str, *, table=PEAK_TABLE) -> tuple[float | None, str]:

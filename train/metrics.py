@@ -16,17 +16,19 @@ import torch
 
 
 def git_sha(repo: str | os.PathLike | None = None) -> str | None:
+    """HEAD's sha, with "-dirty" when tracked files changed; else ``$FASTMT_GIT_SHA`` (a device copy of
+    the tree travels without .git); else None."""
     repo = repo or Path(__file__).resolve().parent.parent
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=5)
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10)
         sha = out.stdout.strip() if out.returncode == 0 else None
         if sha:
             dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
-                                   capture_output=True, text=True, timeout=5).stdout.strip()
+                                   capture_output=True, text=True, timeout=30).stdout.strip()
             return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    return None
+    return os.environ.get("FASTMT_GIT_SHA", "").strip() or None
 
 
 def environment() -> dict[str, Any]:

@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from bench import ladder as L
+from bench import report as R
+from data.toy import write_toy_corpus
 
 REQUIRED = ("rung", "tokens_per_second", "speedup_vs_baseline", "mfu", "peak_dtype", "padding_fraction",
             "peak_memory_gb", "sdpa_backend", "gpu", "git_sha")
@@ -24,7 +26,7 @@ REQUIRED = ("rung", "tokens_per_second", "speedup_vs_baseline", "mfu", "peak_dty
 @pytest.fixture(scope="module")
 def ladder_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ladder")
-    corpus = L.write_toy_corpus(tmp / "toy.jsonl", n=600)
+    corpus = write_toy_corpus(tmp / "toy.jsonl", n=600)
     s = L.LadderSettings(smoke=True, device=torch.device("cpu"), data_files=(str(corpus),), out=tmp / "out",
                          steps=2, warmup=1, readme=False, work_dir=tmp / "work")
     by_id = {r.id: r for r in L.RUNGS}
@@ -169,14 +171,14 @@ def test_rungs_are_independent_and_comparisons_fall_back_past_failures():
 def test_readme_region_rewritten_only_between_markers(ladder_run, tmp_path):
     rows, ctx, paths = ladder_run
     readme = tmp_path / "README.md"
-    readme.write_text(f"# title\nbefore\n{L.README_START}\nold\n{L.README_END}\nafter\n")
-    assert L.update_readme(rows, ctx, paths, readme=readme)
+    readme.write_text(f"# title\nbefore\n{R.README_START}\nold\n{R.README_END}\nafter\n")
+    assert R.update_readme(rows, ctx, paths, readme=readme)
     text = readme.read_text()
-    assert text.startswith("# title\nbefore\n") and text.endswith(f"{L.README_END}\nafter\n")
+    assert text.startswith("# title\nbefore\n") and text.endswith(f"{R.README_END}\nafter\n")
     assert "old" not in text and "stand-in corpus" in text and "| rung |" in text
     other = tmp_path / "NOMARK.md"
     other.write_text("no markers\n")
-    assert not L.update_readme(rows, ctx, paths, readme=other) and other.read_text() == "no markers\n"
+    assert not R.update_readme(rows, ctx, paths, readme=other) and other.read_text() == "no markers\n"
 
 
 @pytest.mark.slow
@@ -193,7 +195,7 @@ def test_full_smoke_cli(tmp_path):
 @pytest.mark.slow
 def test_recompile_in_timed_steps_marks_rung_invalid(tmp_path):
     """A compiled rung with one graph per shape (dynamic=False) on token buckets recompiles while timed."""
-    corpus = L.write_toy_corpus(tmp_path / "toy.jsonl", n=600)
+    corpus = write_toy_corpus(tmp_path / "toy.jsonl", n=600)
     s = L.LadderSettings(smoke=True, device=torch.device("cpu"), data_files=(str(corpus),), out=tmp_path / "out",
                          steps=2, warmup=1, readme=False, work_dir=tmp_path / "work")
     by_id = {r.id: r for r in L.RUNGS}

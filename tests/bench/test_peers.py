@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 
-from bench import ladder as L  # noqa: E402
 from bench import peers as P  # noqa: E402
+from data.toy import write_toy_corpus  # noqa: E402
 
 TOY = ["--data.vocab_size", "400", "--data.valid_size", "40", "--data.test_size", "40", "--data.max_len", "32",
        "--eval.max_sentences", "20"]
@@ -29,7 +29,7 @@ def toy(tmp_path_factory):
     from train.config import apply_overrides, get_config
 
     tmp = tmp_path_factory.mktemp("peers")
-    corpus = L.write_toy_corpus(tmp / "toy.jsonl", n=600)
+    corpus = write_toy_corpus(tmp / "toy.jsonl", n=600)
     cache = tmp / "cache"
     overrides = dict(zip(TOY[::2], TOY[1::2]))
     overrides = {k.removeprefix("--"): v for k, v in overrides.items()}

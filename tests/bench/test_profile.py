@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bench import profile as P
-from bench.ladder import write_toy_corpus
+from data.toy import write_toy_corpus
 
 
 def test_profile_smoke_tiny_has_no_graph_breaks(tmp_path):
