@@ -124,6 +124,33 @@ def top_kernels(prof, cuda: bool, limit: int = 25) -> tuple[list[dict[str, Any]]
     return rows, text
 
 
+def busy_stats(kernels: Sequence[tuple[float, float]], steps: Sequence[tuple[float, float]]) -> dict[str, Any]:
+    """GPU busy share of the profiled steps: the union of the kernels' [start, end) intervals inside the steps'
+    window over the window's length, with kernel launches and wall milliseconds per step (times in µs)."""
+    if not steps:
+        return {"gpu_busy": None, "launches_per_step": None, "step_ms": None}
+    lo, hi = min(a for a, _ in steps), max(b for _, b in steps)
+    busy, end = 0.0, lo
+    for a, b in sorted((max(a, lo), min(b, hi)) for a, b in kernels if b > lo and a < hi):
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    n = len(steps)
+    return {"gpu_busy": busy / (hi - lo) if hi > lo else None,
+            "launches_per_step": sum(1 for a, b in kernels if lo <= a < hi) / n, "step_ms": (hi - lo) / n / 1e3}
+
+
+def gpu_busy(prof) -> dict[str, Any]:
+    """``busy_stats`` of a torch.profiler run: CUDA kernel events against the ProfilerStep windows."""
+    from torch.autograd import DeviceType
+
+    events = prof.events()
+    kernels = [(e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA]
+    steps = [(e.time_range.start, e.time_range.end) for e in events if e.name.startswith("ProfilerStep#")]
+    return busy_stats(kernels, steps) if kernels else {"gpu_busy": None, "launches_per_step": None,
+                                                        "step_ms": busy_stats([], steps)["step_ms"]}
+
+
 def run_profile(preset: str, *, smoke: bool, data_files: Sequence[str], out_dir: Path, warmup: int, active: int,
                 work: Path, log=print) -> dict[str, Any]:
     from torch._dynamo.utils import counters
@@ -169,6 +196,7 @@ def run_profile(preset: str, *, smoke: bool, data_files: Sequence[str], out_dir:
         with trainer.autocast:
             expl = explain(trainer.loss_module, b.tgt_out, **b.model_inputs(static_max_len=True))
     rows, text = top_kernels(prof, cuda)
+    busy = gpu_busy(prof)
     del trainer, prof
     if trace_path.stat().st_size > TRACE_GZIP_BYTES:
         with trace_path.open("rb") as f, gzip.open(str(trace_path) + ".gz", "wb") as g:
@@ -183,7 +211,7 @@ def run_profile(preset: str, *, smoke: bool, data_files: Sequence[str], out_dir:
     result = {"preset": preset, "device": prov["gpu"], "out": out, "trace": trace_path, "compile_s": compile_s,
               "graphs_after_warmup": graphs_after_warmup, "steps": steps_counters, "explain": expl,
               "recompiles_while_profiling": steps_counters["graphs"] - graphs_after_warmup, "prov": prov,
-              "shapes": len({tuple(x.src.shape) + tuple(x.tgt_in.shape) for x in batches})}
+              "shapes": len({tuple(x.src.shape) + tuple(x.tgt_in.shape) for x in batches}), **busy}
     (out / "report.md").write_text(report_markdown(result, rows, cfg))
     return result
 
@@ -199,6 +227,9 @@ def report_markdown(r: dict[str, Any], rows, cfg) -> str:
         f"batching {cfg.data.batching}, layout {cfg.model.layout}, attention {cfg.model.attn_backend}, "
         f"norm {cfg.model.norm}, precision {cfg.run.precision}",
         f"- warm-up (compile included): {r['compile_s']:.1f} s; {r['shapes']} distinct batch shapes in the profiled batches",
+        f"- step: {H.fmt(r['step_ms'])} ms wall; GPU busy "
+        + (f"**{100 * r['gpu_busy']:.0f} %** of it (goal >= 80 %), {r['launches_per_step']:.0f} kernel launches per step"
+           if r["gpu_busy"] is not None else "n/a (no CUDA kernels recorded)"),
         "",
         f"## Graph breaks: **{'none' if ok else 'FOUND'}**",
         "",

@@ -75,3 +75,13 @@ def test_counters_and_log_capture_see_a_break(tmp_path):
         P.check_no_graph_breaks(c)
     assert "Graph break" in log.read_text()
     torch._dynamo.reset()
+
+
+def test_busy_share_is_the_union_of_kernel_time_over_the_steps():
+    # two steps spanning [0, 100) and [100, 200) µs; kernels overlap each other and one spills out of the window
+    steps = [(0.0, 100.0), (100.0, 200.0)]
+    kernels = [(10.0, 30.0), (20.0, 40.0), (150.0, 170.0), (190.0, 260.0), (300.0, 310.0)]
+    b = P.busy_stats(kernels, steps)
+    assert b["gpu_busy"] == pytest.approx((30 + 20 + 10) / 200)
+    assert b["launches_per_step"] == 2.0 and b["step_ms"] == pytest.approx(0.1)
+    assert P.busy_stats(kernels, [])["gpu_busy"] is None
