@@ -72,7 +72,7 @@ def compile_one(which, config):
         with open("/tmp/_fastmt_ln_%s.ptx" % which, "w") as f:
             f.write(ptx)
         out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", "/dev/null"],
-                             capture_output=True, text=True, timeout=60)
+                             capture_output=True, text=True, timeout=600)
         info = out.stdout + out.stderr
         regs = re.search(r"Used (\d+) registers", info)
         spill = re.findall(r"(\d+) bytes spill (?:stores|loads)", info)

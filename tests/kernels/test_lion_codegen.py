@@ -52,7 +52,7 @@ try:
     with open("/tmp/_fastmt_lion_%s.ptx" % grad, "w") as f:
         f.write(ptx)
     out = subprocess.run([knobs.nvidia.ptxas.path, "-v", "--gpu-name", "sm_90a", f.name, "-o", "/dev/null"],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=600)
     spill = re.findall(r"(\d+) bytes spill (?:stores|loads)", out.stdout + out.stderr)
     facts["spill_bytes"] = sum(map(int, spill)) if spill else None
 except (OSError, subprocess.SubprocessError):
