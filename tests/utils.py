@@ -312,24 +312,31 @@ SYNCING_ATEN = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_u
 READBACKS = ("item", "__bool__", "__int__", "__float__", "__index__", "tolist", "cpu", "numpy", "nonzero")
 
 
-class SyncCounter(TorchDispatchMode):
-    """Counts, while active, every Tensor method that hands a value to the host (``Tensor.<name>``
-    events; on CUDA each one syncs) and the aten ops that sync a CUDA stream (``aten.<name>``)."""
-
-    def __init__(self):
+class _SyncingAten(TorchDispatchMode):
+    def __init__(self, events: Counter):
         super().__init__()
-        self.events: Counter[str] = Counter()
-        self._saved = {}
-
-    def host_reads(self) -> int:
-        """How many Tensor read-backs Python made (an aten op under one is not counted again)."""
-        return sum(n for name, n in self.events.items() if name.startswith("Tensor."))
+        self.events = events
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if name in SYNCING_ATEN:
             self.events[f"aten.{name}"] += 1
         return func(*args, **(kwargs or {}))
+
+
+class SyncCounter:
+    """Counts, while active, every Tensor method that hands a value to the host (``Tensor.<name>``
+    events; on CUDA each one syncs) and, with ``aten``, the aten ops that sync a CUDA stream
+    (``aten.<name>``, seen by a dispatch mode that makes every op slower)."""
+
+    def __init__(self, aten: bool = True):
+        self.events: Counter[str] = Counter()
+        self._mode = _SyncingAten(self.events) if aten else None
+        self._saved = {}
+
+    def host_reads(self) -> int:
+        """How many Tensor read-backs Python made (an aten op under one is not counted again)."""
+        return sum(n for name, n in self.events.items() if name.startswith("Tensor."))
 
     def __enter__(self):
         for name in READBACKS:
@@ -341,12 +348,16 @@ class SyncCounter(TorchDispatchMode):
                 return _original(t, *a, **k)
 
             setattr(torch.Tensor, name, wrapped)
-        return super().__enter__()
+        if self._mode is not None:
+            self._mode.__enter__()
+        return self
 
     def __exit__(self, *exc):
+        if self._mode is not None:
+            self._mode.__exit__(*exc)
         for name, original in self._saved.items():
             setattr(torch.Tensor, name, original)
-        return super().__exit__(*exc)
+        self._saved.clear()
 
 
 class OpCounter(TorchDispatchMode):
