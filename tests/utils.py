@@ -4,7 +4,7 @@
   (``train.config.tiny``), and the Trainer pieces the train tests share.
 - Batches shaped like ``data.Batch`` (padded and packed) from random tokens, small models, and the
   comparisons of logits, gradients, parameters and decoded hypotheses.
-- Instruments: dispatch modes that count host read-backs and aten ops.
+- Instruments that count host read-backs and aten ops.
 """
 
 from __future__ import annotations
