@@ -1,10 +1,15 @@
-"""Shared pieces for the data tests: generated parallel rows, jsonl writing, a small DataConfig."""
+"""Shared pieces for the data tests: generated parallel rows, jsonl writing, the toy data setting on them.
+
+``make_rows`` is not the toy corpus (data/toy.py): its sides are unrelated draws of 1-25 words with
+punctuation, so lengths, ratios and cleaning have something to act on.
+"""
 
 import json
 
 import numpy as np
 
 from data import DataConfig
+from tests.utils import toy_data
 
 WORDS = [
     w + s
@@ -39,15 +44,7 @@ def write_jsonl(path, rows):
 
 
 def cfg_for(tmp_path, files, **kw) -> DataConfig:
-    base = dict(
-        data_files=files,
-        cache_dir=str(tmp_path / "cache"),
-        vocab_size=400,
-        max_len=64,
-        max_tokens=512,
-        valid_size=20,
-        test_size=20,
-        num_workers=0,
-        spm_threads=1,
-    )
-    return DataConfig(**{**base, **kw})
+    """The toy data setting on ``files`` (none: the toy source) with pairs up to 64 tokens, no padding
+    multiple, 20 valid / 20 test rows and one SentencePiece thread; cache under ``tmp_path``."""
+    base = dict(data_files=files, max_len=64, pad_multiple=1, valid_size=20, test_size=20, spm_threads=1)
+    return toy_data(tmp_path, **{**base, **kw})

@@ -325,7 +325,8 @@ def test_tsv_parquet_and_env_sources_agree(tmp_path, monkeypatch):
     a = build_data(cfg_for(tmp_path, str(tsv), **kw), log=lambda *_: None)
     p = build_data(cfg_for(tmp_path, str(pq), **kw), log=lambda *_: None)
     monkeypatch.setenv("FASTMT_DATA_FILES", f"{tsv}")
-    e = build_data(cfg_for(tmp_path, (), **kw), log=lambda *_: None)
+    hub = DataConfig().dataset  # no files and not the toy source: $FASTMT_DATA_FILES replaces the Hub
+    e = build_data(cfg_for(tmp_path, (), dataset=hub, **kw), log=lambda *_: None)
     assert a.split_record["fingerprint"] == p.split_record["fingerprint"] == e.split_record["fingerprint"]
     assert a.splits["train"].src_text == p.splits["train"].src_text
 

@@ -7,6 +7,7 @@ import pytest
 
 from data import DataConfig, build_data
 from data.toy import EN, IT, toy_corpus, write_toy_corpus
+from tests.data.helpers import cfg_for
 
 
 def _read(path):
@@ -40,18 +41,8 @@ def test_same_bytes_as_the_bench_ladder_generator(tmp_path):
 
 def test_toy_source_writes_into_cache_dir_and_wins_over_env(tmp_path, monkeypatch):
     monkeypatch.setenv("FASTMT_DATA_FILES", str(tmp_path / "does-not-exist.jsonl"))
-    cfg = DataConfig(
-        dataset="toy",
-        toy_rows=300,
-        cache_dir=str(tmp_path / "cache"),
-        vocab_size=400,
-        max_len=128,
-        max_tokens=512,
-        valid_size=20,
-        test_size=20,
-        num_workers=0,
-        spm_threads=1,
-    )
+    cfg = cfg_for(tmp_path, (), toy_rows=300, max_len=128)
+    assert cfg.is_toy()
     b = build_data(cfg, log=lambda *_: None)
     path = toy_corpus(tmp_path / "cache", 300)
     assert (

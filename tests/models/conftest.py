@@ -1,13 +1,9 @@
-"""One intra-op thread for the model tests: on the shared 2-core CI/dev machines torch's default
-(2 threads) made these tiny-shape steps ~8x slower under load (thread spin-waits, measured)."""
+"""Every model test runs with one torch thread (tests/conftest.py ``one_torch_thread``): under load,
+torch's default of 2 threads made these tiny-shape steps ~8x slower on the shared 2-core machines."""
 
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_torch_thread):
     yield
-    torch.set_num_threads(before)

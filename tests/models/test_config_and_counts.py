@@ -13,7 +13,7 @@ from models import ModelConfig, Transformer, count_params, flops_per_token, get_
 from models import flops as F
 from models.__main__ import main as cli_main
 from models.config import layer_schedule
-from tests.models.utils import make_batch, model_inputs
+from tests.utils import make_batch, model_inputs, small_cfg
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -103,8 +103,7 @@ def test_preset_counts_on_meta_device():
 def test_flops_per_token_matches_flop_counter(kw):
     """3 x forward matmul FLOPs (torch's FlopCounterMode over a real fwd+bwd), per target token."""
     S, T = 7, 5
-    cfg = ModelConfig(vocab_size=50, d_model=32, n_heads=2, d_ff=48, enc_layers=2, dec_layers=2, dropout=0.0,
-                      attn_backend="reference", **kw)
+    cfg = small_cfg(vocab_size=50, attn_backend="reference", **kw)
     model = Transformer(cfg)
     batch = make_batch([S], [T], 50)
     with FlopCounterMode(display=False) as counter:

@@ -4,7 +4,6 @@ returned, syncs the host once per ``check_every`` steps, and runs a step at stat
 
 from __future__ import annotations
 
-import collections
 import itertools
 import math
 
@@ -13,20 +12,24 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange, repeat
 
-from kernels import flash_attention
-from models import ModelConfig, Transformer
+from models import Transformer
 from models import transformer as transformer_module
 from models.decoding import Decoder, DecodeStats, _eval, _length_limits, beam_search, greedy_decode
-from tests.models.utils import BOS, EOS, PAD, make_batch, model_inputs
+from tests.utils import (
+    BOS,
+    EOS,
+    PAD,
+    SyncCounter,
+    assert_same_hypotheses,
+    build_eos,
+    decoding_model,
+    make_batch,
+    model_inputs,
+    sequence_logprobs,
+    small_cfg,
+)
 
 IDS = dict(bos_id=BOS, eos_id=EOS, pad_id=PAD)
-
-
-def build(vocab=40, seed=0, **kw) -> Transformer:
-    torch.manual_seed(seed)
-    base = dict(vocab_size=vocab, d_model=32, n_heads=2, d_ff=48, enc_layers=2, dec_layers=2, dropout=0.0,
-                max_positions=32, tie_embeddings=False)
-    return Transformer(ModelConfig(**{**base, **kw})).eval()
 
 
 @pytest.mark.parametrize("span", [None, 7], ids=["exact", "static7"])
@@ -38,7 +41,7 @@ def build(vocab=40, seed=0, **kw) -> Transformer:
 def test_decode_steps_match_full_forward(kw, span):
     """Eager steps (the filled prefix) and static steps (a fixed span of a longer cache, masked on the
     device) both give the full forward's logits."""
-    model = build(**kw)
+    model = decoding_model(**kw)
     batch = make_batch([6, 2, 4], [5, 5, 5], 40, seed=1)  # ragged sources, full-length targets
     full = model(**model_inputs(batch))  # (B, T, V)
     state = model.start_decoding(batch["src"], batch["src_lengths"], max_len=5 if span is None else 9)
@@ -48,25 +51,8 @@ def test_decode_steps_match_full_forward(kw, span):
     assert int(state.pos) == 5
 
 
-def sequence_logprobs(model, src, src_len, seqs: list[list[int]], forbidden: list[int]) -> torch.Tensor:
-    """Full-forward (uncached) log-probability of each generated sequence, ``forbidden`` ids excluded."""
-    n, T = len(seqs), max(len(s) for s in seqs)
-    tgt_in = torch.zeros(n, T, dtype=torch.int32)
-    tgt_out = torch.zeros(n, T, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        tgt_in[i, : len(s)] = torch.tensor([BOS] + s[:-1])
-        tgt_out[i, : len(s)] = torch.tensor(s)
-    lens = torch.tensor([len(s) for s in seqs], dtype=torch.int32)
-    with torch.no_grad():
-        logits = model(src.expand(n, -1), tgt_in, src_len.expand(n), lens).float()
-        logits[..., forbidden] = -math.inf
-        logp = F.log_softmax(logits, -1)
-    picked = logp.gather(-1, tgt_out[..., None])[..., 0]  # (n, T)
-    return torch.where(torch.arange(T)[None] < lens[:, None], picked, 0.0).sum(1)
-
-
 def test_greedy_equals_argmax_of_uncached_reforward():
-    model = build()
+    model = decoding_model()
     batch = make_batch([7, 3, 5, 1], [2, 2, 2, 2], 40, seed=2)
     ratio, extra = 1.0, 2
     out = greedy_decode(model, batch["src"], batch["src_lengths"], max_len_ratio=ratio, max_len_extra=extra, **IDS)
@@ -84,7 +70,7 @@ def test_greedy_equals_argmax_of_uncached_reforward():
 
 
 def test_beam_size_one_equals_greedy():
-    model = build(seed=3)
+    model = decoding_model(seed=3)
     batch = make_batch([7, 3, 5, 1, 6], [2] * 5, 40, seed=3)
     args = (model, batch["src"], batch["src_lengths"])
     assert beam_search(*args, beam_size=1, **IDS) == greedy_decode(*args, **IDS)
@@ -94,7 +80,7 @@ def test_beam_size_one_equals_greedy():
 def test_wide_beam_is_exact_search(length_penalty):
     """A beam wider than the hypothesis space finds the best-scoring sequence of an exhaustive search."""
     V, limit = 7, 3  # 4 specials + 3 words; at most 3 generated tokens
-    model = build(vocab=V, seed=4)
+    model = decoding_model(vocab=V, seed=4)
     batch = make_batch([4], [2], V, seed=4)
     src, src_len = batch["src"], batch["src_lengths"]
     best = beam_search(model, src, src_len, beam_size=200, length_penalty=length_penalty, max_len_ratio=0.0,
@@ -126,8 +112,7 @@ def test_tiny_model_learns_to_copy():
         tgt_in[i, : lens[i]] = torch.tensor([BOS] + w)
         tgt_out[i, : lens[i]] = torch.tensor(w + [EOS])
     batch.update(tgt_in=tgt_in, tgt_out=tgt_out)
-    model = Transformer(ModelConfig(vocab_size=V, d_model=32, n_heads=2, d_ff=64, enc_layers=1, dec_layers=1,
-                                    dropout=0.0, max_positions=16))
+    model = Transformer(small_cfg(vocab_size=V, d_ff=64, enc_layers=1, dec_layers=1, max_positions=16))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     for _ in range(600):
         logits = model(**model_inputs(batch))
@@ -147,38 +132,6 @@ def test_tiny_model_learns_to_copy():
 # ----------------------------------------------------------------------------------------------
 # The device-side search against the previous host-side implementation
 # ----------------------------------------------------------------------------------------------
-def build_eos(vocab: int, seed: int, eos_gain: float, **kw) -> Transformer:
-    """A random model whose EOS logit is scaled by ``eos_gain``: EOS is likely after some prefixes and
-    unlikely after others, so beams finish at different steps and some sentences hit their limit."""
-    model = build(vocab=vocab, seed=seed, max_positions=64, **kw)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        # reset_parameters draws the two embeddings in the order of a set of modules, which varies
-        # between processes: redraw them in a fixed order so that each case is the same everywhere
-        for emb in (model.src_embed, model.tgt_embed):
-            emb.weight.copy_(torch.randn(emb.weight.shape, generator=g) * model.cfg.d_model**-0.5)
-        model.lm_head.weight[EOS] *= eos_gain
-    return model
-
-
-def gnmt_score(model, src, src_len, hyp: list[int], limit: int, length_penalty: float) -> float:
-    """Full-forward score of a returned hypothesis: it ended with EOS unless it is ``limit`` long."""
-    seq = hyp + ([EOS] if len(hyp) < limit else [])
-    lp = sequence_logprobs(model, src, src_len, [seq], forbidden=[PAD, BOS])[0]
-    return float(lp) / ((5 + len(seq)) / 6) ** length_penalty
-
-
-def assert_same_hypotheses(model, batch, got, want, limits, length_penalty):
-    """Equal, or (where float rounding may reorder candidates) equal scores under the full forward."""
-    assert len(got) == len(want)
-    for b, (g, w) in enumerate(zip(got, want)):
-        if g != w:
-            src, src_len = batch["src"][b : b + 1], batch["src_lengths"][b : b + 1]
-            sg = gnmt_score(model, src, src_len, g, limits[b], length_penalty)
-            sw = gnmt_score(model, src, src_len, w, limits[b], length_penalty)
-            assert math.isclose(sg, sw, abs_tol=1e-4), (b, g, w, sg, sw)
-
-
 SRC_LENS = [9, 1, 5, 3, 7, 2, 12]  # ragged
 
 
@@ -249,52 +202,30 @@ def test_padding_rows_and_reuse_across_batches(beam):
 # ----------------------------------------------------------------------------------------------
 # Host syncs and static shapes
 # ----------------------------------------------------------------------------------------------
-HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero")
-
-
-def count_host_reads(monkeypatch) -> collections.Counter:
-    """Count every Tensor method that hands a value to the host (on CUDA: a sync). The attention's
-    eager checks of CPU length tensors are turned off, as they are for CUDA tensors."""
-    counts: collections.Counter = collections.Counter()
-
-    def counting(name):
-        original = getattr(torch.Tensor, name)
-
-        def wrapped(self, *args, **kwargs):
-            counts[name] += 1
-            return original(self, *args, **kwargs)
-        return wrapped
-
-    for name in HOST_READS:
-        monkeypatch.setattr(torch.Tensor, name, counting(name))
-    monkeypatch.setattr(flash_attention, "_inspectable", lambda t: False)
-    return counts
-
-
 @pytest.mark.parametrize("beam", [None, 4], ids=["greedy", "beam4"])
 @pytest.mark.parametrize("spans", ["exact", "full"])
-def test_host_syncs_once_per_check(monkeypatch, beam, spans):
-    """Host reads per batch: one per ``check_every`` steps plus one for the answers, whatever the batch
-    size; the previous implementation read the host at every step (and per finished hypothesis)."""
+def test_host_syncs_once_per_check(cuda_like_kernels, beam, spans):
+    """Host reads per batch (every Tensor method that hands a value to the host; on CUDA: a sync): one per
+    ``check_every`` steps plus one for the answers, whatever the batch size; the previous implementation
+    read the host at every step (and per finished hypothesis)."""
     model = build_eos(40, 0, 3.0)
     batch = make_batch([9, 12, 5, 3, 7, 2, 12, 11], [2] * 8, 40, seed=5)
     args = (model, batch["src"], batch["src_lengths"])
     kw = dict(max_len_ratio=1.5, max_len_extra=10, **IDS)
     check_every, stats = 4, DecodeStats()
-    counts = count_host_reads(monkeypatch)
-    if beam is None:
-        greedy_decode(*args, check_every=check_every, spans=spans, stats=stats, **kw)
-    else:
-        beam_search(*args, beam_size=beam, check_every=check_every, spans=spans, stats=stats, **kw)
-    syncs = sum(counts.values())
+    with SyncCounter(aten=False) as counter:
+        if beam is None:
+            greedy_decode(*args, check_every=check_every, spans=spans, stats=stats, **kw)
+        else:
+            beam_search(*args, beam_size=beam, check_every=check_every, spans=spans, stats=stats, **kw)
     assert stats.steps >= 8
-    assert syncs == stats.host_syncs <= stats.steps // check_every + 1, (counts, stats)
-    counts.clear()
-    if beam is None:
-        oracle_greedy_decode(*args, **kw)
-    else:
-        oracle_beam_search(*args, beam_size=beam, **kw)
-    assert sum(counts.values()) >= stats.steps  # the contrast: at least one read per step
+    assert counter.host_reads() == stats.host_syncs <= stats.steps // check_every + 1, (counter.events, stats)
+    with SyncCounter(aten=False) as oracle:
+        if beam is None:
+            oracle_greedy_decode(*args, **kw)
+        else:
+            oracle_beam_search(*args, beam_size=beam, **kw)
+    assert oracle.host_reads() >= stats.steps  # the contrast: at least one read per step
 
 
 @pytest.mark.parametrize("spans,max_shapes", [("full", 1), ("pow2", 2)])
@@ -330,7 +261,7 @@ def test_static_step_traces_as_one_graph(monkeypatch, beam):
 
     from models import decoding
 
-    model = build(vocab=40, seed=7, max_positions=64, norm="torch", attn_backend="reference", enc_layers=1,
+    model = decoding_model(vocab=40, seed=7, max_positions=64, norm="torch", attn_backend="reference", enc_layers=1,
                   dec_layers=1)
     batch = make_batch([9, 1, 5], [2] * 3, 40, seed=7)
     run_cls = decoding._GreedyRun if beam is None else decoding._BeamRun

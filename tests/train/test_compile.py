@@ -3,7 +3,6 @@ recompiles on packed batches, breaks no graph, and a second process reuses the o
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -14,33 +13,27 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.train.helpers import tiny_config
-from train.loop import Trainer
+from tests.utils import first_batches, tiny_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _packed(cfg, **run):
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, layout="packed", enc_layers=3, dec_layers=3),
-                               data=dataclasses.replace(cfg.data, batching="packed"),
-                               run=dataclasses.replace(cfg.run, **run))
-
-
 @pytest.mark.parametrize("scope", ["blocks", "model"])
-def test_graph_counts_and_no_recompiles(corpus, tmp_path, scope):
+def test_graph_counts_and_no_recompiles(toy_bundle, tmp_path, scope):
     """blocks: the first block of each stack (no residual yet) and the rest (shared code object), plus the
     projection + loss: 5 graphs for 3+3 layers, as for 6+6. model: one graph. None added after warm-up."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    cfg = _packed(tiny_config(corpus, tmp_path), compile=True, compile_backend="aot_eager", compile_scope=scope)
-    tr = Trainer(cfg, log=lambda *a: None)
-    batches = iter(tr.data.loader("train", epoch=0))
-    tr.train_step(next(batches))
+    tr = tiny_trainer(toy_bundle, tmp_path, model={"layout": "packed", "enc_layers": 3, "dec_layers": 3},
+                      data={"batching": "packed", "cache_dir": toy_bundle.cfg.cache_dir}, compile=True,
+                      compile_backend="aot_eager", compile_scope=scope)
+    first, *rest = first_batches(tr, 4)
+    tr.train_step(first)
     warm = int(counters["stats"]["unique_graphs"])
-    for _ in range(3):
-        tr.train_step(next(batches))
+    for b in rest:
+        tr.train_step(b)
     tr.close()
     assert warm == (5 if scope == "blocks" else 1)
     assert int(counters["stats"]["unique_graphs"]) == warm  # no recompile on new packed batches
@@ -54,18 +47,18 @@ _PROBE = textwrap.dedent(
     from pathlib import Path
     import torch
     from torch._dynamo.utils import counters
-    from tests.train.helpers import tiny_config
+    from tests.utils import first_batches, tiny_config
     from train.loop import Trainer
 
-    corpus, tmp = Path(sys.argv[1]), Path(sys.argv[2])
+    data_cache, tmp = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
-    cfg = tiny_config(corpus, tmp, compile=True, compile_backend="inductor", cache_dir=str(tmp / "cache"))
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, layout="packed", dropout=0.0),
-                              data=dataclasses.replace(cfg.data, batching="packed"))
+    cfg = tiny_config(tmp, model={"layout": "packed", "dropout": 0.0},
+                      data={"batching": "packed", "cache_dir": data_cache}, compile=True,
+                      compile_backend="inductor", cache_dir=str(tmp / "cache"))
     tr = Trainer(cfg, log=lambda *a: None)
-    batches = iter(tr.data.loader("train", epoch=0))
+    batches = first_batches(tr, 2)
     t0 = time.perf_counter()
-    losses = [tr.train_step(next(batches)).item() for _ in range(2)]
+    losses = [tr.train_step(b).item() for b in batches]
     print(json.dumps({"seconds": time.perf_counter() - t0, "losses": losses,
                       "hit": counters["inductor"]["fxgraph_cache_hit"],
                       "miss": counters["inductor"]["fxgraph_cache_miss"]}))
@@ -74,14 +67,14 @@ _PROBE = textwrap.dedent(
 
 
 @pytest.mark.slow  # Inductor's first compile of the tiny model takes minutes on 2 shared cores
-def test_second_process_reuses_the_compile_cache(corpus, tmp_path):
+def test_second_process_reuses_the_compile_cache(toy_bundle, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     env.pop("TRITON_CACHE_DIR", None)
     runs = []
     for _ in ("cold", "warm"):
-        out = subprocess.run([sys.executable, "-c", _PROBE, str(corpus), str(tmp_path / "run")], cwd=ROOT, env=env,
-                             capture_output=True, text=True, timeout=1800)
+        out = subprocess.run([sys.executable, "-c", _PROBE, toy_bundle.cfg.cache_dir, str(tmp_path / "run")],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
         assert out.returncode == 0, out.stderr[-3000:]
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
     cold, warm = runs

@@ -16,7 +16,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, corpus: str, tmp: str, out: str):
+def _worker(rank: int, world: int, port: int, cache: str, out: str):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -25,10 +25,11 @@ def _worker(rank: int, world: int, port: int, corpus: str, tmp: str, out: str):
 
     import torch.distributed as dist
 
-    from tests.train.helpers import tiny_config
+    from tests.utils import tiny_config
     from train.loop import Trainer
 
-    cfg = tiny_config(Path(corpus), Path(tmp), max_steps=3, seed=100 + rank)  # different seeds: DDP syncs init
+    # different seeds: DDP syncs init; one run folder for both ranks, the data from the warm toy cache
+    cfg = tiny_config(Path(out), data={"cache_dir": cache}, max_steps=3, seed=100 + rank)
     trainer = Trainer(cfg, log=lambda *a: None)
     assert dist.is_initialized() and dist.get_backend() == "gloo"
     init = float(torch.cat([p.detach().double().flatten() for p in trainer.model.parameters()]).sum())
@@ -50,9 +51,9 @@ def _worker(rank: int, world: int, port: int, corpus: str, tmp: str, out: str):
     dist.destroy_process_group()
 
 
-def test_ddp_gloo_replicas_stay_identical(bundle, corpus, workdir, tmp_path):
-    # `bundle` warmed the tokenizer/encoding cache the workers read (same data config)
-    mp.spawn(_worker, args=(2, _free_port(), str(corpus), str(workdir), str(tmp_path)), nprocs=2, join=True)
+def test_ddp_gloo_replicas_stay_identical(toy_bundle, tmp_path):
+    # `toy_bundle` warmed the tokenizer/encoding cache the workers read (same data config)
+    mp.spawn(_worker, args=(2, _free_port(), toy_bundle.cfg.cache_dir, str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     assert r0["steps"] == r1["steps"] == 3
     assert r0["checksum"] == r1["checksum"] and r0["abs"] == r1["abs"] and r0["first"] == r1["first"]

@@ -1,4 +1,4 @@
-"""A whole tiny run on the synthetic corpus: loss falls, records and checkpoints exist, translate works."""
+"""A whole tiny run on the toy corpus: loss falls, records and checkpoints exist, translate works."""
 
 from __future__ import annotations
 
@@ -7,23 +7,20 @@ import json
 
 import pytest
 
-from tests.train.helpers import tiny_config
+from tests.utils import records, tiny_trainer
 from train.checkpoint import step_checkpoints
-from train.loop import Trainer
 from train.translate import main as translate_main
 
 REQUIRED = {"epoch", "train_loss", "train_loss_last_batch", "valid_loss", "bleu", "chrf", "epoch_seconds",
             "tokens_per_second", "padding_fraction", "mfu", "peak_memory_gb", "lr"}
 
 
-def test_tiny_run_end_to_end(bundle, corpus, tmp_path, capsys, monkeypatch):
-    cfg = tiny_config(corpus, tmp_path, epochs=3, plot=True, tensorboard=True, test_at_end=True, keep_last=2,
-                      num_samples=1)
-    trainer = Trainer(cfg, data=bundle)
-    summary = trainer.fit()
+def test_tiny_run_end_to_end(toy_bundle, tmp_path, capsys, monkeypatch):
+    trainer = tiny_trainer(toy_bundle, tmp_path, log=print, epochs=3, plot=True, tensorboard=True,
+                           test_at_end=True, keep_last=2, num_samples=1)
+    cfg, summary = trainer.cfg, trainer.fit()
     run = trainer.run_dir
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    epochs = [r for r in rows if r["kind"] == "epoch"]
+    epochs, test = records(run, "epoch"), records(run, "test")
     assert [r["epoch"] for r in epochs] == [1, 2, 3]
     for r in epochs:
         assert REQUIRED <= set(r), REQUIRED - set(r)
@@ -33,12 +30,11 @@ def test_tiny_run_end_to_end(bundle, corpus, tmp_path, capsys, monkeypatch):
     assert epochs[-1]["train_loss"] < epochs[0]["train_loss"] - 0.5
     assert epochs[-1]["valid_loss"] < epochs[0]["valid_loss"]
     assert 0 <= epochs[-1]["bleu"] <= 100
-    test = [r for r in rows if r["kind"] == "test"]
     assert len(test) == 1 and summary["test"]["test_bleu"] == test[0]["test_bleu"]
 
     prov = json.loads((run / "provenance.json").read_text())
     assert prov["config"]["run"]["epochs"] == 3 and prov["torch"] and "git_sha" in prov
-    assert prov["data_split"]["sizes"]["train"] == len(bundle.splits["train"])
+    assert prov["data_split"]["sizes"]["train"] == len(toy_bundle.splits["train"])
     assert (run / "curves.png").stat().st_size > 1000
     assert any((run / "tensorboard").iterdir())
     assert len(step_checkpoints(run / "checkpoints")) == 2 and (run / "checkpoints" / "best.pt").is_file()

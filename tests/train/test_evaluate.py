@@ -10,8 +10,7 @@ import torch
 
 from models import Transformer
 from models.decoding import DecodeStats, beam_search, greedy_decode
-from tests.models.test_decoding import assert_same_hypotheses, build_eos
-from tests.models.utils import BOS, EOS, PAD, UNK, build
+from tests.utils import BOS, EOS, PAD, UNK, assert_same_hypotheses, build, build_eos
 from train import evaluate
 from train.evaluate import bleu_chrf, translate
 
@@ -97,11 +96,11 @@ def test_translate_rejects_bad_settings():
 
 
 @pytest.mark.parametrize("decode", ["beam", "greedy"])
-def test_bleu_chrf_reports_decoding_cost(bundle, decode):
+def test_bleu_chrf_reports_decoding_cost(toy_bundle, decode):
     """Real tokenizer and split: scores and samples as before, plus the decoding's steps, batches and
     host syncs (on the CPU an "all done?" read every step, where it costs nothing, and one per batch)."""
-    model = build(seed=0, vocab_size=bundle.tokenizer.vocab_size)
-    out = bleu_chrf(model, bundle, "valid", CPU, max_sentences=20, beam_size=2, batch_size=8, max_len_ratio=1.5,
+    model = build(seed=0, vocab_size=toy_bundle.tokenizer.vocab_size)
+    out = bleu_chrf(model, toy_bundle, "valid", CPU, max_sentences=20, beam_size=2, batch_size=8, max_len_ratio=1.5,
                     max_len_extra=10, decode=decode, fixed_shapes=True)
     assert out["sentences"] == 20 and len(out["samples"]) == 20 and out["decode"] == decode
     assert 0 <= out["bleu"] <= 100 and 0 <= out["chrf"] <= 100 and out["decode_seconds"] > 0

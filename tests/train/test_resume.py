@@ -1,6 +1,7 @@
-"""Runs survive crashes and concurrent use: exact resume after kill -9 at an epoch boundary or during the
-checkpoint write, SIGTERM like Ctrl-C, one writer per run folder, a finished run says so, a corrupt newest
-checkpoint falls back to the previous one, and metrics.jsonl never holds an epoch twice."""
+"""Runs survive interruptions, crashes and concurrent use: exact resume mid-epoch, at an epoch end, and
+after kill -9 at an epoch boundary or during the checkpoint write; SIGTERM like Ctrl-C; one writer per run
+folder; a finished run says so; a corrupt newest checkpoint falls back to the previous one; metrics.jsonl
+never holds an epoch twice."""
 
 from __future__ import annotations
 
@@ -16,61 +17,61 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.train.helpers import tiny_config
-from train.checkpoint import step_checkpoints
-from train.loop import RunFinishedError, Trainer
+from tests.utils import RecordingTrainer, assert_equal_params, records, tiny_trainer, torch_threads
+from train.checkpoint import load_checkpoint, step_checkpoints
+from train.loop import RunFinishedError
 from train.rundir import RunLockedError
 
 ROOT = Path(__file__).resolve().parents[2]
-KW = dict(epochs=2, max_batches_per_epoch=4, keep_last=5)
+KW = dict(epochs=2, max_batches_per_epoch=4, keep_last=5)  # 8 steps, an evaluation after step 4
 
 
-class Recording(Trainer):
-    def __init__(self, *a, **k):
-        super().__init__(*a, **k)
-        self.losses = []
-
-    def train_step(self, batches):
-        loss = super().train_step(batches)
-        self.losses.append(loss.item())
-        return loss
-
-
-def _epochs(run_dir: Path) -> list[dict]:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r["kind"] == "epoch"]
+def _recording(toy_bundle, tmp: Path, **kw) -> RecordingTrainer:
+    return tiny_trainer(toy_bundle, tmp, cls=RecordingTrainer, **KW, **kw)
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(bundle, corpus, tmp_path_factory):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as every test here (tests/train/conftest.py): float sums depend on the split
-    try:
-        full = Recording(tiny_config(corpus, tmp_path_factory.mktemp("full"), **KW), data=bundle,
-                         log=lambda *a: None)
+def uninterrupted(toy_bundle, tmp_path_factory):
+    """The run the interrupted ones are compared with (one thread, as every test here: float sums depend
+    on the split)."""
+    with torch_threads(1):
+        full = _recording(toy_bundle, tmp_path_factory.mktemp("full"))
         full.fit()
-    finally:
-        torch.set_num_threads(threads)
     return full
 
 
-def _same_run(full: Trainer, resumed: Recording, skip: int) -> None:
+def _same_run(full: RecordingTrainer, resumed: RecordingTrainer, skip: int) -> None:
     assert resumed.losses == full.losses[skip:]  # exact float equality, dropout on
-    for (n, p), q in zip(full.model.named_parameters(), resumed.model.parameters()):
-        assert torch.equal(p, q), n
-    a, b = _epochs(full.run_dir), _epochs(resumed.run_dir)
+    assert_equal_params(full.model, resumed.model)
+    a, b = records(full.run_dir, "epoch"), records(resumed.run_dir, "epoch")
     assert [r["epoch"] for r in b] == [1, 2]  # each epoch once
-    assert [r["train_loss"] for r in a] == [r["train_loss"] for r in b]
+    assert [r["train_loss"] for r in a] == [r["train_loss"] for r in b]  # epoch means survive the resume too
     assert [r["bleu"] for r in a] == [r["bleu"] for r in b]
 
 
-def test_resume_from_an_epoch_end_checkpoint_is_exact(bundle, corpus, tmp_path, uninterrupted):
+def test_resume_mid_epoch_is_exact(toy_bundle, tmp_path, uninterrupted):
+    """Interrupted mid-epoch and resumed (dropout on, across an epoch end with evaluation), the run
+    continues with bit-identical losses and ends with identical parameters."""
+    assert uninterrupted.cfg.model.dropout > 0
+    assert len(uninterrupted.losses) == 8
+    first = _recording(toy_bundle, tmp_path)
+    summary = first.fit(stop_after=3)
+    assert summary["stop_reason"] == "interrupted" and first.losses == uninterrupted.losses[:3]
+    ckpt = step_checkpoints(first.run_dir / "checkpoints")[-1]
+    resumed = _recording(toy_bundle, tmp_path, resume="auto")
+    assert (resumed.epoch, resumed.batch_index, resumed.step) == (0, 3, 3)
+    assert load_checkpoint(ckpt)["position"]["step"] == 3
+    resumed.fit()
+    _same_run(uninterrupted, resumed, skip=3)  # including the first loss after the resume
+
+
+def test_resume_from_an_epoch_end_checkpoint_is_exact(toy_bundle, tmp_path, uninterrupted):
     """The checkpoint written at the end of epoch 1 resumes bit-identically (the loader's iterator used to
     draw from the global RNG after it was restored: epoch-end resumes diverged)."""
-    first = Recording(tiny_config(corpus, tmp_path, **KW), data=bundle, log=lambda *a: None)
+    first = _recording(toy_bundle, tmp_path)
     assert first.fit(stop_after=4)["stop_reason"] == "interrupted"
     assert (first.epoch, first.batch_index) == (1, 0)
-    resumed = Recording(tiny_config(corpus, tmp_path, **KW), data=bundle, resume="auto", log=lambda *a: None)
+    resumed = _recording(toy_bundle, tmp_path, resume="auto")
     assert (resumed.epoch, resumed.batch_index, resumed.step) == (1, 0, 4)
     resumed.fit()
     _same_run(uninterrupted, resumed, skip=4)
@@ -81,11 +82,11 @@ _KILLABLE = textwrap.dedent(
     import os, sys, time
     from pathlib import Path
     import torch
-    from tests.train.helpers import tiny_config
+    from tests.utils import tiny_config
     from train.checkpoint import CheckpointManager
     from train.loop import Trainer
 
-    corpus, tmp, where = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    cache, tmp, where = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     ready = tmp / "ready"
     torch.set_num_threads(1)  # as the in-process runs it is compared with
 
@@ -108,14 +109,16 @@ _KILLABLE = textwrap.dedent(
             return save(self, state, step, metric)
         CheckpointManager.save = slow_save
 
-    Trainer(tiny_config(corpus, tmp, epochs=2, max_batches_per_epoch=4, keep_last=5), log=lambda *a: None).fit()
+    cfg = tiny_config(tmp, data={"cache_dir": cache}, epochs=2, max_batches_per_epoch=4, keep_last=5)
+    Trainer(cfg, log=lambda *a: None).fit()
     """
 )
 
 
-def _start_and_kill(corpus: Path, tmp: Path, where: str) -> None:
+def _start_and_kill(cache: str, tmp: Path, where: str) -> None:
+    """Run KW in another process (reading the toy data from ``cache``) and kill -9 it at ``where``."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-c", _KILLABLE, str(corpus), str(tmp), where], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-c", _KILLABLE, cache, str(tmp), where], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 240
@@ -129,12 +132,12 @@ def _start_and_kill(corpus: Path, tmp: Path, where: str) -> None:
 
 
 @pytest.mark.parametrize("where", ["epoch-boundary", "checkpoint-write"])
-def test_kill_9_then_resume_auto_is_exact(bundle, corpus, tmp_path, uninterrupted, where):
-    _start_and_kill(corpus, tmp_path, where)
+def test_kill_9_then_resume_auto_is_exact(toy_bundle, tmp_path, uninterrupted, where):
+    _start_and_kill(toy_bundle.cfg.cache_dir, tmp_path, where)
     run_dir = tmp_path / "runs" / "t"
     if where == "checkpoint-write":
-        assert [r["epoch"] for r in _epochs(run_dir)] == [1, 2]  # logged, but its checkpoint never landed
-    resumed = Recording(tiny_config(corpus, tmp_path, **KW), data=bundle, resume="auto", log=lambda *a: None)
+        assert [r["epoch"] for r in records(run_dir, "epoch")] == [1, 2]  # logged, its checkpoint never landed
+    resumed = _recording(toy_bundle, tmp_path, resume="auto")
     assert (resumed.epoch, resumed.step) == (1, 4)
     resumed.fit()
     _same_run(uninterrupted, resumed, skip=4)
@@ -144,8 +147,8 @@ def test_kill_9_then_resume_auto_is_exact(bundle, corpus, tmp_path, uninterrupte
     assert not list((run_dir / "checkpoints").glob(".*.tmp-*"))  # no orphan temp files
 
 
-def test_sigterm_stops_at_a_step_boundary_with_checkpoint(bundle, corpus, tmp_path):
-    tr = Recording(tiny_config(corpus, tmp_path), data=bundle, log=lambda *a: None)
+def test_sigterm_stops_at_a_step_boundary_with_checkpoint(toy_bundle, tmp_path):
+    tr = tiny_trainer(toy_bundle, tmp_path)
     step = tr.train_step
 
     def step_then_sigterm(batches):
@@ -162,29 +165,29 @@ def test_sigterm_stops_at_a_step_boundary_with_checkpoint(bundle, corpus, tmp_pa
     assert ckpt["position"]["step"] == 2
 
 
-def test_one_writer_per_run_folder(bundle, corpus, tmp_path):
+def test_one_writer_per_run_folder(toy_bundle, tmp_path):
     """A second run under a live name fails at once naming the holder; the first is untouched."""
-    first = Trainer(tiny_config(corpus, tmp_path), data=bundle, log=lambda *a: None)
+    kw = dict(epochs=1, max_batches_per_epoch=2)
+    first = tiny_trainer(toy_bundle, tmp_path, **kw)
     with pytest.raises(RunLockedError, match=rf"PID {os.getpid()}"):
-        Trainer(tiny_config(corpus, tmp_path), data=bundle, log=lambda *a: None)
+        tiny_trainer(toy_bundle, tmp_path, **kw)
     first.fit()  # still holds its folder, trains and releases it
     logs = []
-    Trainer(tiny_config(corpus, tmp_path), data=bundle, log=logs.append).close()  # the name is free again
+    tiny_trainer(toy_bundle, tmp_path, log=logs.append, **kw).close()  # the name is free again
     assert any("moved to" in str(m) for m in logs)  # and the finished run was moved aside, not overwritten
 
 
-def test_a_finished_run_says_so_and_a_corrupt_checkpoint_falls_back(bundle, corpus, tmp_path):
-    cfg = tiny_config(corpus, tmp_path, **KW)
-    Trainer(cfg, data=bundle, log=lambda *a: None).fit()
+def test_a_finished_run_says_so_and_a_corrupt_checkpoint_falls_back(toy_bundle, tmp_path):
+    tiny_trainer(toy_bundle, tmp_path, **KW).fit()
     run_dir = tmp_path / "runs" / "t"
     with pytest.raises(RunFinishedError, match="already finished"):
-        Trainer(cfg, data=bundle, resume="auto", log=lambda *a: None)
+        tiny_trainer(toy_bundle, tmp_path, resume="auto", **KW)
     # drop the "done" line (as if killed before it) and truncate the newest checkpoint
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     (run_dir / "metrics.jsonl").write_text("\n".join(x for x in lines if '"done"' not in x) + "\n")
     newest = step_checkpoints(run_dir / "checkpoints")[-1]
     newest.write_bytes(newest.read_bytes()[:1000])
     logs = []
-    tr = Trainer(cfg, data=bundle, resume="auto", log=logs.append)
+    tr = tiny_trainer(toy_bundle, tmp_path, resume="auto", log=logs.append, **KW)
     assert tr.step == 4 and any("does not load" in str(m) for m in logs)
     tr.close()

@@ -1,80 +1,20 @@
 """The training step keeps the GPU busy by construction, checked on CPU (the H100 profile showed the GPU
 idle 85 % of a step: a host sync every step, one optimizer launch per parameter).
 
-- host syncs: every way Python reads a tensor back (``item``, ``__bool__``, ``__int__``, ``__float__``,
-  ``tolist``, ``cpu``, ``numpy``) is wrapped, and a ``TorchDispatchMode`` flags the aten ops that sync a
-  CUDA stream (``_local_scalar_dense``, ``nonzero``, ``masked_select``, ``unique``...): a training step
-  performs none of them, in every precision and layout;
+- host syncs: every way Python reads a tensor back (``item``, ``__bool__``, ``__int__``, ``tolist``,
+  ``cpu``, ...) is wrapped, and a ``TorchDispatchMode`` flags the aten ops that sync a CUDA stream
+  (``_local_scalar_dense``, ``nonzero``, ``masked_select``, ``unique``...), tests/utils.py ``SyncCounter``:
+  a training step performs none of them, in every precision and layout;
 - the optimizer's aten op count per step does not grow with the number of parameters.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections import Counter
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.train.helpers import tiny_config
-from train.loop import Trainer
+from tests.utils import OpCounter, SyncCounter, first_batches, tiny_trainer
 from train.step import optimizer_step
-
-SYNCING_ATEN = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique", "repeat_interleave")
-READBACKS = ("item", "__bool__", "__int__", "__float__", "tolist", "cpu", "numpy")
-
-
-class SyncCounter(TorchDispatchMode):
-    """Counts host read-backs (Python-level) and syncing aten ops while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.events: Counter[str] = Counter()
-        self._saved = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name in SYNCING_ATEN:
-            self.events[f"aten.{name}"] += 1
-        return func(*args, **(kwargs or {}))
-
-    def __enter__(self):
-        for name in READBACKS:
-            original = getattr(torch.Tensor, name)
-            self._saved[name] = original
-
-            def wrapped(t, *a, _name=name, _original=original, **k):
-                self.events[f"Tensor.{_name}"] += 1
-                return _original(t, *a, **k)
-
-            setattr(torch.Tensor, name, wrapped)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        for name, original in self._saved.items():
-            setattr(torch.Tensor, name, original)
-        return super().__exit__(*exc)
-
-
-def _trainer(bundle, corpus, tmp_path, *, model=None, optim=None, data=None, **run):
-    cfg = tiny_config(corpus, tmp_path, **run)
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **(model or {})),
-                              optim=dataclasses.replace(cfg.optim, **(optim or {})),
-                              data=dataclasses.replace(cfg.data, **(data or {})))
-    if data:
-        from data import build_data
-
-        bundle = build_data(cfg.data, log=lambda *a: None)
-    return Trainer(cfg, data=bundle, log=lambda *a: None)
-
-
-@pytest.fixture
-def cuda_like_kernels(monkeypatch):
-    """The attention wrapper checks index values on CPU tensors only (on CUDA that would sync): make the
-    CPU run take the CUDA decision, so what is counted is what a GPU step would do."""
-    monkeypatch.setattr("kernels.flash_attention._inspectable", lambda t: False)
-
 
 CASES = {
     "fp32-adamw-padded": dict(),
@@ -86,11 +26,11 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_training_steps_never_sync_the_host(bundle, corpus, tmp_path, cuda_like_kernels, case):
-    tr = _trainer(bundle, corpus, tmp_path, **CASES[case])
-    it = iter(tr.data.loader("train", epoch=0))
+def test_training_steps_never_sync_the_host(toy_bundle, tmp_path, cuda_like_kernels, case):
+    tr = tiny_trainer(toy_bundle, tmp_path, **CASES[case])
     accum = tr.cfg.optim.accum_steps
-    groups = [[next(it) for _ in range(accum)] for _ in range(3)]
+    batches = first_batches(tr, 3 * accum)
+    groups = [batches[i : i + accum] for i in range(0, 3 * accum, accum)]
     tr.train_step(groups[0])  # first step: lazy state (optimizer moments, scaler) is created here
     with SyncCounter() as counter:
         for g in groups[1:]:
@@ -99,7 +39,7 @@ def test_training_steps_never_sync_the_host(bundle, corpus, tmp_path, cuda_like_
     assert not counter.events, f"host syncs in a training step: {dict(counter.events)}"
 
 
-def test_the_counter_sees_a_sync(bundle, corpus, tmp_path):
+def test_the_counter_sees_a_sync():
     """The instrument itself: the old per-step guard (``bool(isfinite(loss))``) and a boolean mask count."""
     with SyncCounter() as counter:
         x = torch.randn(8)
@@ -110,29 +50,18 @@ def test_the_counter_sees_a_sync(bundle, corpus, tmp_path):
     assert counter.events["aten.nonzero"] + counter.events["aten._local_scalar_dense"] >= 2
 
 
-class OpCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("name", ["adamw", "lion"])
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_optimizer_ops_do_not_grow_with_the_parameter_count(bundle, corpus, tmp_path, name, precision):
+def test_optimizer_ops_do_not_grow_with_the_parameter_count(toy_bundle, tmp_path, name, precision):
     """One step's optimizer phase (gather grads, unscale, clip, guard, update, schedule) issues the same aten
     ops for a 2+2-layer and a 4+4-layer model: O(1) in the number of parameters (~3x more tensors here)."""
     counts, tensors = {}, {}
     for layers in (2, 4):
-        tr = _trainer(bundle, corpus, tmp_path / f"{layers}", precision=precision,
-                      model={"enc_layers": layers, "dec_layers": layers, "norm": "torch"},
-                      optim={"name": name, "lr": 1e-3})
-        batches = iter(tr.data.loader("train", epoch=0))
-        tr.train_step(next(batches))  # lazy optimizer state
-        b = next(batches)
+        tr = tiny_trainer(toy_bundle, tmp_path / f"{layers}", precision=precision,
+                          model={"enc_layers": layers, "dec_layers": layers, "norm": "torch"},
+                          optim={"name": name, "lr": 1e-3})
+        first, b = first_batches(tr, 2)
+        tr.train_step(first)  # lazy optimizer state
         tr.model.train()
         loss = torch.zeros(())
         with tr.autocast:

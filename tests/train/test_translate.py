@@ -13,7 +13,6 @@ import tempfile
 import pytest
 import torch
 
-from data import DataConfig, build_data
 from data.tokenizer import Tokenizer
 from models import Transformer, get_preset
 from train.translate import load_for_inference, main, overlong
@@ -22,12 +21,11 @@ MAX_POSITIONS = 24
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    """A checkpoint as the trainer writes it, whose tokenizer file no longer exists (only its bytes)."""
+def ckpt(toy_bundle, tmp_path_factory):
+    """A checkpoint as the trainer writes it (the toy data's tokenizer), whose tokenizer file no longer
+    exists (only its bytes)."""
     tmp = tmp_path_factory.mktemp("translate")
-    cfg = DataConfig(dataset="toy", toy_rows=400, cache_dir=str(tmp / "cache"), vocab_size=300, max_len=128,
-                     max_tokens=512, valid_size=10, test_size=10, num_workers=0, spm_threads=1)
-    tok = build_data(cfg, log=lambda *_: None).tokenizer
+    tok = toy_bundle.tokenizer
     torch.manual_seed(0)
     mcfg = get_preset("tiny", vocab_size=tok.vocab_size, d_model=32, n_heads=2, d_ff=64, enc_layers=1,
                       dec_layers=1, max_positions=MAX_POSITIONS)
