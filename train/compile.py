@@ -25,8 +25,13 @@ def configure_caches(cache_dir: str) -> dict[str, str]:
     them) and switch the FX-graph and AOTAutograd caches on. Returns the directories in use."""
     if not cache_dir:
         return {}
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     root = Path(cache_dir).resolve()
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
+    # torch writes its default into the environment the first time it asks (importing dynamo does): that is
+    # not a user's choice, so it is replaced; a directory the user exported is kept
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, os.path.abspath(default_cache_dir())):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
     os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
