@@ -18,6 +18,8 @@ pytest.importorskip("transformers")
 from bench import peers as P  # noqa: E402
 from data.toy import write_toy_corpus  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
+
 TOY = ["--data.vocab_size", "400", "--data.valid_size", "40", "--data.test_size", "40", "--data.max_len", "32",
        "--eval.max_sentences", "20"]
 
@@ -36,14 +38,6 @@ def toy(tmp_path_factory):
     cfg = apply_overrides(get_config("tiny"), {**overrides, "data.data_files": str(corpus),
                                                "data.cache_dir": str(cache)})
     return cfg, build_data(cfg.data, log=lambda *_: None), corpus, cache
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_model_has_fastmts_size_and_tied_embeddings(toy):

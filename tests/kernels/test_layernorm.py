@@ -35,8 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
-def _poison_outputs(monkeypatch):
-    monkeypatch.setenv("FASTMT_POISON", "1")
+def _poison_outputs(poison, monkeypatch):  # every LayerNorm test: the shared `poison` fixture, no env override
     monkeypatch.delenv("FASTMT_NORM_BACKEND", raising=False)
 
 

@@ -49,17 +49,14 @@ def test_tiny_run_end_to_end(toy_bundle, tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().out.splitlines() == [by_args[0], "", by_args[1]]  # the same sentences, in line
 
 
-def test_checkpoint_averaging_at_the_end(bundle, corpus, tmp_path):
+def test_checkpoint_averaging_at_the_end(toy_bundle, tmp_path):
     """The last 2 epoch checkpoints are averaged and scored on validation; best.pt is the better of the two."""
-    cfg = tiny_config(corpus, tmp_path, epochs=3, max_batches_per_epoch=6, keep_last=3, average_last=2)
-    trainer = Trainer(cfg, data=bundle, log=lambda *a: None)
+    trainer = tiny_trainer(toy_bundle, tmp_path, epochs=3, max_batches_per_epoch=6, keep_last=3, average_last=2)
     trainer.fit()
-    rows = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
-    avg = [r for r in rows if r["kind"] == "average"]
+    avg = records(trainer.run_dir, "average")
     assert len(avg) == 1 and len(avg[0]["checkpoints"]) == 2 and 0 <= avg[0]["bleu"] <= 100
-    best = trainer.run_dir / "checkpoints" / "best.pt"
-    assert best.is_file()
+    assert (trainer.run_dir / "checkpoints" / "best.pt").is_file()
     if avg[0]["bleu"] > avg[0]["best_single_bleu"]:
         assert (trainer.run_dir / "checkpoints" / "best-single.pt").is_file()
     with pytest.raises(ValueError, match="keep_last"):
-        Trainer(tiny_config(corpus, tmp_path / "x", keep_last=2, average_last=3), data=bundle, log=lambda *a: None)
+        tiny_trainer(toy_bundle, tmp_path / "x", keep_last=2, average_last=3)
