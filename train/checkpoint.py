@@ -310,3 +310,13 @@ def average_checkpoints(paths: list[Path], map_location: str | torch.device = "c
                        for k, v in newest["model"].items()}
     newest["averaged_from"] = [str(p) for p in paths]
     return newest
+
+
+def average_last_epochs(ckpt_dir: str | os.PathLike, k: int, log: Callable[[str], Any] = print) -> dict | None:
+    """``average_checkpoints`` of the newest ``k`` end-of-epoch checkpoints in ``ckpt_dir`` (mid-epoch ones, from
+    interruptions, are left out); None, said in one line, when fewer are kept."""
+    ends = [p for p in step_checkpoints(ckpt_dir) if load_checkpoint(p)["position"]["batch_index"] == 0]
+    if len(ends) < k:
+        log(f"checkpoint averaging: {len(ends)} epoch checkpoints kept in {ckpt_dir}, {k} asked; skipped")
+        return None
+    return average_checkpoints(ends[-k:])

@@ -14,7 +14,6 @@ A training step syncs nowhere else: the non-finite guard and fp16's GradScaler d
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import resource
@@ -29,21 +28,20 @@ from torch import nn
 from train.checkpoint import (
     CheckpointManager,
     atomic_save,
-    average_checkpoints,
+    average_last_epochs,
     check_tokenizer,
     latest_checkpoint,
     latest_loadable_checkpoint,
     load_checkpoint,
     rng_state,
     set_rng_state,
-    step_checkpoints,
     warn_config_changes,
 )
 from train.compile import compile_for_training, compiled_graphs, configure_caches
 from train.config import Config
 from train.distributed import DistInfo, barrier, init_distributed
 from train.loss import SummedCrossEntropy
-from train.metrics import MetricsLogger, plot_curves, provenance
+from train.metrics import MetricsLogger, plot_curves, write_provenance
 from train.objective import BleuClock
 from train.optim import build_optimizer, build_scheduler
 from train.rundir import (
@@ -478,28 +476,23 @@ class Trainer:
         return rec
 
     def _average_last(self, k: int) -> None:
-        """Average the last ``k`` epoch checkpoints; the average becomes best.pt if its validation BLEU beats the
+        """The average of the last ``k`` epoch checkpoints becomes best.pt if its validation BLEU beats the
         best single checkpoint's (that one is kept as best-single.pt)."""
-        epoch_ends = [p for p in step_checkpoints(self.ckpts.dir)
-                      if torch.load(p, map_location="cpu", weights_only=False)["position"]["batch_index"] == 0]
-        if len(epoch_ends) < k:
-            self.log(f"checkpoint averaging: {len(epoch_ends)} epoch checkpoints kept, {k} asked; skipped")
+        state = average_last_epochs(self.ckpts.dir, k, self.log)
+        if state is None:
             return
-        state = average_checkpoints(epoch_ends[-k:])
         self.model.load_state_dict(state["model"])
         r = self._eval_split("valid", "beam", loss=False)
-        rec = {"kind": "average", "checkpoints": [p.name for p in epoch_ends[-k:]], "bleu": r["bleu"],
-               "best_single_bleu": self.ckpts.best_value, "wall_seconds": self.clock.wall()}
         better = r["bleu"] is not None and self.ckpts.is_better(r["bleu"])
         self.log(f"average of the last {k} epoch checkpoints: valid BLEU {_fmt(r['bleu'], '.2f')} (best single "
                  f"{_fmt(self.ckpts.best_value, '.2f')}){': kept as best.pt' if better else ''}")
+        self.metrics.log({"kind": "average", "checkpoints": [Path(p).name for p in state["averaged_from"]],
+                          "bleu": r["bleu"], "best_single_bleu": self.ckpts.best_value, "wall_seconds": self.clock.wall()})
         if better:
-            best = self.ckpts.dir / "best.pt"
-            if best.exists():
-                os.replace(best, self.ckpts.dir / "best-single.pt")
-            atomic_save(state, best)
+            if (self.ckpts.dir / "best.pt").exists():
+                os.replace(self.ckpts.dir / "best.pt", self.ckpts.dir / "best-single.pt")
+            atomic_save(state, self.ckpts.dir / "best.pt")
             self.ckpts.best_value = r["bleu"]
-        self.metrics.log(rec)
 
     def _eval_split(self, split: str, decode: str, loss: bool = True) -> dict[str, Any]:
         from train.evaluate import evaluate_split
@@ -603,15 +596,8 @@ class Trainer:
                  "peak_flops": self.peak_flops, "peak_dtype": self.peak_dtype, "peak_note": self.peak_note,
                  "compiled": self.compiled, "compile_caches": self.compile_caches, "total_steps": self.total_steps,
                  "steps_per_epoch": self.steps_per_epoch, "tokenizer": self.data.tokenizer.model_file}
-        rec = provenance(self.cfg.to_dict(), getattr(self.data, "split_record", None), extra)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        name = "provenance.json" if self.step == 0 else f"provenance-resume-step{self.step}.json"
-        (self.run_dir / name).write_text(json.dumps(rec, indent=2, default=str))
-        self.log(f"provenance ({self.run_dir / name}): git {rec['git_sha']}, torch {rec['torch']}, "
-                 f"triton {rec['triton']}, cuda {rec['cuda']}, gpu {rec['gpu']}, device {self.device}, "
-                 f"world {self.dist.world_size}, params {self.params}, compile {self.compiled}, "
-                 f"{self.steps_per_epoch} steps/epoch, {self.total_steps} steps planned")
-        self.log("config: " + json.dumps(self.cfg.to_dict(), default=str))
+        write_provenance(self.run_dir, self.cfg.to_dict(), getattr(self.data, "split_record", None), extra,
+                         step=self.step, log=self.log)
 
     def _progress(self, epoch: int, n_micro: int):
         if not (self.is_main and self.cfg.run.progress):
