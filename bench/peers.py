@@ -1,9 +1,5 @@
 """The Hugging Face baseline (../shared/gpu/PEERS.md §1), trained on fastmt's own data and validated as fastmt is.
 
-    python -m bench.peers [--preset s18] [--data-files F ...] [--epochs 18] [--batch-size 128]
-                          [--max-wall-seconds S] [--max-steps N] [--name hf-marian] [--out-dir runs]
-                          [--no-test] [--section.field value ...]
-
 What a user would write instead of fastmt: ``transformers.MarianMTModel`` from scratch at the preset's
 size with fastmt's tokenizer, trained with the ``Seq2SeqTrainer`` recipe (``PeerRecipe``) written out as
 a plain loop on the splits ``data.build_data`` gives fastmt, and validated with fastmt's protocol (the
@@ -53,15 +49,13 @@ class PeerRecipe:
     max_wall_seconds: float | None = None  # stop at a step boundary after this many seconds since process start
 
     def __post_init__(self):
-        for name in ("epochs", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if not self.lr > 0:
-            raise ValueError(f"lr={self.lr} must be > 0")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"max_steps={self.max_steps} must be >= 1 or None")
-        if self.max_wall_seconds is not None and not self.max_wall_seconds > 0:
-            raise ValueError(f"max_wall_seconds={self.max_wall_seconds} must be > 0 or None")
+        for name, ok, rule in (("epochs", self.epochs >= 1, ">= 1"), ("batch_size", self.batch_size >= 1, ">= 1"),
+                               ("lr", self.lr > 0, "> 0"),
+                               ("max_steps", self.max_steps is None or self.max_steps >= 1, ">= 1 or None"),
+                               ("max_wall_seconds", self.max_wall_seconds is None or self.max_wall_seconds > 0,
+                                "> 0 or None")):
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)} must be {rule}")
 
 
 def _require_transformers():
@@ -132,9 +126,8 @@ def train_loader(src, tgt, recipe: PeerRecipe, pad_id: int, epoch: int):
 # Evaluation (fastmt's protocol)
 # ----------------------------------------------------------------------------------------------
 def _autocast(device: torch.device):
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return torch.autocast("cpu", enabled=False)
+    cuda = device.type == "cuda"
+    return torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
 
 
 def _loss(model, b: dict[str, torch.Tensor], tok, **options) -> torch.Tensor:
