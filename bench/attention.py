@@ -27,9 +27,7 @@ TILING_ENV = "FASTMT_ATTN_TILING"
 RAGGED, DENSE, LONG, CORPUS = "train-ragged", "train-dense", "long", "corpus"
 
 
-# ----------------------------------------------------------------------------------------------
-# The op: inputs, reference, counting, columns
-# ----------------------------------------------------------------------------------------------
+# -- The op: inputs, reference, counting, columns --------------------------------------------------
 def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, opts) -> AttnInputs | CorpusInputs:
     if case.group == CORPUS:
         return make_corpus_inputs(case, dtype, device, opts)
@@ -99,9 +97,7 @@ def columns(case: Case, d) -> dict[str, Any]:
 register_op(Op("attention", make_inputs, reference, work, columns))
 
 
-# ----------------------------------------------------------------------------------------------
-# Output slices compared with the reference
-# ----------------------------------------------------------------------------------------------
+# -- Output slices compared with the reference -----------------------------------------------------
 def _padded_check(case: Case, d: AttnInputs):
     L0, h = d.lengths[0], min(CHECK_HEADS, case.H)
     return lambda out: out[:1, :h, :L0]
@@ -118,9 +114,7 @@ def _stream_check(case: Case, d: CorpusInputs):
     return lambda out: torch.cat([out[off[i] : off[i] + d.lengths_q[i], :h] for i in d.checked])
 
 
-# ----------------------------------------------------------------------------------------------
-# Padded groups
-# ----------------------------------------------------------------------------------------------
+# -- Padded groups ---------------------------------------------------------------------------------
 def _lengths_kw(d: AttnInputs) -> dict[str, Any]:
     return {"q_lengths": d.lengths_t, "k_lengths": d.lengths_t} if d.lengths_t is not None else {}
 
@@ -220,9 +214,7 @@ register("attention", "reference", groups=(RAGGED,))(_reference(False))
 register("attention", "reference-compile", groups=(RAGGED,))(_reference(True))
 
 
-# ----------------------------------------------------------------------------------------------
-# Packed corpus group
-# ----------------------------------------------------------------------------------------------
+# -- Packed corpus group ---------------------------------------------------------------------------
 def _ours_tiled(tiling: str):
     def prepare(case: Case, d: CorpusInputs, opts) -> Prepared:
         import kernels

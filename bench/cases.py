@@ -107,9 +107,7 @@ def build_cases(*, smoke: bool, only: str | None, groups: Sequence[str] | None =
     return cases
 
 
-# ----------------------------------------------------------------------------------------------
-# Random leaves
-# ----------------------------------------------------------------------------------------------
+# -- Random leaves ---------------------------------------------------------------------------------
 def generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
@@ -120,9 +118,7 @@ def leaf(shape, dtype, device, gen, scale=1.0) -> torch.Tensor:
     return x.mul_(scale).to(dtype).requires_grad_()
 
 
-# ----------------------------------------------------------------------------------------------
-# Padded attention batches (train-ragged, train-dense, long)
-# ----------------------------------------------------------------------------------------------
+# -- Padded attention batches (train-ragged, train-dense, long) ------------------------------------
 @dataclass
 class AttnInputs:
     q: torch.Tensor  # (B, H, T, D) leaf, requires grad
@@ -169,9 +165,7 @@ def make_attention_inputs(case: Case, dtype: torch.dtype, device: torch.device, 
     return inputs
 
 
-# ----------------------------------------------------------------------------------------------
-# Packed corpus batches
-# ----------------------------------------------------------------------------------------------
+# -- Packed corpus batches -------------------------------------------------------------------------
 def lognormal_params(mean: float, p99: float) -> tuple[float, float]:
     """(mu, sigma) of the log-normal with this mean and 99th percentile (the narrower of two solutions)."""
     z = NormalDist().inv_cdf(0.99)
@@ -289,9 +283,7 @@ def make_corpus_inputs(case: Case, dtype: torch.dtype, device: torch.device, opt
                         batch.max_src_len, case.causal, source, checked=tuple(dict.fromkeys((0, real - 1))))
 
 
-# ----------------------------------------------------------------------------------------------
-# LayerNorm rows
-# ----------------------------------------------------------------------------------------------
+# -- LayerNorm rows --------------------------------------------------------------------------------
 @dataclass
 class LNInputs:
     x: torch.Tensor  # (rows, width) leaves, requires grad

@@ -79,9 +79,7 @@ def command(c: Contestant, *, budget_s: float, run_name: str, out_dir: Path, dat
     return cmd + extra
 
 
-# ----------------------------------------------------------------------------------------------
-# Running one contestant
-# ----------------------------------------------------------------------------------------------
+# -- Running one contestant ------------------------------------------------------------------------
 def run_contestant(c: Contestant, cmd: list[str], log_path: Path, *, timeout_s: float,
                    log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run ``cmd`` (its own process group, output to ``log_path``); returns status, returncode, seconds."""
@@ -128,9 +126,7 @@ def contestant_rows(c: Contestant, result: Mapping[str, Any], run_dir: Path, log
     return rows or [{**common, "status": status, "error": error}]
 
 
-# ----------------------------------------------------------------------------------------------
-# Summaries, writers
-# ----------------------------------------------------------------------------------------------
+# -- Summaries, writers ----------------------------------------------------------------------------
 def _num(v: Any) -> float | None:
     try:
         x = float(v)
@@ -235,9 +231,7 @@ def write_outputs(rows: list[dict[str, Any]], prov: Mapping[str, Any], corpus: s
                            (lambda path: frontier_plot(rows, path, title=title)) if plot else None)
 
 
-# ----------------------------------------------------------------------------------------------
-# The frontier
-# ----------------------------------------------------------------------------------------------
+# -- The frontier ----------------------------------------------------------------------------------
 def corpus_of(data_files: Sequence[str]) -> str:
     """The label of the contestants' data: the files given, else ``$FASTMT_DATA_FILES``, else the Hub's."""
     files = list(data_files) or os.environ.get("FASTMT_DATA_FILES", "").split()

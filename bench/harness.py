@@ -34,9 +34,7 @@ QUANTILES = (0.5, 0.2, 0.8)  # median, p20, p80
 Row = dict[str, Any]
 
 
-# ----------------------------------------------------------------------------------------------
-# Timing
-# ----------------------------------------------------------------------------------------------
+# -- Timing ----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Timing:
     """Milliseconds per call: median and the 20th / 80th percentiles."""
@@ -144,9 +142,7 @@ def dynamo_counters() -> dict[str, Any]:
             "reasons": [" ".join(k.split())[:300] + f" (x{v})" for k, v in breaks.items()]}
 
 
-# ----------------------------------------------------------------------------------------------
-# Device ceilings, measured in the same run
-# ----------------------------------------------------------------------------------------------
+# -- Device ceilings, measured in the same run -----------------------------------------------------
 @dataclass(frozen=True)
 class Peaks:
     copy_gbps: float  # device-to-device copy, bytes read + bytes written
@@ -176,9 +172,7 @@ def measure_peaks(device: torch.device | str, *, dtype: torch.dtype = torch.bflo
                  matmul_n=matmul_n, dtype=str(dtype).removeprefix("torch."))
 
 
-# ----------------------------------------------------------------------------------------------
-# Counting: FLOPs and bytes
-# ----------------------------------------------------------------------------------------------
+# -- Counting: FLOPs and bytes ---------------------------------------------------------------------
 def _as_list(x: int | Sequence[int] | torch.Tensor) -> list[int]:
     return [int(v) for v in (x.tolist() if isinstance(x, torch.Tensor) else [x] if isinstance(x, int) else x)]
 
@@ -229,9 +223,7 @@ def gbps(nbytes: float, ms: float) -> float:
     return nbytes / (ms * 1e-3) / 1e9 if ms and ms > 0 else float("nan")
 
 
-# ----------------------------------------------------------------------------------------------
-# Provenance
-# ----------------------------------------------------------------------------------------------
+# -- Provenance ------------------------------------------------------------------------------------
 _VENDOR_WORDS = {"nvidia", "geforce", "tesla", "quadro", "amd", "instinct", "radeon", "intel"}
 _MEMORY_WORDS = re.compile(r"^(\d+gb|hbm\d*e?|gddr\d*x?|sxm\d*)$")
 
@@ -276,9 +268,7 @@ def provenance(device: torch.device | str) -> Row:
 PROVENANCE_COLUMNS = ("gpu", "gpu_slug", "torch", "triton", "cuda", "driver", "python", "git_sha", "git_dirty")
 
 
-# ----------------------------------------------------------------------------------------------
-# Writers: CSV (appended), markdown, console table, plots
-# ----------------------------------------------------------------------------------------------
+# -- Writers: CSV (appended), markdown, console table, plots ---------------------------------------
 def result_path(out_dir: Path | str, name: str, slug: str, ext: str) -> Path:
     """``<out_dir>/<name>-<slug>.<ext>``, e.g. ``bench/results/kernels-h100.csv``."""
     return Path(out_dir) / f"{name}-{slug}.{ext}"

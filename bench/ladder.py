@@ -38,9 +38,7 @@ BATCHING_FIELDS = frozenset({"batching", "max_tokens", "batch_size", "seq_len", 
                              "seed", "num_workers", "pin_memory", "prefetch_factor"})
 
 
-# ----------------------------------------------------------------------------------------------
-# Rungs
-# ----------------------------------------------------------------------------------------------
+# -- Rungs -----------------------------------------------------------------------------------------
 # Named switches: each a set of overrides (CLI syntax) on top of the baseline preset.
 SWITCHES: dict[str, dict[str, str]] = {
     "bf16": {"run.precision": "bf16"},
@@ -111,9 +109,7 @@ def select_rungs(spec: str | None, rungs: Sequence[Rung] = RUNGS) -> list[Rung]:
     return [r for r in rungs if r.id in wanted or r.id == "0"]
 
 
-# ----------------------------------------------------------------------------------------------
-# Configuration of one rung
-# ----------------------------------------------------------------------------------------------
+# -- Configuration of one rung ---------------------------------------------------------------------
 @dataclass
 class LadderSettings:
     """Everything a run holds fixed; built once from the command line."""
@@ -191,9 +187,7 @@ def bundle_view(bundle, data_cfg):
     return view
 
 
-# ----------------------------------------------------------------------------------------------
-# Measuring one rung
-# ----------------------------------------------------------------------------------------------
+# -- Measuring one rung ----------------------------------------------------------------------------
 def free_memory(device: torch.device) -> None:
     """Between rungs: drop compiled code and cached blocks so a rung never inherits the last one's,
     and put torch's fp32 matmul precision back to "highest" (a bf16 rung's Trainer allows TF32)."""
@@ -333,9 +327,7 @@ def _pct(v: Any) -> str:
     return f"{100 * v:.1f}%" if isinstance(v, (int, float)) and not math.isnan(v) else "-"
 
 
-# ----------------------------------------------------------------------------------------------
-# The ladder
-# ----------------------------------------------------------------------------------------------
+# -- The ladder ------------------------------------------------------------------------------------
 COLUMNS = (
     "rung", "technique", "parent", "status", "tokens_per_second", "speedup_vs_baseline", "speedup_vs_previous",
     "step_ms", "step_ms_p20", "step_ms_p80", "epoch_seconds_projected", "peak_memory_gb", "padding_fraction",
@@ -475,9 +467,7 @@ def write_outputs(rows: list[dict[str, Any]], ctx: dict[str, Any], out: Path, *,
                            (lambda path: report.ladder_plot(rows, path, title=title)) if plot else None)
 
 
-# ----------------------------------------------------------------------------------------------
-# Command line
-# ----------------------------------------------------------------------------------------------
+# -- Command line ----------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.ladder", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

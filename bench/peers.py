@@ -66,9 +66,7 @@ def _require_transformers():
     return transformers
 
 
-# ----------------------------------------------------------------------------------------------
-# Model and data
-# ----------------------------------------------------------------------------------------------
+# -- Model and data --------------------------------------------------------------------------------
 def marian_model(model_cfg, tokenizer, device: torch.device):
     """MarianMTModel from scratch with fastmt's model size and tokenizer ids, SDPA attention."""
     _require_transformers()
@@ -122,9 +120,7 @@ def train_loader(src, tgt, recipe: PeerRecipe, pad_id: int, epoch: int):
                                        collate_fn=lambda b: collate(b, pad_id), pin_memory=torch.cuda.is_available())
 
 
-# ----------------------------------------------------------------------------------------------
-# Evaluation (fastmt's protocol)
-# ----------------------------------------------------------------------------------------------
+# -- Evaluation (fastmt's protocol) ----------------------------------------------------------------
 def _autocast(device: torch.device):
     cuda = device.type == "cuda"
     return torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
@@ -219,9 +215,7 @@ def scores(model, split, sources, tok, device: torch.device, ev, *, decode: str 
             "samples": list(zip(split.src_text[:n], refs, hyps))}
 
 
-# ----------------------------------------------------------------------------------------------
-# Training
-# ----------------------------------------------------------------------------------------------
+# -- Training --------------------------------------------------------------------------------------
 def _optimizer(model, recipe: PeerRecipe, device: torch.device) -> torch.optim.Optimizer:
     """AdamW, weight decay on every weight matrix and embedding, none on biases and LayerNorms (1-D)."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -370,9 +364,7 @@ def _train(cfg, recipe: PeerRecipe, bundle, run_dir: Path, metrics, device: torc
     return summary
 
 
-# ----------------------------------------------------------------------------------------------
-# Command line
-# ----------------------------------------------------------------------------------------------
+# -- Command line ----------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -38,9 +38,7 @@ class GraphBreakError(RuntimeError):
     pass
 
 
-# ----------------------------------------------------------------------------------------------
-# Graph breaks
-# ----------------------------------------------------------------------------------------------
+# -- Graph breaks ----------------------------------------------------------------------------------
 def explain(fn: Callable, *args, **kwargs) -> dict[str, Any]:
     """``torch._dynamo.explain`` of one call: graph count, graph-break count and the reasons."""
     torch._dynamo.reset()
@@ -80,9 +78,7 @@ def capture_dynamo_logs(path: Path):
         torch._logging.set_logs()
 
 
-# ----------------------------------------------------------------------------------------------
-# Configuration
-# ----------------------------------------------------------------------------------------------
+# -- Configuration ---------------------------------------------------------------------------------
 def profile_config(preset: str, *, smoke: bool, data_files: Sequence[str], work: Path):
     from train.config import get_config
 
@@ -95,9 +91,7 @@ def profile_config(preset: str, *, smoke: bool, data_files: Sequence[str], work:
     return cli.bench_config(cfg, "profile", work, data_files, smoke=smoke, compile=True)
 
 
-# ----------------------------------------------------------------------------------------------
-# Profiling
-# ----------------------------------------------------------------------------------------------
+# -- Profiling -------------------------------------------------------------------------------------
 def _self_time(evt, cuda: bool) -> float:
     if cuda:
         for name in ("self_device_time_total", "self_cuda_time_total"):
@@ -247,9 +241,7 @@ def report_markdown(r: dict[str, Any], rows, cfg) -> str:
     return "\n".join(lines) + "\n"
 
 
-# ----------------------------------------------------------------------------------------------
-# Command line
-# ----------------------------------------------------------------------------------------------
+# -- Command line ----------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.split("\n\n")[0])
     cli.add_cli_args(p, "tiny preset, aot_eager, CPU", plot=False)

@@ -305,9 +305,7 @@ def print_summary(rows, prov, peaks: H.Peaks, paths: Sequence[Path]) -> None:
         print(f"wrote {p}")
 
 
-# ----------------------------------------------------------------------------------------------
-# The speedup ladder (bench.ladder): markdown, PNG and the README's ladder section
-# ----------------------------------------------------------------------------------------------
+# -- The speedup ladder (bench.ladder): markdown, PNG and the README's ladder section --------------
 README = H.REPO_ROOT / "README.md"
 README_START, README_END = "<!-- ladder:start -->", "<!-- ladder:end -->"
 LADDER_TABLE = (

@@ -86,9 +86,7 @@ def configure_torch() -> None:
             setattr(torch._dynamo.config, name, max(256, getattr(torch._dynamo.config, name)))
 
 
-# ----------------------------------------------------------------------------------------------
-# Errors
-# ----------------------------------------------------------------------------------------------
+# -- Errors ----------------------------------------------------------------------------------------
 def classify(exc: BaseException) -> str:
     text = str(exc)
     if isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in text.lower():
@@ -137,9 +135,7 @@ def _after_error(ctx: Context, case: Case, name: str) -> None:
         raise RuntimeError(f"CUDA context lost while running {name} on {case.id}; use --isolate process")
 
 
-# ----------------------------------------------------------------------------------------------
-# Rows
-# ----------------------------------------------------------------------------------------------
+# -- Rows ------------------------------------------------------------------------------------------
 def case_columns(case: Case, dtype: torch.dtype, inputs: Any | None) -> dict[str, Any]:
     cols = {"bench": case.bench, "case": case.id, "group": case.group, "dtype": str(dtype).removeprefix("torch.")}
     return cols | registry.op(case.bench).columns(case, inputs)
@@ -159,13 +155,10 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(out - ref) / torch.linalg.vector_norm(ref).clamp_min(1e-30))
 
 
-def _as_tuple(out) -> tuple[torch.Tensor, ...]:
-    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
-
-
-def _pick(out, keep: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
-    outs = _as_tuple(out)
-    return tuple(outs[i] for i in keep)
+def _pick(out, keep: tuple[int, ...] | None = None) -> tuple[torch.Tensor, ...]:
+    """The outputs of a forward as a tuple, or those at ``keep``."""
+    outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    return outs if keep is None else tuple(outs[i] for i in keep)
 
 
 @contextlib.contextmanager
@@ -176,11 +169,9 @@ def _environ(env: Mapping[str, str]) -> Iterator[None]:
     try:
         yield
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        os.environ.update({k: v for k, v in old.items() if v is not None})
+        for k in (k for k, v in old.items() if v is None):
+            os.environ.pop(k, None)
 
 
 @dataclass
@@ -199,7 +190,7 @@ def first_call(fn: Callable[[], Any], leaves: Sequence[torch.Tensor], device: to
     with timing.triton_launches() as launched:
         H.synchronize(device)
         t0 = time.perf_counter()
-        outs = _as_tuple(fn())
+        outs = _pick(fn())
         H.synchronize(device)
         seconds = time.perf_counter() - t0
         keep = tuple(i for i, o in enumerate(outs) if o.requires_grad)
@@ -213,8 +204,7 @@ def first_call(fn: Callable[[], Any], leaves: Sequence[torch.Tensor], device: to
             note = f"first backward failed ({type(e).__name__}); first_call_s is the forward"
     for leaf in leaves:
         leaf.grad = None
-    kernels = "+".join(sorted(set(launched))) if launched else ""
-    return FirstCall(outs, keep, douts, seconds, note, kernels)
+    return FirstCall(outs, keep, douts, seconds, note, "+".join(sorted(set(launched))) if launched else "")
 
 
 def _mode_fns(prep: registry.Prepared, mode: str, keep, douts):
@@ -222,13 +212,11 @@ def _mode_fns(prep: registry.Prepared, mode: str, keep, douts):
     if mode == "fwd":
         return prep.fn, (lambda _: prep.fn()), None
     if mode == "bwd":
-        graph_outs = _pick(prep.fn(), keep)
-
-        def eager(outs=graph_outs):
+        def backward(outs):
             torch.autograd.backward(outs, douts, retain_graph=True)
 
-        return eager, (lambda outs: torch.autograd.backward(outs, douts, retain_graph=True)), (
-            lambda: _pick(prep.fn(), keep))
+        graph_outs = _pick(prep.fn(), keep)
+        return (lambda: backward(graph_outs)), backward, (lambda: _pick(prep.fn(), keep))
 
     def fwd_bwd():
         torch.autograd.backward(_pick(prep.fn(), keep), douts)
@@ -252,22 +240,19 @@ def _measure(ctx: Context, case: Case, prep: registry.Prepared, mode: str, keep,
                               "peak_mem_mb": H.peak_memory_mb(eager, device, prep.leaves)}
     counted = registry.op(case.bench).work(case, mode, inputs, ctx.dtype)
     values.update(counted)
-    if "flops" in counted:
-        values["tflops"] = H.tflops(counted["flops"], t.ms)
-        values["pct_peak"] = 100 * values["tflops"] / ctx.peaks.matmul_tflops
-    if "bytes" in counted:
-        values["gbps"] = H.gbps(counted["bytes"], t.ms)
-        values["pct_peak"] = 100 * values["gbps"] / ctx.peaks.copy_gbps
     if "floor_bytes" in counted:
         values["floor_ms"] = counted["floor_bytes"] / (ctx.peaks.copy_gbps * 1e9) * 1e3
         values["pct_floor"] = 100 * values["floor_ms"] / t.ms
     if op_t is not None:
         values.update(op_ms=op_t.ms, op_p20=op_t.p20, op_p80=op_t.p80, host_ms=op_t.ms - t.ms,
                       host_pct=100 * (op_t.ms - t.ms) / op_t.ms)
-        if "flops" in counted:
-            values["op_tflops"] = H.tflops(counted["flops"], op_t.ms)
-        if "bytes" in counted:
-            values["op_gbps"] = H.gbps(counted["bytes"], op_t.ms)
+    for work, rate, col, peak in (("flops", H.tflops, "tflops", ctx.peaks.matmul_tflops),
+                                  ("bytes", H.gbps, "gbps", ctx.peaks.copy_gbps)):
+        if work in counted:
+            values[col] = rate(counted[work], t.ms)
+            values["pct_peak"] = 100 * values[col] / peak
+            if op_t is not None:
+                values[f"op_{col}"] = rate(counted[work], op_t.ms)
     return values
 
 
@@ -371,9 +356,7 @@ def fill_skipped(ctx: Context, cases: Sequence[Case], rows: list[dict[str, Any]]
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# In process, or isolated: cases run in a worker process; the parent restarts one after a crash
-# ----------------------------------------------------------------------------------------------
+# -- In process, or isolated: cases run in a worker process; the parent restarts one after a crash -
 def _progress(ev: dict[str, Any]) -> None:
     if ev.get("ev") != "row":
         return
