@@ -1,10 +1,6 @@
-"""Attention providers of ``bench.kernels``: our Triton kernel against what PyTorch offers.
-
-Padded groups: ``ours`` (padded + lengths), ``ours-varlen``, ``torch-varlen``, ``sdpa`` and one forced
-SDPA backend each, the eager ``reference`` and its ``torch.compile``. The packed corpus group, called as
-the model calls it ((C, H, D) streams + cu_seqlens): ``ours-sequence`` / ``ours-stream`` (the two
-tilings), ``torch-varlen``, ``flex`` (document mask) and ``sdpa-padded``. FLOPs count real positions
-only; the corpus cases also get a memory floor (``floor_bytes``). Each provider: bench/README.md.
+"""Attention providers of ``bench.kernels``: our Triton kernel against what PyTorch offers, on padded
+batches and on packed corpus streams (called as the model calls it). FLOPs count real positions only;
+corpus cases also get a memory floor (``floor_bytes``). Each provider: bench/README.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""The cases of ``bench.kernels`` (shapes, in priority order) and the inputs each case is timed on.
-
-Groups: ``train-ragged`` / ``train-dense`` (padded training batches with and without padding),
-``long`` (FlashAttention-2's grid), ``corpus`` (one packed batch built exactly as training builds it,
-segment lengths from ``--data-files`` or a log-normal fitted to the stand-in corpus) and ``ln``
-(LayerNorm rows). The shapes of each group: bench/README.md.
+"""The cases of ``bench.kernels`` (shapes, in priority order) and the inputs each case is timed on:
+padded training batches, FlashAttention-2's long grid, one packed corpus batch built as training builds
+it, LayerNorm rows. The shapes of each group: bench/README.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """The time-to-quality frontier: validation BLEU against wall seconds, every contestant on the same data
 for the same wall-clock budget.
 
-Each contestant (``CONTESTANTS``: the Hugging Face baseline, the seeds' recipe, two fastmt presets) trains
-in its own process until the first step boundary after ``--budget-s`` seconds, then evaluates; the
-points are its ``metrics.jsonl`` epoch rows (``wall_seconds`` since process start, ``bleu``). A failed
-or killed contestant becomes a row saying so and the frontier goes on. Outputs
-``<out>/frontier-<gpu>.{csv,md,png}``; the csv keeps contestants not run this time (``--fresh``
-resets it). Details: bench/README.md.
+Each contestant (``CONTESTANTS``) trains in its own process until the first step boundary after
+``--budget-s`` seconds, then evaluates; its points are its ``metrics.jsonl`` epoch rows, a failure is a
+row saying so. Outputs ``<out>/frontier-<gpu>.{csv,md,png}``; details: bench/README.md.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""The shared harness of bench/: timing, device ceilings, FLOP/byte counts, provenance, result files.
-
-One result is one ``dict`` row carrying the GPU, versions and git sha (``provenance``). The CLIs write
-``<out>/<name>-<gpu>.csv`` with a markdown table and a PNG beside it (``write_results``, tables,
-figures). The timing protocol and the counting conventions are in bench/README.md.
+"""The shared harness of bench/: timing, device ceilings, FLOP/byte counts, provenance, result files
+(``<out>/<name>-<gpu>.{csv,md,png}``). The timing protocol and counting conventions: bench/README.md.
 """
 
 from __future__ import annotations

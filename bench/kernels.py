@@ -1,13 +1,8 @@
 """Kernel benchmarks: our Triton attention and fused LayerNorm against what PyTorch offers.
 
-    python -m bench.kernels [--smoke] [--only attention|layernorm] [--groups G,...] [--out DIR]
-                            [--budget-s S] [--providers P,...] [--modes M,...] [--data-files F ...]
-
-The command line only: one row per case x provider x mode appended to ``kernels-<gpu>.csv``, with this
-run's markdown and PNG beside it. Cases: ``bench.cases``; providers: ``bench.attention``,
-``bench.layernorm`` over ``bench.registry``; running: ``bench.runner``; outputs: ``bench.report``.
-``--smoke`` (automatic without CUDA): tiny shapes, written to a temp dir, Triton providers skipped
-unless ``--cpu-triton``.
+The command line only: one row per case x provider x mode appended to ``kernels-<gpu>.csv``, this run's
+markdown and PNG beside it. ``--smoke`` (automatic without CUDA): tiny shapes in a temp dir. Layout and
+options: bench/README.md.
 """
 
 from __future__ import annotations

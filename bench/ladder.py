@@ -1,11 +1,8 @@
 """The speedup ladder: one training technique at a time, every rung on the same data and device.
 
-Each rung is the ``baseline`` preset plus named switches (``SWITCHES``), built from scratch on one shared
-data bundle and compared with the rung that has its switches minus its own technique (``compare``).
-Per rung: untimed warm-up steps (compilation lands there), then timed optimizer steps of a fresh
-``Trainer``; a rung that fails, passes its time cap or compiles while timed becomes a row saying so.
-Outputs ``<out>/ladder-<gpu>.{csv,md,png}`` and, on a full run, the README's ladder section. The rungs,
-the protocol and every column: bench/README.md.
+Each rung is the ``baseline`` preset plus named switches (``SWITCHES``), timed on a fresh ``Trainer`` after
+untimed warm-up and compared with the rung without its technique (``compare``); a rung that fails becomes
+a row saying so. Outputs ``<out>/ladder-<gpu>.{csv,md,png}``; protocol and columns: bench/README.md.
 """
 
 from __future__ import annotations

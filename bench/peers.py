@@ -1,11 +1,8 @@
 """The Hugging Face baseline (../shared/gpu/PEERS.md §1), trained on fastmt's own data and validated as fastmt is.
 
-What a user would write instead of fastmt: ``transformers.MarianMTModel`` from scratch at the preset's
-size with fastmt's tokenizer, trained with the ``Seq2SeqTrainer`` recipe (``PeerRecipe``) written out as
-a plain loop on the splits ``data.build_data`` gives fastmt, and validated with fastmt's protocol (the
-preset's ``cfg.eval``). Rows go to ``<out-dir>/<name>/metrics.jsonl`` in fastmt's format, so
-bench/frontier.py reads both alike. Needs the ``peers`` extra (transformers, accelerate); details in
-bench/README.md.
+``transformers.MarianMTModel`` at the preset's size with fastmt's tokenizer, the ``Seq2SeqTrainer`` recipe
+(``PeerRecipe``) as a plain loop, rows in fastmt's ``metrics.jsonl`` format so bench/frontier.py reads both
+alike. Needs the ``peers`` extra (transformers, accelerate); details in bench/README.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """The time-to-quality record of a training run (``make train``'s run in the runbook).
 
-    python -m bench.quality --run runs/<name> [--out DIR]
-
-Reads the run's ``metrics.jsonl`` and ``provenance.json`` and writes ``<out>/quality-<gpu>.{md,csv}``:
-per epoch the wall seconds since the process started, the seeds' last-batch loss beside our losses,
-validation BLEU/chrF, tokens/s and MFU; then the time to each BLEU threshold (the objective), the
-first step's seconds, evaluation's share of the wall time and the test scores.
+Reads the run's ``metrics.jsonl`` and ``provenance.json``; writes ``<out>/quality-<gpu>.{md,csv}``, per
+epoch and in summary (time to each BLEU threshold, evaluation's share, test scores). See bench/README.md.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """The provider registry of ``bench.kernels``: which implementations of an op a case group runs.
 
-An op (``attention``, ``layernorm``) registers how to build its inputs, its fp32 reference and the work
-it counts (`register_op`); each implementation registers a ``prepare`` returning a `Prepared` forward
-(`register`). `load` imports the op modules and any ``--provider-module``, so a new kernel is
+An op registers its inputs, fp32 reference and counted work (`register_op`); each implementation a
+``prepare`` (`register`). `load` imports them and any ``--provider-module``, so a new kernel is
 benchmarked without editing ``bench/``.
 """
 

@@ -1,10 +1,7 @@
 """Running cases: every (case, provider, mode) becomes one row, whatever happens; process isolation.
 
-A provider's errors (OOM, unsupported, not implemented, compile failures) become rows with a status.
-On CUDA the cases run in a worker process (``python -m bench.runner SPEC``, ``FASTMT_BENCH_WORKER=1``),
-so a crash that poisons the CUDA context costs that provider's case, not the run: the parent starts a
-new worker for the rest and leaves out a provider that crashed twice. Past the deadline nothing new
-starts (the rest are 'skipped' rows).
+On CUDA the cases run in a worker process (``python -m bench.runner SPEC``), so a crash that poisons the
+CUDA context costs one provider's case, not the run. Details: bench/README.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Vocabulary-size sweep (and token-bucket / packing settings sweep) behind the data defaults.
-
-Per SentencePiece setting, trained on the train split as ``build_data`` does: subwords per epoch, length
-statistics, rarely seen pieces, byte-fallback and unk rates, and the S18 model's training FLOPs per epoch
-(``models.flops``). Then, at the default vocabulary, padding / batches / shapes of token buckets and of
-the packed mode at several budgets (``--only-packing``: just the packed table).
+"""Vocabulary-size sweep (and token-bucket / packing settings sweep) behind the data defaults: per
+SentencePiece setting the subword, rare-piece, byte-fallback and FLOP counts, then padding / batches /
+shapes of token buckets and packing (``--only-packing``: just the packed table). See bench/README.md.
 """
 
 from __future__ import annotations
