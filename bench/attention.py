@@ -1,7 +1,6 @@
 """Attention providers of ``bench.kernels``: our Triton kernel against what PyTorch offers, on padded
 batches and on packed corpus streams (called as the model calls it). FLOPs count real positions only;
-corpus cases also get a memory floor (``floor_bytes``). Each provider: bench/README.md.
-"""
+corpus cases also get a memory floor (``floor_bytes``). Each provider: bench/README.md."""
 
 from __future__ import annotations
 

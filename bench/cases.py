@@ -1,7 +1,6 @@
 """The cases of ``bench.kernels`` (shapes, in priority order) and the inputs each case is timed on:
 padded training batches, FlashAttention-2's long grid, one packed corpus batch built as training builds
-it, LayerNorm rows. The shapes of each group: bench/README.md.
-"""
+it, LayerNorm rows. The shapes of each group: bench/README.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The shared start of bench's command lines: common flags, comma-separated choices, data files (the toy
 corpus in smoke runs), a benchmark's run config at smoke scale, its first training batches, and the
-label results give their data.
-"""
+label results give their data."""
 
 from __future__ import annotations
 

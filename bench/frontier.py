@@ -3,8 +3,7 @@ for the same wall-clock budget.
 
 Each contestant (``CONTESTANTS``) trains in its own process until the first step boundary after
 ``--budget-s`` seconds, then evaluates; its points are its ``metrics.jsonl`` epoch rows, a failure is a
-row saying so. Outputs ``<out>/frontier-<gpu>.{csv,md,png}``; details: bench/README.md.
-"""
+row saying so. Outputs ``<out>/frontier-<gpu>.{csv,md,png}``; details: bench/README.md."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The shared harness of bench/: timing, device ceilings, FLOP/byte counts, provenance, result files
-(``<out>/<name>-<gpu>.{csv,md,png}``). The timing protocol and counting conventions: bench/README.md.
-"""
+(``<out>/<name>-<gpu>.{csv,md,png}``). The timing protocol and counting conventions: bench/README.md."""
 
 from __future__ import annotations
 
@@ -46,8 +45,7 @@ def bench(fn: Callable[[], Any], *, device: torch.device | str = "cuda", warmup_
     """Time ``fn()``; ``grad_to_none`` tensors get ``.grad = None`` before every timed repetition.
 
     CUDA: ``triton.testing.do_bench`` (the protocol is in bench/README.md); CPU: the same protocol with
-    ``time.perf_counter`` (``repeat``, 3 to 1000 repetitions).
-    """
+    ``time.perf_counter`` (``repeat``, 3 to 1000 repetitions)."""
     grads = list(grad_to_none or ())
     if torch.device(device).type == "cuda":
         import triton.testing
@@ -176,11 +174,10 @@ def _as_list(x: int | Sequence[int] | torch.Tensor) -> list[int]:
 
 def attention_flops(q_lengths: int | Sequence[int] | torch.Tensor, k_lengths: int | Sequence[int] | torch.Tensor,
                     n_heads: int, head_dim: int, *, causal: bool, mode: str = "fwd") -> float:
-    """FLOPs of attention on real positions (FlashAttention-2's convention, see module docstring).
+    """FLOPs of attention on real positions (FlashAttention-2's convention, bench/README.md).
 
     ``q_lengths``/``k_lengths``: one length per sequence (an int means one sequence).
-    Forward = 4 * H * D * sum_b(Lq_b * Lk_b), / 2 when causal; bwd 2.5x, fwd+bwd 3.5x.
-    """
+    Forward = 4 * H * D * sum_b(Lq_b * Lk_b), / 2 when causal; bwd 2.5x, fwd+bwd 3.5x."""
     if mode not in ATTENTION_MODE_FACTOR:
         raise ValueError(f"mode={mode!r} is not one of {tuple(ATTENTION_MODE_FACTOR)}")
     lq, lk = _as_list(q_lengths), _as_list(k_lengths)
@@ -199,8 +196,7 @@ def layer_norm_bytes(rows: int, width: int, *, mode: str = "fwd", elem_bytes: in
     bwd: read dy (and ds, the gradient arriving at s from the residual stream), s (x when there is
          no residual), w (and b, needed for the activation's derivative); write dx -- one tensor, it
          is also d(residual) -- and dw (and db).
-    fwd+bwd: the sum. Mean and rstd (8 bytes per row) are not counted: a kernel may recompute them.
-    """
+    fwd+bwd: the sum. Mean and rstd (8 bytes per row) are not counted: a kernel may recompute them."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not one of {MODES}")
     param_bytes = elem_bytes if param_bytes is None else param_bytes
@@ -285,8 +281,7 @@ def append_csv(path: Path | str, rows: Iterable[Mapping[str, Any]], columns: Seq
     """Append ``rows`` to ``path``; header = ``columns`` then any other keys in first-seen order.
 
     If the file exists with a different header, it is rewritten once with the union of both, so
-    older rows keep their values under new columns (empty where they had none).
-    """
+    older rows keep their values under new columns (empty where they had none)."""
     path = Path(path)
     rows = [dict(r) for r in rows]
     header = list(columns)

@@ -2,8 +2,7 @@
 
 The command line only: one row per case x provider x mode appended to ``kernels-<gpu>.csv``, this run's
 markdown and PNG beside it. ``--smoke`` (automatic without CUDA): tiny shapes in a temp dir. Layout and
-options: bench/README.md.
-"""
+options: bench/README.md."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 Each rung is the ``baseline`` preset plus named switches (``SWITCHES``), timed on a fresh ``Trainer`` after
 untimed warm-up and compared with the rung without its technique (``compare``); a rung that fails becomes
-a row saying so. Outputs ``<out>/ladder-<gpu>.{csv,md,png}``; protocol and columns: bench/README.md.
-"""
+a row saying so. Outputs ``<out>/ladder-<gpu>.{csv,md,png}``; protocol and columns: bench/README.md."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """LayerNorm providers of ``bench.kernels``: ``y = GELU(LayerNorm(x + r))`` returning ``(y, s = x + r)``:
-``ours`` (fused Triton), ``eager`` and ``compile`` (of the reference). Counted: the fewest bytes moved.
-"""
+``ours`` (fused Triton), ``eager`` and ``compile`` (of the reference). Counted: the fewest bytes moved."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 ``transformers.MarianMTModel`` at the preset's size with fastmt's tokenizer, the ``Seq2SeqTrainer`` recipe
 (``PeerRecipe``) as a plain loop, rows in fastmt's ``metrics.jsonl`` format so bench/frontier.py reads both
-alike. Needs the ``peers`` extra (transformers, accelerate); details in bench/README.md.
-"""
+alike. Needs the ``peers`` extra (transformers, accelerate); details in bench/README.md."""
 
 from __future__ import annotations
 

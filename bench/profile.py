@@ -1,8 +1,7 @@
 """Profile the compiled training step and check it for graph breaks (exit status 3 if it has any).
 
 A fresh ``Trainer`` (compile on) runs untimed warm-up steps, then ``torch.profiler`` records N steps into
-``<out>/profile-<gpu>/`` (trace, top kernels, dynamo log, report.md). Details: bench/README.md.
-"""
+``<out>/profile-<gpu>/`` (trace, top kernels, dynamo log, report.md). Details: bench/README.md."""
 
 from __future__ import annotations
 

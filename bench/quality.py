@@ -1,8 +1,7 @@
 """The time-to-quality record of a training run (``make train``'s run in the runbook).
 
 Reads the run's ``metrics.jsonl`` and ``provenance.json``; writes ``<out>/quality-<gpu>.{md,csv}``, per
-epoch and in summary (time to each BLEU threshold, evaluation's share, test scores). See bench/README.md.
-"""
+epoch and in summary (time to each BLEU threshold, evaluation's share, test scores). See bench/README.md."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The written results of ``bench.kernels`` (targets, markdown, PNG, console summary) and ``bench.ladder``
-(markdown, PNG, the README's ladder section). The targets come from issues 3 and 11.
-"""
+(markdown, PNG, the README's ladder section). The targets come from issues 3 and 11."""
 
 from __future__ import annotations
 

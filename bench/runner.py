@@ -1,8 +1,7 @@
 """Running cases: every (case, provider, mode) becomes one row, whatever happens; process isolation.
 
 On CUDA the cases run in a worker process (``python -m bench.runner SPEC``), so a crash that poisons the
-CUDA context costs one provider's case, not the run. Details: bench/README.md.
-"""
+CUDA context costs one provider's case, not the run. Details: bench/README.md."""
 
 from __future__ import annotations
 
@@ -385,8 +384,7 @@ def run_isolated(ctx: Context, cases: Sequence[Case], sink: list[dict[str, Any]]
     A worker appends events to a file: ``start`` / ``row``... / ``end`` per provider. When it dies,
     the provider in flight keeps the modes it finished and gets 'crash' rows for the others; a
     provider that crashes CRASHES_BEFORE_EXCLUDING times is left out for the rest of the run.
-    Rows reach ``sink`` after each worker, and also when SIGTERM interrupts the wait.
-    """
+    Rows reach ``sink`` after each worker, and also when SIGTERM interrupts the wait."""
     workdir = Path(tempfile.mkdtemp(prefix="fastmt-bench-worker-"))
     rows: dict[tuple[str, str], list[dict[str, Any]]] = {}
     crashes: dict[str, int] = {}
@@ -450,8 +448,7 @@ def run_isolated(ctx: Context, cases: Sequence[Case], sink: list[dict[str, Any]]
 def _collect_events(path: Path, rows: dict[tuple[str, str], list[dict[str, Any]]]):
     """Move finished providers' rows from a worker's event file into ``rows``.
 
-    Returns ``(pair in flight, its rows so far)``, or ``(None, [])`` when the worker ended cleanly.
-    """
+    Returns ``(pair in flight, its rows so far)``, or ``(None, [])`` when the worker ended cleanly."""
     if not path.exists():
         return None, []
     running, partial = None, []

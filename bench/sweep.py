@@ -3,8 +3,7 @@
 Every setting is ``python -m train --auto`` plus a few overrides, run by bench/frontier.py for the same
 wall-clock budget on the same data. Outputs ``<out>/sweep-<gpu>.{csv,md,png}`` and the decision rule's
 verdict: Lion stays the default if its best setting comes within ``LION_MARGIN`` BLEU of the best AdamW
-setting in the same wall time; otherwise AdamW is the default and Lion one switch away.
-"""
+setting in the same wall time; otherwise AdamW is the default and Lion one switch away."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Kernel time (a CUDA graph replayed), op time (the eager call, host included) and first-call time: the
-three timings of a ``host_split`` case; wall clock without CUDA. Protocol: bench/README.md.
-"""
+three timings of a ``host_split`` case; wall clock without CUDA. Protocol: bench/README.md."""
 
 from __future__ import annotations
 

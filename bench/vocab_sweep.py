@@ -1,7 +1,6 @@
 """Vocabulary-size sweep (and token-bucket / packing settings sweep) behind the data defaults: per
 SentencePiece setting the subword, rare-piece, byte-fallback and FLOP counts, then padding / batches /
-shapes of token buckets and packing (``--only-packing``: just the packed table). See bench/README.md.
-"""
+shapes of token buckets and packing (``--only-packing``: just the packed table). See bench/README.md."""
 
 from __future__ import annotations
 
