@@ -171,7 +171,7 @@ def _sdpa(name: str):
 
         qkv, mask = (d.q, d.k, d.v), d.sdpa_mask
         is_causal = case.causal and mask is None
-        backends = [SDPBackend[SDPA_BACKENDS[name]]] if SDPA_BACKENDS[name] else None
+        backends = [getattr(SDPBackend, SDPA_BACKENDS[name])] if SDPA_BACKENDS[name] else None
 
         def sdpa():
             with sdpa_kernel(backends) if backends else contextlib.nullcontext():

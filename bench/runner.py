@@ -144,6 +144,12 @@ def make_row(ctx: Context, base: dict[str, Any], provider: str, mode: str, statu
     return row
 
 
+def failed_rows(ctx: Context, case: Case, provider: str, status: str, error: str, skip=()) -> list[dict[str, Any]]:
+    """One row per mode (but ``skip``) of a provider that never measured anything."""
+    base = case_columns(case, ctx.dtype, None)
+    return [make_row(ctx, base, provider, m, status, error=error) for m in ctx.opts.modes if m not in skip]
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out = out.detach().float()
     if not torch.isfinite(out).all():
@@ -310,11 +316,10 @@ def run_cases(ctx: Context, cases: Sequence[Case]) -> None:
             inputs = registry.op(case.bench).make_inputs(case, ctx.dtype, ctx.device, ctx.opts)
         except Exception as e:  # noqa: BLE001 - e.g. OOM while building inputs
             traceback.print_exc()
-            base = case_columns(case, ctx.dtype, None)
             for p in todo:
                 ctx.emit({"ev": "start", "case": case.id, "provider": p})
-                for mode in ctx.opts.modes:
-                    ctx.emit({"ev": "row", "row": make_row(ctx, base, p, mode, classify(e), error=message(e))})
+                for row in failed_rows(ctx, case, p, classify(e), message(e)):
+                    ctx.emit({"ev": "row", "row": row})
                 ctx.emit({"ev": "end", "case": case.id, "provider": p})
             _after_error(ctx, case, "inputs")
             continue
@@ -342,13 +347,8 @@ def fill_skipped(ctx: Context, cases: Sequence[Case], rows: list[dict[str, Any]]
         why = "not run: the worker stopped early (see the log)"
     out = list(rows)
     for c in cases:
-        base = case_columns(c, ctx.dtype, None)
-        for p in c.providers:
-            if p not in ctx.opts.providers:
-                continue
-            for m in ctx.opts.modes:
-                if (c.id, p, m) not in have:
-                    out.append(make_row(ctx, base, p, m, "skipped", error=why))
+        for p in (p for p in c.providers if p in ctx.opts.providers):
+            out += failed_rows(ctx, c, p, "skipped", why, {m for m in ctx.opts.modes if (c.id, p, m) in have})
     return out
 
 
@@ -424,10 +424,8 @@ def run_isolated(ctx: Context, cases: Sequence[Case], sink: list[dict[str, Any]]
                 crashes[provider] = crashes.get(provider, 0) + 1
                 why = (f"worker exited with code {proc.returncode} while this ran (CUDA context lost or killed); "
                        "see the log")
-                base = case_columns(by_id[running[0]], ctx.dtype, None)
-                finished = {r["mode"] for r in partial}
-                rows[running] = partial + [make_row(ctx, base, provider, m, "crash", error=why)
-                                           for m in ctx.opts.modes if m not in finished]
+                rows[running] = partial + failed_rows(ctx, by_id[running[0]], provider, "crash", why,
+                                                      {r["mode"] for r in partial})
                 if crashes[provider] >= CRASHES_BEFORE_EXCLUDING:
                     excluded |= {(c.id, provider) for c in cases
                                  if provider in c.providers and (c.id, provider) not in rows}
@@ -439,10 +437,8 @@ def run_isolated(ctx: Context, cases: Sequence[Case], sink: list[dict[str, Any]]
         shutil.rmtree(workdir, ignore_errors=True)
         sink.extend(r for pair_rows in rows.values() for r in pair_rows)
         for case_id, provider in sorted(excluded - set(rows)):
-            base = case_columns(by_id[case_id], ctx.dtype, None)
-            sink.extend(make_row(ctx, base, provider, m, "skipped",
-                                 error=f"left out after {CRASHES_BEFORE_EXCLUDING} worker crashes")
-                        for m in ctx.opts.modes)
+            sink.extend(failed_rows(ctx, by_id[case_id], provider, "skipped",
+                                    f"left out after {CRASHES_BEFORE_EXCLUDING} worker crashes"))
 
 
 def _collect_events(path: Path, rows: dict[tuple[str, str], list[dict[str, Any]]]):
