@@ -399,7 +399,7 @@ def new_figure(nrows: int, ncols: int, *, width: float = 5.2, height: float = 3.
 
 
 def line_panel(ax, series: Mapping[str, Sequence[tuple[float, float]]], *, title: str, xlabel: str,
-               ylabel: str, logx: bool = True, styles: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+               ylabel: str, logx: bool = True) -> None:
     """One line per label through its (x, y) points; empty panels say so."""
     drawn = False
     for label, pts in series.items():
@@ -407,7 +407,7 @@ def line_panel(ax, series: Mapping[str, Sequence[tuple[float, float]]], *, title
         if not pts:
             continue
         xs, ys = zip(*pts)
-        ax.plot(xs, ys, marker="o", label=label, **(styles or {}).get(label, {}))
+        ax.plot(xs, ys, marker="o", label=label)
         drawn = True
     if logx and drawn:
         ax.set_xscale("log", base=2)

@@ -54,12 +54,11 @@ class PeerRecipe:
                 raise ValueError(f"{name}={getattr(self, name)} must be {rule}")
 
 
-def _require_transformers():
+def _require_transformers() -> None:
     try:
-        import transformers
+        import transformers  # noqa: F401
     except ImportError as e:
         raise SystemExit("bench.peers needs transformers and accelerate: pip install -e '.[peers]'") from e
-    return transformers
 
 
 # -- Model and data --------------------------------------------------------------------------------
@@ -255,8 +254,7 @@ def _train(cfg, recipe: PeerRecipe, bundle, run_dir: Path, metrics, device: torc
     import transformers
     from transformers import get_linear_schedule_with_warmup
 
-    ev = cfg.eval
-    tok = bundle.tokenizer
+    ev, tok = cfg.eval, bundle.tokenizer
     torch.manual_seed(recipe.seed)
     model = marian_model(cfg.model, tok, device)
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -313,9 +311,8 @@ def _train(cfg, recipe: PeerRecipe, bundle, run_dir: Path, metrics, device: torc
         stop = step >= total or stop_reason != "done"
         record: dict[str, Any] = {"kind": "epoch", "epoch": epoch + 1, "step": step,
                                   "train_loss": float(loss_sum) / max(n_batches, 1), "lr": sched.get_last_lr()[0],
-                                  "epoch_seconds": time.perf_counter() - t_epoch}
-        if n_batches < steps_per_epoch:
-            record["partial_epoch"] = True
+                                  "epoch_seconds": time.perf_counter() - t_epoch,
+                                  **({"partial_epoch": True} if n_batches < steps_per_epoch else {})}
         if (epoch + 1) % ev.every == 0 or epoch + 1 == recipe.epochs or stop:
             t_eval = time.perf_counter()
             record["valid_loss"] = (valid_loss(model, valid_src, valid_tgt, tok, device, recipe.batch_size)

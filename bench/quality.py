@@ -80,8 +80,7 @@ def summary(rows: Sequence[dict[str, Any]], test: dict[str, Any] | None, planned
             "first_epoch_train_seconds": rows[0].get("epoch_seconds") if rows else None,
             "goal_epoch": goal["epoch"] if goal else None, "goal_wall_seconds": goal["wall_seconds"] if goal else None,
             "best_valid_bleu": best.get("bleu") if best else None, "best_epoch": best["epoch"] if best else None,
-            "test_loss": (test or {}).get("test_loss"), "test_bleu": (test or {}).get("test_bleu"),
-            "test_chrf": (test or {}).get("test_chrf"), "test_sentences": (test or {}).get("test_sentences")}
+            **{k: (test or {}).get(k) for k in ("test_loss", "test_bleu", "test_chrf", "test_sentences")}}
 
 
 def quality_markdown(run: Path, rows, summ: dict[str, Any], prov: dict[str, Any]) -> str:
