@@ -256,13 +256,8 @@ class CorpusInputs:
     checked: tuple[int, ...] = ()  # segments compared with the fp32 reference
     ref: torch.Tensor | None = None  # their reference output, (tokens, h, D)
 
-    @property
-    def offsets_q(self) -> list[int]:
-        return [0, *np.cumsum(self.lengths_q).tolist()]
-
-    @property
-    def offsets_k(self) -> list[int]:
-        return [0, *np.cumsum(self.lengths_k).tolist()]
+    offsets_q = property(lambda self: [0, *np.cumsum(self.lengths_q).tolist()])  # segment starts
+    offsets_k = property(lambda self: [0, *np.cumsum(self.lengths_k).tolist()])
 
 
 def make_corpus_inputs(case: Case, dtype: torch.dtype, device: torch.device, opts) -> CorpusInputs:

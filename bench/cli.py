@@ -16,10 +16,11 @@ import torch
 SMOKE_DATA = {"vocab_size": 400, "max_len": 32, "valid_size": 40, "test_size": 40}
 
 
-def add_cli_args(p: argparse.ArgumentParser, smoke: str, *, plot: bool = True) -> None:
-    """The flags every run-a-model CLI has: --smoke, --data-files, --out (and --no-plot)."""
+def add_cli_args(p: argparse.ArgumentParser, smoke: str, *, plot: bool = True,
+                 data: str = "local jsonl/parquet/tsv files instead of the Hub") -> None:
+    """The flags every bench CLI that runs a model has: --smoke, --data-files, --out (and --no-plot)."""
     p.add_argument("--smoke", action="store_true", help=f"{smoke} (automatic without CUDA)")
-    p.add_argument("--data-files", nargs="+", metavar="F", help="local jsonl/parquet/tsv files instead of the Hub")
+    p.add_argument("--data-files", nargs="+", metavar="F", help=data)
     p.add_argument("--out", type=Path, help="output folder (default bench/results; a temp dir with --smoke)")
     if plot:
         p.add_argument("--no-plot", action="store_true", help="skip the PNG")

@@ -504,10 +504,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush_denormals()
     rungs = select_rungs(a.rungs)
 
-    def checkpoint(rows_so_far, ctx_so_far):  # partial outputs after every rung (no PNG: seconds each)
-        write_outputs(rows_so_far, ctx_so_far, s.out, smoke=s.smoke, plot=False)
-
-    rows, ctx = run_ladder(s, rungs, on_row=checkpoint)
+    # partial outputs after every rung (no PNG: seconds each)
+    rows, ctx = run_ladder(s, rungs, on_row=lambda r, c: write_outputs(r, c, s.out, smoke=s.smoke, plot=False))
     paths = write_outputs(rows, ctx, s.out, smoke=s.smoke, plot=not a.no_plot)
     print(report.ladder_table(rows, text=True), flush=True)
     for kind, path in paths.items():
