@@ -1,11 +1,6 @@
-"""Attention providers of ``bench.kernels``: our Triton kernel against what PyTorch offers.
-
-Padded groups: ``ours`` (padded + lengths), ``ours-varlen``, ``torch-varlen``, ``sdpa`` and one forced
-SDPA backend each, the eager ``reference`` and its ``torch.compile``. The packed corpus group, called as
-the model calls it ((C, H, D) streams + cu_seqlens): ``ours-sequence`` / ``ours-stream`` (the two
-tilings), ``torch-varlen``, ``flex`` (document mask) and ``sdpa-padded``. FLOPs count real positions
-only; the corpus cases also get a memory floor (``floor_bytes``). Each provider: bench/README.md.
-"""
+"""Attention providers of ``bench.kernels``: our Triton kernel against what PyTorch offers, on padded
+batches and on packed corpus streams (called as the model calls it). FLOPs count real positions only;
+corpus cases also get a memory floor (``floor_bytes``). Each provider: bench/README.md."""
 
 from __future__ import annotations
 
@@ -27,9 +22,7 @@ TILING_ENV = "FASTMT_ATTN_TILING"
 RAGGED, DENSE, LONG, CORPUS = "train-ragged", "train-dense", "long", "corpus"
 
 
-# ----------------------------------------------------------------------------------------------
-# The op: inputs, reference, counting, columns
-# ----------------------------------------------------------------------------------------------
+# -- The op: inputs, reference, counting, columns --------------------------------------------------
 def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, opts) -> AttnInputs | CorpusInputs:
     if case.group == CORPUS:
         return make_corpus_inputs(case, dtype, device, opts)
@@ -99,9 +92,7 @@ def columns(case: Case, d) -> dict[str, Any]:
 register_op(Op("attention", make_inputs, reference, work, columns))
 
 
-# ----------------------------------------------------------------------------------------------
-# Output slices compared with the reference
-# ----------------------------------------------------------------------------------------------
+# -- Output slices compared with the reference -----------------------------------------------------
 def _padded_check(case: Case, d: AttnInputs):
     L0, h = d.lengths[0], min(CHECK_HEADS, case.H)
     return lambda out: out[:1, :h, :L0]
@@ -118,17 +109,16 @@ def _stream_check(case: Case, d: CorpusInputs):
     return lambda out: torch.cat([out[off[i] : off[i] + d.lengths_q[i], :h] for i in d.checked])
 
 
-# ----------------------------------------------------------------------------------------------
-# Padded groups
-# ----------------------------------------------------------------------------------------------
+# -- Padded groups ---------------------------------------------------------------------------------
+def _lengths_kw(d: AttnInputs) -> dict[str, Any]:
+    return {"q_lengths": d.lengths_t, "k_lengths": d.lengths_t} if d.lengths_t is not None else {}
+
+
 @register("attention", "ours", groups=(RAGGED, DENSE, LONG), triton=True)
 def ours(case: Case, d: AttnInputs, opts) -> Prepared:
     import kernels
 
-    kw: dict[str, Any] = {}
-    if d.lengths_t is not None:
-        kw = {"q_lengths": d.lengths_t, "k_lengths": d.lengths_t}
-    qkv = (d.q, d.k, d.v)
+    kw, qkv = _lengths_kw(d), (d.q, d.k, d.v)
     return Prepared(lambda: kernels.attention(*qkv, causal=case.causal, backend="triton", **kw), qkv,
                     _padded_check(case, d))
 
@@ -171,20 +161,17 @@ def torch_varlen(case: Case, d: AttnInputs, opts) -> Prepared:
                     _packed_check(case, d))
 
 
-def _sdpa_backend(name: str):
-    from torch.nn.attention import SDPBackend
-
-    return {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
-            "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-math": SDPBackend.MATH}[name]
+SDPA_BACKENDS = {"sdpa": None, "sdpa-flash": "FLASH_ATTENTION", "sdpa-efficient": "EFFICIENT_ATTENTION",
+                 "sdpa-cudnn": "CUDNN_ATTENTION", "sdpa-math": "MATH"}  # provider -> the SDPBackend it forces
 
 
 def _sdpa(name: str):
     def prepare(case: Case, d: AttnInputs, opts) -> Prepared:
-        from torch.nn.attention import sdpa_kernel
+        from torch.nn.attention import SDPBackend, sdpa_kernel
 
         qkv, mask = (d.q, d.k, d.v), d.sdpa_mask
         is_causal = case.causal and mask is None
-        backends = None if name == "sdpa" else [_sdpa_backend(name)]
+        backends = [getattr(SDPBackend, SDPA_BACKENDS[name])] if SDPA_BACKENDS[name] else None
 
         def sdpa():
             with sdpa_kernel(backends) if backends else contextlib.nullcontext():
@@ -197,9 +184,9 @@ def _sdpa(name: str):
     return prepare
 
 
-register("attention", "sdpa", groups=(RAGGED, DENSE))(_sdpa("sdpa"))
-for _name, _groups in (("sdpa-flash", (RAGGED, DENSE, LONG)), ("sdpa-efficient", (RAGGED, DENSE, LONG)),
-                       ("sdpa-cudnn", (RAGGED, DENSE, LONG)), ("sdpa-math", (RAGGED,))):
+for _name, _groups in (("sdpa", (RAGGED, DENSE)), ("sdpa-flash", (RAGGED, DENSE, LONG)),
+                       ("sdpa-efficient", (RAGGED, DENSE, LONG)), ("sdpa-cudnn", (RAGGED, DENSE, LONG)),
+                       ("sdpa-math", (RAGGED,))):
     register("attention", _name, groups=_groups)(_sdpa(_name))
 
 
@@ -211,8 +198,7 @@ def _reference(compile_it: bool):
         if compile_it:
             fn = compiled("attention_reference", attention_reference, opts.compile_backend, None)
             note += f", torch.compile(backend={opts.compile_backend}, dynamic=None)"
-        kw = {"q_lengths": d.lengths_t, "k_lengths": d.lengths_t} if d.lengths_t is not None else {}
-        qkv = (d.q, d.k, d.v)
+        kw, qkv = _lengths_kw(d), (d.q, d.k, d.v)
         return Prepared(lambda: fn(*qkv, causal=case.causal, upcast=False, **kw), qkv, _padded_check(case, d),
                         note=note)
 
@@ -223,9 +209,7 @@ register("attention", "reference", groups=(RAGGED,))(_reference(False))
 register("attention", "reference-compile", groups=(RAGGED,))(_reference(True))
 
 
-# ----------------------------------------------------------------------------------------------
-# Packed corpus group
-# ----------------------------------------------------------------------------------------------
+# -- Packed corpus group ---------------------------------------------------------------------------
 def _ours_tiled(tiling: str):
     def prepare(case: Case, d: CorpusInputs, opts) -> Prepared:
         import kernels
@@ -269,13 +253,11 @@ def segment_ids(cu: torch.Tensor, total: int) -> torch.Tensor:
 def document_mask_mod(doc_q: torch.Tensor, doc_k: torch.Tensor, causal: bool):
     """Flex mask_mod: a query sees the keys of its own segment (and, causal, none after it: within one
     stream a segment's positions are consecutive, so q_idx >= kv_idx is causal inside the segment)."""
-    def same_segment(b, h, q_idx, kv_idx):
-        return doc_q[q_idx] == doc_k[kv_idx]
+    def mask_mod(b, h, q_idx, kv_idx):
+        same = doc_q[q_idx] == doc_k[kv_idx]
+        return same & (q_idx >= kv_idx) if causal else same
 
-    def causal_segment(b, h, q_idx, kv_idx):
-        return (doc_q[q_idx] == doc_k[kv_idx]) & (q_idx >= kv_idx)
-
-    return causal_segment if causal else same_segment
+    return mask_mod
 
 
 @register("attention", "flex", groups=(CORPUS,))

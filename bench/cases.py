@@ -1,10 +1,6 @@
-"""The cases of ``bench.kernels`` (shapes, in priority order) and the inputs each case is timed on.
-
-Groups: ``train-ragged`` / ``train-dense`` (padded training batches with and without padding),
-``long`` (FlashAttention-2's grid), ``corpus`` (one packed batch built exactly as training builds it,
-segment lengths from ``--data-files`` or a log-normal fitted to the stand-in corpus) and ``ln``
-(LayerNorm rows). The shapes of each group: bench/README.md.
-"""
+"""The cases of ``bench.kernels`` (shapes, in priority order) and the inputs each case is timed on:
+padded training batches, FlashAttention-2's long grid, one packed corpus batch built as training builds
+it, LayerNorm rows. The shapes of each group: bench/README.md."""
 
 from __future__ import annotations
 
@@ -107,9 +103,7 @@ def build_cases(*, smoke: bool, only: str | None, groups: Sequence[str] | None =
     return cases
 
 
-# ----------------------------------------------------------------------------------------------
-# Random leaves
-# ----------------------------------------------------------------------------------------------
+# -- Random leaves ---------------------------------------------------------------------------------
 def generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
@@ -120,9 +114,7 @@ def leaf(shape, dtype, device, gen, scale=1.0) -> torch.Tensor:
     return x.mul_(scale).to(dtype).requires_grad_()
 
 
-# ----------------------------------------------------------------------------------------------
-# Padded attention batches (train-ragged, train-dense, long)
-# ----------------------------------------------------------------------------------------------
+# -- Padded attention batches (train-ragged, train-dense, long) ------------------------------------
 @dataclass
 class AttnInputs:
     q: torch.Tensor  # (B, H, T, D) leaf, requires grad
@@ -169,9 +161,7 @@ def make_attention_inputs(case: Case, dtype: torch.dtype, device: torch.device, 
     return inputs
 
 
-# ----------------------------------------------------------------------------------------------
-# Packed corpus batches
-# ----------------------------------------------------------------------------------------------
+# -- Packed corpus batches -------------------------------------------------------------------------
 def lognormal_params(mean: float, p99: float) -> tuple[float, float]:
     """(mu, sigma) of the log-normal with this mean and 99th percentile (the narrower of two solutions)."""
     z = NormalDist().inv_cdf(0.99)
@@ -266,13 +256,8 @@ class CorpusInputs:
     checked: tuple[int, ...] = ()  # segments compared with the fp32 reference
     ref: torch.Tensor | None = None  # their reference output, (tokens, h, D)
 
-    @property
-    def offsets_q(self) -> list[int]:
-        return [0, *np.cumsum(self.lengths_q).tolist()]
-
-    @property
-    def offsets_k(self) -> list[int]:
-        return [0, *np.cumsum(self.lengths_k).tolist()]
+    offsets_q = property(lambda self: [0, *np.cumsum(self.lengths_q).tolist()])  # segment starts
+    offsets_k = property(lambda self: [0, *np.cumsum(self.lengths_k).tolist()])
 
 
 def make_corpus_inputs(case: Case, dtype: torch.dtype, device: torch.device, opts) -> CorpusInputs:
@@ -289,9 +274,7 @@ def make_corpus_inputs(case: Case, dtype: torch.dtype, device: torch.device, opt
                         batch.max_src_len, case.causal, source, checked=tuple(dict.fromkeys((0, real - 1))))
 
 
-# ----------------------------------------------------------------------------------------------
-# LayerNorm rows
-# ----------------------------------------------------------------------------------------------
+# -- LayerNorm rows --------------------------------------------------------------------------------
 @dataclass
 class LNInputs:
     x: torch.Tensor  # (rows, width) leaves, requires grad

@@ -1,7 +1,6 @@
 """The shared start of bench's command lines: common flags, comma-separated choices, data files (the toy
 corpus in smoke runs), a benchmark's run config at smoke scale, its first training batches, and the
-label results give their data.
-"""
+label results give their data."""
 
 from __future__ import annotations
 
@@ -17,10 +16,11 @@ import torch
 SMOKE_DATA = {"vocab_size": 400, "max_len": 32, "valid_size": 40, "test_size": 40}
 
 
-def add_cli_args(p: argparse.ArgumentParser, smoke: str, *, plot: bool = True) -> None:
-    """The flags every run-a-model CLI has: --smoke, --data-files, --out (and --no-plot)."""
+def add_cli_args(p: argparse.ArgumentParser, smoke: str, *, plot: bool = True,
+                 data: str = "local jsonl/parquet/tsv files instead of the Hub") -> None:
+    """The flags every bench CLI that runs a model has: --smoke, --data-files, --out (and --no-plot)."""
     p.add_argument("--smoke", action="store_true", help=f"{smoke} (automatic without CUDA)")
-    p.add_argument("--data-files", nargs="+", metavar="F", help="local jsonl/parquet/tsv files instead of the Hub")
+    p.add_argument("--data-files", nargs="+", metavar="F", help=data)
     p.add_argument("--out", type=Path, help="output folder (default bench/results; a temp dir with --smoke)")
     if plot:
         p.add_argument("--no-plot", action="store_true", help="skip the PNG")

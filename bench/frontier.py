@@ -1,16 +1,9 @@
 """The time-to-quality frontier: validation BLEU against wall seconds, every contestant on the same data
 for the same wall-clock budget.
 
-    python -m bench.frontier [--budget-s 120] [--contestants hf,seeds,s18,default] [--data-files F ...]
-                             [--grace-s S] [--out DIR] [--smoke] [--fresh]
-
-Each contestant (``CONTESTANTS``: the Hugging Face baseline, the seeds' recipe, two fastmt presets) trains
-in its own process until the first step boundary after ``--budget-s`` seconds, then evaluates; the
-points are its ``metrics.jsonl`` epoch rows (``wall_seconds`` since process start, ``bleu``). A failed
-or killed contestant becomes a row saying so and the frontier goes on. Outputs
-``<out>/frontier-<gpu>.{csv,md,png}``; the csv keeps contestants not run this time (``--fresh``
-resets it). Details: bench/README.md.
-"""
+Each contestant (``CONTESTANTS``) trains in its own process until the first step boundary after
+``--budget-s`` seconds, then evaluates; its points are its ``metrics.jsonl`` epoch rows, a failure is a
+row saying so. Outputs ``<out>/frontier-<gpu>.{csv,md,png}``; details: bench/README.md."""
 
 from __future__ import annotations
 
@@ -82,9 +75,7 @@ def command(c: Contestant, *, budget_s: float, run_name: str, out_dir: Path, dat
     return cmd + extra
 
 
-# ----------------------------------------------------------------------------------------------
-# Running one contestant
-# ----------------------------------------------------------------------------------------------
+# -- Running one contestant ------------------------------------------------------------------------
 def run_contestant(c: Contestant, cmd: list[str], log_path: Path, *, timeout_s: float,
                    log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run ``cmd`` (its own process group, output to ``log_path``); returns status, returncode, seconds."""
@@ -131,9 +122,7 @@ def contestant_rows(c: Contestant, result: Mapping[str, Any], run_dir: Path, log
     return rows or [{**common, "status": status, "error": error}]
 
 
-# ----------------------------------------------------------------------------------------------
-# Summaries, writers
-# ----------------------------------------------------------------------------------------------
+# -- Summaries, writers ----------------------------------------------------------------------------
 def _num(v: Any) -> float | None:
     try:
         x = float(v)
@@ -166,8 +155,7 @@ def summarize(rows: Sequence[Mapping[str, Any]], thresholds: Sequence[float] = T
             best = max(p, key=lambda xy: (xy[1], -xy[0]))
             s.update(best_bleu=best[1], best_wall_seconds=best[0], last_wall_seconds=p[-1][0], last_bleu=p[-1][1])
         for t in thresholds:
-            hit = next((x for x, y in p if y >= t), None)
-            s[f"time_to_{t:g}"] = hit
+            s[f"time_to_{t:g}"] = next((x for x, y in p if y >= t), None)
         s["error"] = next((str(r.get("error")) for r in mine if r.get("error")), "")
         out.append(s)
     return out
@@ -239,9 +227,7 @@ def write_outputs(rows: list[dict[str, Any]], prov: Mapping[str, Any], corpus: s
                            (lambda path: frontier_plot(rows, path, title=title)) if plot else None)
 
 
-# ----------------------------------------------------------------------------------------------
-# The frontier
-# ----------------------------------------------------------------------------------------------
+# -- The frontier ----------------------------------------------------------------------------------
 def corpus_of(data_files: Sequence[str]) -> str:
     """The label of the contestants' data: the files given, else ``$FASTMT_DATA_FILES``, else the Hub's."""
     files = list(data_files) or os.environ.get("FASTMT_DATA_FILES", "").split()
@@ -320,24 +306,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not budget > 0:
         p.error(f"--budget-s {budget} must be > 0")
     grace = a.grace_s if a.grace_s is not None else max(60.0, budget / 2)
-    work = work_dir(a, "fastmt-frontier-")
-    out = a.out or (work / "out" if a.smoke else H.RESULTS_DIR)
-    device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
-    prov, corpus = H.provenance(device), corpus_of(files)
-    print(f"[frontier] {len(names)} contestants x {budget:g} s (+ up to {grace:g} s each to finish), "
-          f"{corpus}, work dir {work}", flush=True)
-
-    def checkpoint(rows_so_far):  # partial outputs after every contestant (no PNG)
-        write_outputs(rows_so_far, prov, corpus, out, smoke=a.smoke, fresh=a.fresh, plot=False)
-
-    rows = run_frontier(names, budget_s=budget, grace_s=grace, data_files=files, work=work, smoke=a.smoke,
-                        on_row=checkpoint)
-    paths = write_outputs(rows, prov, corpus, out, smoke=a.smoke, fresh=a.fresh, plot=not a.no_plot)
-    summ = summarize(rows)
     cols = ("contestant", "status", "points", "best_bleu", "best_wall_seconds", "last_wall_seconds")
-    print(H.text_table(summ, cols), flush=True)
+    return run_cli(a, names, name="frontier", budget=budget, grace=grace, files=files, corpus=corpus_of(files),
+                   header=f"{len(names)} contestants x {budget:g} s (+ up to {grace:g} s each to finish)",
+                   conclude=lambda rows: H.text_table(summarize(rows), cols), plot=not a.no_plot)
+
+
+def run_cli(a: argparse.Namespace, contestants: Sequence[str | Contestant], *, name: str, budget: float,
+            grace: float, files: Sequence[str], corpus: str, header: str, conclude: Callable[[list], str],
+            plot: bool, markdown: Callable[..., str] | None = None) -> int:
+    """The shared end of the frontier's and the sweep's command lines: run the contestants, rewrite the
+    outputs after each (no PNG until the end), print ``conclude(rows)`` and the paths."""
+    work = work_dir(a, f"fastmt-{name}-")
+    out = a.out or (work / "out" if a.smoke else H.RESULTS_DIR)
+    prov = H.provenance(torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu"))
+    print(f"[{name}] {header}, {corpus}, work dir {work}", flush=True)
+
+    def write(rows, plot):
+        return write_outputs(rows, prov, corpus, out, smoke=a.smoke, fresh=a.fresh, plot=plot, name=name,
+                             markdown=markdown)
+
+    rows = run_frontier(contestants, budget_s=budget, grace_s=grace, data_files=files, work=work, smoke=a.smoke,
+                        on_row=lambda r: write(r, False), prefix=name)
+    paths = write(rows, plot)
+    print(conclude(rows), flush=True)
     for kind, path in paths.items():
-        print(f"[frontier] {kind}: {path}")
+        print(f"[{name}] {kind}: {path}")
     return 0 if any(r.get("status") == "ok" for r in rows) else 1
 
 

@@ -1,9 +1,5 @@
-"""The shared harness of bench/: timing, device ceilings, FLOP/byte counts, provenance, result files.
-
-One result is one ``dict`` row carrying the GPU, versions and git sha (``provenance``). The CLIs write
-``<out>/<name>-<gpu>.csv`` with a markdown table and a PNG beside it (``write_results``, tables,
-figures). The timing protocol and the counting conventions are in bench/README.md.
-"""
+"""The shared harness of bench/: timing, device ceilings, FLOP/byte counts, provenance, result files
+(``<out>/<name>-<gpu>.{csv,md,png}``). The timing protocol and counting conventions: bench/README.md."""
 
 from __future__ import annotations
 
@@ -34,9 +30,7 @@ QUANTILES = (0.5, 0.2, 0.8)  # median, p20, p80
 Row = dict[str, Any]
 
 
-# ----------------------------------------------------------------------------------------------
-# Timing
-# ----------------------------------------------------------------------------------------------
+# -- Timing ----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Timing:
     """Milliseconds per call: median and the 20th / 80th percentiles."""
@@ -46,35 +40,22 @@ class Timing:
     p80: float
 
 
-def bench(
-    fn: Callable[[], Any],
-    *,
-    device: torch.device | str = "cuda",
-    warmup_ms: float = 25.0,
-    rep_ms: float = 100.0,
-    grad_to_none: Sequence[torch.Tensor] | None = None,
-) -> Timing:
+def bench(fn: Callable[[], Any], *, device: torch.device | str = "cuda", warmup_ms: float = 25.0,
+          rep_ms: float = 100.0, grad_to_none: Sequence[torch.Tensor] | None = None) -> Timing:
     """Time ``fn()``; ``grad_to_none`` tensors get ``.grad = None`` before every timed repetition.
 
-    CUDA: ``triton.testing.do_bench`` (its first call, a 5-call estimate and ``warmup_ms`` of
-    warm-up are untimed; then ``rep_ms`` worth of repetitions, each after an L2 flush).
-    CPU: the same protocol with ``time.perf_counter`` (3 to 1000 repetitions).
-    """
-    device = torch.device(device)
-    grads = list(grad_to_none) if grad_to_none is not None else None
-    if device.type == "cuda":
+    CUDA: ``triton.testing.do_bench`` (the protocol is in bench/README.md); CPU: the same protocol with
+    ``time.perf_counter`` (``repeat``, 3 to 1000 repetitions)."""
+    grads = list(grad_to_none or ())
+    if torch.device(device).type == "cuda":
         import triton.testing
 
-        ms, p20, p80 = triton.testing.do_bench(
-            fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=grads, quantiles=list(QUANTILES)
-        )
+        ms, p20, p80 = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=grads,
+                                               quantiles=list(QUANTILES))
         return Timing(float(ms), float(p20), float(p80))
-    return _bench_wallclock(fn, warmup_ms=warmup_ms, rep_ms=rep_ms, grad_to_none=grads)
 
-
-def _bench_wallclock(fn, *, warmup_ms, rep_ms, grad_to_none) -> Timing:
     def once() -> float:
-        for t in grad_to_none or ():
+        for t in grads:
             t.grad = None
         t0 = time.perf_counter()
         fn()
@@ -114,9 +95,8 @@ def synchronize(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
-def peak_memory_mb(
-    fn: Callable[[], Any], device: torch.device | str, grad_to_none: Sequence[torch.Tensor] = ()
-) -> float:
+def peak_memory_mb(fn: Callable[[], Any], device: torch.device | str,
+                   grad_to_none: Sequence[torch.Tensor] = ()) -> float:
     """Peak allocated device memory (MiB) during one call of ``fn`` (live inputs included); NaN on CPU."""
     device = torch.device(device)
     if device.type != "cuda":
@@ -157,9 +137,7 @@ def dynamo_counters() -> dict[str, Any]:
             "reasons": [" ".join(k.split())[:300] + f" (x{v})" for k, v in breaks.items()]}
 
 
-# ----------------------------------------------------------------------------------------------
-# Device ceilings, measured in the same run
-# ----------------------------------------------------------------------------------------------
+# -- Device ceilings, measured in the same run -----------------------------------------------------
 @dataclass(frozen=True)
 class Peaks:
     copy_gbps: float  # device-to-device copy, bytes read + bytes written
@@ -172,59 +150,34 @@ class Peaks:
         return {"peak_gbps": self.copy_gbps, "peak_tflops": self.matmul_tflops}
 
 
-def measure_peaks(
-    device: torch.device | str,
-    *,
-    dtype: torch.dtype = torch.bfloat16,
-    copy_bytes: int | None = None,
-    matmul_n: int | None = None,
-    warmup_ms: float = 25.0,
-    rep_ms: float = 100.0,
-) -> Peaks:
+def measure_peaks(device: torch.device | str, *, dtype: torch.dtype = torch.bfloat16, copy_bytes: int | None = None,
+                  matmul_n: int | None = None, warmup_ms: float = 25.0, rep_ms: float = 100.0) -> Peaks:
     """Copy bandwidth and matmul rate of ``device`` (defaults: 1 GiB and n=8192 on CUDA; small on CPU);
     the matmul is ``models.flops.matmul_flops``, the measurement MFU falls back on, timed with ``bench``."""
     device = torch.device(device)
     on_cuda = device.type == "cuda"
     copy_bytes = copy_bytes or (2**30 if on_cuda else 16 * 2**20)
     matmul_n = matmul_n or (8192 if on_cuda else 256)
-    t_copy = _time_copy(copy_bytes, device, warmup_ms, rep_ms)
+    src = torch.randint(0, 255, (copy_bytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    t_copy = bench(lambda: dst.copy_(src), device=device, warmup_ms=warmup_ms, rep_ms=rep_ms)
     matmul = matmul_flops(device, dtype, n=matmul_n, timer=lambda fn: bench(
         fn, device=device, warmup_ms=warmup_ms, rep_ms=rep_ms).ms)
     return Peaks(copy_gbps=gbps(2 * copy_bytes, t_copy.ms), matmul_tflops=matmul / 1e12, copy_bytes=copy_bytes,
                  matmul_n=matmul_n, dtype=str(dtype).removeprefix("torch."))
 
 
-def _time_copy(nbytes: int, device: torch.device, warmup_ms: float, rep_ms: float) -> Timing:
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    return bench(lambda: dst.copy_(src), device=device, warmup_ms=warmup_ms, rep_ms=rep_ms)
-
-
-# ----------------------------------------------------------------------------------------------
-# Counting: FLOPs and bytes
-# ----------------------------------------------------------------------------------------------
+# -- Counting: FLOPs and bytes ---------------------------------------------------------------------
 def _as_list(x: int | Sequence[int] | torch.Tensor) -> list[int]:
-    if isinstance(x, torch.Tensor):
-        return [int(v) for v in x.tolist()]
-    if isinstance(x, int):
-        return [x]
-    return [int(v) for v in x]
+    return [int(v) for v in (x.tolist() if isinstance(x, torch.Tensor) else [x] if isinstance(x, int) else x)]
 
 
-def attention_flops(
-    q_lengths: int | Sequence[int] | torch.Tensor,
-    k_lengths: int | Sequence[int] | torch.Tensor,
-    n_heads: int,
-    head_dim: int,
-    *,
-    causal: bool,
-    mode: str = "fwd",
-) -> float:
-    """FLOPs of attention on real positions (FlashAttention-2's convention, see module docstring).
+def attention_flops(q_lengths: int | Sequence[int] | torch.Tensor, k_lengths: int | Sequence[int] | torch.Tensor,
+                    n_heads: int, head_dim: int, *, causal: bool, mode: str = "fwd") -> float:
+    """FLOPs of attention on real positions (FlashAttention-2's convention, bench/README.md).
 
     ``q_lengths``/``k_lengths``: one length per sequence (an int means one sequence).
-    Forward = 4 * H * D * sum_b(Lq_b * Lk_b), / 2 when causal; bwd 2.5x, fwd+bwd 3.5x.
-    """
+    Forward = 4 * H * D * sum_b(Lq_b * Lk_b), / 2 when causal; bwd 2.5x, fwd+bwd 3.5x."""
     if mode not in ATTENTION_MODE_FACTOR:
         raise ValueError(f"mode={mode!r} is not one of {tuple(ATTENTION_MODE_FACTOR)}")
     lq, lk = _as_list(q_lengths), _as_list(k_lengths)
@@ -235,24 +188,15 @@ def attention_flops(
     return fwd * ATTENTION_MODE_FACTOR[mode]
 
 
-def layer_norm_bytes(
-    rows: int,
-    width: int,
-    *,
-    mode: str = "fwd",
-    elem_bytes: int = 2,
-    param_bytes: int | None = None,
-    residual: bool = True,
-    bias: bool = True,
-) -> int:
+def layer_norm_bytes(rows: int, width: int, *, mode: str = "fwd", elem_bytes: int = 2, param_bytes: int | None = None,
+                     residual: bool = True, bias: bool = True) -> int:
     """Fewest bytes fused ``y = act(LayerNorm(x + r) * w + b)`` (returning ``s = x + r``) must move.
 
     fwd: read x (and r), w (and b); write y (and s).
     bwd: read dy (and ds, the gradient arriving at s from the residual stream), s (x when there is
          no residual), w (and b, needed for the activation's derivative); write dx -- one tensor, it
          is also d(residual) -- and dw (and db).
-    fwd+bwd: the sum. Mean and rstd (8 bytes per row) are not counted: a kernel may recompute them.
-    """
+    fwd+bwd: the sum. Mean and rstd (8 bytes per row) are not counted: a kernel may recompute them."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not one of {MODES}")
     param_bytes = elem_bytes if param_bytes is None else param_bytes
@@ -272,9 +216,7 @@ def gbps(nbytes: float, ms: float) -> float:
     return nbytes / (ms * 1e-3) / 1e9 if ms and ms > 0 else float("nan")
 
 
-# ----------------------------------------------------------------------------------------------
-# Provenance
-# ----------------------------------------------------------------------------------------------
+# -- Provenance ------------------------------------------------------------------------------------
 _VENDOR_WORDS = {"nvidia", "geforce", "tesla", "quadro", "amd", "instinct", "radeon", "intel"}
 _MEMORY_WORDS = re.compile(r"^(\d+gb|hbm\d*e?|gddr\d*x?|sxm\d*)$")
 
@@ -285,13 +227,6 @@ def gpu_slug(name: str) -> str:
     words = re.sub(r"[^a-z0-9]+", " ", name.lower()).split()
     words = [w for w in words if w not in _VENDOR_WORDS and not _MEMORY_WORDS.match(w)]
     return "-".join(words) or "gpu"
-
-
-def device_name(device: torch.device | str) -> str:
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return "cpu"
 
 
 def _nvidia_driver() -> str:
@@ -309,20 +244,14 @@ def provenance(device: torch.device | str) -> Row:
     from train.metrics import environment, git_sha
 
     device = torch.device(device)
-    env, sha, name = environment(), git_sha() or "unknown", device_name(device)
-    row: Row = {
-        "timestamp": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "gpu": name,
-        "gpu_slug": gpu_slug(name),
-        "torch": env["torch"],
-        "triton": env["triton"] or "",
-        "cuda": env["cuda"] or "",
-        "driver": _nvidia_driver() if device.type == "cuda" else "",
-        "python": env["python"],
-        "git_sha": sha.removesuffix("-dirty"),
-        "git_dirty": "yes" if sha.endswith("-dirty") else ("" if sha == "unknown" else "no"),
-    }
-    if device.type == "cuda":
+    cuda = device.type == "cuda"
+    env, sha, name = environment(), git_sha() or "unknown", torch.cuda.get_device_name(device) if cuda else "cpu"
+    row: Row = {"timestamp": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "gpu": name,
+                "gpu_slug": gpu_slug(name), "torch": env["torch"], "triton": env["triton"] or "",
+                "cuda": env["cuda"] or "", "driver": _nvidia_driver() if cuda else "", "python": env["python"],
+                "git_sha": sha.removesuffix("-dirty"),
+                "git_dirty": "yes" if sha.endswith("-dirty") else ("" if sha == "unknown" else "no")}
+    if cuda:
         props = torch.cuda.get_device_properties(device)
         row["sm_count"] = props.multi_processor_count
         row["gpu_mem_gb"] = round(props.total_memory / 1e9, 1)
@@ -332,9 +261,7 @@ def provenance(device: torch.device | str) -> Row:
 PROVENANCE_COLUMNS = ("gpu", "gpu_slug", "torch", "triton", "cuda", "driver", "python", "git_sha", "git_dirty")
 
 
-# ----------------------------------------------------------------------------------------------
-# Writers: CSV (appended), markdown, console table, plots
-# ----------------------------------------------------------------------------------------------
+# -- Writers: CSV (appended), markdown, console table, plots ---------------------------------------
 def result_path(out_dir: Path | str, name: str, slug: str, ext: str) -> Path:
     """``<out_dir>/<name>-<slug>.<ext>``, e.g. ``bench/results/kernels-h100.csv``."""
     return Path(out_dir) / f"{name}-{slug}.{ext}"
@@ -354,8 +281,7 @@ def append_csv(path: Path | str, rows: Iterable[Mapping[str, Any]], columns: Seq
     """Append ``rows`` to ``path``; header = ``columns`` then any other keys in first-seen order.
 
     If the file exists with a different header, it is rewritten once with the union of both, so
-    older rows keep their values under new columns (empty where they had none).
-    """
+    older rows keep their values under new columns (empty where they had none)."""
     path = Path(path)
     rows = [dict(r) for r in rows]
     header = list(columns)
@@ -473,7 +399,7 @@ def new_figure(nrows: int, ncols: int, *, width: float = 5.2, height: float = 3.
 
 
 def line_panel(ax, series: Mapping[str, Sequence[tuple[float, float]]], *, title: str, xlabel: str,
-               ylabel: str, logx: bool = True, styles: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+               ylabel: str, logx: bool = True) -> None:
     """One line per label through its (x, y) points; empty panels say so."""
     drawn = False
     for label, pts in series.items():
@@ -481,7 +407,7 @@ def line_panel(ax, series: Mapping[str, Sequence[tuple[float, float]]], *, title
         if not pts:
             continue
         xs, ys = zip(*pts)
-        ax.plot(xs, ys, marker="o", label=label, **(styles or {}).get(label, {}))
+        ax.plot(xs, ys, marker="o", label=label)
         drawn = True
     if logx and drawn:
         ax.set_xscale("log", base=2)

@@ -1,14 +1,8 @@
 """Kernel benchmarks: our Triton attention and fused LayerNorm against what PyTorch offers.
 
-    python -m bench.kernels [--smoke] [--only attention|layernorm] [--groups G,...] [--out DIR]
-                            [--budget-s S] [--providers P,...] [--modes M,...] [--data-files F ...]
-
-The command line only: one row per case x provider x mode appended to ``kernels-<gpu>.csv``, with this
-run's markdown and PNG beside it. Cases: ``bench.cases``; providers: ``bench.attention``,
-``bench.layernorm`` over ``bench.registry``; running: ``bench.runner``; outputs: ``bench.report``.
-``--smoke`` (automatic without CUDA): tiny shapes, written to a temp dir, Triton providers skipped
-unless ``--cpu-triton``.
-"""
+The command line only: one row per case x provider x mode appended to ``kernels-<gpu>.csv``, this run's
+markdown and PNG beside it. ``--smoke`` (automatic without CUDA): tiny shapes in a temp dir. Layout and
+options: bench/README.md."""
 
 from __future__ import annotations
 
@@ -33,10 +27,10 @@ from bench.cases import CORPUS_TOKENS, GROUPS, LENGTH_MEAN, LENGTH_P99
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="tiny shapes in seconds (automatic without CUDA)")
+    cli.add_cli_args(p, "tiny shapes in seconds",
+                     data="corpus cases: segment lengths of this corpus's train split (default: generated log-normal)")
     p.add_argument("--only", choices=("attention", "layernorm"), help="one benchmark")
     p.add_argument("--groups", help=f"comma-separated case groups: {','.join(GROUPS)} (default: all)")
-    p.add_argument("--out", type=Path, help="output folder (default bench/results; a temp dir with --smoke)")
     p.add_argument("--providers", help="comma-separated subset of providers")
     p.add_argument("--provider-module", dest="provider_modules", action="append", default=[], metavar="MODULE",
                    help="import MODULE first: it registers more providers (bench.registry.register); repeatable")
@@ -47,8 +41,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"), help="input dtype")
     p.add_argument("--min-fill", type=float, default=0.5,
                    help="ragged lengths are uniform in [min_fill*T, T] (default 0.5)")
-    p.add_argument("--data-files", nargs="+", metavar="FILE",
-                   help="corpus cases: segment lengths of this corpus's train split (default: generated log-normal)")
     p.add_argument("--length-mean", type=float, default=LENGTH_MEAN,
                    help=f"generated segment lengths: mean tokens per side (default {LENGTH_MEAN:g})")
     p.add_argument("--length-p99", type=float, default=LENGTH_P99,
@@ -59,7 +51,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--isolate", choices=("auto", "process", "none"), default="auto",
                    help="run cases in a worker process (auto: on CUDA)")
     p.add_argument("--cpu-triton", action="store_true", help="run our Triton providers on CPU (interpreter)")
-    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     opts = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     if opts.cpu_triton and not cuda:

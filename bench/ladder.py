@@ -1,15 +1,8 @@
 """The speedup ladder: one training technique at a time, every rung on the same data and device.
 
-    python -m bench.ladder [--smoke] [--data-files F ...] [--steps N] [--warmup N] [--out DIR]
-                           [--rungs 0,1,2,...] [--budget-s S] [--cap-s S] [--max-tokens N] [--no-readme]
-
-Each rung is the ``baseline`` preset plus named switches (``SWITCHES``), built from scratch on one shared
-data bundle and compared with the rung that has its switches minus its own technique (``compare``).
-Per rung: untimed warm-up steps (compilation lands there), then timed optimizer steps of a fresh
-``Trainer``; a rung that fails, passes its time cap or compiles while timed becomes a row saying so.
-Outputs ``<out>/ladder-<gpu>.{csv,md,png}`` and, on a full run, the README's ladder section. The rungs,
-the protocol and every column: bench/README.md.
-"""
+Each rung is the ``baseline`` preset plus named switches (``SWITCHES``), timed on a fresh ``Trainer`` after
+untimed warm-up and compared with the rung without its technique (``compare``); a rung that fails becomes
+a row saying so. Outputs ``<out>/ladder-<gpu>.{csv,md,png}``; protocol and columns: bench/README.md."""
 
 from __future__ import annotations
 
@@ -41,9 +34,7 @@ BATCHING_FIELDS = frozenset({"batching", "max_tokens", "batch_size", "seq_len", 
                              "seed", "num_workers", "pin_memory", "prefetch_factor"})
 
 
-# ----------------------------------------------------------------------------------------------
-# Rungs
-# ----------------------------------------------------------------------------------------------
+# -- Rungs -----------------------------------------------------------------------------------------
 # Named switches: each a set of overrides (CLI syntax) on top of the baseline preset.
 SWITCHES: dict[str, dict[str, str]] = {
     "bf16": {"run.precision": "bf16"},
@@ -114,9 +105,7 @@ def select_rungs(spec: str | None, rungs: Sequence[Rung] = RUNGS) -> list[Rung]:
     return [r for r in rungs if r.id in wanted or r.id == "0"]
 
 
-# ----------------------------------------------------------------------------------------------
-# Configuration of one rung
-# ----------------------------------------------------------------------------------------------
+# -- Configuration of one rung ---------------------------------------------------------------------
 @dataclass
 class LadderSettings:
     """Everything a run holds fixed; built once from the command line."""
@@ -183,12 +172,6 @@ def adapt_overrides(overrides: dict[str, str], base, device: torch.device) -> tu
     return out, notes
 
 
-def build_rung_config(base, overrides: dict[str, str]):
-    from train.config import apply_overrides
-
-    return apply_overrides(copy.deepcopy(base), dict(overrides))
-
-
 def bundle_view(bundle, data_cfg):
     """The shared bundle with another batching configuration (same corpus, split, tokenizer, arrays)."""
     a, b = dataclasses.asdict(bundle.cfg), dataclasses.asdict(data_cfg)
@@ -200,9 +183,7 @@ def bundle_view(bundle, data_cfg):
     return view
 
 
-# ----------------------------------------------------------------------------------------------
-# Measuring one rung
-# ----------------------------------------------------------------------------------------------
+# -- Measuring one rung ----------------------------------------------------------------------------
 def free_memory(device: torch.device) -> None:
     """Between rungs: drop compiled code and cached blocks so a rung never inherits the last one's,
     and put torch's fp32 matmul precision back to "highest" (a bf16 rung's Trainer allows TF32)."""
@@ -239,9 +220,8 @@ def sdpa_backend(cfg, batch, device: torch.device) -> str:
         q = torch.randn(B, heads, tq, D, device=device, dtype=dtype, requires_grad=True)
         k = torch.randn(B, heads, tk, D, device=device, dtype=dtype, requires_grad=True)
         names[part] = H.sdpa_choice(q, k, k, visibility_mask(tq, tk, lq, lk, causal)).lower()
-    if len(set(names.values())) == 1:
-        return next(iter(names.values()))
-    return " ".join(f"{k}:{v}" for k, v in names.items())
+    same = len(set(names.values())) == 1
+    return next(iter(names.values())) if same else " ".join(f"{k}:{v}" for k, v in names.items())
 
 
 def measure_rung(cfg, bundle, s: LadderSettings, *, cap_s: float | None = None) -> dict[str, Any]:
@@ -319,37 +299,20 @@ def measure_rung(cfg, bundle, s: LadderSettings, *, cap_s: float | None = None) 
     tps = real / wall
     p50, p20, p80 = H.quantiles(step_ms, H.QUANTILES)
     recompiles = counts["graphs"] - graphs_before if compiled else None
+    n = len(timed)
     out = {
-        "status": "invalid" if recompiles else "ok",
-        "tokens_per_second": tps,
-        "tgt_tokens_per_second": tgt / wall,
-        "step_ms": wall * 1e3 / len(timed),
-        "step_ms_p50": p50,
-        "step_ms_p20": p20,
-        "step_ms_p80": p80,
-        "epoch_seconds_projected": epoch_real / tps,
-        "peak_memory_gb": peak_gb,
+        "status": "invalid" if recompiles else "ok", "tokens_per_second": tps, "tgt_tokens_per_second": tgt / wall,
+        "step_ms": wall * 1e3 / n, "step_ms_p50": p50, "step_ms_p20": p20, "step_ms_p80": p80,
+        "epoch_seconds_projected": epoch_real / tps, "peak_memory_gb": peak_gb,
         "padding_fraction": 1.0 - real / computed if computed else 0.0,
-        "epoch_padding_fraction": stats.padding_fraction,
-        "model_tflops": flops / wall / 1e12,
-        "mfu": mfu(flops / wall, peak),
-        "peak_dtype": peak_dtype,
-        "peak_tflops": peak / 1e12 if peak is not None else float("nan"),
-        "mfu_note": peak_note,
-        "sdpa_backend": sdpa,
-        "graphs": counts["graphs"] if compiled else None,
-        "graph_breaks": counts["graph_breaks"] if compiled else None,
-        "recompiles_timed": recompiles,
-        "warmup_s": warmup_s,
-        "steps": len(timed),
-        "warmup": len(warm),
-        "real_tokens_per_step": real / len(timed),
-        "sentences_per_step": sentences / len(timed),
-        "epoch_real_tokens": epoch_real,
-        "epoch_batches": stats.batches,
-        "final_loss": final_loss,
-        "params_unique": params.get("unique"),
-        "params_applied": params.get("applied"),
+        "epoch_padding_fraction": stats.padding_fraction, "model_tflops": flops / wall / 1e12,
+        "mfu": mfu(flops / wall, peak), "peak_dtype": peak_dtype,
+        "peak_tflops": peak / 1e12 if peak is not None else float("nan"), "mfu_note": peak_note,
+        "sdpa_backend": sdpa, "graphs": counts["graphs"] if compiled else None,
+        "graph_breaks": counts["graph_breaks"] if compiled else None, "recompiles_timed": recompiles,
+        "warmup_s": warmup_s, "steps": n, "warmup": len(warm), "real_tokens_per_step": real / n,
+        "sentences_per_step": sentences / n, "epoch_real_tokens": epoch_real, "epoch_batches": stats.batches,
+        "final_loss": final_loss, "params_unique": params.get("unique"), "params_applied": params.get("applied"),
     }
     if recompiles:
         out["error"] = f"invalid: {recompiles} graph(s) compiled during the timed steps"
@@ -360,9 +323,7 @@ def _pct(v: Any) -> str:
     return f"{100 * v:.1f}%" if isinstance(v, (int, float)) and not math.isnan(v) else "-"
 
 
-# ----------------------------------------------------------------------------------------------
-# The ladder
-# ----------------------------------------------------------------------------------------------
+# -- The ladder ------------------------------------------------------------------------------------
 COLUMNS = (
     "rung", "technique", "parent", "status", "tokens_per_second", "speedup_vs_baseline", "speedup_vs_previous",
     "step_ms", "step_ms_p20", "step_ms_p80", "epoch_seconds_projected", "peak_memory_gb", "padding_fraction",
@@ -397,24 +358,11 @@ def add_speedups(rows: list[dict[str, Any]]) -> None:
         r["speedup_vs_previous"] = ratio(mine, tps.get(r.get("parent") or ""))
 
 
-def rung_cap(rung: Rung, overrides: dict[str, str], s: LadderSettings) -> float:
-    """The rung's own cap, else ``s.cap_s`` for an eager rung and twice that for a compiled one."""
-    if rung.cap_s is not None:
-        return rung.cap_s
-    return s.cap_s * (2 if overrides.get("run.compile", "false") == "true" else 1)
-
-
 def _failure(e: Exception) -> tuple[str, str]:
     """(status, error) of a rung that raised: capped, out of memory, an unsupported setting, or an error."""
-    if isinstance(e, RungCapped):
-        status, kind = "capped", "capped"
-    elif isinstance(e, torch.OutOfMemoryError):
-        status, kind = "error", "out of memory"
-    elif isinstance(e, (ValueError, TypeError, NotImplementedError)):
-        status, kind = "error", "unsupported"
-    else:
-        status, kind = "error", "error"
-    return status, f"{kind}: {' '.join(f'{type(e).__name__}: {e}'.split())[:400]}"
+    kind = ("capped" if isinstance(e, RungCapped) else "out of memory" if isinstance(e, torch.OutOfMemoryError)
+            else "unsupported" if isinstance(e, (ValueError, TypeError, NotImplementedError)) else "error")
+    return "capped" if kind == "capped" else "error", f"{kind}: {' '.join(f'{type(e).__name__}: {e}'.split())[:400]}"
 
 
 def run_ladder(s: LadderSettings, rungs: Sequence[Rung] = RUNGS, log: Callable[[str], None] = print,
@@ -427,6 +375,7 @@ def run_ladder(s: LadderSettings, rungs: Sequence[Rung] = RUNGS, log: Callable[[
     the time spent plus its estimated cost (its cap, or less: the costliest earlier rung of the same
     kind, compiled or eager) would pass the budget, and no rung's cap reaches past the budget."""
     from data import build_data
+    from train.config import apply_overrides
 
     t_start = time.perf_counter()
     torch.set_float32_matmul_precision("highest")
@@ -461,7 +410,7 @@ def run_ladder(s: LadderSettings, rungs: Sequence[Rung] = RUNGS, log: Callable[[
             notes.append(f"compared with rung {parent or '-'}: rung {rung.compare} did not run")
         elapsed = time.perf_counter() - t_start
         compiled = overrides.get("run.compile", "false") == "true"
-        cap = rung_cap(rung, overrides, s)
+        cap = rung.cap_s if rung.cap_s is not None else s.cap_s * (2 if compiled else 1)  # compiled: twice
         estimate = min(cap, cost.get(compiled, max(cost.values(), default=0.0)))
         if rung.cuda_only and s.device.type != "cuda":
             row.update(status="skipped", note="; ".join(notes + ["CUDA only"]))
@@ -477,7 +426,7 @@ def run_ladder(s: LadderSettings, rungs: Sequence[Rung] = RUNGS, log: Callable[[
             notes += subs
             log(f"[ladder] rung {rung.id}: {rung.name} {json.dumps(eff, sort_keys=True)} (cap {cap:.0f} s)")
             try:
-                cfg = build_rung_config(base, eff)
+                cfg = apply_overrides(copy.deepcopy(base), dict(eff))
                 row.update(config_columns(cfg))
                 row.update(measure_rung(cfg, bundle, s, cap_s=cap))
                 if row["status"] == "ok":
@@ -514,9 +463,7 @@ def write_outputs(rows: list[dict[str, Any]], ctx: dict[str, Any], out: Path, *,
                            (lambda path: report.ladder_plot(rows, path, title=title)) if plot else None)
 
 
-# ----------------------------------------------------------------------------------------------
-# Command line
-# ----------------------------------------------------------------------------------------------
+# -- Command line ----------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.ladder", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -557,10 +504,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush_denormals()
     rungs = select_rungs(a.rungs)
 
-    def checkpoint(rows_so_far, ctx_so_far):  # partial outputs after every rung (no PNG: seconds each)
-        write_outputs(rows_so_far, ctx_so_far, s.out, smoke=s.smoke, plot=False)
-
-    rows, ctx = run_ladder(s, rungs, on_row=checkpoint)
+    # partial outputs after every rung (no PNG: seconds each)
+    rows, ctx = run_ladder(s, rungs, on_row=lambda r, c: write_outputs(r, c, s.out, smoke=s.smoke, plot=False))
     paths = write_outputs(rows, ctx, s.out, smoke=s.smoke, plot=not a.no_plot)
     print(report.ladder_table(rows, text=True), flush=True)
     for kind, path in paths.items():

@@ -1,8 +1,5 @@
-"""LayerNorm providers of ``bench.kernels``: ``y = GELU(LayerNorm(x + r))`` returning ``(y, s = x + r)``.
-
-``ours`` (the fused Triton kernel), ``eager`` (add + F.layer_norm + F.gelu) and ``compile``
-(``torch.compile`` of the reference, one static graph per shape). Counted: the fewest bytes moved.
-"""
+"""LayerNorm providers of ``bench.kernels``: ``y = GELU(LayerNorm(x + r))`` returning ``(y, s = x + r)``:
+``ours`` (fused Triton), ``eager`` and ``compile`` (of the reference). Counted: the fewest bytes moved."""
 
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
 """The Hugging Face baseline (../shared/gpu/PEERS.md §1), trained on fastmt's own data and validated as fastmt is.
 
-    python -m bench.peers [--preset s18] [--data-files F ...] [--epochs 18] [--batch-size 128]
-                          [--max-wall-seconds S] [--max-steps N] [--name hf-marian] [--out-dir runs]
-                          [--no-test] [--section.field value ...]
-
-What a user would write instead of fastmt: ``transformers.MarianMTModel`` from scratch at the preset's
-size with fastmt's tokenizer, trained with the ``Seq2SeqTrainer`` recipe (``PeerRecipe``) written out as
-a plain loop on the splits ``data.build_data`` gives fastmt, and validated with fastmt's protocol (the
-preset's ``cfg.eval``). Rows go to ``<out-dir>/<name>/metrics.jsonl`` in fastmt's format, so
-bench/frontier.py reads both alike. Needs the ``peers`` extra (transformers, accelerate); details in
-bench/README.md.
-"""
+``transformers.MarianMTModel`` at the preset's size with fastmt's tokenizer, the ``Seq2SeqTrainer`` recipe
+(``PeerRecipe``) as a plain loop, rows in fastmt's ``metrics.jsonl`` format so bench/frontier.py reads both
+alike. Needs the ``peers`` extra (transformers, accelerate); details in bench/README.md."""
 
 from __future__ import annotations
 
@@ -53,28 +45,23 @@ class PeerRecipe:
     max_wall_seconds: float | None = None  # stop at a step boundary after this many seconds since process start
 
     def __post_init__(self):
-        for name in ("epochs", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if not self.lr > 0:
-            raise ValueError(f"lr={self.lr} must be > 0")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"max_steps={self.max_steps} must be >= 1 or None")
-        if self.max_wall_seconds is not None and not self.max_wall_seconds > 0:
-            raise ValueError(f"max_wall_seconds={self.max_wall_seconds} must be > 0 or None")
+        for name, ok, rule in (("epochs", self.epochs >= 1, ">= 1"), ("batch_size", self.batch_size >= 1, ">= 1"),
+                               ("lr", self.lr > 0, "> 0"),
+                               ("max_steps", self.max_steps is None or self.max_steps >= 1, ">= 1 or None"),
+                               ("max_wall_seconds", self.max_wall_seconds is None or self.max_wall_seconds > 0,
+                                "> 0 or None")):
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)} must be {rule}")
 
 
-def _require_transformers():
+def _require_transformers() -> None:
     try:
-        import transformers
+        import transformers  # noqa: F401
     except ImportError as e:
         raise SystemExit("bench.peers needs transformers and accelerate: pip install -e '.[peers]'") from e
-    return transformers
 
 
-# ----------------------------------------------------------------------------------------------
-# Model and data
-# ----------------------------------------------------------------------------------------------
+# -- Model and data --------------------------------------------------------------------------------
 def marian_model(model_cfg, tokenizer, device: torch.device):
     """MarianMTModel from scratch with fastmt's model size and tokenizer ids, SDPA attention."""
     _require_transformers()
@@ -128,13 +115,10 @@ def train_loader(src, tgt, recipe: PeerRecipe, pad_id: int, epoch: int):
                                        collate_fn=lambda b: collate(b, pad_id), pin_memory=torch.cuda.is_available())
 
 
-# ----------------------------------------------------------------------------------------------
-# Evaluation (fastmt's protocol)
-# ----------------------------------------------------------------------------------------------
+# -- Evaluation (fastmt's protocol) ----------------------------------------------------------------
 def _autocast(device: torch.device):
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return torch.autocast("cpu", enabled=False)
+    cuda = device.type == "cuda"
+    return torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
 
 
 def _loss(model, b: dict[str, torch.Tensor], tok, **options) -> torch.Tensor:
@@ -226,9 +210,7 @@ def scores(model, split, sources, tok, device: torch.device, ev, *, decode: str 
             "samples": list(zip(split.src_text[:n], refs, hyps))}
 
 
-# ----------------------------------------------------------------------------------------------
-# Training
-# ----------------------------------------------------------------------------------------------
+# -- Training --------------------------------------------------------------------------------------
 def _optimizer(model, recipe: PeerRecipe, device: torch.device) -> torch.optim.Optimizer:
     """AdamW, weight decay on every weight matrix and embedding, none on biases and LayerNorms (1-D)."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -272,8 +254,7 @@ def _train(cfg, recipe: PeerRecipe, bundle, run_dir: Path, metrics, device: torc
     import transformers
     from transformers import get_linear_schedule_with_warmup
 
-    ev = cfg.eval
-    tok = bundle.tokenizer
+    ev, tok = cfg.eval, bundle.tokenizer
     torch.manual_seed(recipe.seed)
     model = marian_model(cfg.model, tok, device)
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -330,9 +311,8 @@ def _train(cfg, recipe: PeerRecipe, bundle, run_dir: Path, metrics, device: torc
         stop = step >= total or stop_reason != "done"
         record: dict[str, Any] = {"kind": "epoch", "epoch": epoch + 1, "step": step,
                                   "train_loss": float(loss_sum) / max(n_batches, 1), "lr": sched.get_last_lr()[0],
-                                  "epoch_seconds": time.perf_counter() - t_epoch}
-        if n_batches < steps_per_epoch:
-            record["partial_epoch"] = True
+                                  "epoch_seconds": time.perf_counter() - t_epoch,
+                                  **({"partial_epoch": True} if n_batches < steps_per_epoch else {})}
         if (epoch + 1) % ev.every == 0 or epoch + 1 == recipe.epochs or stop:
             t_eval = time.perf_counter()
             record["valid_loss"] = (valid_loss(model, valid_src, valid_tgt, tok, device, recipe.batch_size)
@@ -377,9 +357,7 @@ def _train(cfg, recipe: PeerRecipe, bundle, run_dir: Path, metrics, device: torc
     return summary
 
 
-# ----------------------------------------------------------------------------------------------
-# Command line
-# ----------------------------------------------------------------------------------------------
+# -- Command line ----------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -1,12 +1,7 @@
 """Profile the compiled training step and check it for graph breaks (exit status 3 if it has any).
 
-    python -m bench.profile [--preset P] [--smoke] [--data-files F ...] [--out DIR] [--active N]
-
-A fresh ``Trainer`` (compile on, the non-finite guard off) runs untimed warm-up steps (compilation
-lands there), then ``torch.profiler`` records N steps. Writes ``<out>/profile-<gpu>/``: the trace,
-the top kernels by self device time, dynamo's graph-break and recompile log, and report.md
-(graphs, graph breaks with reasons, recompiles). Details: bench/README.md.
-"""
+A fresh ``Trainer`` (compile on) runs untimed warm-up steps, then ``torch.profiler`` records N steps into
+``<out>/profile-<gpu>/`` (trace, top kernels, dynamo log, report.md). Details: bench/README.md."""
 
 from __future__ import annotations
 
@@ -38,9 +33,7 @@ class GraphBreakError(RuntimeError):
     pass
 
 
-# ----------------------------------------------------------------------------------------------
-# Graph breaks
-# ----------------------------------------------------------------------------------------------
+# -- Graph breaks ----------------------------------------------------------------------------------
 def explain(fn: Callable, *args, **kwargs) -> dict[str, Any]:
     """``torch._dynamo.explain`` of one call: graph count, graph-break count and the reasons."""
     torch._dynamo.reset()
@@ -80,9 +73,7 @@ def capture_dynamo_logs(path: Path):
         torch._logging.set_logs()
 
 
-# ----------------------------------------------------------------------------------------------
-# Configuration
-# ----------------------------------------------------------------------------------------------
+# -- Configuration ---------------------------------------------------------------------------------
 def profile_config(preset: str, *, smoke: bool, data_files: Sequence[str], work: Path):
     from train.config import get_config
 
@@ -95,28 +86,18 @@ def profile_config(preset: str, *, smoke: bool, data_files: Sequence[str], work:
     return cli.bench_config(cfg, "profile", work, data_files, smoke=smoke, compile=True)
 
 
-# ----------------------------------------------------------------------------------------------
-# Profiling
-# ----------------------------------------------------------------------------------------------
-def _self_time(evt, cuda: bool) -> float:
-    if cuda:
-        for name in ("self_device_time_total", "self_cuda_time_total"):
-            if hasattr(evt, name):
-                return float(getattr(evt, name))
-        return 0.0
-    return float(evt.self_cpu_time_total)
-
-
+# -- Profiling -------------------------------------------------------------------------------------
 def top_kernels(prof, cuda: bool, limit: int = 25) -> tuple[list[dict[str, Any]], str]:
     """Rows (name, calls, self time) sorted by self device time (CPU: self CPU time), and torch's table."""
     avgs = prof.key_averages()
-    total = sum(_self_time(e, cuda) for e in avgs) or 1.0
-    rows = sorted(({"name": e.key[:90], "calls": int(e.count), "self_ms": _self_time(e, cuda) / 1e3,
-                    "pct": 100.0 * _self_time(e, cuda) / total} for e in avgs), key=lambda r: -r["self_ms"])
-    rows = [r for r in rows if r["self_ms"] > 0][:limit]
     sort_by = "self_cpu_time_total"
-    if cuda:
+    if cuda:  # the name of the device time in this torch version
         sort_by = "self_device_time_total" if hasattr(avgs[0], "self_device_time_total") else "self_cuda_time_total"
+    times = [float(getattr(e, sort_by, 0.0)) for e in avgs]
+    total = sum(times) or 1.0
+    rows = sorted(({"name": e.key[:90], "calls": int(e.count), "self_ms": t / 1e3, "pct": 100.0 * t / total}
+                   for e, t in zip(avgs, times)), key=lambda r: -r["self_ms"])
+    rows = [r for r in rows if r["self_ms"] > 0][:limit]
     try:
         text = avgs.table(sort_by=sort_by, row_limit=limit, max_name_column_width=90)
     except (KeyError, AttributeError):  # older/newer key names
@@ -147,8 +128,8 @@ def gpu_busy(prof) -> dict[str, Any]:
     events = prof.events()
     kernels = [(e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA]
     steps = [(e.time_range.start, e.time_range.end) for e in events if e.name.startswith("ProfilerStep#")]
-    return busy_stats(kernels, steps) if kernels else {"gpu_busy": None, "launches_per_step": None,
-                                                        "step_ms": busy_stats([], steps)["step_ms"]}
+    no_kernels = {"gpu_busy": None, "launches_per_step": None}
+    return busy_stats(kernels, steps) if kernels else {**busy_stats([], steps), **no_kernels}
 
 
 def run_profile(preset: str, *, smoke: bool, data_files: Sequence[str], out_dir: Path, warmup: int, active: int,
@@ -247,9 +228,7 @@ def report_markdown(r: dict[str, Any], rows, cfg) -> str:
     return "\n".join(lines) + "\n"
 
 
-# ----------------------------------------------------------------------------------------------
-# Command line
-# ----------------------------------------------------------------------------------------------
+# -- Command line ----------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.split("\n\n")[0])
     cli.add_cli_args(p, "tiny preset, aot_eager, CPU", plot=False)

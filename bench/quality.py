@@ -1,12 +1,7 @@
 """The time-to-quality record of a training run (``make train``'s run in the runbook).
 
-    python -m bench.quality --run runs/<name> [--out DIR]
-
-Reads the run's ``metrics.jsonl`` and ``provenance.json`` and writes ``<out>/quality-<gpu>.{md,csv}``:
-per epoch the wall seconds since the process started, the seeds' last-batch loss beside our losses,
-validation BLEU/chrF, tokens/s and MFU; then the time to each BLEU threshold (the objective), the
-first step's seconds, evaluation's share of the wall time and the test scores.
-"""
+Reads the run's ``metrics.jsonl`` and ``provenance.json``; writes ``<out>/quality-<gpu>.{md,csv}``, per
+epoch and in summary (time to each BLEU threshold, evaluation's share, test scores). See bench/README.md."""
 
 from __future__ import annotations
 
@@ -85,8 +80,7 @@ def summary(rows: Sequence[dict[str, Any]], test: dict[str, Any] | None, planned
             "first_epoch_train_seconds": rows[0].get("epoch_seconds") if rows else None,
             "goal_epoch": goal["epoch"] if goal else None, "goal_wall_seconds": goal["wall_seconds"] if goal else None,
             "best_valid_bleu": best.get("bleu") if best else None, "best_epoch": best["epoch"] if best else None,
-            "test_loss": (test or {}).get("test_loss"), "test_bleu": (test or {}).get("test_bleu"),
-            "test_chrf": (test or {}).get("test_chrf"), "test_sentences": (test or {}).get("test_sentences")}
+            **{k: (test or {}).get(k) for k in ("test_loss", "test_bleu", "test_chrf", "test_sentences")}}
 
 
 def quality_markdown(run: Path, rows, summ: dict[str, Any], prov: dict[str, Any]) -> str:

@@ -1,10 +1,8 @@
 """The provider registry of ``bench.kernels``: which implementations of an op a case group runs.
 
-An op (``attention``, ``layernorm``) registers how to build its inputs, its fp32 reference and the work
-it counts (`register_op`); each implementation registers a ``prepare`` returning a `Prepared` forward
-(`register`). `load` imports the op modules and any ``--provider-module``, so a new kernel is
-benchmarked without editing ``bench/``.
-"""
+An op registers its inputs, fp32 reference and counted work (`register_op`); each implementation a
+``prepare`` (`register`). `load` imports them and any ``--provider-module``, so a new kernel is
+benchmarked without editing ``bench/``."""
 
 from __future__ import annotations
 
@@ -70,8 +68,7 @@ def register(op: str, name: str, *, groups: Sequence[str], triton: bool = False,
              env: Mapping[str, str] | None = None) -> Callable:
     """Decorator: ``prepare`` serves provider ``name`` of ``op`` on the case ``groups``.
 
-    A name may be registered several times for disjoint groups (one prepare per input layout).
-    """
+    A name may be registered several times for disjoint groups (one prepare per input layout)."""
     def deco(prepare: Callable[..., Prepared]) -> Callable[..., Prepared]:
         clash = [g for p in _PROVIDERS if (p.op, p.name) == (op, name) and p.prepare is not prepare
                  for g in p.groups if g in groups]

@@ -1,11 +1,11 @@
 """The written results of ``bench.kernels`` (targets, markdown, PNG, console summary) and ``bench.ladder``
-(markdown, PNG, the README's ladder section). The targets come from issues 3 and 11.
-"""
+(markdown, PNG, the README's ladder section). The targets come from issues 3 and 11."""
 
 from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -89,66 +89,57 @@ def _stream_tiling(rows, case) -> str:
     return "same kernels as sequence" if seq == stream else "own kernels"
 
 
+def _table(title: str, table: list[dict[str, Any]]) -> Table:
+    """(title, rows, columns): the columns are the rows' keys, in order."""
+    return title, table, list(table[0]) if table else []
+
+
 def summary_tables(rows) -> list[Table]:
     """The target comparisons as (title, rows, columns)."""
     get = _getter(rows)
-    out: list[Table] = []
     lo, hi = FA2_FWD_BWD_TFLOPS
-    fa2 = []
+    fa2, masked, corpus, ln, host = [], [], [], [], []
     for case in _cases(rows, lambda r: r.get("group") == "long" and r.get("D") == 64):
         t_ours, t_flash = _val(get(case, "ours"), "tflops"), _val(get(case, "sdpa-flash"), "tflops")
         fa2.append({"case": case, "ours": t_ours, "sdpa-flash": t_flash, "ours/flash": t_ours / t_flash,
                     "target": f">= {lo:.0f}", "met": _met(t_ours >= lo, t_ours)})
-    out.append((f"attention fwd+bwd TFLOP/s, hd 64, long (target: FlashAttention-2's published {lo:.0f}-{hi:.0f})",
-                fa2, ["case", "ours", "sdpa-flash", "ours/flash", "target", "met"]))
-    masked = []
     for case in _cases(rows, lambda r: r.get("group") == "train-ragged"):
         best_ours, best_sdpa = _best(get, case, ("ours", "ours-varlen")), _best(get, case, SDPA_PROVIDERS)
         speed = _val(best_ours, "tflops") / _val(best_sdpa, "tflops")
         masked.append({
             "case": case, "ours": _val(best_ours, "tflops"), "ours via": best_ours["provider"] if best_ours else "-",
             "best sdpa": _val(best_sdpa, "tflops"), "sdpa via": best_sdpa["provider"] if best_sdpa else "-",
-            "torch-varlen": _val(get(case, "torch-varlen"), "tflops"),
-            "speedup": speed, "met": _met(speed >= MASKED_SPEEDUP_TARGET, speed),
-        })
-    out.append((f"padded train batches, fwd+bwd TFLOP/s on real tokens: ours vs best SDPA with a padding mask "
-                f"(target >= {MASKED_SPEEDUP_TARGET}x)", masked,
-                ["case", "ours", "ours via", "best sdpa", "sdpa via", "torch-varlen", "speedup", "met"]))
-    corpus = []
+            "torch-varlen": _val(get(case, "torch-varlen"), "tflops"), "speedup": speed,
+            "met": _met(speed >= MASKED_SPEEDUP_TARGET, speed)})
     for case in _cases(rows, lambda r: r.get("group") == "corpus"):
         ours, peer = _best(get, case, OURS_CORPUS, "ms", lowest=True), _best(get, case, CORPUS_PEERS, "ms", lowest=True)
         speed = _val(peer, "ms") / _val(ours, "ms")
         x_floor = _val(ours, "ms") / _val(ours, "floor_ms")
         line = {"case": case, "ours µs": _val(ours, "ms") * 1e3, "ours via": ours["provider"] if ours else "-"}
         line |= {f"{p} µs": _val(get(case, p), "ms") * 1e3 for p in CORPUS_PEERS}
-        line |= {"speedup": speed, "x floor": x_floor, "stream tiling": _stream_tiling(rows, case),
-                 "met": _met(speed >= CORPUS_SPEEDUP_TARGET and x_floor <= CORPUS_FLOOR_TARGET, speed)}
-        corpus.append(line)
-    out.append((f"packed corpus batches, fwd+bwd kernel time (CUDA graph): ours vs the best peer (target >= "
-                f"{CORPUS_SPEEDUP_TARGET:g}x, and <= {CORPUS_FLOOR_TARGET:g}x the memory floor)", corpus,
-                ["case", "ours µs", "ours via", *(f"{p} µs" for p in CORPUS_PEERS), "speedup", "x floor",
-                 "stream tiling", "met"]))
-    ln = []
+        corpus.append(line | {"speedup": speed, "x floor": x_floor, "stream tiling": _stream_tiling(rows, case),
+                              "met": _met(speed >= CORPUS_SPEEDUP_TARGET and x_floor <= CORPUS_FLOOR_TARGET, speed)})
     for case in _cases(rows, lambda r: r.get("bench") == "layernorm" and r.get("width") == 512):
         ours, comp, eager = get(case, "ours"), get(case, "compile"), get(case, "eager")
-        g = _val(ours, "gbps")
-        ratio = _val(comp, "ms") / _val(ours, "ms")
+        g, ratio = _val(ours, "gbps"), _val(comp, "ms") / _val(ours, "ms")
         ln.append({"case": case, "ours GB/s": g, "compile GB/s": _val(comp, "gbps"), "eager GB/s": _val(eager, "gbps"),
                    "ours vs compile": ratio, "met": _met(g >= LN_TARGET_GBPS and ratio > 1, g)})
-    out.append((f"LayerNorm+residual+GELU fwd+bwd, width 512 (target >= {LN_TARGET_GBPS:,.0f} GB/s and faster "
-                f"than torch.compile)", ln, ["case", "ours GB/s", "compile GB/s", "eager GB/s", "ours vs compile", "met"]))
-    host = []
     for case in _cases(rows, lambda r: r.get("bench") == "layernorm" and r.get("width") == 512 and "op_ms" in r):
         ours, comp = get(case, "ours"), get(case, "compile")
         ratio = _val(comp, "op_ms") / _val(ours, "op_ms")
         host.append({"case": case, "ours op ms": _val(ours, "op_ms"), "ours host ms": _val(ours, "host_ms"),
                      "ours host %": _val(ours, "host_pct"), "compile op ms": _val(comp, "op_ms"),
                      "compile host %": _val(comp, "host_pct"), "compile/ours": ratio, "met": _met(ratio >= 1, ratio)})
-    out.append(("LayerNorm+residual+GELU op time as the model calls it (eager, host included), fwd+bwd, width 512 "
-                "(target: ours <= torch.compile)", host,
-                ["case", "ours op ms", "ours host ms", "ours host %", "compile op ms", "compile host %",
-                 "compile/ours", "met"]))
-    return out
+    return [
+        _table(f"attention fwd+bwd TFLOP/s, hd 64, long (target: FlashAttention-2's published {lo:.0f}-{hi:.0f})", fa2),
+        _table(f"padded train batches, fwd+bwd TFLOP/s on real tokens: ours vs best SDPA with a padding mask "
+               f"(target >= {MASKED_SPEEDUP_TARGET}x)", masked),
+        _table(f"packed corpus batches, fwd+bwd kernel time (CUDA graph): ours vs the best peer (target >= "
+               f"{CORPUS_SPEEDUP_TARGET:g}x, and <= {CORPUS_FLOOR_TARGET:g}x the memory floor)", corpus),
+        _table(f"LayerNorm+residual+GELU fwd+bwd, width 512 (target >= {LN_TARGET_GBPS:,.0f} GB/s and faster "
+               f"than torch.compile)", ln),
+        _table("LayerNorm+residual+GELU op time as the model calls it (eager, host included), fwd+bwd, width 512 "
+               "(target: ours <= torch.compile)", host)]
 
 
 def host_table(rows, bench: str, group: str | None = None) -> Table:
@@ -168,12 +159,11 @@ def first_call_table(rows) -> Table:
             by.setdefault((r["bench"], r["provider"]), []).append((float(r["first_call_s"]), r["case"]))
     table = []
     for (bench, provider), vals in by.items():
-        secs = sorted(v for v, _ in vals)
-        worst = max(vals)
+        secs, worst = sorted(v for v, _ in vals), max(vals)
         table.append({"bench": bench, "provider": provider, "cases": len(vals), "median s": H.quantiles(secs, [0.5])[0],
                       "max s": worst[0], "slowest case": worst[1], "total s": sum(secs)})
-    return ("first call of each provider per case, fwd+bwd (autotuning, compilation; never in the medians)", table,
-            ["bench", "provider", "cases", "median s", "max s", "slowest case", "total s"])
+    return _table("first call of each provider per case, fwd+bwd (autotuning, compilation; never in the medians)",
+                  table)
 
 
 def write_markdown(path: Path, rows, prov, peaks: H.Peaks, opts) -> None:
@@ -285,9 +275,7 @@ def write_plot(path: Path, rows, prov, peaks: H.Peaks) -> Path:
 
 
 def print_summary(rows, prov, peaks: H.Peaks, paths: Sequence[Path]) -> None:
-    counts: dict[str, int] = {}
-    for r in rows:
-        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    counts = Counter(r["status"] for r in rows)
     print()
     print(f"== bench.kernels summary: {prov.get('gpu')}, torch {prov.get('torch')}, triton {prov.get('triton')}, "
           f"git {str(prov.get('git_sha'))[:10]} ==")
@@ -305,9 +293,7 @@ def print_summary(rows, prov, peaks: H.Peaks, paths: Sequence[Path]) -> None:
         print(f"wrote {p}")
 
 
-# ----------------------------------------------------------------------------------------------
-# The speedup ladder (bench.ladder): markdown, PNG and the README's ladder section
-# ----------------------------------------------------------------------------------------------
+# -- The speedup ladder (bench.ladder): markdown, PNG and the README's ladder section --------------
 README = H.REPO_ROOT / "README.md"
 README_START, README_END = "<!-- ladder:start -->", "<!-- ladder:end -->"
 LADDER_TABLE = (

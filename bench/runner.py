@@ -1,11 +1,7 @@
 """Running cases: every (case, provider, mode) becomes one row, whatever happens; process isolation.
 
-A provider's errors (OOM, unsupported, not implemented, compile failures) become rows with a status.
-On CUDA the cases run in a worker process (``python -m bench.runner SPEC``, ``FASTMT_BENCH_WORKER=1``),
-so a crash that poisons the CUDA context costs that provider's case, not the run: the parent starts a
-new worker for the rest and leaves out a provider that crashed twice. Past the deadline nothing new
-starts (the rest are 'skipped' rows).
-"""
+On CUDA the cases run in a worker process (``python -m bench.runner SPEC``), so a crash that poisons the
+CUDA context costs one provider's case, not the run. Details: bench/README.md."""
 
 from __future__ import annotations
 
@@ -86,9 +82,7 @@ def configure_torch() -> None:
             setattr(torch._dynamo.config, name, max(256, getattr(torch._dynamo.config, name)))
 
 
-# ----------------------------------------------------------------------------------------------
-# Errors
-# ----------------------------------------------------------------------------------------------
+# -- Errors ----------------------------------------------------------------------------------------
 def classify(exc: BaseException) -> str:
     text = str(exc)
     if isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in text.lower():
@@ -137,9 +131,7 @@ def _after_error(ctx: Context, case: Case, name: str) -> None:
         raise RuntimeError(f"CUDA context lost while running {name} on {case.id}; use --isolate process")
 
 
-# ----------------------------------------------------------------------------------------------
-# Rows
-# ----------------------------------------------------------------------------------------------
+# -- Rows ------------------------------------------------------------------------------------------
 def case_columns(case: Case, dtype: torch.dtype, inputs: Any | None) -> dict[str, Any]:
     cols = {"bench": case.bench, "case": case.id, "group": case.group, "dtype": str(dtype).removeprefix("torch.")}
     return cols | registry.op(case.bench).columns(case, inputs)
@@ -152,6 +144,12 @@ def make_row(ctx: Context, base: dict[str, Any], provider: str, mode: str, statu
     return row
 
 
+def failed_rows(ctx: Context, case: Case, provider: str, status: str, error: str, skip=()) -> list[dict[str, Any]]:
+    """One row per mode (but ``skip``) of a provider that never measured anything."""
+    base = case_columns(case, ctx.dtype, None)
+    return [make_row(ctx, base, provider, m, status, error=error) for m in ctx.opts.modes if m not in skip]
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out = out.detach().float()
     if not torch.isfinite(out).all():
@@ -159,13 +157,10 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(out - ref) / torch.linalg.vector_norm(ref).clamp_min(1e-30))
 
 
-def _as_tuple(out) -> tuple[torch.Tensor, ...]:
-    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
-
-
-def _pick(out, keep: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
-    outs = _as_tuple(out)
-    return tuple(outs[i] for i in keep)
+def _pick(out, keep: tuple[int, ...] | None = None) -> tuple[torch.Tensor, ...]:
+    """The outputs of a forward as a tuple, or those at ``keep``."""
+    outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    return outs if keep is None else tuple(outs[i] for i in keep)
 
 
 @contextlib.contextmanager
@@ -176,11 +171,9 @@ def _environ(env: Mapping[str, str]) -> Iterator[None]:
     try:
         yield
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        os.environ.update({k: v for k, v in old.items() if v is not None})
+        for k in (k for k, v in old.items() if v is None):
+            os.environ.pop(k, None)
 
 
 @dataclass
@@ -199,7 +192,7 @@ def first_call(fn: Callable[[], Any], leaves: Sequence[torch.Tensor], device: to
     with timing.triton_launches() as launched:
         H.synchronize(device)
         t0 = time.perf_counter()
-        outs = _as_tuple(fn())
+        outs = _pick(fn())
         H.synchronize(device)
         seconds = time.perf_counter() - t0
         keep = tuple(i for i, o in enumerate(outs) if o.requires_grad)
@@ -213,8 +206,7 @@ def first_call(fn: Callable[[], Any], leaves: Sequence[torch.Tensor], device: to
             note = f"first backward failed ({type(e).__name__}); first_call_s is the forward"
     for leaf in leaves:
         leaf.grad = None
-    kernels = "+".join(sorted(set(launched))) if launched else ""
-    return FirstCall(outs, keep, douts, seconds, note, kernels)
+    return FirstCall(outs, keep, douts, seconds, note, "+".join(sorted(set(launched))) if launched else "")
 
 
 def _mode_fns(prep: registry.Prepared, mode: str, keep, douts):
@@ -222,13 +214,11 @@ def _mode_fns(prep: registry.Prepared, mode: str, keep, douts):
     if mode == "fwd":
         return prep.fn, (lambda _: prep.fn()), None
     if mode == "bwd":
-        graph_outs = _pick(prep.fn(), keep)
-
-        def eager(outs=graph_outs):
+        def backward(outs):
             torch.autograd.backward(outs, douts, retain_graph=True)
 
-        return eager, (lambda outs: torch.autograd.backward(outs, douts, retain_graph=True)), (
-            lambda: _pick(prep.fn(), keep))
+        graph_outs = _pick(prep.fn(), keep)
+        return (lambda: backward(graph_outs)), backward, (lambda: _pick(prep.fn(), keep))
 
     def fwd_bwd():
         torch.autograd.backward(_pick(prep.fn(), keep), douts)
@@ -252,22 +242,19 @@ def _measure(ctx: Context, case: Case, prep: registry.Prepared, mode: str, keep,
                               "peak_mem_mb": H.peak_memory_mb(eager, device, prep.leaves)}
     counted = registry.op(case.bench).work(case, mode, inputs, ctx.dtype)
     values.update(counted)
-    if "flops" in counted:
-        values["tflops"] = H.tflops(counted["flops"], t.ms)
-        values["pct_peak"] = 100 * values["tflops"] / ctx.peaks.matmul_tflops
-    if "bytes" in counted:
-        values["gbps"] = H.gbps(counted["bytes"], t.ms)
-        values["pct_peak"] = 100 * values["gbps"] / ctx.peaks.copy_gbps
     if "floor_bytes" in counted:
         values["floor_ms"] = counted["floor_bytes"] / (ctx.peaks.copy_gbps * 1e9) * 1e3
         values["pct_floor"] = 100 * values["floor_ms"] / t.ms
     if op_t is not None:
         values.update(op_ms=op_t.ms, op_p20=op_t.p20, op_p80=op_t.p80, host_ms=op_t.ms - t.ms,
                       host_pct=100 * (op_t.ms - t.ms) / op_t.ms)
-        if "flops" in counted:
-            values["op_tflops"] = H.tflops(counted["flops"], op_t.ms)
-        if "bytes" in counted:
-            values["op_gbps"] = H.gbps(counted["bytes"], op_t.ms)
+    for work, rate, col, peak in (("flops", H.tflops, "tflops", ctx.peaks.matmul_tflops),
+                                  ("bytes", H.gbps, "gbps", ctx.peaks.copy_gbps)):
+        if work in counted:
+            values[col] = rate(counted[work], t.ms)
+            values["pct_peak"] = 100 * values[col] / peak
+            if op_t is not None:
+                values[f"op_{col}"] = rate(counted[work], op_t.ms)
     return values
 
 
@@ -329,11 +316,10 @@ def run_cases(ctx: Context, cases: Sequence[Case]) -> None:
             inputs = registry.op(case.bench).make_inputs(case, ctx.dtype, ctx.device, ctx.opts)
         except Exception as e:  # noqa: BLE001 - e.g. OOM while building inputs
             traceback.print_exc()
-            base = case_columns(case, ctx.dtype, None)
             for p in todo:
                 ctx.emit({"ev": "start", "case": case.id, "provider": p})
-                for mode in ctx.opts.modes:
-                    ctx.emit({"ev": "row", "row": make_row(ctx, base, p, mode, classify(e), error=message(e))})
+                for row in failed_rows(ctx, case, p, classify(e), message(e)):
+                    ctx.emit({"ev": "row", "row": row})
                 ctx.emit({"ev": "end", "case": case.id, "provider": p})
             _after_error(ctx, case, "inputs")
             continue
@@ -361,19 +347,12 @@ def fill_skipped(ctx: Context, cases: Sequence[Case], rows: list[dict[str, Any]]
         why = "not run: the worker stopped early (see the log)"
     out = list(rows)
     for c in cases:
-        base = case_columns(c, ctx.dtype, None)
-        for p in c.providers:
-            if p not in ctx.opts.providers:
-                continue
-            for m in ctx.opts.modes:
-                if (c.id, p, m) not in have:
-                    out.append(make_row(ctx, base, p, m, "skipped", error=why))
+        for p in (p for p in c.providers if p in ctx.opts.providers):
+            out += failed_rows(ctx, c, p, "skipped", why, {m for m in ctx.opts.modes if (c.id, p, m) in have})
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# In process, or isolated: cases run in a worker process; the parent restarts one after a crash
-# ----------------------------------------------------------------------------------------------
+# -- In process, or isolated: cases run in a worker process; the parent restarts one after a crash -
 def _progress(ev: dict[str, Any]) -> None:
     if ev.get("ev") != "row":
         return
@@ -405,8 +384,7 @@ def run_isolated(ctx: Context, cases: Sequence[Case], sink: list[dict[str, Any]]
     A worker appends events to a file: ``start`` / ``row``... / ``end`` per provider. When it dies,
     the provider in flight keeps the modes it finished and gets 'crash' rows for the others; a
     provider that crashes CRASHES_BEFORE_EXCLUDING times is left out for the rest of the run.
-    Rows reach ``sink`` after each worker, and also when SIGTERM interrupts the wait.
-    """
+    Rows reach ``sink`` after each worker, and also when SIGTERM interrupts the wait."""
     workdir = Path(tempfile.mkdtemp(prefix="fastmt-bench-worker-"))
     rows: dict[tuple[str, str], list[dict[str, Any]]] = {}
     crashes: dict[str, int] = {}
@@ -446,10 +424,8 @@ def run_isolated(ctx: Context, cases: Sequence[Case], sink: list[dict[str, Any]]
                 crashes[provider] = crashes.get(provider, 0) + 1
                 why = (f"worker exited with code {proc.returncode} while this ran (CUDA context lost or killed); "
                        "see the log")
-                base = case_columns(by_id[running[0]], ctx.dtype, None)
-                finished = {r["mode"] for r in partial}
-                rows[running] = partial + [make_row(ctx, base, provider, m, "crash", error=why)
-                                           for m in ctx.opts.modes if m not in finished]
+                rows[running] = partial + failed_rows(ctx, by_id[running[0]], provider, "crash", why,
+                                                      {r["mode"] for r in partial})
                 if crashes[provider] >= CRASHES_BEFORE_EXCLUDING:
                     excluded |= {(c.id, provider) for c in cases
                                  if provider in c.providers and (c.id, provider) not in rows}
@@ -461,17 +437,14 @@ def run_isolated(ctx: Context, cases: Sequence[Case], sink: list[dict[str, Any]]
         shutil.rmtree(workdir, ignore_errors=True)
         sink.extend(r for pair_rows in rows.values() for r in pair_rows)
         for case_id, provider in sorted(excluded - set(rows)):
-            base = case_columns(by_id[case_id], ctx.dtype, None)
-            sink.extend(make_row(ctx, base, provider, m, "skipped",
-                                 error=f"left out after {CRASHES_BEFORE_EXCLUDING} worker crashes")
-                        for m in ctx.opts.modes)
+            sink.extend(failed_rows(ctx, by_id[case_id], provider, "skipped",
+                                    f"left out after {CRASHES_BEFORE_EXCLUDING} worker crashes"))
 
 
 def _collect_events(path: Path, rows: dict[tuple[str, str], list[dict[str, Any]]]):
     """Move finished providers' rows from a worker's event file into ``rows``.
 
-    Returns ``(pair in flight, its rows so far)``, or ``(None, [])`` when the worker ended cleanly.
-    """
+    Returns ``(pair in flight, its rows so far)``, or ``(None, [])`` when the worker ended cleanly."""
     if not path.exists():
         return None, []
     running, partial = None, []

@@ -1,13 +1,9 @@
 """The optimiser sweep, judged on wall time to validation BLEU (issue 16 §2): Lion beside AdamW.
 
-    python -m bench.sweep [--budget-s 90] [--settings adamw-base,lion-1e-4,...] [--data-files F ...]
-                          [--out DIR] [--smoke] [--fresh]
-
 Every setting is ``python -m train --auto`` plus a few overrides, run by bench/frontier.py for the same
 wall-clock budget on the same data. Outputs ``<out>/sweep-<gpu>.{csv,md,png}`` and the decision rule's
 verdict: Lion stays the default if its best setting comes within ``LION_MARGIN`` BLEU of the best AdamW
-setting in the same wall time; otherwise AdamW is the default and Lion one switch away.
-"""
+setting in the same wall time; otherwise AdamW is the default and Lion one switch away."""
 
 from __future__ import annotations
 
@@ -16,8 +12,6 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from bench import cli
 from bench import frontier as F
@@ -125,28 +119,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     files = [str(Path(f).resolve()) for f in files]  # the settings run from the repo root
     budget = a.budget_s if a.budget_s is not None else (45.0 if a.smoke else 90.0)
     grace = a.grace_s if a.grace_s is not None else 60.0
-    work = F.work_dir(a, "fastmt-sweep-")
     settings = [SETTINGS[n] for n in names]
     toy = a.smoke and not a.data_files
     corpus = f"toy corpus (data/toy.py, {SMOKE_TOY_ROWS:,} rows)" if toy else cli.corpus_label(files)
     if a.smoke:  # the tiny model on a corpus it can learn in a minute; enough epochs for the budget to bind
         settings = [F.Contestant(c.name, c.label, c.module, (*c.args, "--epochs", "100")) for c in settings]
-    out = a.out or (work / "out" if a.smoke else H.RESULTS_DIR)
-    device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
-    prov = H.provenance(device)
-    print(f"[sweep] {len(names)} settings x {budget:g} s, {corpus}, work dir {work}", flush=True)
-
-    def write(rows, plot):
-        return F.write_outputs(rows, prov, corpus, out, smoke=a.smoke, fresh=a.fresh, plot=plot, name="sweep",
-                               markdown=sweep_markdown)
-
-    rows = F.run_frontier(settings, budget_s=budget, grace_s=grace, data_files=files, work=work,
-                          smoke=a.smoke, on_row=lambda r: write(r, False), prefix="sweep")
-    paths = write(rows, True)
-    print(decision(F.summarize(rows)), flush=True)
-    for kind, path in paths.items():
-        print(f"[sweep] {kind}: {path}")
-    return 0 if any(r.get("status") == "ok" for r in rows) else 1
+    return F.run_cli(a, settings, name="sweep", budget=budget, grace=grace, files=files, corpus=corpus,
+                     header=f"{len(names)} settings x {budget:g} s", plot=True, markdown=sweep_markdown,
+                     conclude=lambda rows: decision(F.summarize(rows)))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,5 @@
-"""Kernel time, op time and first-call time: the three timings of a ``host_split`` case.
-
-Kernel time replays one call captured in a CUDA graph under ``harness.bench`` (host cost removed; CUDA
-events around the eager launches where a provider cannot be captured); op time is the eager call as the
-model makes it, wall clock with a device synchronisation (op - kernel = host); the first call
-(autotuning, compilation) is timed alone. Without CUDA all are wall clock. Protocol: bench/README.md.
-"""
+"""Kernel time (a CUDA graph replayed), op time (the eager call, host included) and first-call time: the
+three timings of a ``host_split`` case; wall clock without CUDA. Protocol: bench/README.md."""
 
 from __future__ import annotations
 

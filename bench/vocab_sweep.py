@@ -1,12 +1,6 @@
-"""Vocabulary-size sweep (and token-bucket / packing settings sweep) behind the data defaults.
-
-    python -m bench.vocab_sweep --data-files F [--sizes 2000 4000 8000 16000 24000] [--out bench/results/vocab-sweep.md]
-
-Per SentencePiece setting, trained on the train split as ``build_data`` does: subwords per epoch, length
-statistics, rarely seen pieces, byte-fallback and unk rates, and the S18 model's training FLOPs per epoch
-(``models.flops``). Then, at the default vocabulary, padding / batches / shapes of token buckets and of
-the packed mode at several budgets (``--only-packing``: just the packed table).
-"""
+"""Vocabulary-size sweep (and token-bucket / packing settings sweep) behind the data defaults: per
+SentencePiece setting the subword, rare-piece, byte-fallback and FLOP counts, then padding / batches /
+shapes of token buckets and packing (``--only-packing``: just the packed table). See bench/README.md."""
 
 from __future__ import annotations
 
@@ -15,6 +9,7 @@ import dataclasses
 import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -42,19 +37,10 @@ def vocab_row(cfg: DataConfig) -> dict:
     va_ids = np.concatenate([va.src_ids, va.tgt_ids])
     is_byte = np.array([tok.sp.is_byte(i) for i in range(tok.vocab_size)])
     lens = np.concatenate([tr.src_lengths, tr.tgt_lengths])
-    return {
-        "model": cfg.spm_model,
-        "vocab": tok.vocab_size,
-        "tokens": int(lens.sum()),
-        "mean": float(lens.mean()),
-        "p99": float(np.percentile(lens, 99)),
-        "rare": float((real < 10).mean()),
-        "byte": float(is_byte[va_ids].mean()),
-        "unk": float((va_ids == tok.unk_id).mean()),
-        "flops": epoch_flops(tr, tok.vocab_size),
-        "secs": secs,
-        "bundle": b,
-    }
+    return {"model": cfg.spm_model, "vocab": tok.vocab_size, "tokens": int(lens.sum()), "mean": float(lens.mean()),
+            "p99": float(np.percentile(lens, 99)), "rare": float((real < 10).mean()),
+            "byte": float(is_byte[va_ids].mean()), "unk": float((va_ids == tok.unk_id).mean()),
+            "flops": epoch_flops(tr, tok.vocab_size), "secs": secs, "bundle": b}
 
 
 def _stats(tr, spec):
@@ -81,23 +67,15 @@ def packing_table(b) -> list[str]:
         spec = BatchSpec("packed", max_tokens=budget, pack=layout)
         plan = plan_batches(tr.src_lengths, tr.tgt_lengths, spec, seed=0, epoch=0)
         p = plan_stats(plan, tr.src_lengths, tr.tgt_lengths, spec)
-        least = min(
-            int(tr.src_lengths[x].sum() + tr.tgt_lengths[x].sum()) for x in plan
-        )  # the leftover batch
+        least = min(int(tr.src_lengths[x].sum() + tr.tgt_lengths[x].sum()) for x in plan)  # the leftover batch
         rest = 1 - (p.real_tokens - least) / (p.computed_tokens - p.max_batch_tokens)
-        cells = [
-            f"{100 * p.padding_fraction:.2f} % / {p.batches} / {p.shapes}",
-            f"{100 * rest:.2f} %",
-            str(p.full_slots),
-        ]
+        cells = [f"{100 * p.padding_fraction:.2f} % / {p.batches} / {p.shapes}", f"{100 * rest:.2f} %",
+                 str(p.full_slots)]
         for m in (1, 8):
             s = _stats(tr, BatchSpec("token_bucket", max_tokens=budget, pad_multiple=m))
             cells.append(f"{100 * s.padding_fraction:.1f} % / {s.batches} / {s.shapes}")
-        out.append(
-            f"| {budget} | {layout.src_capacity} + {layout.tgt_capacity} | {layout.slots} ({layout.real_slots}) | "
-            + " | ".join(cells)
-            + " |"
-        )
+        out.append(f"| {budget} | {layout.src_capacity} + {layout.tgt_capacity} | {layout.slots} "
+                   f"({layout.real_slots}) | " + " | ".join(cells) + " |")
     return out
 
 
@@ -105,16 +83,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.vocab_sweep")
     p.add_argument("--data-files", nargs="+", required=True)
     p.add_argument("--sizes", nargs="+", type=int, default=[2000, 4000, 8000, 16000, 24000])
-    p.add_argument(
-        "--unigram", nargs="*", type=int, default=[8000], help="unigram sizes to add (slow to train)"
-    )
+    p.add_argument("--unigram", nargs="*", type=int, default=[8000], help="unigram sizes to add (slow to train)")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--out", default=None, help="write the markdown here as well")
     p.add_argument("--only-packing", action="store_true", help="only the packed table, at the default vocab")
     a = p.parse_args(argv)
-    base = DataConfig(
-        data_files=tuple(a.data_files), num_workers=0, **({"cache_dir": a.cache_dir} if a.cache_dir else {})
-    )
+    base = DataConfig(data_files=tuple(a.data_files), num_workers=0,
+                      **({"cache_dir": a.cache_dir} if a.cache_dir else {}))
     if a.only_packing:
         print("\n".join(packing_table(build_data(base, log=lambda *_: None))))
         return 0
@@ -124,9 +99,7 @@ def main(argv=None) -> int:
         for v in sizes:
             print(f"[sweep] {model} {v} ...", file=sys.stderr, flush=True)
             rows.append(vocab_row(dataclasses.replace(base, spm_model=model, vocab_size=v)))
-    ref = next(
-        (r["flops"] for r in rows if r["model"] == "bpe" and r["vocab"] == base.vocab_size), rows[0]["flops"]
-    )
+    ref = next((r["flops"] for r in rows if r["model"] == "bpe" and r["vocab"] == base.vocab_size), rows[0]["flops"])
     out = [
         "# Vocabulary and token-bucket sweep (stand-in corpus)",
         "",
@@ -141,10 +114,9 @@ def main(argv=None) -> int:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        out.append(
-            f"| {r['model']} | {r['vocab']} | {r['tokens']:,} | {r['mean']:.1f} | {r['p99']:.0f} | {100 * r['rare']:.1f} % | "
-            f"{100 * r['byte']:.3f} % | {100 * r['unk']:.3f} % | {r['flops'] / 1e9:,.0f} | {r['flops'] / ref:.3f} |"
-        )
+        out.append(f"| {r['model']} | {r['vocab']} | {r['tokens']:,} | {r['mean']:.1f} | {r['p99']:.0f} | "
+                   f"{100 * r['rare']:.1f} % | {100 * r['byte']:.3f} % | {100 * r['unk']:.3f} % | "
+                   f"{r['flops'] / 1e9:,.0f} | {r['flops'] / ref:.3f} |")
 
     b = next(r["bundle"] for r in rows if r["model"] == "bpe" and r["vocab"] == base.vocab_size)
     tr = b.splits["train"]
@@ -165,8 +137,7 @@ def main(argv=None) -> int:
     text = "\n".join(out) + "\n"
     print(text)
     if a.out:
-        with open(a.out, "w") as f:
-            f.write(text)
+        Path(a.out).write_text(text)
     return 0
 
 
