@@ -292,16 +292,19 @@ def warn_config_changes(saved: dict[str, Any], now: dict[str, Any], log) -> None
             + ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items())))
 
 
-def average_checkpoints(paths: list[Path], map_location: str | torch.device = "cpu") -> dict[str, Any]:
+def average_checkpoints(paths: list[Path], map_location: str | torch.device = "cpu",
+                        loaded: dict[Path, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The newest of ``paths`` with its model weights replaced by the mean over all of them (checkpoint
     averaging, as translation systems do over their last epochs). Float tensors are averaged in fp32 and
-    cast back; integer buffers are taken from the newest."""
+    cast back; integer buffers are taken from the newest. ``loaded``: checkpoints already in memory."""
     if not paths:
         raise ValueError("average_checkpoints: no checkpoints given")
-    newest = load_checkpoint(paths[-1], map_location)
+    loaded = loaded or {}
+    load = lambda p: loaded[p] if p in loaded else load_checkpoint(p, map_location)  # noqa: E731
+    newest = load(paths[-1])
     total = {k: v.detach().float().clone() for k, v in newest["model"].items() if v.is_floating_point()}
     for path in paths[:-1]:
-        model = load_checkpoint(path, map_location)["model"]
+        model = load(path)["model"]
         if set(model) != set(newest["model"]):
             raise ValueError(f"average_checkpoints: {path} holds other parameters than {paths[-1]}")
         for k in total:
@@ -314,9 +317,13 @@ def average_checkpoints(paths: list[Path], map_location: str | torch.device = "c
 
 def average_last_epochs(ckpt_dir: str | os.PathLike, k: int, log: Callable[[str], Any] = print) -> dict | None:
     """``average_checkpoints`` of the newest ``k`` end-of-epoch checkpoints in ``ckpt_dir`` (mid-epoch ones, from
-    interruptions, are left out); None, said in one line, when fewer are kept."""
-    ends = [p for p in step_checkpoints(ckpt_dir) if load_checkpoint(p)["position"]["batch_index"] == 0]
-    if len(ends) < k:
-        log(f"checkpoint averaging: {len(ends)} epoch checkpoints kept in {ckpt_dir}, {k} asked; skipped")
-        return None
-    return average_checkpoints(ends[-k:])
+    interruptions, are left out; each file is read once); None, said in one line, when fewer are kept."""
+    ends: dict[Path, dict[str, Any]] = {}
+    for p in reversed(step_checkpoints(ckpt_dir)):
+        ckpt = load_checkpoint(p)
+        if ckpt["position"]["batch_index"] == 0:
+            ends[p] = ckpt
+            if len(ends) == k:
+                return average_checkpoints(sorted(ends), loaded=ends)
+    log(f"checkpoint averaging: {len(ends)} epoch checkpoints kept in {ckpt_dir}, {k} asked; skipped")
+    return None
