@@ -381,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from train.__main__ import split_overrides
+    from train.cli import split_overrides
     from train.config import apply_overrides, get_config
 
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
