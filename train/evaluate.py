@@ -1,10 +1,22 @@
-"""Validation: un-smoothed loss over a split, and sacreBLEU / chrF of beam-search (or greedy) output on its
-first N sentences, decoded in batches of a few fixed shapes (``models.decoding``)."""
+"""Evaluation: un-smoothed loss over a split, and sacreBLEU BLEU / chrF (with their signatures) of beam-search
+(or greedy) output, decoded in batches of a few fixed shapes (``models.decoding``).
+
+The protocol (``score_split``, also what bench/peers.py scores the Hugging Face baseline with): validation
+decodes the valid split's first ``eval.max_sentences`` sentences; the test split is always decoded and scored
+whole. Sources are the split's texts as given, encoded here and cut to the model's positions (counted as
+``truncated_sources``, never dropped); references are the texts as given. Scores are sacreBLEU's defaults
+(BLEU: 13a tokenizer, exponential smoothing; chrF2: 6 character n-grams), reported with their signatures.
+
+``python -m train.evaluate --ckpt CKPT --src FILE [--ref FILE]`` scores a checkpoint on any test set
+(train/score.py).
+"""
 
 from __future__ import annotations
 
+import sys
 import time
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -87,8 +99,7 @@ def translate(model, tokenizer, sentences: list[str], device: torch.device, *, b
     if not sentences:
         return []
     max_src = model.cfg.max_positions
-    encoded = [ids[: max_src - 1] for ids in tokenizer.encode(sentences)]
-    encoded = [np.append(ids, np.int32(tokenizer.eos_id)) for ids in encoded]  # + EOS, as in training
+    encoded = encode_sources(tokenizer, sentences, max_src)
     order = sorted(range(len(encoded)), key=lambda i: -len(encoded[i]))
     rows = min(batch_size, 1 << (len(order) - 1).bit_length())  # fewer sentences: a power of two
     decoder = _decoder(model, tokenizer, decode, beam_size, length_penalty, max_len_ratio, max_len_extra,
@@ -113,52 +124,122 @@ def translate(model, tokenizer, sentences: list[str], device: torch.device, *, b
     return out  # type: ignore[return-value]
 
 
-def bleu_chrf(model, bundle, split: str, device: torch.device, *, max_sentences: int | None, beam_size: int,
-              batch_size: int, max_len_ratio: float, max_len_extra: int, autocast=None, length_penalty: float = 0.6,
-              decode: str = "beam", fixed_shapes: bool | None = None, cuda_graph: bool | None = None) -> dict:
-    """sacreBLEU and chrF of the decoded first N sentences of ``split`` against their references (decoding
-    options: ``translate``), with the decoding's cost: ``decode_seconds`` (wall, the host waits for the answers), ``decode_steps``,
-    ``host_syncs``, ``decode_batches``, ``graphs_captured`` (CUDA graphs made by this call)."""
-    import sacrebleu
+def encode_sources(tokenizer, sentences: list[str], max_positions: int) -> list[np.ndarray]:
+    """Encoder inputs: each sentence's subwords, cut to ``max_positions - 1``, + EOS (as in training)."""
+    eos = np.int32(tokenizer.eos_id)
+    return [np.append(ids[: max_positions - 1], eos) for ids in tokenizer.encode(sentences)]
 
-    from models.decoding import DecodeStats
 
+def overlong(tokenizer, sentences: list[str], max_positions: int) -> list[tuple[int, int]]:
+    """(index, tokens incl. EOS) of each sentence longer than ``max_positions``: the encoder reads only its
+    first ``max_positions - 1`` tokens + EOS (``encode_sources`` cuts the rest)."""
+    lengths = [len(ids) + 1 for ids in tokenizer.encode(sentences)]
+    return [(i, n) for i, n in enumerate(lengths) if n > max_positions]
+
+
+def sentence_limit(split: str, cfg) -> int | None:
+    """How many sentences of ``split`` an evaluation decodes under an ``EvalConfig``: the first
+    ``cfg.max_sentences`` of the validation split (periodic validation is a cost paid every epoch); every
+    sentence of any other split (None): a test set is scored whole."""
+    return cfg.max_sentences if split == "valid" else None
+
+
+def corpus_scores(hyps: list[str], refs: list[list[str]]) -> dict:
+    """sacreBLEU's corpus BLEU and chrF (its defaults) of ``hyps`` against ``refs`` (one list per reference
+    set, each as long as ``hyps``), with each metric's signature ("nrefs:1|case:mixed|eff:no|tok:13a|...")."""
+    from sacrebleu.metrics import BLEU, CHRF
+
+    bleu, chrf = BLEU(), CHRF()
+    out = {"bleu": bleu.corpus_score(hyps, refs).score, "chrf": chrf.corpus_score(hyps, refs).score}
+    out["bleu_signature"] = str(bleu.get_signature())
+    out["chrf_signature"] = str(chrf.get_signature())
+    return out
+
+
+def score_split(bundle, split: str, translate_fn: Callable[[list[str]], list[str]], *,
+                max_sentences: int | None, max_positions: int) -> dict:
+    """Translate the first ``max_sentences`` (None: all) sources of ``bundle.splits[split]`` with
+    ``translate_fn`` (texts in, one translation each out) and score them against their references:
+    {bleu, chrf, bleu_signature, chrf_signature, sentences, truncated_sources (sources longer than
+    ``max_positions``, cut to fit), max_positions, loss_truncated_pairs (the data layer's count of pairs whose
+    token arrays, the loss's input, were cut; None if it keeps none), decode_seconds, samples}."""
     sp = bundle.splits[split]
     n = len(sp) if max_sentences is None else min(len(sp), max_sentences)
     src, refs = list(sp.src_text[:n]), list(sp.tgt_text[:n])
-    stats = DecodeStats()
+    cut = overlong(bundle.tokenizer, src, max_positions)
     t0 = time.perf_counter()
-    hyps = translate(model, bundle.tokenizer, src, device, beam_size=beam_size, batch_size=batch_size,
-                     max_len_ratio=max_len_ratio, max_len_extra=max_len_extra, autocast=autocast,
-                     length_penalty=length_penalty, decode=decode, fixed_shapes=fixed_shapes, cuda_graph=cuda_graph,
-                     stats=stats)
+    hyps = translate_fn(src)
     seconds = time.perf_counter() - t0
-    return {
-        "bleu": sacrebleu.corpus_bleu(hyps, [refs]).score,
-        "chrf": sacrebleu.corpus_chrf(hyps, [refs]).score,
-        "sentences": n,
-        "decode": decode,
-        "decode_seconds": seconds,
-        "decode_steps": stats.steps,
-        "host_syncs": stats.host_syncs,
-        "decode_batches": stats.batches,
-        "graphs_captured": stats.graphs,
-        "samples": list(zip(src, refs, hyps)),
-    }
+    if len(hyps) != n:
+        raise RuntimeError(f"score_split: {len(hyps)} translations for {n} sources")
+    truncated = (getattr(bundle, "split_record", None) or {}).get("truncated")
+    return {**corpus_scores(hyps, [refs]), "sentences": n, "truncated_sources": len(cut),
+            "max_positions": max_positions,
+            "loss_truncated_pairs": truncated.get(split) if isinstance(truncated, dict) else None,
+            "decode_seconds": seconds, "samples": list(zip(src, refs, hyps))}
+
+
+def bleu_chrf(model, bundle, split: str, device: torch.device, *, max_sentences: int | None, beam_size: int,
+              batch_size: int, max_len_ratio: float, max_len_extra: int, autocast=None, length_penalty: float = 0.6,
+              decode: str = "beam", fixed_shapes: bool | None = None, cuda_graph: bool | None = None) -> dict:
+    """``score_split`` of this model's translations (decoding options: ``translate``), with the decoding's
+    cost: ``decode_seconds`` (wall, the host waits for the answers), ``decode_steps``, ``host_syncs``,
+    ``decode_batches``, ``graphs_captured`` (CUDA graphs made by this call)."""
+    from models.decoding import DecodeStats
+
+    stats = DecodeStats()
+
+    def fn(src: list[str]) -> list[str]:
+        return translate(model, bundle.tokenizer, src, device, beam_size=beam_size, batch_size=batch_size,
+                         max_len_ratio=max_len_ratio, max_len_extra=max_len_extra, autocast=autocast,
+                         length_penalty=length_penalty, decode=decode, fixed_shapes=fixed_shapes,
+                         cuda_graph=cuda_graph, stats=stats)
+
+    out = score_split(bundle, split, fn, max_sentences=max_sentences, max_positions=model.cfg.max_positions)
+    out.update(decode=decode, decode_steps=stats.steps, host_syncs=stats.host_syncs, decode_batches=stats.batches,
+               graphs_captured=stats.graphs)
+    return out
+
+
+def decoding_settings(cfg, decode: str) -> dict:
+    """The decoding a record's BLEU was measured with (an ``EvalConfig`` and the mode)."""
+    beam = decode == "beam"
+    return {"decode": decode, "beam_size": cfg.beam_size if beam else 1,
+            "length_penalty": cfg.length_penalty if beam else None, "max_len_a": cfg.max_len_a,
+            "max_len_b": cfg.max_len_b}
+
+
+def record_fields(r: dict, prefix: str = "") -> dict:
+    """What a metrics record carries about how its BLEU/chrF were measured, from an ``evaluate_split`` result:
+    the sacreBLEU signatures and the number of sources cut to the model's positions (``prefix``: "test_")."""
+    keys = ("bleu_signature", "chrf_signature", "truncated_sources", "loss_truncated_pairs")
+    return {prefix + k: r.get(k) for k in keys}
 
 
 def evaluate_split(model, bundle, split: str, device: torch.device, cfg, *, autocast, decode: str,
                    loss: bool = True) -> dict:
-    """Loss and BLEU/chrF of ``split`` under an ``EvalConfig``: {loss, bleu, chrf, sentences, samples,
-    decode, decode_seconds, decode_steps, host_syncs, graphs_captured, seconds}. An empty split gives Nones."""
+    """Loss and BLEU/chrF of ``split`` under an ``EvalConfig`` (``sentence_limit``: validation's first
+    ``cfg.max_sentences``, the test split whole): {loss, bleu, chrf, bleu_signature, chrf_signature, sentences,
+    truncated_sources, samples, decode, decode_seconds, decode_steps, host_syncs, graphs_captured, seconds}.
+    An empty split gives Nones."""
     t0 = time.perf_counter()
     if len(bundle.splits[split]) == 0:
         return {"loss": None, "bleu": None, "chrf": None, "sentences": 0, "samples": [], "seconds": 0.0}
     out = {"loss": split_loss(model, bundle, split, device, autocast) if loss else None}
-    out.update(bleu_chrf(model, bundle, split, device, max_sentences=cfg.max_sentences, beam_size=cfg.beam_size,
-                         batch_size=cfg.batch_size, max_len_ratio=cfg.max_len_a, max_len_extra=cfg.max_len_b,
-                         autocast=autocast, length_penalty=cfg.length_penalty, decode=decode,
-                         cuda_graph=cfg.cuda_graphs and device.type == "cuda"))
+    out.update(bleu_chrf(model, bundle, split, device, max_sentences=sentence_limit(split, cfg),
+                         beam_size=cfg.beam_size, batch_size=cfg.batch_size, max_len_ratio=cfg.max_len_a,
+                         max_len_extra=cfg.max_len_b, autocast=autocast, length_penalty=cfg.length_penalty,
+                         decode=decode, cuda_graph=cfg.cuda_graphs and device.type == "cuda"))
     out["seconds"] = time.perf_counter() - t0
     return out
 
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m train.evaluate``: the scoring command (train/score.py)."""
+    from train.score import main as score_main
+
+    return score_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -40,6 +40,7 @@ from train.checkpoint import (
 from train.compile import compile_for_training, compiled_graphs, configure_caches
 from train.config import Config
 from train.distributed import DistInfo, barrier, init_distributed
+from train.evaluate import decoding_settings, record_fields
 from train.loss import SummedCrossEntropy
 from train.metrics import MetricsLogger, plot_curves, write_provenance
 from train.objective import BleuClock
@@ -442,7 +443,7 @@ class Trainer:
         record.update(valid_loss=r["loss"], bleu=r["bleu"], chrf=r["chrf"], eval_sentences=r["sentences"],
                       eval_seconds=r["seconds"], decode=r.get("decode"), decode_seconds=r.get("decode_seconds"),
                       decode_steps=r.get("decode_steps"), host_syncs=r.get("host_syncs"),
-                      graphs_captured=r.get("graphs_captured"))
+                      graphs_captured=r.get("graphs_captured"), **record_fields(r))
         wall = self.clock.wall()
         for t in self.clock.update(record["bleu"], epoch + 1, wall):
             self.log(f"BLEU {t:g} reached at {wall:.1f} s (epoch {epoch + 1})")
@@ -466,12 +467,14 @@ class Trainer:
             state = load_checkpoint(best, map_location=self.device)
             self.model.load_state_dict(state["model"])
             source = f"best.pt (epoch {state['position']['epoch']})"
-        r = self._eval_split("test", "beam")
+        r = self._eval_split("test", "beam")  # the whole test split (train.evaluate.sentence_limit)
         rec = {"kind": "test", "epoch": self.epoch, "weights": source, "test_loss": r["loss"],
                "test_bleu": r["bleu"], "test_chrf": r["chrf"], "test_sentences": r["sentences"],
+               **record_fields(r, "test_"), "decoding": decoding_settings(self.cfg.eval, "beam"),
                "eval_seconds": r["seconds"], "wall_seconds": self.clock.wall()}
         self.log(f"test ({source}): loss {_fmt(r['loss'], '.4f')} BLEU {_fmt(r['bleu'], '.2f')} "
-                 f"chrF {_fmt(r['chrf'], '.2f')} ({r['sentences']} sentences, beam {self.cfg.eval.beam_size})")
+                 f"chrF {_fmt(r['chrf'], '.2f')} ({r['sentences']} sentences, {r.get('truncated_sources', 0)} cut to "
+                 f"the model's positions; beam {self.cfg.eval.beam_size}; BLEU|{r.get('bleu_signature')})")
         self.metrics.log(rec)
         return rec
 

@@ -1,0 +1,165 @@
+"""What ``python -m train.translate`` and ``python -m train.evaluate`` share: a model and tokenizer rebuilt
+from a checkpoint, and one definition of the decoding options.
+
+Every decoding option defaults to the checkpoint's own ``eval`` settings (``eval.beam_size``,
+``eval.length_penalty``, ``eval.max_len_a``, ``eval.max_len_b``, ``eval.batch_size``) and its
+``run.precision``: the settings the training run's final test decoded with, so translating or scoring
+with a run's ``best.pt`` reproduces what the run reported. A flag overrides its one setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from train.errors import UserError
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """How a command decodes: beam search (``beam_size`` 1 = greedy) and the length limit
+    ``floor(max_len_a * source tokens + max_len_b)``, in batches under an autocast ``precision``."""
+
+    beam_size: int  # hypotheses kept per sentence (1: greedy)
+    length_penalty: float  # GNMT length penalty alpha of beam search
+    max_len_a: float  # generated tokens <= max_len_a * source tokens (incl. EOS) + max_len_b
+    max_len_b: int  # see max_len_a
+    batch_size: int  # sentences per decoding batch
+    precision: str  # autocast dtype while decoding: fp32 (none), bf16 or fp16
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def describe(self) -> str:
+        return (f"beam {self.beam_size}, length penalty {self.length_penalty:g}, max length {self.max_len_a:g} x "
+                f"source + {self.max_len_b}, batch {self.batch_size}, {self.precision}")
+
+
+# flag -> (Decoding field, the checkpoint's config key it defaults to, type, metavar, help)
+_OPTIONS = {
+    "--beam": ("beam_size", ("eval", "beam_size"), int, "N", "beam size, 1 = greedy"),
+    "--length-penalty": ("length_penalty", ("eval", "length_penalty"), float, "X", "GNMT length penalty alpha"),
+    "--max-len-a": ("max_len_a", ("eval", "max_len_a"), float, "A", "decoding length limit: A x source tokens + B"),
+    "--max-len-b": ("max_len_b", ("eval", "max_len_b"), int, "B", "see --max-len-a"),
+    "--batch-size": ("batch_size", ("eval", "batch_size"), int, "N", "sentences per decoding batch"),
+    "--precision": ("precision", ("run", "precision"), str, "P", "autocast while decoding: fp32, bf16 or fp16"),
+}
+# what a checkpoint without these config fields gets (train.config.EvalConfig's and RunConfig's defaults)
+_FALLBACK = {"beam_size": 4, "length_penalty": 0.6, "max_len_a": 1.5, "max_len_b": 10, "batch_size": 128,
+             "precision": "fp32"}
+
+
+def add_decoding_options(p: argparse.ArgumentParser) -> None:
+    """The decoding flags and ``--device``; none has a parser default (None = the checkpoint's value)."""
+    g = p.add_argument_group("decoding (default: the checkpoint's eval settings, what its final test used)")
+    for flag, (name, (section, key), _, metavar, text) in _OPTIONS.items():
+        g.add_argument(flag, dest=name, metavar=metavar, help=f"{text} (default: the checkpoint's {section}.{key})")
+    g.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N")
+
+
+def _parse(flag: str, value: str, kind: type):
+    try:
+        v = kind(value)
+    except ValueError:
+        raise UserError(f"{flag} {value!r}: not {'an integer' if kind is int else 'a number'}") from None
+    if kind is float and not math.isfinite(v):
+        raise UserError(f"{flag} {value}: must be a finite number")
+    return v
+
+
+def resolve_decoding(args: argparse.Namespace, config: dict[str, Any]) -> tuple[Decoding, list[str]]:
+    """The ``Decoding`` of parsed flags over the checkpoint's ``config`` dict, and the flags that were given.
+    Bad values raise ``UserError`` naming the flag and the value."""
+    values, given = {}, []
+    for flag, (name, (section, key), kind, _, _) in _OPTIONS.items():
+        raw = getattr(args, name)
+        if raw is None:
+            values[name] = (config.get(section) or {}).get(key, _FALLBACK[name])
+        else:
+            given.append(flag)
+            values[name] = _parse(flag, raw, kind) if kind is not str else raw
+    d = Decoding(**values)
+    for flag, ok, rule in (("--beam", d.beam_size >= 1, ">= 1"), ("--batch-size", d.batch_size >= 1, ">= 1"),
+                           ("--length-penalty", d.length_penalty >= 0, ">= 0"),
+                           ("--max-len-a", d.max_len_a >= 0, ">= 0"), ("--max-len-b", d.max_len_b >= 0, ">= 0"),
+                           ("--precision", d.precision in PRECISIONS, f"one of {', '.join(PRECISIONS)}")):
+        if not ok:
+            raise UserError(f"{flag} {getattr(d, _OPTIONS[flag][0])}: must be {rule}")
+    return d, given
+
+
+def resolve_device(name: str) -> torch.device:
+    """``--device``: auto | cpu | cuda | cuda:N, refused in one line when CUDA is not there."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"--device {name!r}: use auto, cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise UserError(f"--device {name!r}: use auto, cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {name}: no CUDA device here; use --device cpu")
+    return device
+
+
+def autocast_for(device: torch.device, precision: str):
+    """The autocast context the Trainer builds for ``run.precision`` (re-enterable)."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[precision]
+    return torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
+
+
+def load_for_inference(ckpt_path: str | Path, device: str | torch.device = "cpu"):
+    """(model in eval mode, tokenizer, checkpoint dict) from a training checkpoint; a file that is not one
+    (missing, unreadable, without a tokenizer) raises ``UserError`` naming it."""
+    from data.tokenizer import Tokenizer
+    from models import ModelConfig, Transformer
+    from train.checkpoint import load_checkpoint
+
+    try:
+        ckpt = load_checkpoint(ckpt_path)
+    except (FileNotFoundError, RuntimeError) as e:
+        raise UserError(f"--ckpt: {e}") from e
+    ref = ckpt.get("tokenizer") or {}
+    if ref.get("model_bytes"):
+        tok = Tokenizer(model_proto=ref["model_bytes"], key=ref.get("key", ""))
+    elif ref.get("model_file") and Path(ref["model_file"]).is_file():
+        tok = Tokenizer(ref["model_file"], key=ref.get("key", ""))
+    else:
+        raise UserError(f"{ckpt_path}: the checkpoint carries no tokenizer and its model file "
+                        f"{ref.get('model_file')!r} is gone; rebuild it with the run's data settings")
+    try:
+        cfg = ModelConfig(**ckpt["config"]["model"])
+    except (TypeError, ValueError, KeyError) as e:
+        raise UserError(f"{ckpt_path}: its model config does not build with this fastmt ({e})") from e
+    if cfg.vocab_size != tok.vocab_size:
+        raise UserError(f"{ckpt_path}: tokenizer mismatch: model vocab {cfg.vocab_size} != tokenizer vocab "
+                        f"{tok.vocab_size} ({tok.model_file})")
+    model = Transformer(cfg).to(device)
+    model.load_state_dict(ckpt["model"])
+    model.eval()
+    return model, tok, ckpt
+
+
+def translate_lines(model, tok, lines: list[str | None], device: torch.device, d: Decoding,
+                    cuda_graph: bool = False) -> list[str]:
+    """One output line per entry of ``lines``: "" for a blank line or None (an unreadable input line),
+    else the translation with any line break in it printed as a space (so output line k answers input k)."""
+    from train.evaluate import translate
+
+    todo = [k for k, line in enumerate(lines) if line is not None and line.strip()]
+    hyps = translate(model, tok, [lines[k] for k in todo], device, beam_size=d.beam_size,
+                     batch_size=d.batch_size, max_len_ratio=d.max_len_a, max_len_extra=d.max_len_b,
+                     length_penalty=d.length_penalty, autocast=autocast_for(device, d.precision),
+                     cuda_graph=cuda_graph and device.type == "cuda")
+    out = [""] * len(lines)
+    for k, h in zip(todo, hyps):
+        out[k] = " ".join(h.splitlines())  # a decoded line break would shift every later line
+    return out
