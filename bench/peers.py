@@ -1,8 +1,13 @@
-"""The Hugging Face baseline (../shared/gpu/PEERS.md §1), trained on fastmt's own data and validated as fastmt is.
+"""The Hugging Face baseline (../shared/gpu/PEERS.md §1), trained on fastmt's own data and split, and scored as
+fastmt is.
 
 ``transformers.MarianMTModel`` at the preset's size with fastmt's tokenizer, the ``Seq2SeqTrainer`` recipe
 (``PeerRecipe``) as a plain loop, rows in fastmt's ``metrics.jsonl`` format so bench/frontier.py reads both
-alike. Needs the ``peers`` extra (transformers, accelerate); details in bench/README.md."""
+alike. Validation and test go through fastmt's own scoring (``train.evaluate.score_split``): the same sentences
+(validation's first ``eval.max_sentences``, the test split whole), sources cut to the model's positions the same
+way, the same beam size and length limit, sacreBLEU with its signatures; only the search is ``generate``'s,
+whose length penalty divides by ``len ** alpha`` where fastmt's GNMT penalty divides by ``((5 + len) / 6) ** alpha``.
+Needs the ``peers`` extra (transformers, accelerate); details in bench/README.md."""
 
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from train.evaluate import decoding_settings, encode_sources, record_fields, score_split, sentence_limit
 from train.objective import BleuClock, process_seconds
 
 NAME = "hf-marian"
@@ -167,8 +173,9 @@ def _length_limit_processor(limits: torch.Tensor, eos_id: int):
 
 @torch.no_grad()
 def translate(model, tok, sources: list[np.ndarray], device: torch.device, *, beam_size: int, batch_size: int,
-              max_len_ratio: float, max_len_extra: int) -> list[str]:
-    """Beam search with ``generate``, longest sources first; at most floor(a * len(src) + b) tokens each."""
+              max_len_ratio: float, max_len_extra: int, length_penalty: float = 1.0) -> list[str]:
+    """Beam search with ``generate`` over encoded sources (``train.evaluate.encode_sources``), longest first;
+    at most floor(a * len(src) + b) tokens each; ``length_penalty``: HF's alpha (scores / len ** alpha)."""
     from transformers import GenerationConfig
 
     was = model.training
@@ -181,7 +188,8 @@ def translate(model, tok, sources: list[np.ndarray], device: torch.device, *, be
         b = collate([(sources[i], sources[i]) for i in idx], tok.pad_id)
         lens = torch.tensor([len(sources[i]) for i in idx], dtype=torch.float64)
         limits = torch.floor(lens * max_len_ratio + max_len_extra).long().clamp(1, cap)
-        gen = GenerationConfig(num_beams=beam_size, max_new_tokens=int(limits.max()), do_sample=False,
+        beam = {"length_penalty": length_penalty} if beam_size > 1 else {}  # greedy has none (HF warns)
+        gen = GenerationConfig(num_beams=beam_size, max_new_tokens=int(limits.max()), do_sample=False, **beam,
                                decoder_start_token_id=tok.bos_id, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
                                pad_token_id=tok.pad_id, forced_eos_token_id=tok.eos_id,
                                suppress_tokens=[tok.pad_id, tok.bos_id])
@@ -196,18 +204,21 @@ def translate(model, tok, sources: list[np.ndarray], device: torch.device, *, be
     return out
 
 
-def scores(model, split, sources, tok, device: torch.device, ev, *, decode: str = "beam") -> dict[str, Any]:
-    """sacreBLEU and chrF on the split's first ``ev.max_sentences`` pairs (fastmt's ``EvalConfig``);
-    ``decode="greedy"``: beam size 1."""
-    import sacrebleu
+def scores(model, bundle, split: str, device: torch.device, ev, max_positions: int, *,
+           decode: str = "beam") -> dict[str, Any]:
+    """fastmt's scoring of ``split`` (``train.evaluate.score_split`` under the ``EvalConfig`` ``ev``: validation's
+    first ``ev.max_sentences``, the test split whole, BLEU/chrF with signatures, cut sources counted) of this
+    model's ``generate`` translations; ``decode="greedy"``: beam size 1."""
+    tok = bundle.tokenizer
 
-    n = len(split) if ev.max_sentences is None else min(len(split), ev.max_sentences)
-    refs = list(split.tgt_text[:n])
-    hyps = translate(model, tok, sources[:n], device, beam_size=1 if decode == "greedy" else ev.beam_size,
-                     batch_size=ev.batch_size, max_len_ratio=ev.max_len_a, max_len_extra=ev.max_len_b)
-    return {"bleu": sacrebleu.corpus_bleu(hyps, [refs]).score if n else None,
-            "chrf": sacrebleu.corpus_chrf(hyps, [refs]).score if n else None, "sentences": n,
-            "samples": list(zip(split.src_text[:n], refs, hyps))}
+    def fn(texts: list[str]) -> list[str]:
+        return translate(model, tok, encode_sources(tok, texts, max_positions), device,
+                         beam_size=1 if decode == "greedy" else ev.beam_size, batch_size=ev.batch_size,
+                         max_len_ratio=ev.max_len_a, max_len_extra=ev.max_len_b, length_penalty=ev.length_penalty)
+
+    if len(bundle.splits[split]) == 0:
+        return {"bleu": None, "chrf": None, "sentences": 0, "samples": []}
+    return score_split(bundle, split, fn, max_sentences=sentence_limit(split, ev), max_positions=max_positions)
 
 
 # -- Training --------------------------------------------------------------------------------------
@@ -270,7 +281,8 @@ def _train(cfg, recipe: PeerRecipe, bundle, run_dir: Path, metrics, device: torc
     sched = get_linear_schedule_with_warmup(opt, math.ceil(recipe.warmup_ratio * total), total)
 
     peer = {"model": "transformers.MarianMTModel", "transformers": transformers.__version__, "attention": "sdpa",
-            "precision": "bf16" if device.type == "cuda" else "fp32", **dataclasses.asdict(recipe)}
+            "precision": "bf16" if device.type == "cuda" else "fp32", **dataclasses.asdict(recipe),
+            "length_penalty_form": "generate: logprob / len ** alpha (fastmt: GNMT logprob / ((5 + len) / 6) ** alpha)"}
     config = {"data": cfg.data.to_dict(), "model": dataclasses.asdict(cfg.model), "eval": dataclasses.asdict(ev),
               "peer": peer}
     (run_dir / "provenance.json").write_text(json.dumps(provenance(config, bundle.split_record, {"params": params}),
@@ -317,9 +329,9 @@ def _train(cfg, recipe: PeerRecipe, bundle, run_dir: Path, metrics, device: torc
             t_eval = time.perf_counter()
             record["valid_loss"] = (valid_loss(model, valid_src, valid_tgt, tok, device, recipe.batch_size)
                                     if ev.valid_loss else None)
-            sc = scores(model, bundle.splits["valid"], valid_src, tok, device, ev, decode=ev.decode)
+            sc = scores(model, bundle, "valid", device, ev, cfg.model.max_positions, decode=ev.decode)
             record.update(bleu=sc["bleu"], chrf=sc["chrf"], eval_sentences=sc["sentences"],
-                          eval_seconds=time.perf_counter() - t_eval)
+                          eval_seconds=time.perf_counter() - t_eval, **record_fields(sc))
             best_before, wall = bleu_clock.best, clock()
             for t in bleu_clock.update(sc["bleu"], epoch + 1, wall):
                 log(f"[peers] BLEU {t:g} reached at {wall:.1f} s (epoch {epoch + 1})")
@@ -346,9 +358,10 @@ def _train(cfg, recipe: PeerRecipe, bundle, run_dir: Path, metrics, device: torc
             source = "best valid BLEU"
         test_src, test_tgt = encode_split(bundle.splits["test"], tok.eos_id, cfg.model.max_positions)
         t_loss = valid_loss(model, test_src, test_tgt, tok, device, recipe.batch_size)
-        sc = scores(model, bundle.splits["test"], test_src, tok, device, ev, decode="beam")
+        sc = scores(model, bundle, "test", device, ev, cfg.model.max_positions, decode="beam")  # the whole split
         metrics.log({"kind": "test", "epoch": epoch + 1, "weights": source, "test_loss": t_loss,
                      "test_bleu": sc["bleu"], "test_chrf": sc["chrf"], "test_sentences": sc["sentences"],
+                     **record_fields(sc, "test_"), "decoding": decoding_settings(ev, "beam"),
                      "eval_seconds": time.perf_counter() - t_eval, "wall_seconds": clock()})
         summary["test_bleu"] = sc["bleu"]
         log(f"[peers] test ({source}): loss {fmt(t_loss, '.4f')} BLEU {fmt(sc['bleu'], '.2f')} "

@@ -139,7 +139,15 @@ def test_cli_smoke_writes_fastmt_rows(toy, tmp_path):
         assert r["wall_seconds"] >= r["epoch_seconds"] + r["eval_seconds"]
     assert rows[0]["wall_seconds"] < epochs[0]["wall_seconds"] < epochs[1]["wall_seconds"] < rows[3]["wall_seconds"]
     assert epochs[1]["lr"] == 0.0  # the linear schedule ends at 0 on the last planned step
-    assert rows[3]["test_sentences"] == 20 and math.isfinite(rows[3]["test_bleu"])
+    # fastmt's protocol: validation decodes its first eval.max_sentences, the test split is scored whole, with
+    # sacreBLEU's signatures and fastmt's decoding settings
+    test, sig = rows[3], "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:"
+    assert len(bundle.splits["test"]) > 20 and test["test_sentences"] == len(bundle.splits["test"])
+    assert math.isfinite(test["test_bleu"]) and test["test_bleu_signature"].startswith(sig)
+    assert test["test_chrf_signature"].startswith("nrefs:1|case:mixed|eff:yes|nc:6|nw:0|space:no|version:")
+    assert all(r["bleu_signature"].startswith(sig) for r in epochs) and test["test_truncated_sources"] == 0
+    assert test["decoding"] == {"decode": "beam", "beam_size": 2, "length_penalty": 0.6, "max_len_a": 1.5,
+                                "max_len_b": 10}
     best = max(epochs, key=lambda r: r["bleu"])  # the test scores the best-BLEU weights, as fastmt scores best.pt
     assert rows[3]["weights"] == "best valid BLEU" and rows[4]["best_bleu"] == best["bleu"]
     assert rows[4]["stop_reason"] == "done" and rows[4]["step"] == 2 * steps
@@ -167,3 +175,34 @@ def test_wall_budget_stops_at_a_step_boundary_and_evaluates(toy, tmp_path):
     assert len(list(tmp_path.glob("hf.prev-*"))) == 1
     with pytest.raises(ValueError, match="max_wall_seconds=0"):
         P.PeerRecipe(max_wall_seconds=0)
+
+
+def test_scores_go_through_fastmts_protocol(toy, monkeypatch):
+    """The baseline is scored on the sentences fastmt scores (validation's first eval.max_sentences, the test
+    split whole), its sources cut to the model's positions as fastmt cuts them, decoded with the run's beam size,
+    length limit and length penalty, scored by sacreBLEU with the signatures."""
+    import sacrebleu
+
+    cfg, bundle, _, _ = toy
+    tok = bundle.tokenizer
+    calls = []
+
+    def generate(model, tok_, sources, device, **kw):  # stands in for MarianMTModel.generate's translations
+        calls.append(([s.tolist() for s in sources], kw))
+        return [f"x{i % 3}" for i in range(len(sources))]
+
+    monkeypatch.setattr(P, "translate", generate)
+    ev = dataclasses.replace(cfg.eval, max_sentences=7, beam_size=3, length_penalty=0.8, max_len_a=1.2, max_len_b=4)
+    for split, n in (("valid", 7), ("test", len(bundle.splits["test"]))):
+        sp = bundle.splits[split]
+        sc = P.scores(None, bundle, split, torch.device("cpu"), ev, 12)
+        want = [[*tok.encode([t])[0][:11].tolist(), tok.eos_id] for t in sp.src_text[:n]]
+        sources, kw = calls[-1]
+        assert sources == want and kw == {"beam_size": 3, "batch_size": ev.batch_size, "max_len_ratio": 1.2,
+                                          "max_len_extra": 4, "length_penalty": 0.8}
+        long = sum(len(tok.encode([t])[0]) + 1 > 12 for t in sp.src_text[:n])
+        assert sc["sentences"] == n and sc["truncated_sources"] == long
+        hyps = [f"x{i % 3}" for i in range(n)]
+        assert sc["bleu"] == sacrebleu.corpus_bleu(hyps, [list(sp.tgt_text[:n])]).score
+        assert sc["bleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:")
+    assert n > 7 and long > 0  # the test split is longer than the validation cap; some sources were cut

@@ -106,3 +106,81 @@ def test_bleu_chrf_reports_decoding_cost(toy_bundle, decode):
     assert 0 <= out["bleu"] <= 100 and 0 <= out["chrf"] <= 100 and out["decode_seconds"] > 0
     assert out["decode_batches"] == 3 and out["graphs_captured"] == 0
     assert out["decode_steps"] >= 3 and out["host_syncs"] <= out["decode_steps"] + out["decode_batches"]
+
+
+# -- the protocol: validation capped, the test split whole, cut sources counted, signatures ---------------
+def _hyps_and_bleu(model, tok, src: list[str], refs: list[str], **kw) -> tuple[list[str], float, float]:
+    import sacrebleu
+
+    hyps = translate(model, tok, src, CPU, **kw)
+    return hyps, sacrebleu.corpus_bleu(hyps, [refs]).score, sacrebleu.corpus_chrf(hyps, [refs]).score
+
+
+def test_validation_is_capped_and_the_test_split_is_scored_whole(toy_bundle):
+    """eval.max_sentences=10 decodes the valid split's first 10 sentences and every test sentence; the scores
+    are sacreBLEU's of exactly those translations, with the signatures."""
+    from train.config import EvalConfig
+
+    tok = toy_bundle.tokenizer
+    model = build(seed=3, vocab_size=tok.vocab_size, max_positions=64)
+    ev = EvalConfig(max_sentences=10, beam_size=2, batch_size=16)
+    auto = torch.autocast("cpu", enabled=False)
+    valid = evaluate.evaluate_split(model, toy_bundle, "valid", CPU, ev, autocast=auto, decode="beam", loss=False)
+    test = evaluate.evaluate_split(model, toy_bundle, "test", CPU, ev, autocast=auto, decode="beam", loss=False)
+    sp = toy_bundle.splits["test"]
+    assert valid["sentences"] == 10 and len(sp) > 10 and test["sentences"] == len(sp)
+    hyps, bleu, chrf = _hyps_and_bleu(model, tok, list(sp.src_text), list(sp.tgt_text), beam_size=2, batch_size=16)
+    assert [h for _, _, h in test["samples"]] == hyps
+    assert (test["bleu"], test["chrf"]) == (pytest.approx(bleu, abs=1e-9), pytest.approx(chrf, abs=1e-9))
+    for r in (valid, test):
+        assert r["bleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:")
+        assert r["chrf_signature"].startswith("nrefs:1|case:mixed|eff:yes|nc:6|nw:0|space:no|version:")
+
+
+def test_overlong_test_sources_are_translated_and_counted(toy_bundle):
+    """A model with 12 positions: the test sources longer than that are still decoded (from their first 11
+    tokens + EOS), none is dropped, and they are counted."""
+    from models.decoding import greedy_decode
+
+    tok = toy_bundle.tokenizer
+    model = build(seed=4, vocab_size=tok.vocab_size, max_positions=12)
+    sp = toy_bundle.splits["test"]
+    ids = tok.encode(list(sp.src_text))
+    long = [i for i, x in enumerate(ids) if len(x) + 1 > 12]
+    assert 0 < len(long) < len(sp)
+    r = bleu_chrf(model, toy_bundle, "test", CPU, max_sentences=None, beam_size=1, batch_size=8, max_len_ratio=1.5,
+                  max_len_extra=10, decode="greedy")
+    assert r["sentences"] == len(sp) and r["truncated_sources"] == len(long) and r["max_positions"] == 12
+    for i in long[:3]:
+        src = torch.tensor([*ids[i][:11].tolist(), EOS], dtype=torch.int32)[None]  # (1, 12)
+        want = greedy_decode(model, src, torch.tensor([12], dtype=torch.int32), bos_id=BOS, eos_id=EOS, pad_id=PAD)
+        assert r["samples"][i][2] == tok.decode(want)[0]
+
+
+class _Split:
+    """The texts of a split (all ``score_split`` reads of it)."""
+
+    def __init__(self, src_text: list[str], tgt_text: list[str]):
+        self.src_text, self.tgt_text = src_text, tgt_text
+
+    def __len__(self) -> int:
+        return len(self.src_text)
+
+
+def test_whole_texts_are_decoded_whatever_the_token_arrays_hold(toy_bundle):
+    """The data layer that keeps over-long valid/test pairs (whole texts, token arrays cut to data.max_len, a
+    count in split_record["truncated"]): BLEU decodes each whole text, cut only at the model's positions,
+    and the record passes the data layer's count on."""
+    from types import SimpleNamespace
+
+    tok = toy_bundle.tokenizer
+    sp = toy_bundle.splits["test"]
+    long = " ".join(["the big green tree sees the old man"] * 4)
+    texts, refs = [long, *sp.src_text[:3]], ["l'albero", *sp.tgt_text[:3]]
+    assert 32 < len(tok.encode([long])[0]) + 1 < 64  # over data.max_len (32), within the model's 64 positions
+    bundle = SimpleNamespace(splits={"test": _Split(texts, refs)}, tokenizer=tok, split_record={"truncated": {"test": 1}})
+    model = build(seed=5, vocab_size=tok.vocab_size, max_positions=64)
+    r = bleu_chrf(model, bundle, "test", CPU, max_sentences=None, beam_size=1, batch_size=8, max_len_ratio=1.5,
+                  max_len_extra=10, decode="greedy")
+    assert r["sentences"] == 4 and r["loss_truncated_pairs"] == 1 and r["truncated_sources"] == 0
+    assert [h for _, _, h in r["samples"]] == translate(model, tok, texts, CPU, decode="greedy", batch_size=8)
