@@ -131,7 +131,7 @@ class EvalConfig:
     valid_loss: bool = True  # un-smoothed validation loss (one forward pass over the valid split)
     decode: Literal["beam", "greedy"] = "beam"  # decoding for validation BLEU during training (test: beam)
     beam_size: int = 4  # beam size for validation/test BLEU
-    max_sentences: int | None = 500  # sentences decoded for BLEU/chrF, the split's first N (None: all)
+    max_sentences: int | None = 500  # validation sentences decoded for BLEU/chrF, the first N (None: all); test: all
     batch_size: int = 128  # sentences per decoding batch
     max_len_a: float = 1.5  # decoding max length = a * source length + b
     max_len_b: int = 10  # see max_len_a
@@ -144,7 +144,7 @@ class EvalConfig:
     # at the end, average the weights of the last K epoch checkpoints and keep the average as best.pt if its
     # validation BLEU beats the best single checkpoint (0: off; needs run.keep_last >= K)
     average_last: int = 0
-    test_at_end: bool = True  # score the test split (BLEU/chrF/loss) with best.pt's weights at the end
+    test_at_end: bool = True  # score the whole test split (BLEU/chrF/loss) with best.pt's weights at the end
     num_samples: int = 3  # sample translations printed per evaluation
 
     def __post_init__(self):

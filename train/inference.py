@@ -110,6 +110,20 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def configure_cpu(device: torch.device, config: dict[str, Any]) -> None:
+    """On the CPU, set up as the checkpoint's run was: denormals flushed (3x slower eager steps otherwise)
+    and ``run.cpu_threads`` threads when it set them (on a shared 2-core machine decoding the tiny preset's
+    test split took 2.7 s on 1 thread and 29.5 s on 2 contending ones)."""
+    if device.type != "cpu":
+        return
+    from train import flush_denormals
+
+    flush_denormals()
+    threads = (config.get("run") or {}).get("cpu_threads")
+    if isinstance(threads, int) and threads >= 1:
+        torch.set_num_threads(threads)
+
+
 def autocast_for(device: torch.device, precision: str):
     """The autocast context the Trainer builds for ``run.precision`` (re-enterable)."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[precision]

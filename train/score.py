@@ -32,7 +32,13 @@ import traceback
 from pathlib import Path
 
 from train.errors import EXIT_OK, UserError, debug_enabled
-from train.inference import add_decoding_options, load_for_inference, resolve_decoding, resolve_device
+from train.inference import (
+    add_decoding_options,
+    configure_cpu,
+    load_for_inference,
+    resolve_decoding,
+    resolve_device,
+)
 
 PAIR_FORMATS = (".jsonl", ".json", ".parquet", ".tsv")  # data.sources' formats: both sides in one file
 WRITER = "python -m train.evaluate"  # the mark of this command's records (what it may overwrite)
@@ -147,22 +153,28 @@ def check_writable(out: Path) -> None:
     parent = out.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(f"cannot write {out}: {parent} is a file, not a folder; pass --out PATH")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f"cannot write {out}: {parent} is not writable; pass --out PATH")
 
 
 def atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    """Write ``text`` to a temp file beside ``path``, then rename it there: a reader never sees half a file. A
+    full or read-only disk raises ``UserError`` (the temp file removed, an older ``path`` left as it was)."""
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
+    except OSError as e:
+        raise UserError(f"cannot write {path}: {e.strerror or e}; pass another --out") from None
+    finally:
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
-        raise
 
 
 def _umask() -> int:
@@ -196,6 +208,7 @@ def run(args) -> int:
             raise UserError(f"no such file: {path}")
     model, tok, ckpt = load_for_inference(args.ckpt, device)
     config = ckpt.get("config") or {}
+    configure_cpu(device, config)
     decoding, given = resolve_decoding(args, config)
     src, refs = read_test_set(args, config)
     report = sys.stderr if to_stdout else sys.stdout
@@ -221,8 +234,11 @@ def run(args) -> int:
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     if to_stdout:
-        sys.stdout.write("".join(h + "\n" for h in hyps))
-        sys.stdout.flush()
+        try:
+            sys.stdout.write("".join(h + "\n" for h in hyps))
+            sys.stdout.flush()
+        except OSError as e:
+            raise UserError(f"cannot write the hypotheses to stdout: {e.strerror or e}") from None
     else:
         atomic_write(out, "".join(h + "\n" for h in hyps))
         atomic_write(record_path(out), json.dumps(record, indent=2) + "\n")

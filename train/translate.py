@@ -26,7 +26,13 @@ from pathlib import Path
 
 from train.errors import EXIT_OK, UserError, debug_enabled
 from train.evaluate import overlong
-from train.inference import add_decoding_options, load_for_inference, resolve_decoding, resolve_device
+from train.inference import (
+    add_decoding_options,
+    configure_cpu,
+    load_for_inference,
+    resolve_decoding,
+    resolve_device,
+)
 
 __all__ = ["main", "load_for_inference", "overlong", "stdin_batches"]
 
@@ -127,6 +133,8 @@ class _Out:
             self.closed = True
             devnull = os.open(os.devnull, os.O_WRONLY)  # no second error when Python flushes stdout at exit
             os.dup2(devnull, sys.stdout.fileno())
+        except OSError as e:  # a full disk behind a redirection
+            raise UserError(f"cannot write the translations to stdout: {e.strerror or e}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,6 +155,7 @@ def run(args) -> int:
         raise UserError(f"--ckpt {args.ckpt!r}: no such file (look under runs/<name>/checkpoints/)")
     device = resolve_device(args.device)
     model, tok, ckpt = load_for_inference(args.ckpt, device)
+    configure_cpu(device, ckpt.get("config") or {})
     decoding, _ = resolve_decoding(args, ckpt.get("config") or {})
     limit = model.cfg.max_positions
     out = _Out()
