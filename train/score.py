@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt", required=True, help="a training checkpoint, e.g. runs/<name>/checkpoints/best.pt")
     p.add_argument("--src", required=True, metavar="FILE",
                    help=f"sources, one per line; or pairs ({', '.join(PAIR_FORMATS)}) holding the references too")
-    p.add_argument("--ref", nargs="+", metavar="FILE", help="references, one per line (several files: several "
+    p.add_argument("--ref", nargs="+", action="extend", metavar="FILE", help="references, one per line (several files: several "
                                                             "references per sentence); none: translate only")
     p.add_argument("--out", metavar="HYPS", help="where the hypotheses go (default: see below; -: stdout)")
     add_decoding_options(p)
@@ -237,6 +237,8 @@ def run(args) -> int:
         try:
             sys.stdout.write("".join(h + "\n" for h in hyps))
             sys.stdout.flush()
+        except BrokenPipeError:
+            raise
         except OSError as e:
             raise UserError(f"cannot write the hypotheses to stdout: {e.strerror or e}") from None
     else:
@@ -269,3 +271,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: nothing written", file=sys.stderr)
         return EXIT_SIGINT
+    except BrokenPipeError:  # the report piped into `head`: the files are written, the rest of it unread
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return EXIT_OK
