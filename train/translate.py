@@ -90,7 +90,7 @@ def stdin_batches(stream, batch_size: int) -> Iterator[list[bytes]]:
         return
     batch: list[bytes] = []
     for line in binary:
-        batch.append(line.encode("utf-8") if isinstance(line, str) else line)
+        batch.append(line.encode("utf-8", "surrogateescape") if isinstance(line, str) else line)
         batch[-1] = batch[-1].removesuffix(b"\n")
         if len(batch) == batch_size:
             yield batch
