@@ -112,8 +112,8 @@ def resolve_device(name: str) -> torch.device:
 
 def configure_cpu(device: torch.device, config: dict[str, Any]) -> None:
     """On the CPU, set up as the checkpoint's run was: denormals flushed (3x slower eager steps otherwise)
-    and ``run.cpu_threads`` threads when it set them (on a shared 2-core machine decoding the tiny preset's
-    test split took 2.7 s on 1 thread and 29.5 s on 2 contending ones)."""
+    and ``run.cpu_threads`` threads when it set them (on the shared 2-core machine, load average 3-4, decoding
+    the tiny preset's 427-sentence test split of the stand-in corpus took 2.7 s on 1 thread, 29.5 s on 2)."""
     if device.type != "cpu":
         return
     from train import flush_denormals
