@@ -1,0 +1,92 @@
+"""Stops that keep the work (issue 20 row 1): ``python -m train`` as a real process with DataLoader workers,
+stopped by SIGTERM or SIGINT sent to its whole process group (``timeout``, SLURM, Kubernetes, ``docker
+stop``, Ctrl-C) or to the process alone: one clean line, a checkpoint at a step boundary, exit 75, and
+``--resume auto`` continues from it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.train.runs_helpers import train_argv
+from train.checkpoint import load_checkpoint, step_checkpoints
+from train.config import Config
+from train.errors import EXIT_INTERRUPTED
+from train.loop import Trainer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def train_command(cache: str, out: Path, *extra: str) -> list[str]:
+    """``python -m train`` on the tiny preset with the toy data, quiet, everything under ``out``."""
+    return [sys.executable, "-m", "train", *train_argv(cache, out, *extra, name="sig")]
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _run_until_workers(cmd: list[str], n_workers: int) -> subprocess.Popen:
+    """Start ``cmd`` in its own session (its own process group) and wait until its DataLoader workers run."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 240
+    while len(_children(proc.pid)) < n_workers:
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended before its workers started (exit {proc.returncode}):\n{proc.stdout.read()}")
+        assert time.monotonic() < deadline, "the workers never started"
+        time.sleep(0.05)
+    time.sleep(0.5)  # a few steps with the workers feeding batches
+    return proc
+
+
+@pytest.mark.parametrize("target, sig", [("group", signal.SIGTERM), ("process", signal.SIGTERM),
+                                         ("group", signal.SIGINT)],
+                         ids=["SIGTERM-to-the-group", "SIGTERM-to-the-process", "SIGINT-to-the-group"])
+def test_a_signal_stops_at_a_step_with_a_checkpoint_and_exit_75(toy_bundle, tmp_path, target, sig):
+    cmd = train_command(toy_bundle.cfg.cache_dir, tmp_path, "--epochs", "1000", "--eval.every", "1000",
+                        "--data.num_workers", "2")
+    proc = _run_until_workers(cmd, 2)
+    try:
+        if target == "group":
+            os.killpg(proc.pid, sig)
+        else:
+            os.kill(proc.pid, sig)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    name = signal.Signals(sig).name
+    assert proc.returncode == EXIT_INTERRUPTED, out[-3000:]
+    assert "Traceback" not in out and "Error" not in out, out[-3000:]
+    assert out.count(f"{name}: stopping after this step with a checkpoint") == 1
+    run = tmp_path / "runs" / "sig"
+    newest = step_checkpoints(run / "checkpoints")[-1]
+    ckpt = load_checkpoint(newest)
+    assert f"stopped:     by {name} at step {ckpt['position']['step']}" in out and str(newest) in out
+    assert "--resume auto" in out and ckpt["position"]["step"] >= 1
+    metrics = run / "metrics.jsonl"
+    assert not metrics.exists() or '"done"' not in metrics.read_text()
+    # the saved config resumes the run from that checkpoint
+    cfg = Config.from_dict(json.loads((run / "config.json").read_text()))
+    tr = Trainer(cfg, resume="auto", log=lambda *a: None)
+    assert (tr.run_dir, tr.step, tr.batch_index) == (run, ckpt["position"]["step"], ckpt["position"]["batch_index"])
+    tr.close()
+    assert not any(p.name != "sig" for p in (tmp_path / "runs").iterdir())  # no second folder
