@@ -90,3 +90,36 @@ def test_a_signal_stops_at_a_step_with_a_checkpoint_and_exit_75(toy_bundle, tmp_
     assert (tr.run_dir, tr.step, tr.batch_index) == (run, ckpt["position"]["step"], ckpt["position"]["batch_index"])
     tr.close()
     assert not any(p.name != "sig" for p in (tmp_path / "runs").iterdir())  # no second folder
+
+
+def test_a_signal_during_evaluation_stops_at_the_epochs_checkpoint(toy_bundle, tmp_path):
+    """SLURM's grace period is short: a stop requested while validating does not take another step."""
+    from tests.utils import tiny_trainer
+
+    tr = tiny_trainer(toy_bundle, tmp_path, epochs=3, max_batches_per_epoch=3)
+    evaluate = tr._evaluate
+
+    def evaluate_then_sigterm(*args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return evaluate(*args)
+
+    tr._evaluate = evaluate_then_sigterm
+    summary = tr.fit()
+    assert tr.step == 3 and summary["stop_reason"] == "interrupted" and summary.get("signal") == "SIGTERM"
+    assert load_checkpoint(step_checkpoints(tr.run_dir / "checkpoints")[-1])["position"]["step"] == 3
+
+
+def test_a_signal_during_setup_exits_75_and_leaves_no_run_folder(toy_bundle, tmp_path, monkeypatch, capsys):
+    from tests.train.runs_helpers import train_argv
+    from train.__main__ import main
+
+    def build_data_then_sigterm(cfg, log=print, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises before this ends
+        raise AssertionError("the signal did not interrupt the setup")
+
+    monkeypatch.setattr("data.build_data", build_data_then_sigterm)
+    previous = signal.getsignal(signal.SIGTERM)
+    assert main(train_argv(toy_bundle.cfg.cache_dir, tmp_path)) == EXIT_INTERRUPTED
+    assert "SIGTERM before training started" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is previous and not (tmp_path / "runs").exists()
