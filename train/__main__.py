@@ -45,41 +45,40 @@ def main(argv: list[str] | None = None) -> int:
     from train.signals import SetupInterrupted, interrupt_setup
 
     debug = bool(getattr(args, "debug", False)) or debug_enabled()
-    trainer = summary = None
-    try:
-        with interrupt_setup():  # a signal before training: nothing to save, the half-made run is undone
+    # a signal before training: nothing to save, the half-made run is undone; during training it stops at a
+    # step boundary with a checkpoint; after training, it is ignored: the command ends as the run did
+    with interrupt_setup():
+        try:
             trainer = Trainer(cfg, resume=args.resume, init_from=getattr(args, "init_from", None))
-        summary = trainer.fit()  # from here a signal stops at a step boundary with a checkpoint
-    except RunFinishedError as e:  # not a mistake: the run is done
-        print(str(e))
-        return EXIT_OK
-    except SetupInterrupted as e:
-        print(f"interrupted: {e}; run the same command again to start", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except KeyboardInterrupt:  # the second Ctrl-C: abort at once
-        if debug:
-            traceback.print_exc()
-        print("aborted by a second Ctrl-C: the run's newest checkpoint is intact; continue with --resume auto",
-              file=sys.stderr)
-        return 130
-    except NonFiniteLossError as e:
-        if debug:
-            traceback.print_exc()
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_NONFINITE
-    # a mistake the message explains: bad setting or file, a busy or foreign run folder, a full disk
-    except (UserError, DataInputError) as e:
-        if debug:
-            traceback.print_exc()
-        print(f"error: {' '.join(str(e).split()) if not isinstance(e, DataInputError) else e}", file=sys.stderr)
-        return EXIT_USAGE
-    finally:
-        cleanup()
-    if not trainer.is_main:
+            summary = trainer.fit()
+        except RunFinishedError as e:  # not a mistake: the run is done
+            print(str(e))
+            return EXIT_OK
+        except SetupInterrupted as e:
+            print(f"interrupted: {e}; run the same command again to start", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        except KeyboardInterrupt:  # the second Ctrl-C: abort at once
+            if debug:
+                traceback.print_exc()
+            print("aborted by a second Ctrl-C: the run's newest checkpoint is intact; continue with --resume auto",
+                  file=sys.stderr)
+            return 130
+        except NonFiniteLossError as e:
+            if debug:
+                traceback.print_exc()
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_NONFINITE
+        # a mistake the message explains: bad setting or file, a busy or foreign run folder, a full disk
+        except (UserError, DataInputError) as e:
+            if debug:
+                traceback.print_exc()
+            print(f"error: {' '.join(str(e).split()) if not isinstance(e, DataInputError) else e}", file=sys.stderr)
+            return EXIT_USAGE
+        finally:
+            cleanup()
+        if trainer.is_main:
+            print("\n" + "\n".join(summary_lines(summary)), flush=True)
         return EXIT_INTERRUPTED if summary["stop_reason"] == "interrupted" else EXIT_OK
-    print("\n" + "\n".join(summary_lines(summary)))
-    return EXIT_INTERRUPTED if summary["stop_reason"] == "interrupted" else EXIT_OK
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -213,7 +213,8 @@ def read_checkpoint(path: str | os.PathLike, what: str = "--resume") -> dict[str
     or is not a readable fastmt checkpoint."""
     path = Path(path)
     if not path.is_file():
-        raise CheckpointNotFoundError(f"{what} {path}: checkpoint {str(path)!r} does not exist (checkpoints are "
+        what_is = "is a folder, not a checkpoint file" if path.is_dir() else "does not exist"
+        raise CheckpointNotFoundError(f"{what} {path}: checkpoint {str(path)!r} {what_is} (checkpoints are "
                                       f"runs/<name>/checkpoints/step-<N>.pt and best.pt)")
     try:
         return load_checkpoint(path)

@@ -283,6 +283,9 @@ class Trainer(EpochEnd):
         if schedule is not None:
             self.log(f"resume: re-planned {show(changes.replan) or 'the schedule'}: {schedule['total_steps']} steps "
                      f"in all (was {schedule['previous_total_steps']}), lr {schedule['lr']:.3g} at step {self.step}")
+            if self.step >= self.total_steps or self.epoch >= self.cfg.run.epochs:
+                self.log(f"resume: this plan ends at or before the checkpoint (step {self.step}, epoch {self.epoch}): "
+                         f"the run ends now, with its final evaluation")
 
     # ------------------------------------------------------------------------------------------
     # one optimizer step
@@ -342,6 +345,8 @@ class Trainer(EpochEnd):
         self._stop_signal = None
 
         def request_stop(name: str) -> None:
+            if self._stop_signal is not None:  # already stopping (e.g. SIGTERM to the group, then again)
+                return
             self._stop_signal = name
             self.log(f"\n{name}: stopping after this step with a checkpoint"
                      + (" (Ctrl-C again to abort)" if name == "SIGINT" else ""))
@@ -421,7 +426,8 @@ class Trainer(EpochEnd):
                     f"to {path}" + (f"; the checkpoint before these steps is {before[0]}" if before else "")
                     + ". Lower --optim.lr, keep --optim.grad_clip, or use --run.precision bf16/fp32")
             if stop_reason is not None:
-                self.log(f"stopped ({stop_reason}) in epoch {epoch + 1}, after batch {self.batch_index}/{n_micro}, "
+                done = n_micro if epoch_done else self.batch_index
+                self.log(f"stopped ({stop_reason}) in epoch {epoch + 1}, after batch {done}/{n_micro}, "
                          f"step {self.step}; checkpoint {path}")
         return self._summary(stop_reason, path)
 

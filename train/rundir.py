@@ -95,11 +95,13 @@ def read_marker(run_dir: str | os.PathLike) -> dict[str, Any] | None:
 
 
 def write_marker(run_dir: str | os.PathLike, run_id: str, *, parent: dict[str, Any] | None = None,
-                 adopted: bool = False) -> dict[str, Any]:
-    """Write ``<run_dir>/run.json`` (atomically): the run id, its name, creation time and parent lineage."""
+                 adopted: bool = False, made_folder: bool = True) -> dict[str, Any]:
+    """Write ``<run_dir>/run.json`` (atomically): the run id, its name, creation time, parent lineage, and
+    whether fastmt made the folder (an empty folder a user made is used, and never removed)."""
     run_dir = Path(run_dir)
     marker = {"fastmt_run": 1, "run_id": run_id, "name": run_dir.name,
-              "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "parent": parent}
+              "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "parent": parent,
+              "made_folder": made_folder}
     if adopted:
         marker["adopted"] = "a run folder of an earlier fastmt (no run.json): marked when it was resumed"
     write_text_atomic(run_dir / MARKER_NAME, json.dumps(marker, indent=1) + "\n")
@@ -128,11 +130,12 @@ def _legacy_run(run_dir: Path) -> bool:
 
 def folder_state(path: str | os.PathLike) -> str:
     """What ``path`` is: "missing"; "empty" (nothing in it, or only a run lock file); "run" (a fastmt run:
-    it holds ``run.json``, or is a run folder of an earlier fastmt); "other" (anything else)."""
+    it holds ``run.json``, or is a run folder of an earlier fastmt); "other" (anything else). A link to a
+    folder is judged by that folder (fastmt never renames a run folder, so a link is safe to follow)."""
     path = Path(path)
     if not path.exists() and not path.is_symlink():
         return "missing"
-    if path.is_symlink() or not path.is_dir():
+    if not path.is_dir():  # a file, or a dangling link
         return "other"
     if read_marker(path) is not None or _legacy_run(path):
         return "run"
@@ -142,10 +145,8 @@ def folder_state(path: str | os.PathLike) -> str:
 
 
 def not_a_run_message(path: Path) -> str:
-    if path.is_symlink():
-        what = "a link"
-    elif not path.is_dir():
-        what = "a file"
+    if not path.is_dir():
+        what = "a file" if path.exists() else "a dangling link"
     else:
         what = "a folder that holds files but no fastmt run marker (run.json)"
     return (f"{path} is {what}: fastmt only writes into, renames or prunes folders it made. "
@@ -182,14 +183,25 @@ def claim_run_folder(out_dir: str | os.PathLike, name: str, run_id: str, *,
     The marker ``run.json`` (run id, parent lineage) is written under the lock.
     """
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise RunFolderError(f"--run.out_dir {out} is a file, not a folder: choose a folder for the runs")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunFolderError(f"cannot create the output folder --run.out_dir {out}: {e.strerror or e}; choose a "
+                             f"writable folder") from e
     k = 1
     while True:
         cand = out / (name if k == 1 else f"{name}-{k}")
         validate_run_name(cand.name)
+        made = True
         try:
             cand.mkdir()
-        except FileExistsError:
+        except OSError as e:
+            made = False
+            if not isinstance(e, FileExistsError):
+                raise RunFolderError(f"cannot create the run folder {cand}: {e.strerror or e}; choose a writable "
+                                     f"--run.out_dir") from e
             state = folder_state(cand)
             if k == 1 and state == "other":
                 raise RunFolderError(not_a_run_message(cand)) from None
@@ -206,7 +218,7 @@ def claim_run_folder(out_dir: str | os.PathLike, name: str, run_id: str, *,
             lock.release()
             k += 1
             continue
-        write_marker(cand, run_id, parent=parent)
+        write_marker(cand, run_id, parent=parent, made_folder=made)
         return cand, lock
 
 
@@ -217,9 +229,12 @@ _RUN_FILES = (MARKER_NAME, "config.json", "metrics.jsonl", "curves.png", LOCK_NA
 def discard_unused_run_folder(run_dir: str | os.PathLike, log: Callable[[str], Any] = print) -> bool:
     """Remove a run folder this process created when no checkpoint was written into it (a run that failed
     or stopped before its first checkpoint): its marker, config, provenance, metrics and TensorBoard files.
-    Anything else in it (a checkpoint, a file someone put there) keeps the folder. Returns True if removed."""
+    Anything else in it (a checkpoint, a file someone put there) keeps the folder; an empty folder a user
+    made (``made_folder`` false in the marker) is emptied of fastmt's files but kept. Returns True if the
+    files were removed."""
     run_dir = Path(run_dir)
-    if read_marker(run_dir) is None:
+    marker = read_marker(run_dir)
+    if marker is None:
         return False
     ckpts = run_dir / "checkpoints"
     if ckpts.is_dir() and any(not _TEMP_RE.match(p.name) for p in ckpts.iterdir()):
@@ -240,8 +255,9 @@ def discard_unused_run_folder(run_dir: str | os.PathLike, log: Callable[[str], A
         elif p.name != LOCK_NAME:
             p.unlink()
     (run_dir / LOCK_NAME).unlink(missing_ok=True)
-    run_dir.rmdir()
-    log(f"removed the run folder {run_dir}: the run ended before writing a checkpoint")
+    if marker.get("made_folder", True) and not run_dir.is_symlink():
+        run_dir.rmdir()
+        log(f"removed the run folder {run_dir}: the run ended before writing a checkpoint")
     return True
 
 

@@ -29,7 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from train.checkpoint import latest_loadable_checkpoint, lineage_id, read_checkpoint, step_checkpoints
+from train.checkpoint import (
+    file_lineage_id,
+    latest_loadable_checkpoint,
+    lineage_id,
+    read_checkpoint,
+    step_checkpoints,
+)
 from train.errors import UserError
 from train.rundir import (
     RunLock,
@@ -115,11 +121,23 @@ def _finished_message(run_dir: Path, finished: dict[str, Any], ckpt: dict[str, A
             + f"). To train it longer: --resume auto {longer}; to translate: its checkpoints/best.pt")
 
 
+def _adopted_id(run_dir: Path) -> str:
+    """The id of a run folder without a readable marker: its newest checkpoint's lineage (a lost or damaged
+    run.json), or a new id (a run folder of an earlier fastmt, whose checkpoints carry no lineage)."""
+    for path in reversed(step_checkpoints(run_dir / "checkpoints")):
+        found = file_lineage_id(path)
+        if isinstance(found, str):
+            return found
+        if found is None:
+            break
+    return new_run_id()
+
+
 def _in_place(cfg, run_dir: Path, lock: RunLock, path: Path | None, ckpt: dict[str, Any] | None,
               log: Callable[[str], Any]) -> RunPlan:
     """Continue (or extend, or restart) the run in its own folder, whose lock is held."""
     marker = read_marker(run_dir)
-    run_id = marker["run_id"] if marker else new_run_id()
+    run_id = marker["run_id"] if marker else _adopted_id(run_dir)
     plan = RunPlan("continue", run_dir, run_id, lock=lock, adopt=marker is None)
     if path is None:  # older folders (no marker): their checkpoints carry no lineage, all are the run's
         path, ckpt = latest_loadable_checkpoint(run_dir / "checkpoints", log,

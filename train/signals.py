@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_trainings = 0  # how many stop_on_signals blocks this process has entered (training loops started)
 
 
 class SetupInterrupted(Exception):
@@ -56,20 +57,27 @@ def stop_on_signals(request_stop: Callable[[str], Any]):
             signal.signal(signal.SIGINT, signal.default_int_handler)
         request_stop(signal.Signals(signum).name)
 
+    global _trainings
+    _trainings += 1
     with _handlers(handler):
         yield
 
 
 @contextlib.contextmanager
 def interrupt_setup():
-    """While active, SIGINT or SIGTERM raises ``SetupInterrupted`` (building data and the model: nothing to
-    save yet). The previous handlers are restored on exit."""
+    """While active, SIGINT or SIGTERM raises ``SetupInterrupted`` until training starts (building data and
+    the model: nothing to save yet); inside training ``stop_on_signals`` decides; once training has ended
+    (stopped or finished, its checkpoint written), further signals are ignored so that the command ends
+    with its own exit code. The previous handlers are restored on exit."""
     if not _installable():
         yield
         return
+    started = _trainings
 
     def handler(signum, frame):
-        raise SetupInterrupted(signal.Signals(signum).name)
+        if _trainings == started:
+            raise SetupInterrupted(signal.Signals(signum).name)
 
     with _handlers(handler):
         yield
+

@@ -355,10 +355,13 @@ def test_folder_state(tmp_path):
     assert folder_state(tmp_path / "user") == "other"
     (tmp_path / "file").write_text("x")
     assert folder_state(tmp_path / "file") == "other"
-    (tmp_path / "link").symlink_to(tmp_path / "empty")
-    assert folder_state(tmp_path / "link") == "other"
+    (tmp_path / "link").symlink_to(tmp_path / "empty")  # a link is judged by its folder
+    assert folder_state(tmp_path / "link") == "empty"
+    (tmp_path / "dangling").symlink_to(tmp_path / "none")
+    assert folder_state(tmp_path / "dangling") == "other"
     write_marker(tmp_path / "empty", "abc")
     assert folder_state(tmp_path / "empty") == "run" and read_marker(tmp_path / "empty")["run_id"] == "abc"
+    assert folder_state(tmp_path / "link") == "run"
     (tmp_path / "user" / MARKER_NAME).write_text('{"not": "ours"}')  # a run.json fastmt did not write
     assert folder_state(tmp_path / "user") == "other"
     legacy = tmp_path / "legacy"  # a run folder of an earlier fastmt: provenance.json + metrics.jsonl
@@ -430,6 +433,10 @@ def test_an_unused_run_folder_is_removed_and_a_used_or_foreign_one_kept(tmp_path
     (d / "mine.txt").write_text("someone's file")
     assert not discard_unused_run_folder(d) and (d / "mine.txt").exists()
     assert not discard_unused_run_folder(tmp_path)  # no marker: never touched
+    (tmp_path / "users").mkdir()  # an empty folder a user made: used, then emptied of our files but kept
+    u, lock = claim_run_folder(tmp_path, "users", "id")
+    lock.release()
+    assert discard_unused_run_folder(u) and u.is_dir() and not any(u.iterdir())
 
 
 def test_move_aside_refuses_a_folder_that_is_not_a_run(tmp_path):
