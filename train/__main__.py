@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:  # the second Ctrl-C: abort at once
             if debug:
                 traceback.print_exc()
-            print("aborted by a second Ctrl-C: the run's newest checkpoint is intact; continue with --resume auto",
+            print("aborted by a second Ctrl-C: the checkpoints written so far are intact; continue with --resume auto",
                   file=sys.stderr)
             return 130
         except NonFiniteLossError as e:
