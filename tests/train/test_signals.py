@@ -123,3 +123,27 @@ def test_a_signal_during_setup_exits_75_and_leaves_no_run_folder(toy_bundle, tmp
     assert main(train_argv(toy_bundle.cfg.cache_dir, tmp_path)) == EXIT_INTERRUPTED
     assert "SIGTERM before training started" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGTERM) is previous and not (tmp_path / "runs").exists()
+
+
+def test_a_second_ctrl_c_aborts_at_once_with_exit_130(toy_bundle, tmp_path, monkeypatch, capsys):
+    from tests.train.runs_helpers import train_argv
+    from train.__main__ import main
+
+    step = Trainer.train_step
+
+    def step_then_two_ctrl_c(self, batches):
+        loss = step(self, batches)
+        if self.step == 5:
+            os.kill(os.getpid(), signal.SIGINT)  # stop after this step...
+            os.kill(os.getpid(), signal.SIGINT)  # ...no: abort now (KeyboardInterrupt, before any checkpoint)
+        return loss
+
+    monkeypatch.setattr(Trainer, "train_step", step_then_two_ctrl_c)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a background shell ignores SIGINT
+    try:
+        code = main(train_argv(toy_bundle.cfg.cache_dir, tmp_path, "--epochs", "50"))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    out, err = capsys.readouterr()
+    assert code == 130 and "aborted by a second Ctrl-C" in err and "Traceback" not in out + err
+    assert out.count("SIGINT: stopping after this step") == 1
