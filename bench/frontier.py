@@ -25,6 +25,7 @@ import torch
 from bench import cli
 from bench import harness as H
 from bench.quality import read_run
+from train.rundir import free_run_name
 
 THRESHOLDS = (20.0, 28.0, 35.0, 37.0, 37.6)  # valid BLEU levels reported as "time to BLEU X"
 
@@ -241,7 +242,7 @@ def run_frontier(names: Sequence[str | Contestant], *, budget_s: float, grace_s:
     """Run the contestants (names in ``CONTESTANTS``, or ``Contestant`` objects) in order, each for
     ``budget_s``; never raises for a contestant's failure.
 
-    Run folders are ``<work>/<prefix>-<name>`` (fastmt moves an earlier one aside), logs
+    Run folders are ``<work>/<prefix>-<name>`` (or ``-2``, ``-3``, ... when an earlier run holds it), logs
     ``<work>/<prefix>-logs/<name>.log``."""
     device = torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
     prov = H.provenance(device)
@@ -251,7 +252,7 @@ def run_frontier(names: Sequence[str | Contestant], *, budget_s: float, grace_s:
     for c in names:
         c = CONTESTANTS[c] if isinstance(c, str) else c
         name = c.name
-        run_name = f"{prefix}-{name}"
+        run_name = free_run_name(work, f"{prefix}-{name}")  # the folder the run will claim (never moves one)
         cmd = command(c, budget_s=budget_s, run_name=run_name, out_dir=work, data_files=data_files,
                       smoke=smoke, cache_dir=cache)
         run_dir, log_path = work / run_name, work / f"{prefix}-logs" / f"{name}.log"

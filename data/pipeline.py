@@ -24,6 +24,7 @@ from .clean import CleanReport, DataInputError, clean_text, length_examples, len
 from .config import DataConfig
 from .sources import load_raw
 from .tokenizer import Tokenizer, spm_settings, tokenizer_key, train_or_load
+from .workers import ignore_stop_signals
 
 SPLITS = ("train", "valid", "test")
 
@@ -283,6 +284,7 @@ class DataBundle:
             prefetch_factor=c.prefetch_factor if workers > 0 else None,
             persistent_workers=workers > 0,
             generator=torch.Generator().manual_seed(c.seed),
+            worker_init_fn=ignore_stop_signals,  # data/workers.py: a stop signal never kills a worker
         )
         if workers > 0:
             self._loaders[key] = loader

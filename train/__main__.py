@@ -17,43 +17,68 @@ from __future__ import annotations
 import json
 import os
 import sys
+import traceback
 
 from train.cli import resolve_config
+from train.errors import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_OK, EXIT_USAGE, UserError, debug_enabled
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Train; returns the exit code (train/errors.py): 0 finished, 2 a user error (one line), 3 stopped on
+    non-finite values, 75 stopped by a signal with a checkpoint (resume with ``--resume auto``), 130 a
+    second Ctrl-C (aborted at once; the newest checkpoint is intact), 1 a bug (traceback)."""
     cfg, args = resolve_config(argv)
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2, default=str))
-        return 0
+        return EXIT_OK
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
     from train import flush_denormals
 
     flush_denormals()
     from data.clean import DataInputError
-    from train.checkpoint import CheckpointReadError, CheckpointWriteError
     from train.distributed import cleanup
-    from train.loop import RunFinishedError, Trainer
-    from train.rundir import RunLockedError
+    from train.epoch_end import NonFiniteLossError
+    from train.loop import Trainer
+    from train.report import summary_lines
+    from train.runplan import RunFinishedError
+    from train.signals import SetupInterrupted, interrupt_setup
 
-    try:
-        trainer = Trainer(cfg, resume=args.resume)
-        summary = trainer.fit()
-    except RunFinishedError as e:
-        print(str(e))
-        return 0
-    # bad input, a busy run name, a full or read-only disk: the message says why and what to do
-    except (DataInputError, RunLockedError, CheckpointReadError, CheckpointWriteError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        cleanup()
-    if trainer.is_main:
-        print("summary: " + json.dumps(summary, default=str))
-        print(f"run folder: {trainer.run_dir} (metrics.jsonl, provenance.json, checkpoints/, curves.png)")
-    return 0
-
+    debug = bool(getattr(args, "debug", False)) or debug_enabled()
+    # a signal before training: nothing to save, the half-made run is undone; during training it stops at a
+    # step boundary with a checkpoint; after training, it is ignored: the command ends as the run did
+    with interrupt_setup():
+        try:
+            trainer = Trainer(cfg, resume=args.resume, init_from=getattr(args, "init_from", None))
+            summary = trainer.fit()
+        except RunFinishedError as e:  # not a mistake: the run is done
+            print(str(e))
+            return EXIT_OK
+        except SetupInterrupted as e:
+            print(f"interrupted: {e}; run the same command again to start", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        except KeyboardInterrupt:  # the second Ctrl-C: abort at once
+            if debug:
+                traceback.print_exc()
+            print("aborted by a second Ctrl-C: the checkpoints written so far are intact; continue with --resume auto",
+                  file=sys.stderr)
+            return 130
+        except NonFiniteLossError as e:
+            if debug:
+                traceback.print_exc()
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_NONFINITE
+        # a mistake the message explains: bad setting or file, a busy or foreign run folder, a full disk
+        except (UserError, DataInputError) as e:
+            if debug:
+                traceback.print_exc()
+            print(f"error: {' '.join(str(e).split()) if not isinstance(e, DataInputError) else e}", file=sys.stderr)
+            return EXIT_USAGE
+        finally:
+            cleanup()
+        if trainer.is_main:
+            print("\n" + "\n".join(summary_lines(summary)), flush=True)
+        return EXIT_INTERRUPTED if summary["stop_reason"] == "interrupted" else EXIT_OK
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,16 +3,17 @@
 A checkpoint is one ``torch.save`` dict written by the Trainer:
 ``model`` (the un-compiled, un-wrapped module's state), ``optimizer``, ``scheduler``, ``scaler``,
 ``rng`` (python, numpy, torch, cuda), ``position`` (epoch, batch index, optimizer step), ``config``
-(``Config.to_dict()``), ``tokenizer`` (model file path + cache key), ``metrics`` (the epoch's line).
+(``Config.to_dict()``), ``tokenizer`` (model file path + cache key), ``metrics`` (the epoch's line),
+``lineage`` (``run_id`` of the run that wrote it, ``parent``: the run and step that run branched from).
 Files are ``<run>/checkpoints/step-<step>.pt`` plus ``best.pt``; a reader never sees a partial file.
 A failed write (disk full, read-only) raises ``CheckpointWriteError`` in one line and keeps every
-earlier file; ``latest_loadable_checkpoint`` skips (and reports) a newest file that does not load.
+earlier file; ``latest_loadable_checkpoint`` skips (and reports) a newest file that does not load, and
+considers only the run's own lineage, as keep-last pruning does.
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import os
 import random
 import re
@@ -23,6 +24,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from train.errors import UserError
 
 _STEP_RE = re.compile(r"^step-(\d+)\.pt$")
 
@@ -58,8 +61,38 @@ class CheckpointWriteError(OSError):
         self.path, self.cause, self.errno = path, cause, code
 
 
-class CheckpointReadError(RuntimeError):
-    """None of a run's checkpoints loads."""
+class CheckpointReadError(UserError, RuntimeError):
+    """A checkpoint the user named does not load, or none of a run's checkpoints loads."""
+
+
+class CheckpointNotFoundError(UserError, FileNotFoundError):
+    """A checkpoint the user named does not exist."""
+
+
+class CheckpointMismatchError(UserError, ValueError):
+    """A checkpoint does not fit this run (another tokenizer, other data, another model)."""
+
+
+def lineage_id(ckpt: dict[str, Any]) -> str | None:
+    """The run id of the run that wrote ``ckpt``; None for checkpoints written before lineages existed."""
+    lineage = ckpt.get("lineage") or {}
+    return lineage.get("run_id") if isinstance(lineage, dict) else None
+
+
+def file_lineage_id(path: str | os.PathLike) -> str | None | bool:
+    """``lineage_id`` of the checkpoint file at ``path``, read without loading its tensors (memory-mapped);
+    False when the file cannot be read."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception:  # noqa: BLE001 - unreadable: the caller leaves the file alone
+        return False
+    return lineage_id(ckpt) if isinstance(ckpt, dict) else False
+
+
+def same_lineage(ckpt_run_id: str | None | bool, run_id: str | None) -> bool:
+    """A checkpoint belongs to run ``run_id`` when it carries that id, or no id at all (written before
+    lineages existed, in a run folder an earlier fastmt made). ``run_id`` None: every readable file."""
+    return ckpt_run_id is not False and (run_id is None or ckpt_run_id in (None, run_id))
 
 
 def _storage_bytes(obj: Any, seen: set[int] | None = None) -> int:
@@ -175,6 +208,20 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     return ckpt
 
 
+def read_checkpoint(path: str | os.PathLike, what: str = "--resume") -> dict[str, Any]:
+    """``load_checkpoint`` of a path the user named, failing in one line (``UserError``) when it is missing
+    or is not a readable fastmt checkpoint."""
+    path = Path(path)
+    if not path.is_file():
+        what_is = "is a folder, not a checkpoint file" if path.is_dir() else "does not exist"
+        raise CheckpointNotFoundError(f"{what} {path}: checkpoint {str(path)!r} {what_is} (checkpoints are "
+                                      f"runs/<name>/checkpoints/step-<N>.pt and best.pt)")
+    try:
+        return load_checkpoint(path)
+    except RuntimeError as e:
+        raise CheckpointReadError(f"{what} {path}: " + " ".join(str(e).split())[:400]) from e
+
+
 def step_checkpoints(ckpt_dir: str | os.PathLike) -> list[Path]:
     """``step-*.pt`` files in ``ckpt_dir`` sorted by step (oldest first)."""
     d = Path(ckpt_dir)
@@ -190,19 +237,24 @@ def latest_checkpoint(ckpt_dir: str | os.PathLike) -> Path | None:
 
 
 def latest_loadable_checkpoint(ckpt_dir: str | os.PathLike, log: Callable[[str], Any] = print,
-                               map_location: str | torch.device = "cpu") -> tuple[Path | None, dict | None]:
-    """The newest step checkpoint that loads, as ``(path, checkpoint)``; ``(None, None)`` if there is none.
+                               map_location: str | torch.device = "cpu", *, run_id: str | None = None,
+                               ) -> tuple[Path | None, dict | None]:
+    """The newest step checkpoint of run ``run_id`` that loads, as ``(path, checkpoint)``; ``(None, None)``
+    if the folder has none at all.
 
     A newer one that does not load (truncated, not a fastmt checkpoint) is reported in one line (path,
     size, error) and renamed ``<name>.unreadable`` — kept for inspection, out of keep-last pruning and
-    of later ``--resume auto`` — and the one before it is tried. If checkpoints exist but none loads,
-    ``CheckpointReadError``: resuming from nothing would silently restart the run.
+    of later ``--resume auto`` — and the one before it is tried. A checkpoint of another lineage (another
+    run's file put here) is skipped and left in place. If checkpoints exist (``.unreadable`` ones set aside
+    earlier included) but none of this run loads, ``CheckpointReadError``, every time: resuming from
+    nothing would silently restart the run.
     """
-    ckpts = step_checkpoints(ckpt_dir)
-    bad = []
+    d = Path(ckpt_dir)
+    ckpts = step_checkpoints(d)
+    bad, foreign = [], []
     for path in reversed(ckpts):
         try:
-            return path, load_checkpoint(path, map_location)
+            ckpt = load_checkpoint(path, map_location)
         except (RuntimeError, OSError) as e:
             size = path.stat().st_size if path.exists() else 0
             aside = path.with_name(path.name + ".unreadable")
@@ -213,10 +265,20 @@ def latest_loadable_checkpoint(ckpt_dir: str | os.PathLike, log: Callable[[str],
             log(f"checkpoint {path} ({size:,} bytes) does not load, skipped (now {aside.name}): "
                 + " ".join(str(e).split())[:300])
             bad.append(aside)
-    if bad:
+            continue
+        if same_lineage(lineage_id(ckpt), run_id):
+            return path, ckpt
+        log(f"checkpoint {path} belongs to another run (run id {lineage_id(ckpt)}, this run is {run_id}): "
+            f"skipped and left in place")
+        foreign.append(path)
+    earlier = sorted(p for p in d.glob("step-*.pt.unreadable") if p not in bad) if d.is_dir() else []
+    if bad or foreign or earlier:
+        every = [*bad, *earlier, *foreign]
+        names = ", ".join(p.name for p in every[:6]) + (", ..." if len(every) > 6 else "")
         raise CheckpointReadError(
-            f"none of the {len(bad)} checkpoint(s) in {ckpt_dir} loads ({', '.join(p.name for p in bad)}); "
-            f"to start this run over, run without --resume (the folder is moved aside, nothing is deleted)"
+            f"--resume auto: none of the {len(every)} checkpoint(s) in {d} loads as this run's ({names}); nothing "
+            f"was changed. Resume from "
+            f"a checkpoint you trust with --resume PATH, or start a new run (without --resume: it gets its own folder)"
         )
     return None, None
 
@@ -224,16 +286,20 @@ def latest_loadable_checkpoint(ckpt_dir: str | os.PathLike, log: Callable[[str],
 class CheckpointManager:
     """Writes ``step-<n>.pt``, keeps the newest ``keep_last``, and maintains ``best.pt``.
 
-    ``mode="max"`` (BLEU) or ``"min"`` (validation loss) decides what "best" means.
+    ``mode="max"`` (BLEU) or ``"min"`` (validation loss) decides what "best" means. ``run_id``: pruning
+    deletes only this run's checkpoints (``same_lineage``), never a file of another lineage or one it
+    cannot read; None prunes every ``step-*.pt``.
     """
 
-    def __init__(self, ckpt_dir: str | os.PathLike, keep_last: int, mode: str = "max"):
+    def __init__(self, ckpt_dir: str | os.PathLike, keep_last: int, mode: str = "max", run_id: str | None = None):
         if mode not in ("max", "min"):
             raise ValueError(f"mode={mode!r} must be 'max' or 'min'")
         self.dir = Path(ckpt_dir)
         self.keep_last = keep_last
         self.mode = mode
+        self.run_id = run_id
         self.best_value: float | None = None
+        self._lineage: dict[Path, str | None | bool] = {}  # file -> its run id (read once per file)
 
     def is_better(self, value: float | None) -> bool:
         if value is None or value != value:  # None or NaN never wins
@@ -257,9 +323,21 @@ class CheckpointManager:
             newest = latest_checkpoint(self.dir)
             raise CheckpointWriteError(f"{e}; newest checkpoint on disk: {newest or 'none yet'}",
                                        path=e.path, cause=e.cause, code=e.errno) from e.__cause__
-        for old in step_checkpoints(self.dir)[: -self.keep_last]:
+        self._lineage[path] = self.run_id
+        for old in self.own_checkpoints()[: -self.keep_last]:
             old.unlink()
+            self._lineage.pop(old, None)
         return path
+
+    def own_checkpoints(self) -> list[Path]:
+        """This run's ``step-*.pt`` files, oldest first (other lineages' and unreadable files left out)."""
+        files = step_checkpoints(self.dir)
+        if self.run_id is None:
+            return files
+        for p in files:
+            if p not in self._lineage:
+                self._lineage[p] = file_lineage_id(p)
+        return [p for p in files if same_lineage(self._lineage[p], self.run_id)]
 
     def _write_best(self, path: Path, state: dict[str, Any]) -> None:
         best_tmp = self.dir / f".best.pt.tmp-{os.getpid()}"
@@ -275,21 +353,12 @@ class CheckpointManager:
 def check_tokenizer(ckpt: dict[str, Any], tok, path) -> None:
     ref = ckpt.get("tokenizer") or {}
     if ref.get("key") != tok.key:
-        raise ValueError(
+        raise CheckpointMismatchError(
             f"tokenizer mismatch: checkpoint {path} was trained with tokenizer key {ref.get('key')!r} "
             f"({ref.get('model_file')}), but the current data settings give key {tok.key!r} ({tok.model_file}). "
             f"Resume with the same data files and data.* settings as the checkpoint's run (its config is stored "
             f"in the checkpoint), or start a new run with a different --run.name"
         )
-
-
-def warn_config_changes(saved: dict[str, Any], now: dict[str, Any], log) -> None:
-    """Resuming with different settings is allowed (e.g. a new eval beam) but never silent."""
-    changed = {f"{sec}.{k}": (v, now.get(sec, {}).get(k)) for sec, fields in saved.items()
-               for k, v in fields.items() if json.dumps(v, default=str) != json.dumps(now.get(sec, {}).get(k), default=str)}
-    if changed:
-        log("resume: config differs from the checkpoint's (saved -> now): "
-            + ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items())))
 
 
 def average_checkpoints(paths: list[Path], map_location: str | torch.device = "cpu",
@@ -315,13 +384,15 @@ def average_checkpoints(paths: list[Path], map_location: str | torch.device = "c
     return newest
 
 
-def average_last_epochs(ckpt_dir: str | os.PathLike, k: int, log: Callable[[str], Any] = print) -> dict | None:
-    """``average_checkpoints`` of the newest ``k`` end-of-epoch checkpoints in ``ckpt_dir`` (mid-epoch ones, from
-    interruptions, are left out; each file is read once); None, said in one line, when fewer are kept."""
+def average_last_epochs(ckpt_dir: str | os.PathLike, k: int, log: Callable[[str], Any] = print, *,
+                        run_id: str | None = None) -> dict | None:
+    """``average_checkpoints`` of the newest ``k`` end-of-epoch checkpoints of run ``run_id`` in ``ckpt_dir``
+    (mid-epoch ones, from interruptions, and other lineages' are left out; each file is read once); None,
+    said in one line, when fewer are kept."""
     ends: dict[Path, dict[str, Any]] = {}
     for p in reversed(step_checkpoints(ckpt_dir)):
         ckpt = load_checkpoint(p)
-        if ckpt["position"]["batch_index"] == 0:
+        if ckpt["position"]["batch_index"] == 0 and same_lineage(lineage_id(ckpt), run_id):
             ends[p] = ckpt
             if len(ends) == k:
                 return average_checkpoints(sorted(ends), loaded=ends)

@@ -26,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int, help="shortcut for --run.max_steps (optimizer steps in total)")
     p.add_argument("--data-files", nargs="+", metavar="F", help="local jsonl/parquet/tsv files instead of the Hub")
     p.add_argument("--resume", metavar="PATH|auto", help="checkpoint to continue from; auto: newest of this run")
+    p.add_argument("--init-from", metavar="CKPT",
+                   help="start a new run from this checkpoint's weights and tokenizer (fresh optimizer and schedule)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
     p.add_argument("--help-fields", action="store_true", help="list every --section.field and exit")
     return p

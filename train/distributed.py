@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from train.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,8 @@ class DistInfo:
 
 def resolve_device(choice: str, local_rank: int = 0) -> torch.device:
     if choice == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("run.device='cuda' but no CUDA device is visible; use --run.device cpu (or auto)")
+        raise UserError("run.device='cuda' but no CUDA device is visible (torch.cuda.is_available() is False): use "
+                        "--run.device cpu, or auto (CUDA when there is one)")
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
@@ -52,6 +56,15 @@ def init_distributed(device_choice: str = "auto") -> DistInfo:
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (picklable objects); the identity when not distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:

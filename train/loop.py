@@ -2,21 +2,26 @@
 
 ``Trainer(cfg).fit()`` trains for ``run.epochs`` (or ``run.max_steps`` / ``run.max_wall_seconds``),
 evaluating every ``eval.every`` epochs; ``Trainer.train_step(batches)`` is one optimizer step (the
-benchmark ladder calls it). The step itself lives in train/step.py, the objective (wall seconds to each
-BLEU threshold, early stopping) in train/objective.py, compilation in train/compile.py.
+benchmark ladder calls it). The step itself lives in train/step.py, the epoch and run ends in
+train/epoch_end.py, the objective (wall seconds to each BLEU threshold, early stopping) in
+train/objective.py, compilation in train/compile.py.
+
+Setup order: decide the run folder and what it continues (train/runplan.py; reads only) -> build and
+check everything that can fail (data, model vs data, device, resume compatibility: train/preflight.py,
+train/resume.py) -> only then claim or lock the run folder and write into it.
 
 Host syncs (the only places the CPU waits for the device):
   - logging steps (every ``run.log_every`` optimizer steps): the loss and the skipped-step counters;
-  - epoch ends: the epoch's loss sums, evaluation (validation loss, decoding) and the checkpoint.
+  - epoch ends: the epoch's loss sums, the weights' finiteness, evaluation and the checkpoint.
 A training step syncs nowhere else: the non-finite guard and fp16's GradScaler decide on the device.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
-import resource
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,44 +30,32 @@ from typing import Any
 import torch
 from torch import nn
 
-from train.checkpoint import (
-    CheckpointManager,
-    atomic_save,
-    average_last_epochs,
-    check_tokenizer,
-    latest_checkpoint,
-    latest_loadable_checkpoint,
-    load_checkpoint,
-    rng_state,
-    set_rng_state,
-    warn_config_changes,
-)
-from train.compile import compile_for_training, compiled_graphs, configure_caches
+from train.checkpoint import CheckpointManager, check_tokenizer, load_checkpoint, rng_state, set_rng_state
+from train.compile import compile_for_training, configure_caches
 from train.config import Config
-from train.distributed import DistInfo, barrier, init_distributed
-from train.evaluate import decoding_settings, record_fields
+from train.distributed import DistInfo, barrier, broadcast_object, init_distributed
+from train.epoch_end import EpochEnd, NonFiniteLossError
+from train.errors import UserError
 from train.loss import SummedCrossEntropy
-from train.metrics import MetricsLogger, plot_curves, write_provenance
-from train.objective import BleuClock
+from train.metrics import MetricsLogger, write_provenance
+from train.objective import BleuClock, WallSplit, process_seconds
 from train.optim import build_optimizer, build_scheduler
+from train.preflight import build_data_checked, check_model_fits_data, tokenizer_of
+from train.report import longer_flag, next_commands
+from train.resume import ConfigChanges, apply_hyperparameters, compare_configs, refusal, replan_scheduler
 from train.rundir import (
-    RunLock,
+    claim_run_folder,
     cut_metrics,
-    done_record,
-    move_aside_previous_run,
+    discard_unused_run_folder,
     remove_stale_temp_files,
-    run_finished,
-    stop_on_signals,
+    write_marker,
+    write_text_atomic,
 )
+from train.runplan import RunFinishedError, RunPlan, plan_run
+from train.signals import stop_on_signals
 from train.step import EpochStats, StepCounters, forward_backward, optimizer_step
 
-
-class NonFiniteLossError(RuntimeError):
-    pass
-
-
-class RunFinishedError(RuntimeError):
-    """``--resume auto`` on a run that already ended: nothing to continue (the message says how it ended)."""
+__all__ = ["Trainer", "NonFiniteLossError", "RunFinishedError"]
 
 
 def _amp_dtype(precision: str) -> torch.dtype | None:
@@ -73,33 +66,43 @@ def _quiet(*_args, **_kwargs):
     pass
 
 
-class Trainer:
+class Trainer(EpochEnd):
     """Builds everything from a ``Config``: data, model, optimizer, schedule, scaler, logging, checkpoints.
 
     ``data`` may be passed in (a built ``DataBundle``) to share one across Trainers (benchmarks, tests).
-    ``resume``: a checkpoint path, or "auto" for the newest checkpoint of this run (none: fresh start).
+    ``resume``: a checkpoint path, or "auto" for the newest checkpoint of this run (none: fresh start);
+    ``init_from``: a checkpoint whose weights (and tokenizer) start a new run with a fresh optimizer.
+    ``run_dir`` is the run's folder (for a fresh run under a taken name: ``<name>-2``, ...).
     """
 
-    def __init__(self, cfg: Config, *, data=None, resume: str | os.PathLike | None = None, log=print):
-        self.dist: DistInfo = init_distributed(cfg.run.device)
-        self.device = self.dist.device
-        self.is_main = self.dist.is_main
-        self.log = log if self.is_main else _quiet
-        _configure_backend(cfg, self.device)
+    def __init__(self, cfg: Config, *, data=None, resume: str | os.PathLike | None = None,
+                 init_from: str | os.PathLike | None = None, log=print):
+        self.lock, self._created, self.metrics = None, False, None
         self.run_dir = Path(cfg.run.out_dir) / cfg.run.name
-        # one writer per run folder, held from here until fit() ends (or close()); rank 0 only
-        self.lock = RunLock(self.run_dir).acquire() if self.is_main else None
+        self.log = log
         try:
-            self._build(cfg, data, resume)
+            self.dist: DistInfo = init_distributed(cfg.run.device)
+            self.device = self.dist.device
+            self.is_main = self.dist.is_main
+            self.log = log if self.is_main else _quiet
+            _configure_backend(cfg, self.device)
+            self._build(cfg, data, resume, init_from)
         except BaseException:
             self.close()
             raise
         barrier()
 
     def close(self) -> None:
-        """Release the run folder (fit() does this when it returns)."""
+        """Release the run folder (fit() does this when it returns). A folder this Trainer created that
+        holds no checkpoint (the run failed or never trained) is removed."""
+        if self.metrics is not None:
+            self.metrics.close()
         if self.lock is not None:
             self.lock.release()
+            self.lock = None
+        if self._created:
+            self._created = False
+            discard_unused_run_folder(self.run_dir, self.log)
 
     def __enter__(self) -> Trainer:
         return self
@@ -107,22 +110,31 @@ class Trainer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _build(self, cfg: Config, data, resume) -> None:
+    # ------------------------------------------------------------------------------------------
+    # setup: everything that can fail first, then the run folder
+    # ------------------------------------------------------------------------------------------
+    def _build(self, cfg: Config, data, resume, init_from) -> None:
         run = cfg.run
-        resume_path, ckpt = self._resolve_resume(resume)
+        if cfg.eval.average_last > run.keep_last:
+            raise UserError(f"eval.average_last={cfg.eval.average_last} needs run.keep_last >= it (got "
+                            f"{run.keep_last}): pass --run.keep_last {cfg.eval.average_last}")
+        plan = self._plan(cfg, resume, init_from)
+        self.lock = plan.lock
+        ckpt = plan.ckpt
+        changes = self._check_changes(cfg, plan)
 
         torch.manual_seed(run.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
+        tokenizer = tokenizer_of(ckpt, plan.ckpt_path) if plan.mode == "init" else None
         if data is None:
-            from data import build_data
-
-            data = build_data(cfg.data, log=self.log)
+            data = build_data_checked(cfg, log=self.log, tokenizer=tokenizer)
         self.data = data
         tok = data.tokenizer
         if ckpt is not None:
-            check_tokenizer(ckpt, tok, resume_path)
+            check_tokenizer(ckpt, tok, plan.ckpt_path)
         # the tokenizer decides the vocabulary: the model config follows it
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tok.vocab_size,
                                                                  pad_id=tok.pad_id))
+        check_model_fits_data(cfg, data)
         self.cfg = cfg
 
         from models import Transformer, count_params
@@ -171,30 +183,109 @@ class Trainer:
         self.counters = StepCounters(self.device)
         self.stats = EpochStats.new(self.device)
         self.clock = BleuClock(cfg.eval.bleu_thresholds, cfg.eval.patience)
+        self.split = WallSplit()  # setup / compile / eval / checkpoint seconds of the run
         self.shapes_seen: set[tuple[int, ...]] = set()
         self.history: list[dict[str, Any]] = []
         self._last_grad_norm = None
         self.first_step_seconds: float | None = None  # this process's first step: compile + CUDA-graph capture
-
-        if self.is_main:
-            if ckpt is None:
-                move_aside_previous_run(self.run_dir, self.log, lock=self.lock)
-            elif resume_path.parent.resolve() == (self.run_dir / "checkpoints").resolve():
-                cut_metrics(self.run_dir / "metrics.jsonl", keep=ckpt["position"], log=self.log)
-            remove_stale_temp_files(self.run_dir / "checkpoints", self.log)
-            remove_stale_temp_files(self.run_dir, self.log)
-        if cfg.eval.average_last > run.keep_last:
-            raise ValueError(f"eval.average_last={cfg.eval.average_last} needs run.keep_last >= it (got "
-                             f"{run.keep_last}): pass --run.keep_last {cfg.eval.average_last}")
-        self.ckpts = CheckpointManager(self.run_dir / "checkpoints", run.keep_last,
-                                       mode="max" if cfg.eval.best_metric == "bleu" else "min")
-        self.metrics = MetricsLogger(self.run_dir, tensorboard=run.tensorboard, enabled=self.is_main)
         self._pending_rng = None
         self._stop_signal: str | None = None
-        if ckpt is not None:
-            warn_config_changes(ckpt["config"], cfg.to_dict(), self.log)
-            self._load_state(ckpt)
-            self.log(f"resumed from {resume_path}: epoch {self.epoch}, batch {self.batch_index}, step {self.step}")
+        self.run_id, self.parent = plan.run_id, plan.parent
+        best_value, schedule = None, None
+        if ckpt is not None and plan.mode == "init":
+            self.model.load_state_dict(ckpt["model"])  # weights only: fresh optimizer, schedule and position
+        elif ckpt is not None:
+            best_value, schedule = self._load_state(ckpt, changes)
+        if self.is_main:
+            self._open_run_folder(plan, changes, schedule)
+        self.ckpts = CheckpointManager(self.run_dir / "checkpoints", run.keep_last,
+                                       mode="max" if cfg.eval.best_metric == "bleu" else "min", run_id=self.run_id)
+        self.ckpts.best_value = best_value
+
+    def _plan(self, cfg: Config, resume, init_from) -> RunPlan:
+        """Rank 0 plans (train/runplan.py); under DDP the other ranks follow its decision."""
+        if self.is_main:
+            plan = plan_run(cfg, resume=resume, init_from=init_from, log=self.log)
+            if self.dist.distributed:
+                broadcast_object({"mode": plan.mode, "run_id": plan.run_id, "ckpt_path": plan.ckpt_path})
+            return plan
+        d = broadcast_object(None)
+        ckpt = load_checkpoint(d["ckpt_path"]) if d["ckpt_path"] is not None else None
+        return RunPlan(d["mode"], self.run_dir, d["run_id"], ckpt_path=d["ckpt_path"], ckpt=ckpt)
+
+    def _check_changes(self, cfg: Config, plan: RunPlan) -> ConfigChanges | None:
+        """Every config field against the checkpoint's; refuses what cannot be applied (train/resume.py)."""
+        ckpt = plan.ckpt
+        if ckpt is None:
+            return None
+        pos = ckpt["position"]
+        if plan.mode == "init":
+            arch = compare_configs(ckpt["config"], cfg.to_dict(), epoch_boundary=True, only={"model"})
+            if arch.refused:
+                raise refusal(arch, where=f"--init-from {plan.ckpt_path}", position=pos,
+                              how="Its weights need the checkpoint's model: use its run's preset and model.* settings")
+            return None
+        changes = compare_configs(ckpt["config"], cfg.to_dict(), epoch_boundary=pos.get("batch_index", 0) == 0)
+        if changes.refused:
+            raise refusal(changes, where=f"resuming from {plan.ckpt_path}", position=pos,
+                          how="Drop these flags (the run's settings are in its config.json), or start a new run "
+                              f"from its weights with a fresh optimizer: --init-from {plan.ckpt_path}")
+        return changes
+
+    def _open_run_folder(self, plan: RunPlan, changes: ConfigChanges | None, schedule: dict | None) -> None:
+        """The first write of this run: claim a new folder (or mark, cut and clean the existing one), then
+        config.json, the metrics file and the records of where this run came from."""
+        asked = self.run_dir
+        if plan.new_folder:
+            self.run_dir, self.lock = claim_run_folder(asked.parent, asked.name, self.run_id, parent=self.parent)
+            self._created = True
+        else:
+            if plan.adopt:
+                write_marker(self.run_dir, self.run_id, adopted=True)
+            pos = plan.ckpt["position"] if plan.ckpt is not None else {"epoch": 0, "step": 0}
+            cut_metrics(self.run_dir / "metrics.jsonl", keep=pos, log=self.log)
+            remove_stale_temp_files(self.run_dir / "checkpoints", self.log)
+            remove_stale_temp_files(self.run_dir, self.log)
+        for note in plan.notes:
+            self.log(note)
+        if plan.mode == "fresh" and self.run_dir != asked:
+            self.log(f"{asked} holds an earlier run, so this run is {self.run_dir} (nothing was moved; to continue "
+                     f"{asked.name} instead: --resume auto --run.name {asked.name})")
+        elif plan.mode in ("branch", "init"):
+            p = self.parent
+            self.log(f"{'initialised from' if plan.mode == 'init' else 'continuing from'} {p['checkpoint']} (run "
+                     f"{p['run_id']}, step {p['step']}) in the new run folder {self.run_dir}")
+        run = dataclasses.replace(self.cfg.run, name=self.run_dir.name)
+        self.cfg = dataclasses.replace(self.cfg, run=run)
+        # the resolved config, as --print-config prints it: a valid --config input
+        write_text_atomic(self.run_dir / "config.json", json.dumps(self.cfg.to_dict(), indent=2, default=str) + "\n")
+        self.metrics = MetricsLogger(self.run_dir, tensorboard=run.tensorboard, enabled=True)
+        if plan.ckpt is None:
+            return
+        pos = plan.ckpt["position"]
+        origin = {"checkpoint": str(plan.ckpt_path), "step": pos["step"], "epoch": pos["epoch"]}
+        if plan.mode in ("branch", "init"):
+            self.metrics.log({"kind": plan.mode, **origin, "parent": self.parent})
+        if plan.mode == "branch":  # the lineage's epochs so far, so the curves show the whole run
+            for rec in plan.ckpt.get("history", []):
+                self.metrics.log({**rec, "inherited_from": self.parent["run_id"]})
+        if changes is not None and plan.mode != "init":
+            self.metrics.log({"kind": "resume", "mode": plan.mode, **origin, **changes.record(),
+                              "schedule": schedule})
+            self._log_changes(plan, changes, schedule)
+
+    def _log_changes(self, plan: RunPlan, changes: ConfigChanges, schedule: dict | None) -> None:
+        pos = plan.ckpt["position"]
+        self.log(f"resumed from {plan.ckpt_path}: epoch {pos['epoch']}, batch {pos['batch_index']}, step {pos['step']}")
+        show = lambda d: ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in sorted(d.items()))  # noqa: E731
+        if changes.safe:
+            self.log(f"resume: applied (checkpoint -> now): {show(changes.safe)}")
+        if schedule is not None:
+            self.log(f"resume: re-planned {show(changes.replan) or 'the schedule'}: {schedule['total_steps']} steps "
+                     f"in all (was {schedule['previous_total_steps']}), lr {schedule['lr']:.3g} at step {self.step}")
+            if self.step >= self.total_steps or self.epoch >= self.cfg.run.epochs:
+                self.log(f"resume: this plan ends at or before the checkpoint (step {self.step}, epoch {self.epoch}): "
+                         f"the run ends now, with its final evaluation")
 
     # ------------------------------------------------------------------------------------------
     # one optimizer step
@@ -229,6 +320,8 @@ class Trainer:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.first_step_seconds = time.perf_counter() - t_first
+            if self.compiled:
+                self.split.add("compile", self.first_step_seconds)
         return loss
 
     def _see_shape(self, b) -> None:
@@ -246,11 +339,14 @@ class Trainer:
         """Train for ``run.epochs`` (or ``run.max_steps`` / ``run.max_wall_seconds``); evaluate and checkpoint.
 
         ``stop_after``: interrupt after this many optimizer steps *in this call*, writing a checkpoint
-        (a preemption drill: the run resumes exactly from it). Returns a summary dict.
+        (a preemption drill: the run resumes exactly from it). Returns a summary dict (train/report.py
+        prints it for people).
         """
         self._stop_signal = None
 
         def request_stop(name: str) -> None:
+            if self._stop_signal is not None:  # already stopping (e.g. SIGTERM to the group, then again)
+                return
             self._stop_signal = name
             self.log(f"\n{name}: stopping after this step with a checkpoint"
                      + (" (Ctrl-C again to abort)" if name == "SIGINT" else ""))
@@ -263,15 +359,15 @@ class Trainer:
 
     def _fit(self, stop_after: int | None) -> dict[str, Any]:
         run = self.cfg.run
+        self.split.add("setup", process_seconds())  # this process, from its start to here
         self._write_provenance()
-        t_fit = time.perf_counter()
         steps_this_call = 0
-        stop_reason = None
+        stop_reason, path = None, None
         while self.epoch < run.epochs and stop_reason is None:
             epoch = self.epoch
             n_micro = self._micro_batches_in_epoch(epoch)
             loader = self.data.loader("train", epoch=epoch, rank=self.dist.rank,
-                                      world_size=self.dist.world_size, start_batch=self.batch_index)
+                                      world_size=self.dist.world_size, start_batch=min(self.batch_index, n_micro))
             it = iter(loader)
             if self._pending_rng is not None:  # dropout's RNG as saved (the loader has its own generator)
                 set_rng_state(self._pending_rng)
@@ -280,7 +376,7 @@ class Trainer:
             bar = self._progress(epoch, n_micro)
             t_log, tok_log = time.perf_counter(), self.stats.real_tokens
             group: list = []
-            for batch in it:
+            for batch in it if self.batch_index < n_micro else ():
                 if self.batch_index + len(group) >= n_micro:  # run.max_batches_per_epoch reached
                     break
                 group.append(batch)
@@ -308,49 +404,51 @@ class Trainer:
                 # continue from corrupted weights
                 raise NonFiniteLossError(
                     f"non-finite loss read at step {self.step} with run.nonfinite_guard off, so non-finite steps "
-                    f"were not skipped and the weights may be corrupted; nothing was saved. Resume from the last "
-                    f"good checkpoint ({latest_checkpoint(self.run_dir / 'checkpoints') or 'none yet'}) with "
-                    f"--run.nonfinite_guard true, or lower --optim.lr"
-                )
+                    f"were not skipped and the weights may be corrupted; nothing was saved. "
+                    + self._resume_hint(self.newest_finite_checkpoint() if self.is_main else None)
+                    + " and --run.nonfinite_guard true")
             epoch_done = self.batch_index >= n_micro
+            before = self.ckpts.own_checkpoints()[-1:] if self.is_main and stop_reason == "nonfinite" else []
             if epoch_done or stop_reason == "wall_budget":
-                path = self._end_epoch(epoch, partial=not epoch_done)
+                path = self.end_epoch(epoch, partial=not epoch_done)
                 if stop_reason is None and self.clock.should_stop():
                     stop_reason = "early_stop"
                     self.log(f"early stop: no new best BLEU in {self.cfg.eval.patience} evaluations "
                              f"(best {self.clock.best:.2f})")
+                if stop_reason is None and self._stop_signal is not None:  # the epoch's checkpoint is the stop
+                    stop_reason = "interrupted"
             else:
-                path = self._save(metric=None)  # mid-epoch: the position lets a resume continue exactly
+                path = self.save(metric=None)  # mid-epoch: the position lets a resume continue exactly
             if stop_reason == "nonfinite":
                 raise NonFiniteLossError(
                     f"{int(self.counters.nonfinite_in_row)} non-finite losses in a row (limit run.max_nonfinite="
-                    f"{run.max_nonfinite}) at step {self.step}; they were skipped and the state saved to {path}. "
-                    f"Lower --optim.lr, keep --optim.grad_clip, or use --run.precision bf16/fp32"
-                )
+                    f"{run.max_nonfinite}) at step {self.step}; they were skipped, and the weights (finite) saved "
+                    f"to {path}" + (f"; the checkpoint before these steps is {before[0]}" if before else "")
+                    + ". Lower --optim.lr, keep --optim.grad_clip, or use --run.precision bf16/fp32")
             if stop_reason is not None:
-                self.log(f"stopped ({stop_reason}) in epoch {epoch + 1}, after batch {self.batch_index}/{n_micro}, "
+                done = n_micro if epoch_done else self.batch_index
+                self.log(f"stopped ({stop_reason}) in epoch {epoch + 1}, after batch {done}/{n_micro}, "
                          f"step {self.step}; checkpoint {path}")
-        summary: dict[str, Any] = {"steps": self.step, "skipped_steps": self.skipped_steps,
-                                   "epochs_done": self.epoch, "wall_seconds": time.perf_counter() - t_fit,
-                                   "run_wall_seconds": self.clock.wall(), "stop_reason": stop_reason or "done",
-                                   "best_bleu": self.clock.best, "time_to_bleu": self.clock.reached}
-        if stop_reason in (None, "max_steps", "wall_budget", "early_stop") and self.is_main:
-            if self.cfg.eval.average_last:
-                self._average_last(self.cfg.eval.average_last)
-            if self.cfg.eval.test_at_end:
-                summary["test"] = self._final_test()
-            for line in self.clock.summary_lines():
-                self.log(line)
-            test = summary.get("test") or {}
-            self.metrics.log(done_record(epoch=self.epoch, step=self.step, stop_reason=stop_reason or "done",
-                                         wall_seconds=self.clock.wall(), best_bleu=self.clock.best,
-                                         time_to_bleu=self.clock.reached, test_bleu=test.get("test_bleu")))
-            if run.plot and self.metrics.path.exists():
-                png = plot_curves(self.metrics.path, self.run_dir / "curves.png")
-                if png:
-                    self.log(f"curves: {png}")
+        return self._summary(stop_reason, path)
+
+    def _summary(self, stop_reason: str | None, path: Path | None) -> dict[str, Any]:
+        summary: dict[str, Any] = {
+            "run_dir": str(self.run_dir), "run_id": self.run_id, "stop_reason": stop_reason or "done",
+            "signal": self._stop_signal, "steps": self.step, "skipped_steps": self.skipped_steps,
+            "epochs_done": self.epoch, "checkpoint": str(path) if path else None, "best_bleu": self.clock.best,
+            "best_bleu_at": self.clock.best_at, "time_to_bleu": self.clock.reached, "test": None, "curves": None}
+        finished = stop_reason in (None, "max_steps", "wall_budget", "early_stop")
+        if finished and self.is_main:
+            self.finish(stop_reason, summary)
+        wall = self.clock.wall()
+        summary.setdefault("wall_seconds", wall)
+        summary.setdefault("time_split", self.split.split(wall))
+        summary["time_to_bleu_lines"] = self.clock.summary_lines()
+        if self.is_main:
+            reason = summary["stop_reason"]
+            summary["commands"] = next_commands(self.run_dir, stop_reason=reason,
+                                                longer=longer_flag(reason, self.cfg, self.step))
         barrier()
-        self.metrics.close()
         return summary
 
     def _log_step(self, loss: torch.Tensor, bar, t_log: float, tok_log: int) -> str | None:
@@ -363,8 +461,9 @@ class Trainer:
         pad = 1 - self.stats.real_tokens / max(self.stats.padded_tokens, 1)
         if bar is not None:
             bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}", pad=f"{100 * pad:.1f}%")
-        self.metrics.scalars({"loss": loss_value, "lr": lr, "tokens_per_second": tps, "padding_fraction": pad,
-                              "skipped_steps": float(self.counters.skipped)}, self.step, prefix="train/")
+        if self.metrics is not None:
+            self.metrics.scalars({"loss": loss_value, "lr": lr, "tokens_per_second": tps, "padding_fraction": pad,
+                                  "skipped_steps": float(self.counters.skipped)}, self.step, prefix="train/")
         guarded = self.cfg.run.nonfinite_guard or self.scaler.is_enabled()
         if not math.isfinite(loss_value) and not guarded:
             return "nonfinite_unguarded"
@@ -383,144 +482,12 @@ class Trainer:
         return None
 
     # ------------------------------------------------------------------------------------------
-    # end of epoch: evaluation, metrics line, checkpoint
-    # ------------------------------------------------------------------------------------------
-    def _end_epoch(self, epoch: int, partial: bool = False) -> Path | None:
-        run, ev, st = self.cfg.run, self.cfg.eval, self.stats
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        train_seconds = st.elapsed()
-        world = self.dist.world_size
-        record: dict[str, Any] = {
-            "kind": "epoch",
-            "epoch": epoch + 1,  # 1-based in the records, as people count epochs
-            "step": self.step,
-            # host sync: once per epoch
-            "train_loss": float(st.loss_sum) / max(st.tgt_tokens, 1),
-            "train_loss_last_batch": float(st.last_loss) if st.last_loss is not None else None,
-            "lr": self.scheduler.get_last_lr()[0],
-            "epoch_seconds": train_seconds,
-            # real (non-pad) src+tgt tokens/s over all ranks (every rank runs the same number of batches)
-            "tokens_per_second": st.real_tokens * world / max(train_seconds, 1e-9),
-            "tgt_tokens_per_second": st.tgt_tokens * world / max(train_seconds, 1e-9),
-            "padding_fraction": 1 - st.real_tokens / max(st.padded_tokens, 1),
-            "skipped_steps": self.skipped_steps,
-            "micro_batches": st.micro_batches,
-            "distinct_shapes": len(self.shapes_seen),
-        }
-        if partial:
-            record["partial_epoch"] = True
-        record["mfu"] = self._mfu(st, record["tgt_tokens_per_second"])
-        record["peak_dtype"] = self.peak_dtype
-        record["compiled_graphs"] = compiled_graphs() if self.compiled else None
-        record["first_step_seconds"] = self.first_step_seconds
-        if self.device.type == "cuda":
-            record["peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-            torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            record["peak_memory_gb"] = None
-            record["max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB on Linux
-
-        metric = None
-        evaluate = (epoch + 1) % ev.every == 0 or epoch + 1 == run.epochs or partial
-        if self.is_main and evaluate:
-            metric = self._evaluate(epoch, record)
-        record["wall_seconds"] = self.clock.wall()  # the run's clock, since process start (+ earlier processes)
-        if self.is_main:
-            self.metrics.log(record)
-            self.metrics.scalars({k: v for k, v in record.items() if k not in ("kind", "epoch")}, epoch + 1,
-                                 prefix="epoch/")
-        self.history.append(record)
-        if not partial:
-            self.epoch, self.batch_index = epoch + 1, 0
-            self.stats = EpochStats.new(self.device)
-        return self._save(metric=metric)
-
-    def _evaluate(self, epoch: int, record: dict[str, Any]) -> float | None:
-        """Validation loss and BLEU into ``record``; updates the BLEU clock; returns the best-metric value."""
-        ev = self.cfg.eval
-        r = self._eval_split("valid", ev.decode, loss=ev.valid_loss)
-        record.update(valid_loss=r["loss"], bleu=r["bleu"], chrf=r["chrf"], eval_sentences=r["sentences"],
-                      eval_seconds=r["seconds"], decode=r.get("decode"), decode_seconds=r.get("decode_seconds"),
-                      decode_steps=r.get("decode_steps"), host_syncs=r.get("host_syncs"),
-                      graphs_captured=r.get("graphs_captured"), **record_fields(r))
-        wall = self.clock.wall()
-        for t in self.clock.update(record["bleu"], epoch + 1, wall):
-            self.log(f"BLEU {t:g} reached at {wall:.1f} s (epoch {epoch + 1})")
-        self.log(
-            f"epoch {epoch + 1}/{self.cfg.run.epochs}: train_loss {record['train_loss']:.4f} "
-            f"(last batch {_fmt(record['train_loss_last_batch'], '.4f')}) valid_loss {_fmt(record['valid_loss'], '.4f')} "
-            f"BLEU {_fmt(record['bleu'], '.2f')} chrF {_fmt(record['chrf'], '.2f')} | {record['epoch_seconds']:.1f} s, "
-            f"{record['tokens_per_second']:,.0f} tok/s, pad {100 * record['padding_fraction']:.1f}%, "
-            f"eval {record['eval_seconds']:.1f} s, wall {wall:.1f} s"
-            + (f", MFU {100 * record['mfu']:.1f}%" if record["mfu"] is not None else "")
-        )
-        for src, ref, hyp in r["samples"][: ev.num_samples]:
-            self.log(f"  src: {src}\n  ref: {ref}\n  hyp: {hyp}")
-        return record["bleu"] if ev.best_metric == "bleu" else record["valid_loss"]
-
-    def _final_test(self) -> dict[str, Any]:
-        """Test loss and beam-search BLEU with best.pt's weights (the checkpoint translate uses)."""
-        best = self.ckpts.dir / "best.pt"
-        source = "last"
-        if best.is_file():
-            state = load_checkpoint(best, map_location=self.device)
-            self.model.load_state_dict(state["model"])
-            source = f"best.pt (epoch {state['position']['epoch']})"
-        r = self._eval_split("test", "beam")  # the whole test split (train.evaluate.sentence_limit)
-        rec = {"kind": "test", "epoch": self.epoch, "weights": source, "test_loss": r["loss"],
-               "test_bleu": r["bleu"], "test_chrf": r["chrf"], "test_sentences": r["sentences"],
-               **record_fields(r, "test_"), "decoding": decoding_settings(self.cfg.eval, "beam"),
-               "eval_seconds": r["seconds"], "wall_seconds": self.clock.wall()}
-        self.log(f"test ({source}): loss {_fmt(r['loss'], '.4f')} BLEU {_fmt(r['bleu'], '.2f')} "
-                 f"chrF {_fmt(r['chrf'], '.2f')} ({r['sentences']} sentences, {r.get('truncated_sources', 0)} cut to "
-                 f"the model's positions; beam {self.cfg.eval.beam_size}; BLEU|{r.get('bleu_signature')})")
-        self.metrics.log(rec)
-        return rec
-
-    def _average_last(self, k: int) -> None:
-        """The average of the last ``k`` epoch checkpoints becomes best.pt if its validation BLEU beats the
-        best single checkpoint's (that one is kept as best-single.pt)."""
-        state = average_last_epochs(self.ckpts.dir, k, self.log)
-        if state is None:
-            return
-        self.model.load_state_dict(state["model"])
-        r = self._eval_split("valid", "beam", loss=False)
-        better = r["bleu"] is not None and self.ckpts.is_better(r["bleu"])
-        self.log(f"average of the last {k} epoch checkpoints: valid BLEU {_fmt(r['bleu'], '.2f')} (best single "
-                 f"{_fmt(self.ckpts.best_value, '.2f')}){': kept as best.pt' if better else ''}")
-        self.metrics.log({"kind": "average", "checkpoints": [Path(p).name for p in state["averaged_from"]],
-                          "bleu": r["bleu"], "best_single_bleu": self.ckpts.best_value, "wall_seconds": self.clock.wall()})
-        if better:
-            if (self.ckpts.dir / "best.pt").exists():
-                os.replace(self.ckpts.dir / "best.pt", self.ckpts.dir / "best-single.pt")
-            atomic_save(state, self.ckpts.dir / "best.pt")
-            self.ckpts.best_value = r["bleu"]
-
-    def _eval_split(self, split: str, decode: str, loss: bool = True) -> dict[str, Any]:
-        from train.evaluate import evaluate_split
-
-        return evaluate_split(self.model, self.data, split, self.device, self.cfg.eval, autocast=self.autocast,
-                              decode=decode, loss=loss)
-
-    def _mfu(self, st: EpochStats, tgt_tps: float) -> float | None:
-        """Model FLOPs utilisation against the peak of the run's dtype; None where no peak exists (CPU)."""
-        if self.peak_flops is None or st.sentences == 0:
-            return None
-        from models.flops import flops_per_token, mfu
-
-        # FLOPs at the epoch's mean real lengths (src incl. EOS, tgt incl. BOS)
-        src_len, tgt_len = st.src_tokens / st.sentences, st.tgt_tokens / st.sentences
-        return mfu(flops_per_token(self.cfg.model, src_len, tgt_len) * tgt_tps,
-                   self.peak_flops * self.dist.world_size)
-
-    # ------------------------------------------------------------------------------------------
-    # state, checkpoints, provenance
+    # state, provenance, progress
     # ------------------------------------------------------------------------------------------
     def _micro_batches_in_epoch(self, epoch: int) -> int:
         n = self.data.num_batches("train", epoch=epoch, rank=self.dist.rank, world_size=self.dist.world_size)
         if n == 0:
-            raise ValueError("the training split has no batches: check --data-files and data.valid_size/test_size")
+            raise UserError("the training split has no batches: check --data-files and data.valid_size/test_size")
         cap = self.cfg.run.max_batches_per_epoch
         return n if cap is None else min(n, cap)
 
@@ -536,61 +503,42 @@ class Trainer:
             "scaler": self.scaler.state_dict(),
             "rng": rng_state(),
             "position": {"epoch": self.epoch, "batch_index": self.batch_index, "step": self.step,
-                         "counters": self.counters.state_dict(), "epoch_stats": self.stats.state_dict(),
-                         "best_value": self.ckpts.best_value, "clock": self.clock.state_dict(self.clock.wall())},
+                         "total_steps": self.total_steps, "counters": self.counters.state_dict(),
+                         "epoch_stats": self.stats.state_dict(), "best_value": self.ckpts.best_value,
+                         "clock": self.clock.state_dict(self.clock.wall()), "split": self.split.state_dict()},
             "config": self.cfg.to_dict(),
             "tokenizer": {"model_file": tok.model_file, "key": tok.key, "model_bytes": tok.model_bytes()},
+            "lineage": {"run_id": self.run_id, "parent": self.parent},
             "params": self.params,
             "history": self.history,
         }
 
-    def _load_state(self, ckpt: dict[str, Any]) -> None:
-        planned = ckpt["scheduler"].get("total_steps")
-        if planned is not None and planned != self.total_steps:
-            raise ValueError(
-                f"the checkpoint's OneCycle schedule spans {planned} steps but this config plans {self.total_steps}: "
-                f"resume with the run's --epochs/--max-steps/data settings (the checkpoint holds its config)"
-            )
+    def _load_state(self, ckpt: dict[str, Any], changes: ConfigChanges) -> tuple[float | None, dict | None]:
+        """Restore a checkpoint's state; the optimizer takes this config's hyper-parameters, and the schedule
+        is re-planned from the current step when its settings or the run's length changed. Returns
+        ``(best_value, schedule)``: the schedule's new plan, or None when the saved one was kept."""
         self.model.load_state_dict(ckpt["model"])  # copies into the flat buffers' views
         self.optimizer.load_state_dict(ckpt["optimizer"])
-        self.scheduler.load_state_dict(ckpt["scheduler"])
+        apply_hyperparameters(self.optimizer, self.model, self.cfg.optim)
         self.scaler.load_state_dict(ckpt["scaler"])
         pos = ckpt["position"]
         self.epoch, self.batch_index, self.step = pos["epoch"], pos["batch_index"], pos["step"]
         self.counters.load_state_dict(pos.get("counters", {}))
-        self.ckpts.best_value = pos.get("best_value")
         self.stats = EpochStats.from_state(pos.get("epoch_stats", {}), self.device)
         if "clock" in pos:
             self.clock.load_state_dict(pos["clock"])
+        self.split.load_state_dict(pos.get("split", {}))
         self.history = list(ckpt.get("history", []))
         self._pending_rng = ckpt["rng"]  # restored at the start of fit(), after the loader is built
-
-    def _save(self, metric: float | None) -> Path | None:
-        if not self.is_main:
-            barrier()
-            return None
-        path = self.ckpts.save(self.state_dict(), self.step, metric)
-        barrier()
-        return path
-
-    def _resolve_resume(self, resume) -> tuple[Path | None, dict[str, Any] | None]:
-        """(path, checkpoint) to continue from, or (None, None) for a fresh start. "auto": the newest
-        checkpoint of this run that loads (a corrupt newer one is reported and set aside)."""
-        if resume is None:
-            return None, None
-        if str(resume) != "auto":
-            return Path(resume), load_checkpoint(resume)
-        finished = run_finished(self.run_dir)
-        if finished is not None:
-            raise RunFinishedError(
-                f"--resume auto: run {self.run_dir} already finished ({finished.get('stop_reason', 'done')} at "
-                f"step {finished.get('step')}, epoch {finished.get('epoch')}"
-                + (f", test BLEU {finished['test_bleu']:.2f}" if finished.get("test_bleu") is not None else "")
-                + "): nothing to continue. Train longer with a new --run.name, or translate with its best.pt")
-        path, ckpt = latest_loadable_checkpoint(self.run_dir / "checkpoints", self.log)
-        if path is None:
-            self.log(f"--resume auto: no checkpoint under {self.run_dir / 'checkpoints'}; starting fresh")
-        return path, ckpt
+        saved_total = pos.get("total_steps", ckpt["scheduler"].get("total_steps"))
+        schedule = None
+        if changes.replan or (saved_total is not None and saved_total != self.total_steps):
+            self.scheduler = replan_scheduler(self.optimizer, self.cfg.optim, self.total_steps, self.step)
+            schedule = {"total_steps": self.total_steps, "previous_total_steps": saved_total,
+                        "lr": self.scheduler.get_last_lr()[0], "from_step": self.step}
+        else:
+            self.scheduler.load_state_dict(ckpt["scheduler"])
+        return pos.get("best_value"), schedule
 
     def _write_provenance(self) -> None:
         if not self.is_main:
@@ -598,22 +546,23 @@ class Trainer:
         extra = {"params": self.params, "device": str(self.device), "world_size": self.dist.world_size,
                  "peak_flops": self.peak_flops, "peak_dtype": self.peak_dtype, "peak_note": self.peak_note,
                  "compiled": self.compiled, "compile_caches": self.compile_caches, "total_steps": self.total_steps,
-                 "steps_per_epoch": self.steps_per_epoch, "tokenizer": self.data.tokenizer.model_file}
+                 "steps_per_epoch": self.steps_per_epoch, "tokenizer": self.data.tokenizer.model_file,
+                 "run_id": self.run_id, "parent": self.parent}
         write_provenance(self.run_dir, self.cfg.to_dict(), getattr(self.data, "split_record", None), extra,
                          step=self.step, log=self.log)
 
     def _progress(self, epoch: int, n_micro: int):
+        """A progress bar over the steps this epoch will really take (``run.max_steps`` included)."""
         if not (self.is_main and self.cfg.run.progress):
             return None
         from tqdm import tqdm
 
         accum = self.cfg.optim.accum_steps
-        return tqdm(total=math.ceil(n_micro / accum), initial=self.batch_index // accum,
-                    desc=f"epoch {epoch + 1}/{self.cfg.run.epochs}", dynamic_ncols=True, leave=False)
-
-
-def _fmt(v: float | None, spec: str) -> str:
-    return "n/a" if v is None else format(v, spec)
+        done, total = self.batch_index // accum, math.ceil(n_micro / accum)
+        if self.cfg.run.max_steps is not None:
+            total = min(total, done + max(self.cfg.run.max_steps - self.step, 0))
+        return tqdm(total=total, initial=done, desc=f"epoch {epoch + 1}/{self.cfg.run.epochs}", dynamic_ncols=True,
+                    leave=False)
 
 
 def _configure_backend(cfg: Config, device: torch.device) -> None:
@@ -624,4 +573,4 @@ def _configure_backend(cfg: Config, device: torch.device) -> None:
         # fp32 matmuls left outside autocast may use TF32; the fp32 baseline keeps full precision
         torch.set_float32_matmul_precision("high")
     if run.precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ValueError("this GPU has no bf16; use --run.precision fp16")
+        raise UserError("run.precision='bf16' but this GPU has no bf16: use --run.precision fp16 (or fp32)")

@@ -138,13 +138,14 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def plot_curves(metrics_path: str | os.PathLike, out_png: str | os.PathLike) -> Path | None:
-    """Loss (train mean, last batch, validation) and BLEU/chrF by epoch, side by side."""
+    """Two panels: loss against optimizer steps (training, mean of each epoch and its last batch; validation),
+    and validation BLEU / chrF against the run's wall seconds (the objective: time to BLEU). Returns the
+    file written, or None (no epoch records, or matplotlib missing)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib.ticker import MaxNLocator
     except ImportError:
         print("metrics: matplotlib is not installed; no curves.png")
         return None
@@ -153,29 +154,29 @@ def plot_curves(metrics_path: str | os.PathLike, out_png: str | os.PathLike) -> 
     rows = [by_epoch[e] for e in sorted(by_epoch)]
     if not rows:
         return None
-    ep = [r["epoch"] for r in rows]
-    fig, (ax_l, ax_b) = plt.subplots(1, 2, figsize=(10, 4))
-    for key, label in [("train_loss", "train (epoch mean, smoothed CE)"),
-                       ("train_loss_last_batch", "train (last batch, the seeds' metric)"),
-                       ("valid_loss", "validation (no smoothing)")]:
-        ys = [r.get(key) for r in rows]
-        if any(y is not None for y in ys):
-            ax_l.plot(ep, [float("nan") if y is None else y for y in ys], marker="o", label=label)
-    ax_l.set_xlabel("epoch")
-    ax_l.set_ylabel("loss (nats/token)")
+    fig, (ax_l, ax_b) = plt.subplots(1, 2, figsize=(11, 4))
+    steps = [r.get("step") for r in rows]
+    for key, label in [("train_loss", "training loss (epoch mean, label-smoothed)"),
+                       ("train_loss_last_batch", "training loss (last batch of the epoch)"),
+                       ("valid_loss", "validation loss (no smoothing)")]:
+        pts = [(x, r.get(key)) for x, r in zip(steps, rows) if x is not None and r.get(key) is not None]
+        if pts:
+            ax_l.plot(*zip(*pts), marker="o", label=label)
+    ax_l.set_xlabel("optimizer step")
+    ax_l.set_ylabel("cross-entropy (nats per target token)")
     if ax_l.get_legend_handles_labels()[0]:
         ax_l.legend(fontsize=8)
     ax_l.grid(alpha=0.3)
-    for key in ("bleu", "chrf"):
-        ys = [r.get(key) for r in rows]
-        if any(y is not None for y in ys):
-            ax_b.plot(ep, [float("nan") if y is None else y for y in ys], marker="o", label=key)
-    for ax in (ax_l, ax_b):
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax_b.set_xlabel("epoch")
-    ax_b.set_ylabel("validation score")
+    for key, label in (("bleu", "validation BLEU"), ("chrf", "validation chrF")):
+        pts = [(r["wall_seconds"], r[key]) for r in rows if r.get(key) is not None and r.get("wall_seconds") is not None]
+        if pts:
+            ax_b.plot(*zip(*pts), marker="o", label=label)
+    ax_b.set_xlabel("wall seconds since the run started (setup, compilation and evaluation included)")
+    ax_b.set_ylabel("score")
     if ax_b.get_legend_handles_labels()[0]:  # no validation split: nothing to plot there
         ax_b.legend(fontsize=8)
+    else:
+        ax_b.text(0.5, 0.5, "no validation scores", ha="center", va="center", transform=ax_b.transAxes)
     ax_b.grid(alpha=0.3)
     fig.suptitle(Path(metrics_path).parent.name)
     fig.tight_layout()

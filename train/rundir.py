@@ -1,34 +1,35 @@
-"""One run folder, one writer: run-name checks, the run lock, moving an earlier run aside, and resume hygiene.
+"""One run folder, one writer, one lineage: run names, the run marker, the run lock, and resume hygiene.
 
-A run lives in ``<out_dir>/<name>/``. The Trainer (rank 0) uses these pieces in this order:
-``validate_run_name`` -> ``RunLock(run_dir)`` held for the whole run -> a fresh start moves an earlier
-run aside (``move_aside_previous_run``), a resume checks ``run_finished`` and then cuts ``metrics.jsonl``
-back to the checkpoint (``cut_metrics``) -> ``remove_stale_temp_files`` -> train -> ``done_record`` is
-logged last -> the lock is released.
+A run lives in ``<out_dir>/<name>/`` and is marked by ``run.json`` (``fastmt_run``, ``run_id``, ``parent``:
+the run and step it branched from). fastmt writes into, prunes or renames only folders that carry the
+marker (or that an earlier fastmt wrote: ``folder_state``); anything else under a run name is refused
+(``RunFolderError``). The Trainer (rank 0) uses these pieces in this order:
+``validate_run_name`` -> a fresh run claims a new folder (``claim_run_folder``: ``<name>``, else
+``<name>-2``, ...; created only after every setting was checked) and holds its ``RunLock``; a resume locks
+the existing run folder, checks ``run_finished`` and cuts ``metrics.jsonl`` back to the checkpoint
+(``cut_metrics``) -> ``remove_stale_temp_files`` -> train -> ``done_record`` is logged last -> the lock
+is released (a new folder that never got a checkpoint is removed: ``discard_unused_run_folder``).
 
-The lock is ``fcntl.flock`` on ``<run_dir>/.lock``: the kernel drops it when the holder exits, however
-it exits (kill -9 included), so a lock file left behind never blocks. Local file systems only: flock
-over NFS depends on the client. POSIX only (``fcntl``); nothing here imports torch.
+The lock (``RunLock``, train/runlock.py) is ``fcntl.flock`` on ``<run_dir>/.lock``, dropped by the kernel
+however its holder exits. POSIX only; nothing here imports torch.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import fcntl
 import json
 import os
 import re
-import signal
-import socket
-import threading
+import secrets
+import shutil
 import time
-import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-LOCK_NAME = ".lock"
+from train.errors import UserError
+from train.runlock import _HELD, LOCK_NAME, RunLock, RunLockedError, _same_file
+
+MARKER_NAME = "run.json"  # the run marker: only folders holding it (or an earlier fastmt's runs) are written
 MAX_NAME_LEN = 200
 # temp files of atomic writes (train.checkpoint.atomic_save, cut_metrics): ".<file name>.tmp-<pid>"
 _TEMP_RE = re.compile(r"^\..+\.tmp-\d+$")
@@ -37,11 +38,6 @@ _GOOD_NAME = "a plain folder name such as 'en-it-tiny' or 'wmt14_s18.v2'"
 
 def _utc_stamp() -> str:
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-
-
-def _one_line(text: Any, limit: int = 300) -> str:
-    s = " ".join(str(text).split())
-    return s if len(s) <= limit else s[: limit - 3] + "..."
 
 
 # ----------------------------------------------------------------------------------------------
@@ -76,158 +72,203 @@ def validate_run_name(name: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# the run lock
+# run identity: the marker, what a folder is, claiming a new folder, discarding an unused one
 # ----------------------------------------------------------------------------------------------
-class RunLockedError(RuntimeError):
-    """Another live process holds the run folder's lock."""
+class RunFolderError(UserError):
+    """A run name points at a folder fastmt did not make (or cannot read as a run); nothing was changed."""
 
 
-def _same_file(fd: int, path: Path) -> bool:
-    """True when ``fd`` is still the file at ``path`` (not removed or replaced since it was opened)."""
+def new_run_id() -> str:
+    """A fresh run id: the UTC time and 6 random hex digits (sortable, unique in practice)."""
+    return f"{_utc_stamp()}-{secrets.token_hex(3)}"
+
+
+def read_marker(run_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The run marker ``<run_dir>/run.json`` if it is one fastmt wrote, else None."""
     try:
-        a, b = os.fstat(fd), os.stat(path)
-    except FileNotFoundError:
-        return False
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
-
-
-def _read_holder(fd: int) -> dict[str, Any]:
-    raw = os.pread(fd, 65536, 0).decode("utf-8", "replace")
-    try:
-        info = json.loads(raw)
-    except ValueError:
-        info = None
-    return info if isinstance(info, dict) else {"raw": raw.strip()}
-
-
-def _command_line(pid: int) -> str | None:
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
+        marker = json.loads((Path(run_dir) / MARKER_NAME).read_text())
+    except (OSError, ValueError):
         return None
-    return _one_line(raw.replace(b"\0", b" ").decode("utf-8", "replace"), 200) or None
+    if not isinstance(marker, dict) or marker.get("fastmt_run") != 1 or not isinstance(marker.get("run_id"), str):
+        return None
+    return marker
 
 
-_HELD: weakref.WeakSet[RunLock] = weakref.WeakSet()
+def write_marker(run_dir: str | os.PathLike, run_id: str, *, parent: dict[str, Any] | None = None,
+                 adopted: bool = False, made_folder: bool = True) -> dict[str, Any]:
+    """Write ``<run_dir>/run.json`` (atomically): the run id, its name, creation time, parent lineage, and
+    whether fastmt made the folder (an empty folder a user made is used, and never removed)."""
+    run_dir = Path(run_dir)
+    marker = {"fastmt_run": 1, "run_id": run_id, "name": run_dir.name,
+              "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "parent": parent,
+              "made_folder": made_folder}
+    if adopted:
+        marker["adopted"] = "a run folder of an earlier fastmt (no run.json): marked when it was resumed"
+    write_text_atomic(run_dir / MARKER_NAME, json.dumps(marker, indent=1) + "\n")
+    return marker
 
 
-def _forget_locks_in_child() -> None:
-    """A forked child (e.g. a DataLoader worker) shares the parent's lock: close its copy, so the lock
-    dies with the parent, and mark its RunLocks unheld, so the child never removes the parent's file."""
-    for lock in list(_HELD):
-        fd, lock._fd = lock._fd, None
-        if fd is not None:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-    _HELD.clear()
+def write_text_atomic(path: Path, text: str) -> None:
+    """``path`` holds ``text`` or its old content, never a part (temp file + ``os.replace``)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
-os.register_at_fork(after_in_child=_forget_locks_in_child)
+def _legacy_run(run_dir: Path) -> bool:
+    """A run folder written by fastmt before run markers existed: its ``provenance.json`` is fastmt's."""
+    try:
+        prov = json.loads((run_dir / "provenance.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(prov, dict) and {"config", "git_sha", "torch"} <= set(prov) and (
+        (run_dir / "metrics.jsonl").is_file() or (run_dir / "checkpoints").is_dir())
 
 
-class RunLock:
-    """An exclusive, non-blocking ``flock`` on ``<run_dir>/.lock``, held for a run's life.
+def folder_state(path: str | os.PathLike) -> str:
+    """What ``path`` is: "missing"; "empty" (nothing in it, or only a run lock file); "run" (a fastmt run:
+    it holds ``run.json``, or is a run folder of an earlier fastmt); "other" (anything else). A link to a
+    folder is judged by that folder (fastmt never renames a run folder, so a link is safe to follow)."""
+    path = Path(path)
+    if not path.exists() and not path.is_symlink():
+        return "missing"
+    if not path.is_dir():  # a file, or a dangling link
+        return "other"
+    if read_marker(path) is not None or _legacy_run(path):
+        return "run"
+    if all(p.name == LOCK_NAME for p in path.iterdir()):
+        return "empty"
+    return "other"
 
-    ``acquire()`` creates the folder if needed and fails at once with ``RunLockedError`` naming the
-    holder (PID, host, start time, command line) when another open of the file holds it — another
-    process, or this one through a second ``RunLock``. The file holds the holder's PID, host, start
-    time and argv as JSON; ``release()`` removes it. Use as a context manager or acquire/release.
-    Forked children do not keep it (their copy is closed at fork), so it ends with this process.
+
+def not_a_run_message(path: Path) -> str:
+    if not path.is_dir():
+        what = "a file" if path.exists() else "a dangling link"
+    else:
+        what = "a folder that holds files but no fastmt run marker (run.json)"
+    return (f"{path} is {what}: fastmt only writes into, renames or prunes folders it made. "
+            f"Choose another --run.name, or another --run.out_dir")
+
+
+def check_usable(path: Path) -> str:
+    """``folder_state(path)``, refusing (``RunFolderError``) a path that is neither missing, empty nor a run."""
+    state = folder_state(path)
+    if state == "other":
+        raise RunFolderError(not_a_run_message(path))
+    return state
+
+
+def free_run_name(out_dir: str | os.PathLike, name: str) -> str:
+    """``name`` if ``<out_dir>/<name>`` does not exist (or is empty), else the first free ``name-2``,
+    ``name-3``, ... (what a fresh run under ``name`` will be called)."""
+    out = Path(out_dir)
+    if folder_state(out / name) in ("missing", "empty"):
+        return name
+    k = 2
+    while (out / f"{name}-{k}").exists() or (out / f"{name}-{k}").is_symlink():
+        k += 1
+    return f"{name}-{k}"
+
+
+def claim_run_folder(out_dir: str | os.PathLike, name: str, run_id: str, *,
+                     parent: dict[str, Any] | None = None) -> tuple[Path, RunLock]:
+    """Make a new run folder for a fresh run and hold its lock; returns ``(run_dir, lock)``.
+
+    ``<out_dir>/<name>`` when it does not exist (or is empty); when it holds another run, the first free
+    of ``<name>-2``, ``<name>-3``, ...; when it holds anything else, ``RunFolderError``.
+    Folders are created with ``mkdir`` (never reused), so two runs starting at once get two folders.
+    The marker ``run.json`` (run id, parent lineage) is written under the lock.
     """
-
-    def __init__(self, run_dir: str | os.PathLike):
-        self.run_dir = Path(run_dir)
-        self.path = self.run_dir / LOCK_NAME
-        self._fd: int | None = None
-
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
-
-    def acquire(self) -> RunLock:
-        if self._fd is not None:
-            raise RuntimeError(f"{self.path} is already locked by this RunLock")
-        for _ in range(10):
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                holder = _read_holder(fd) if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else None
-                os.close(fd)
-                if holder is None:
-                    raise
-                raise RunLockedError(self._busy_message(holder)) from None
-            # the holder before us may have removed (released) the file between our open and flock:
-            # then we hold a lock on a file nobody else will open, so start over on the current one
-            if _same_file(fd, self.path):
-                break
-            os.close(fd)
-        else:
-            raise RunLockedError(f"{self.path} kept being replaced while locking it; is something deleting it?")
-        info = {"pid": os.getpid(), "host": socket.gethostname(),
-                "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "argv": _command_line(os.getpid())}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
-        os.fsync(fd)
-        self._fd = fd
-        _HELD.add(self)
-        return self
-
-    def release(self) -> None:
-        """Remove the lock file, then drop the lock (in that order, so a waiter never keeps a stale file)."""
-        fd, self._fd = self._fd, None
-        _HELD.discard(self)
-        if fd is None:
-            return
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise RunFolderError(f"--run.out_dir {out} is a file, not a folder: choose a folder for the runs")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunFolderError(f"cannot create the output folder --run.out_dir {out}: {e.strerror or e}; choose a "
+                             f"writable folder") from e
+    k = 1
+    while True:
+        cand = out / (name if k == 1 else f"{name}-{k}")
+        validate_run_name(cand.name)
+        made = True
         try:
-            if _same_file(fd, self.path):
-                self.path.unlink(missing_ok=True)
-        finally:
-            os.close(fd)
-
-    def __enter__(self) -> RunLock:
-        return self.acquire()
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-    def __del__(self) -> None:  # a dropped holder (e.g. a Trainer never fit) frees the name
+            cand.mkdir()
+        except OSError as e:
+            made = False
+            if not isinstance(e, FileExistsError):
+                raise RunFolderError(f"cannot create the run folder {cand}: {e.strerror or e}; choose a writable "
+                                     f"--run.out_dir") from e
+            state = folder_state(cand)
+            if k == 1 and state == "other":
+                raise RunFolderError(not_a_run_message(cand)) from None
+            if not (k == 1 and state == "empty"):
+                k += 1
+                continue
+        lock = RunLock(cand)
         try:
-            self.release()
-        except Exception:  # noqa: BLE001 - interpreter shutdown may have torn down os/pathlib
-            pass
-
-    def _busy_message(self, holder: dict[str, Any]) -> str:
-        pid, host = holder.get("pid"), holder.get("host")
-        if pid is None:
-            who = "another process (it has not written its PID yet" + (
-                f"; the file reads {holder['raw']!r})" if holder.get("raw") else ")")
-            kill = "stop that process"
-        else:
-            local = host in (None, socket.gethostname())
-            cmd = (_command_line(pid) if local else None) or holder.get("argv") or "command line unknown"
-            this = " (this process)" if local and pid == os.getpid() else ""
-            who = f"PID {pid}{this} on {host or 'this host'}, started {holder.get('started', '?')}: {cmd}"
-            kill = f"stop it (kill {pid})" + ("" if local else f" on {host}")
-        return (f"run folder {self.run_dir} is in use by {who}. Wait for that run to finish, {kill}, "
-                f"or start this one under another --run.name")
+            lock.acquire()
+        except RunLockedError:  # another run took this folder between our mkdir (or its) and the lock
+            k += 1
+            continue
+        if folder_state(cand) != "empty":  # something arrived before the lock: not ours to use
+            lock.release()
+            k += 1
+            continue
+        write_marker(cand, run_id, parent=parent, made_folder=made)
+        return cand, lock
 
 
-# ----------------------------------------------------------------------------------------------
-# fresh start: an earlier run of the same name is moved aside, never mixed in or overwritten
-# ----------------------------------------------------------------------------------------------
+# the files a run writes; an unused new run folder holding only these is removed when its run fails
+_RUN_FILES = (MARKER_NAME, "config.json", "metrics.jsonl", "curves.png", LOCK_NAME)
+
+
+def discard_unused_run_folder(run_dir: str | os.PathLike, log: Callable[[str], Any] = print) -> bool:
+    """Remove a run folder this process created when no checkpoint was written into it (a run that failed
+    or stopped before its first checkpoint): its marker, config, provenance, metrics and TensorBoard files.
+    Anything else in it (a checkpoint, a file someone put there) keeps the folder; an empty folder a user
+    made (``made_folder`` false in the marker) is emptied of fastmt's files but kept. Returns True if the
+    files were removed."""
+    run_dir = Path(run_dir)
+    marker = read_marker(run_dir)
+    if marker is None:
+        return False
+    ckpts = run_dir / "checkpoints"
+    if ckpts.is_dir() and any(not _TEMP_RE.match(p.name) for p in ckpts.iterdir()):
+        return False
+    ours = set(_RUN_FILES)
+    for p in run_dir.iterdir():
+        if not (p.name in ours or p.name.startswith("provenance") and p.suffix == ".json"
+                or p.name in ("tensorboard", "checkpoints") and p.is_dir() and not p.is_symlink()
+                or _TEMP_RE.match(p.name)):
+            return False
+    for p in run_dir.iterdir():
+        if p.name == "tensorboard":
+            shutil.rmtree(p)
+        elif p.name == "checkpoints":
+            for q in p.iterdir():
+                q.unlink()
+            p.rmdir()
+        elif p.name != LOCK_NAME:
+            p.unlink()
+    (run_dir / LOCK_NAME).unlink(missing_ok=True)
+    if marker.get("made_folder", True) and not run_dir.is_symlink():
+        run_dir.rmdir()
+        log(f"removed the run folder {run_dir}: the run ended before writing a checkpoint")
+    return True
+
+
 def move_aside_previous_run(run_dir: str | os.PathLike, log: Callable[[str], Any] = print, *,
                             lock: RunLock) -> Path | None:
-    """Rename a non-empty ``run_dir`` to ``<name>.prev-<UTC time>`` and return the new path (None: nothing there).
+    """Rename a run folder to ``<name>.prev-<UTC time>`` and return the new path (None: nothing there).
 
-    Only under ``lock``, this process's held ``RunLock`` of ``run_dir``: so no live run can be
-    writing in the folder (a second run never moves a live run's folder). The held lock file moves
-    with the folder; the lock is taken again on a new ``<run_dir>/.lock`` and the moved copy removed.
-    If another process takes the name in between, ``RunLockedError`` (the earlier run is safe in
-    the ``.prev-`` folder either way).
+    bench.peers (the Hugging Face baseline) uses it; fastmt's own runs never move a folder (a fresh run
+    under a taken name gets ``<name>-2``, see ``claim_run_folder``). Only under ``lock``, this process's
+    held ``RunLock`` of ``run_dir``, and only a run folder (``folder_state`` "run"): anything else is
+    refused with ``RunFolderError``. The lock is taken again on a new ``<run_dir>/.lock``.
     """
     run_dir = Path(run_dir)
     if not lock.held or lock.run_dir.resolve() != run_dir.resolve() or not _same_file(lock._fd, lock.path):
@@ -235,13 +276,15 @@ def move_aside_previous_run(run_dir: str | os.PathLike, log: Callable[[str], Any
                            "a folder is only moved by the run that holds its lock")
     if not any(p.name != LOCK_NAME for p in run_dir.iterdir()):
         return None
+    if folder_state(run_dir) != "run":
+        raise RunFolderError(not_a_run_message(run_dir))
     stamp = _utc_stamp()
     target = run_dir.with_name(f"{run_dir.name}.prev-{stamp}")
     n = 1
     while target.exists():
         target, n = run_dir.with_name(f"{run_dir.name}.prev-{stamp}-{n}"), n + 1
     run_dir.rename(target)
-    log(f"{run_dir} held an earlier run: moved to {target} (to continue a run instead, pass --resume auto)")
+    log(f"{run_dir} held an earlier run: moved to {target}")
     moved_fd, lock._fd = lock._fd, None
     _HELD.discard(lock)
     try:
@@ -411,25 +454,3 @@ def run_finished(run_dir: str | os.PathLike) -> dict[str, Any] | None:
         elif kind == "done" or (kind == "test" and (final is None or final.get("kind") != "done")):
             final = rec
     return final
-
-
-@contextlib.contextmanager
-def stop_on_signals(request_stop: Callable[[str], Any]):
-    """While active, the first Ctrl-C (SIGINT) or SIGTERM calls ``request_stop(name)`` instead of killing the
-    run, so the loop can stop at a step boundary with a checkpoint; a second Ctrl-C interrupts at once.
-    The previous handlers are restored on exit. Only the main thread can install handlers: elsewhere a no-op."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        if signum == signal.SIGINT:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-        request_stop(signal.Signals(signum).name)
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, h in previous.items():
-            signal.signal(sig, h)

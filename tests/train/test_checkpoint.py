@@ -215,3 +215,40 @@ def test_average_checkpoints_is_the_mean_of_the_weights(tmp_path):
     assert torch.equal(avg["model"]["w"], torch.full((3,), 3.0))
     assert avg["model"]["steps"] == 2 and avg["position"]["step"] == 2  # integer buffers: the newest's
     assert avg["averaged_from"] == [str(p) for p in paths]
+
+
+# ----------------------------------------------------------------------------------------------
+# lineage: pruning and resume consider the run's own checkpoints only
+# ----------------------------------------------------------------------------------------------
+def _run_state(step: int, run_id: str | None) -> dict:
+    state = _state(step)
+    if run_id is not None:
+        state["lineage"] = {"run_id": run_id, "parent": None}
+    return state
+
+
+def test_pruning_keeps_other_lineages_and_unreadable_files(tmp_path):
+    torch.save(_run_state(1, "other"), tmp_path / "step-00000001.pt")
+    (tmp_path / "step-00000002.pt").write_bytes(b"not a checkpoint")
+    m = CheckpointManager(tmp_path, keep_last=1, run_id="mine")
+    for step in (3, 4, 5):
+        m.save(_run_state(step, "mine"), step)
+    assert [p.name for p in step_checkpoints(tmp_path)] == ["step-00000001.pt", "step-00000002.pt",
+                                                           "step-00000005.pt"]
+    assert [p.name for p in m.own_checkpoints()] == ["step-00000005.pt"]
+    legacy = CheckpointManager(tmp_path, keep_last=1)  # no run id: every readable step file (older runs)
+    legacy.save(_run_state(6, None), 6)
+    assert [p.name for p in step_checkpoints(tmp_path)] == ["step-00000006.pt"]
+
+
+def test_latest_loadable_skips_other_lineages_and_refuses_when_none_is_the_runs(tmp_path):
+    torch.save(_run_state(1, "mine"), tmp_path / "step-00000001.pt")
+    torch.save(_run_state(2, "other"), tmp_path / "step-00000002.pt")
+    logs = []
+    path, ckpt = latest_loadable_checkpoint(tmp_path, logs.append, run_id="mine")
+    assert path.name == "step-00000001.pt" and "belongs to another run" in logs[0]
+    assert (tmp_path / "step-00000002.pt").is_file()  # left in place
+    (tmp_path / "step-00000001.pt").write_bytes(b"x")
+    for _ in range(2):  # every time: the first call set the unreadable one aside, the second still refuses
+        with pytest.raises(CheckpointReadError, match="none of the 2 checkpoint"):
+            latest_loadable_checkpoint(tmp_path, lambda m: None, run_id="mine")

@@ -166,15 +166,18 @@ def test_sigterm_stops_at_a_step_boundary_with_checkpoint(toy_bundle, tmp_path):
 
 
 def test_one_writer_per_run_folder(toy_bundle, tmp_path):
-    """A second run under a live name fails at once naming the holder; the first is untouched."""
+    """A resume of a live run fails at once naming the holder; a fresh run under its name gets its own
+    folder; the live run is untouched and the name is free again once it ends."""
     kw = dict(epochs=1, max_batches_per_epoch=2)
     first = tiny_trainer(toy_bundle, tmp_path, **kw)
     with pytest.raises(RunLockedError, match=rf"PID {os.getpid()}"):
-        tiny_trainer(toy_bundle, tmp_path, **kw)
+        tiny_trainer(toy_bundle, tmp_path, resume="auto", **kw)
+    second = tiny_trainer(toy_bundle, tmp_path, **kw)
+    assert second.run_dir.name == "t-2"
+    second.close()  # never trained: its folder is removed
+    assert not second.run_dir.exists()
     first.fit()  # still holds its folder, trains and releases it
-    logs = []
-    tiny_trainer(toy_bundle, tmp_path, log=logs.append, **kw).close()  # the name is free again
-    assert any("moved to" in str(m) for m in logs)  # and the finished run was moved aside, not overwritten
+    tiny_trainer(toy_bundle, tmp_path, resume="auto", epochs=2, max_batches_per_epoch=2).close()  # free again
 
 
 def test_a_finished_run_says_so_and_a_corrupt_checkpoint_falls_back(toy_bundle, tmp_path):

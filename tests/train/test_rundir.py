@@ -1,4 +1,5 @@
-"""Run folders: name checks, the run lock across real processes, move-aside, temp cleanup, metrics cut."""
+"""Run folders: name checks, the run lock across real processes, the run marker and new-folder claims,
+move-aside (bench.peers only), temp cleanup, metrics cut."""
 
 from __future__ import annotations
 
@@ -14,15 +15,23 @@ import pytest
 
 from train.rundir import (
     LOCK_NAME,
+    MARKER_NAME,
+    RunFolderError,
     RunLock,
     RunLockedError,
+    claim_run_folder,
     cut_metrics,
+    discard_unused_run_folder,
     done_record,
+    folder_state,
+    free_run_name,
     keep_through,
     move_aside_previous_run,
+    read_marker,
     remove_stale_temp_files,
     run_finished,
     validate_run_name,
+    write_marker,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -107,6 +116,7 @@ def test_clean_release_in_another_process_frees_the_lock(tmp_path):
 def test_move_aside_needs_the_targets_lock(tmp_path):
     run = tmp_path / "r"
     run.mkdir()
+    write_marker(run, "id")
     (run / "metrics.jsonl").write_text("{}\n")
     with pytest.raises(RuntimeError, match="hold RunLock"):
         move_aside_previous_run(run, lock=RunLock(run))  # not acquired
@@ -120,6 +130,7 @@ def test_move_aside_keeps_everything_and_the_lock_on_the_name(tmp_path):
     (run / "checkpoints").mkdir(parents=True)
     (run / "checkpoints" / "step-00000001.pt").write_bytes(b"ckpt")
     (run / "metrics.jsonl").write_text('{"kind": "epoch", "epoch": 1}\n')
+    write_marker(run, "id")
     logs = []
     with RunLock(run) as lock:
         moved = move_aside_previous_run(run, logs.append, lock=lock)
@@ -236,7 +247,7 @@ def test_run_finished(tmp_path):
 def test_lock_taken_on_a_file_its_holder_just_removed_is_retaken_on_the_current_file(tmp_path, monkeypatch):
     """Between our open() and flock() the previous holder may release (remove the file): a lock on
     the removed file would exclude nobody, so acquire() must end up on the file at the path."""
-    import train.rundir as rundir
+    import train.runlock as rundir
 
     run = tmp_path / "r"
     run.mkdir()
@@ -261,6 +272,7 @@ def test_lock_taken_on_a_file_its_holder_just_removed_is_retaken_on_the_current_
 def test_move_aside_when_another_run_takes_the_name_in_between(tmp_path):
     run = tmp_path / "r"
     run.mkdir()
+    write_marker(run, "id")
     (run / "metrics.jsonl").write_text("{}\n")
     lock, other = RunLock(run).acquire(), RunLock(run)
     real_acquire = lock.acquire
@@ -316,3 +328,119 @@ def test_a_dropped_lock_frees_the_name(tmp_path):
     del lock
     with RunLock(tmp_path / "r"):
         pass
+
+
+# ----------------------------------------------------------------------------------------------
+# the run marker: what a folder is, claiming new folders, removing unused ones
+# ----------------------------------------------------------------------------------------------
+def _user_folder(path: Path) -> dict[str, bytes]:
+    """A folder a user made (files, a subfolder, no marker); returns its content for later comparison."""
+    (path / "sub").mkdir(parents=True)
+    (path / "notes.txt").write_text("mine")
+    (path / "sub" / "__init__.py").write_text("x = 1\n")
+    return _tree(path)
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_folder_state(tmp_path):
+    assert folder_state(tmp_path / "none") == "missing"
+    (tmp_path / "empty").mkdir()
+    assert folder_state(tmp_path / "empty") == "empty"
+    (tmp_path / "empty" / LOCK_NAME).write_text("")  # a lock file alone is still nothing
+    assert folder_state(tmp_path / "empty") == "empty"
+    _user_folder(tmp_path / "user")
+    assert folder_state(tmp_path / "user") == "other"
+    (tmp_path / "file").write_text("x")
+    assert folder_state(tmp_path / "file") == "other"
+    (tmp_path / "link").symlink_to(tmp_path / "empty")  # a link is judged by its folder
+    assert folder_state(tmp_path / "link") == "empty"
+    (tmp_path / "dangling").symlink_to(tmp_path / "none")
+    assert folder_state(tmp_path / "dangling") == "other"
+    write_marker(tmp_path / "empty", "abc")
+    assert folder_state(tmp_path / "empty") == "run" and read_marker(tmp_path / "empty")["run_id"] == "abc"
+    assert folder_state(tmp_path / "link") == "run"
+    (tmp_path / "user" / MARKER_NAME).write_text('{"not": "ours"}')  # a run.json fastmt did not write
+    assert folder_state(tmp_path / "user") == "other"
+    legacy = tmp_path / "legacy"  # a run folder of an earlier fastmt: provenance.json + metrics.jsonl
+    legacy.mkdir()
+    (legacy / "provenance.json").write_text(json.dumps({"config": {}, "git_sha": None, "torch": "2"}))
+    (legacy / "metrics.jsonl").write_text("")
+    assert folder_state(legacy) == "run"
+
+
+def test_claim_makes_a_new_folder_and_never_reuses_a_run(tmp_path):
+    a, lock_a = claim_run_folder(tmp_path / "runs", "x", "id-a")
+    assert a == tmp_path / "runs" / "x" and read_marker(a)["run_id"] == "id-a" and lock_a.held
+    assert free_run_name(tmp_path / "runs", "x") == "x-2"
+    b, lock_b = claim_run_folder(tmp_path / "runs", "x", "id-b", parent={"run_id": "id-a", "step": 4})
+    assert b.name == "x-2" and read_marker(b)["parent"] == {"run_id": "id-a", "step": 4}
+    lock_a.release()
+    c, lock_c = claim_run_folder(tmp_path / "runs", "x", "id-c")  # released runs are runs too
+    assert c.name == "x-3" and read_marker(a)["run_id"] == "id-a"
+    for lock in (lock_b, lock_c):
+        lock.release()
+    (tmp_path / "runs" / "y").mkdir()  # an empty folder holds nothing to clobber: used as is
+    y, lock_y = claim_run_folder(tmp_path / "runs", "y", "id-y")
+    assert y.name == "y" and read_marker(y)["run_id"] == "id-y"
+    lock_y.release()
+
+
+def test_claim_refuses_a_folder_fastmt_did_not_make_and_changes_nothing(tmp_path):
+    """A run name that is a package of the repo (``--run.out_dir .``), or any user folder: refused in one line,
+    nothing moved, nothing written (this folder used to be renamed '<name>.prev-<time>')."""
+    before = _user_folder(tmp_path / "data")
+    with pytest.raises(RunFolderError) as e:
+        claim_run_folder(tmp_path, "data", "id")
+    msg = str(e.value)
+    assert "\n" not in msg and str(tmp_path / "data") in msg and "--run.name" in msg and "no fastmt run marker" in msg
+    assert _tree(tmp_path / "data") == before and sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+
+
+def test_two_claims_at_once_get_two_folders(tmp_path):
+    """Folders are made with mkdir (exclusive), the lock taken after: a process that claims the same name at
+    the same moment ends up in another folder, never in ours."""
+    code = ("import sys, time; from train.rundir import claim_run_folder\n"
+            "d, lock = claim_run_folder(sys.argv[1], 'x', sys.argv[2]); print(d.name, flush=True); sys.stdin.read()")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), f"id{i}"], cwd=REPO, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) for i in range(3)]
+    names = [p.stdout.readline().strip() for p in procs]
+    for p in procs:
+        p.stdin.close()
+        p.wait()
+    assert sorted(names) == ["x", "x-2", "x-3"]
+    assert sorted(read_marker(tmp_path / n)["run_id"] for n in names) == ["id0", "id1", "id2"]
+
+
+def test_an_unused_run_folder_is_removed_and_a_used_or_foreign_one_kept(tmp_path):
+    d, lock = claim_run_folder(tmp_path, "x", "id")
+    (d / "config.json").write_text("{}")
+    (d / "metrics.jsonl").write_text("")
+    (d / "provenance.json").write_text("{}")
+    (d / "tensorboard").mkdir()
+    (d / "tensorboard" / "events.out").write_bytes(b"e")
+    (d / "checkpoints").mkdir()
+    lock.release()
+    assert discard_unused_run_folder(d, lambda m: None) and not d.exists()
+    d, lock = claim_run_folder(tmp_path, "x", "id")
+    lock.release()
+    (d / "checkpoints").mkdir()
+    (d / "checkpoints" / "step-00000001.pt").write_bytes(b"work")
+    assert not discard_unused_run_folder(d) and (d / "checkpoints" / "step-00000001.pt").exists()
+    (d / "checkpoints" / "step-00000001.pt").unlink()
+    (d / "mine.txt").write_text("someone's file")
+    assert not discard_unused_run_folder(d) and (d / "mine.txt").exists()
+    assert not discard_unused_run_folder(tmp_path)  # no marker: never touched
+    (tmp_path / "users").mkdir()  # an empty folder a user made: used, then emptied of our files but kept
+    u, lock = claim_run_folder(tmp_path, "users", "id")
+    lock.release()
+    assert discard_unused_run_folder(u) and u.is_dir() and not any(u.iterdir())
+
+
+def test_move_aside_refuses_a_folder_that_is_not_a_run(tmp_path):
+    before = _user_folder(tmp_path / "r")
+    with RunLock(tmp_path / "r") as lock, pytest.raises(RunFolderError, match="no fastmt run marker"):
+        move_aside_previous_run(tmp_path / "r", lambda m: None, lock=lock)
+    assert _tree(tmp_path / "r") == before and not list(tmp_path.glob("r.prev-*"))

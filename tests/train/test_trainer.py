@@ -56,7 +56,7 @@ def test_unguarded_nonfinite_stops_without_saving_corrupted_weights(toy_bundle, 
     read-back; those steps were applied, so nothing is saved for --resume auto to pick up."""
     tr = tiny_trainer(toy_bundle, tmp_path, nonfinite_guard=False, log_every=2)
     _infinite_losses(tr)
-    with pytest.raises(NonFiniteLossError, match="nonfinite_guard off.*nothing was saved.*none yet"):
+    with pytest.raises(NonFiniteLossError, match="nonfinite_guard off.*nothing was saved.*No checkpoint was written"):
         tr.fit()
     assert tr.step == 2 and not step_checkpoints(tr.run_dir / "checkpoints")
 
@@ -189,18 +189,18 @@ def test_token_counts_and_packed_batches(toy_bundle, tmp_path, batching, layout)
     assert tr.history[-1]["valid_loss"] > 0 and tr.step == 3
 
 
-def test_fresh_run_moves_an_earlier_run_of_the_same_name_aside(toy_bundle, tmp_path):
-    """A second fresh start named like an earlier run neither mixes its metrics into the old file nor
-    deletes anything: the old folder is renamed; --resume auto (test_resume.py) is the way to continue."""
+def test_fresh_run_under_a_taken_name_gets_the_next_name_and_moves_nothing(toy_bundle, tmp_path):
+    """A second fresh start named like an earlier run neither mixes its metrics into the old folder nor
+    moves it: it runs in ``<name>-2`` and says so; --resume auto (test_resume.py) is the way to continue."""
     kw = dict(epochs=1, max_batches_per_epoch=2)
     first = tiny_trainer(toy_bundle, tmp_path, **kw)
     first.fit()
-    old_lines = (first.run_dir / "metrics.jsonl").read_text().splitlines()
+    before = {p.relative_to(first.run_dir): p.read_bytes() for p in first.run_dir.rglob("*") if p.is_file()}
     logs = []
     second = tiny_trainer(toy_bundle, tmp_path, log=logs.append, **kw)
     second.fit()
-    moved = [p for p in first.run_dir.parent.iterdir() if p.name.startswith(f"{first.run_dir.name}.prev-")]
-    assert len(moved) == 1 and any("moved to" in str(m) and "--resume auto" in str(m) for m in logs)
-    assert (moved[0] / "metrics.jsonl").read_text().splitlines() == old_lines
-    assert any((moved[0] / "checkpoints").iterdir())
+    assert second.run_dir == first.run_dir.with_name("t-2") and second.cfg.run.name == "t-2"
+    assert any(f"this run is {second.run_dir}" in str(m) and "--resume auto --run.name t" in str(m) for m in logs)
+    assert {p.relative_to(first.run_dir): p.read_bytes() for p in first.run_dir.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in first.run_dir.parent.iterdir()) == ["t", "t-2"]
     assert [r["kind"] for r in records(second.run_dir)] == ["epoch", "done"]  # its own epoch only

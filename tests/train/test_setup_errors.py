@@ -1,0 +1,66 @@
+"""Every mistake fails before any side effect (issue 20 row 13): settings that used to fail only later (at
+the first long batch, the first evaluation, on the device) fail at once in one line, exit 2, with no
+traceback (``FASTMT_DEBUG=1`` shows one), and the output folder is exactly as it was: an earlier run of the
+same name is not moved, and no new (empty) run folder is left."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from tests.train.runs_helpers import train_argv, tree
+from tests.utils import tiny_trainer
+from train.__main__ import main
+from train.errors import EXIT_USAGE
+
+
+def _many_characters_file(path) -> str:
+    """A corpus whose 600 distinct characters need more SentencePiece pieces than a 300-piece vocabulary."""
+    rng = random.Random(0)
+    chars = [chr(0x4E00 + i) for i in range(600)]
+    with open(path, "w") as f:
+        for i in range(300):
+            en = "".join(rng.choice(chars) for _ in range(12))
+            f.write(json.dumps({"id": str(i), "translation": {"en": f"line {i} {en}", "it": f"riga {i} {en}"}}) + "\n")
+    return str(path)
+
+
+CASES = {
+    "positions-shorter-than-the-data": (["--model.max_positions", "8"], "model.max_positions=8 is shorter"),
+    "packed-layout-padded-batches": (["--model.layout", "packed"], "model.layout='packed' with data.batching"),
+    "padded-layout-packed-batches": (["--data.batching", "packed"], "model.layout='padded' with data.batching"),
+    "cuda-without-cuda": (["--run.device", "cuda"], "run.device='cuda' but no CUDA device"),
+    "averaging-more-than-kept": (["--eval.average_last", "3"], "eval.average_last=3 needs run.keep_last"),
+    "missing-resume-checkpoint": (["--resume", "nope.pt"], "--resume nope.pt: checkpoint 'nope.pt' does not exist"),
+    "vocabulary-too-small": (["--data-files", "MANY_CHARS"], "data.vocab_size=300 is too small for this text"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_late_failing_setting_fails_first_in_one_line_and_changes_nothing(toy_bundle, tmp_path, capsys, case):
+    if case == "cuda-without-cuda" and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    flags, message = CASES[case]
+    flags = [_many_characters_file(tmp_path / "chars.jsonl") if f == "MANY_CHARS" else f for f in flags]
+    tiny_trainer(toy_bundle, tmp_path, epochs=1, max_batches_per_epoch=1).fit()  # an earlier run named "t"
+    before = tree(tmp_path / "runs")
+    argv = train_argv(toy_bundle.cfg.cache_dir, tmp_path, *flags)
+    if case == "vocabulary-too-small":
+        argv[argv.index("--data.vocab_size") + 1] = "300"
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == EXIT_USAGE, out[-2000:] + err[-2000:]
+    assert err.startswith(f"error: {message}") or message in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err + out
+    assert tree(tmp_path / "runs") == before and sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["t"]
+
+
+def test_debug_shows_the_traceback_of_a_user_error(toy_bundle, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("FASTMT_DEBUG", "1")
+    assert main(train_argv(toy_bundle.cfg.cache_dir, tmp_path, "--model.max_positions", "8")) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.rstrip().endswith("lower --data.max_len") and "error: model.max_positions" in err
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

@@ -1,0 +1,149 @@
+"""Stops that keep the work (issue 20 row 1): ``python -m train`` as a real process with DataLoader workers,
+stopped by SIGTERM or SIGINT sent to its whole process group (``timeout``, SLURM, Kubernetes, ``docker
+stop``, Ctrl-C) or to the process alone: one clean line, a checkpoint at a step boundary, exit 75, and
+``--resume auto`` continues from it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.train.runs_helpers import train_argv
+from train.checkpoint import load_checkpoint, step_checkpoints
+from train.config import Config
+from train.errors import EXIT_INTERRUPTED
+from train.loop import Trainer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def train_command(cache: str, out: Path, *extra: str) -> list[str]:
+    """``python -m train`` on the tiny preset with the toy data, quiet, everything under ``out``."""
+    return [sys.executable, "-m", "train", *train_argv(cache, out, *extra, name="sig")]
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _run_until_workers(cmd: list[str], n_workers: int) -> subprocess.Popen:
+    """Start ``cmd`` in its own session (its own process group) and wait until its DataLoader workers run."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 240
+    while len(_children(proc.pid)) < n_workers:
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended before its workers started (exit {proc.returncode}):\n{proc.stdout.read()}")
+        assert time.monotonic() < deadline, "the workers never started"
+        time.sleep(0.05)
+    time.sleep(0.5)  # a few steps with the workers feeding batches
+    return proc
+
+
+@pytest.mark.parametrize("target, sig", [("group", signal.SIGTERM), ("process", signal.SIGTERM),
+                                         ("group", signal.SIGINT)],
+                         ids=["SIGTERM-to-the-group", "SIGTERM-to-the-process", "SIGINT-to-the-group"])
+def test_a_signal_stops_at_a_step_with_a_checkpoint_and_exit_75(toy_bundle, tmp_path, target, sig):
+    cmd = train_command(toy_bundle.cfg.cache_dir, tmp_path, "--epochs", "1000", "--eval.every", "1000",
+                        "--data.num_workers", "2")
+    proc = _run_until_workers(cmd, 2)
+    try:
+        if target == "group":
+            os.killpg(proc.pid, sig)
+        else:
+            os.kill(proc.pid, sig)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    name = signal.Signals(sig).name
+    assert proc.returncode == EXIT_INTERRUPTED, out[-3000:]
+    assert "Traceback" not in out and "Error" not in out, out[-3000:]
+    assert out.count(f"{name}: stopping after this step with a checkpoint") == 1
+    run = tmp_path / "runs" / "sig"
+    newest = step_checkpoints(run / "checkpoints")[-1]
+    ckpt = load_checkpoint(newest)
+    assert f"stopped:     by {name} at step {ckpt['position']['step']}" in out and str(newest) in out
+    assert "--resume auto" in out and ckpt["position"]["step"] >= 1
+    metrics = run / "metrics.jsonl"
+    assert not metrics.exists() or '"done"' not in metrics.read_text()
+    # the saved config resumes the run from that checkpoint
+    cfg = Config.from_dict(json.loads((run / "config.json").read_text()))
+    tr = Trainer(cfg, resume="auto", log=lambda *a: None)
+    assert (tr.run_dir, tr.step, tr.batch_index) == (run, ckpt["position"]["step"], ckpt["position"]["batch_index"])
+    tr.close()
+    assert not any(p.name != "sig" for p in (tmp_path / "runs").iterdir())  # no second folder
+
+
+def test_a_signal_during_evaluation_stops_at_the_epochs_checkpoint(toy_bundle, tmp_path):
+    """SLURM's grace period is short: a stop requested while validating does not take another step."""
+    from tests.utils import tiny_trainer
+
+    tr = tiny_trainer(toy_bundle, tmp_path, epochs=3, max_batches_per_epoch=3)
+    evaluate = tr._evaluate
+
+    def evaluate_then_sigterm(*args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return evaluate(*args)
+
+    tr._evaluate = evaluate_then_sigterm
+    summary = tr.fit()
+    assert tr.step == 3 and summary["stop_reason"] == "interrupted" and summary.get("signal") == "SIGTERM"
+    assert load_checkpoint(step_checkpoints(tr.run_dir / "checkpoints")[-1])["position"]["step"] == 3
+
+
+def test_a_signal_during_setup_exits_75_and_leaves_no_run_folder(toy_bundle, tmp_path, monkeypatch, capsys):
+    from tests.train.runs_helpers import train_argv
+    from train.__main__ import main
+
+    def build_data_then_sigterm(cfg, log=print, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises before this ends
+        raise AssertionError("the signal did not interrupt the setup")
+
+    monkeypatch.setattr("data.build_data", build_data_then_sigterm)
+    previous = signal.getsignal(signal.SIGTERM)
+    assert main(train_argv(toy_bundle.cfg.cache_dir, tmp_path)) == EXIT_INTERRUPTED
+    assert "SIGTERM before training started" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is previous and not (tmp_path / "runs").exists()
+
+
+def test_a_second_ctrl_c_aborts_at_once_with_exit_130(toy_bundle, tmp_path, monkeypatch, capsys):
+    from tests.train.runs_helpers import train_argv
+    from train.__main__ import main
+
+    step = Trainer.train_step
+
+    def step_then_two_ctrl_c(self, batches):
+        loss = step(self, batches)
+        if self.step == 5:
+            os.kill(os.getpid(), signal.SIGINT)  # stop after this step...
+            os.kill(os.getpid(), signal.SIGINT)  # ...no: abort now (KeyboardInterrupt, before any checkpoint)
+        return loss
+
+    monkeypatch.setattr(Trainer, "train_step", step_then_two_ctrl_c)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a background shell ignores SIGINT
+    try:
+        code = main(train_argv(toy_bundle.cfg.cache_dir, tmp_path, "--epochs", "50"))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    out, err = capsys.readouterr()
+    assert code == 130 and "aborted by a second Ctrl-C" in err and "Traceback" not in out + err
+    assert out.count("SIGINT: stopping after this step") == 1

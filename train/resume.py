@@ -1,0 +1,177 @@
+"""Honest resumes: every config field is compared with the checkpoint's, and each change is either applied
+for real or refused.
+
+Three kinds of field (``classify``):
+
+- **safe**: evaluation, logging, patience, wall limits, compilation, workers, ... — applied from the next
+  step or evaluation on, and listed in the log and the ``resume`` record of ``metrics.jsonl``;
+- **re-planned**: the optimizer's hyper-parameters (``optim.lr``, ``weight_decay``, ``betas``, ``eps``),
+  the schedule's settings and the run's length (``run.epochs``, ``run.max_steps``,
+  ``run.max_batches_per_epoch``, ``optim.accum_steps``): written into the optimizer's parameter groups and
+  the schedule rebuilt for the new plan, continuing at the current step (``replan_scheduler``); the new
+  lr and plan are logged and recorded. Batching settings join them at an epoch boundary;
+- **refused**: what the weights, the optimizer state or the position depend on (the architecture, the
+  optimizer kind, ``run.seed``, fp16 <-> another precision, ``eval.best_metric``, batching mid-epoch):
+  ``ResumeConfigError`` names each field with its old and new value.
+
+Data source fields (files, dataset, languages, split, vocabulary) are checked through the tokenizer's key,
+which hashes the cleaned data, the split and the SentencePiece settings (``check_tokenizer``).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from train.errors import UserError
+
+# fields a resumed run may change: applied from the next step or evaluation on
+SAFE = {
+    # where the data comes from: its content is compared through the tokenizer key
+    "data": {"dataset", "dataset_config", "hf_split", "data_files", "src_lang", "tgt_lang", "toy_rows",
+             "valid_size", "test_size", "split_seed", "vocab_size", "spm_model", "character_coverage",
+             "cache_dir", "num_workers", "pin_memory", "prefetch_factor", "spm_threads"},
+    "model": {"dropout", "attn_backend", "norm", "checkpointing"},
+    "optim": {"grad_clip", "label_smoothing"},
+    "run": {"name", "out_dir", "max_wall_seconds", "device", "cpu_threads", "compile", "compile_scope",
+            "compile_mode", "compile_backend", "compile_dynamic", "cache_dir", "log_every", "nonfinite_guard",
+            "max_nonfinite", "keep_last", "peak_flops", "tensorboard", "progress", "plot"},
+}
+# applied by writing the optimizer's parameter groups and re-planning the schedule from the current step
+REPLAN = {
+    "optim": {"lr", "betas", "eps", "weight_decay", "schedule", "pct_start", "div_factor", "final_div_factor",
+              "three_phase", "anneal", "warmup_steps", "accum_steps"},
+    "run": {"epochs", "max_steps", "max_batches_per_epoch"},
+}
+# the epoch's batch plan: re-planned at an epoch boundary, refused mid-epoch (the position indexes the plan)
+PLAN = {"data": {"max_len", "max_len_ratio", "batching", "max_tokens", "batch_size", "seq_len", "overlong",
+                 "pad_multiple", "seed"}}
+# set from the tokenizer, never by the user
+DERIVED = {"model": {"vocab_size", "pad_id"}}
+WHY_REFUSED = {
+    "optim.name": "the optimizer state belongs to the saved optimizer",
+    "run.seed": "the random state comes from the checkpoint, so a new seed would be ignored",
+    "run.precision": "the fp16 loss scaler's state cannot move to or from another precision",
+    "eval.best_metric": "best.pt so far was chosen by the saved metric",
+}
+
+
+class ResumeConfigError(UserError):
+    """A resume asked for a change that cannot be applied to the checkpoint's run."""
+
+
+def _same(a: Any, b: Any) -> bool:
+    return json.dumps(a, default=str, sort_keys=True) == json.dumps(b, default=str, sort_keys=True)
+
+
+def _in(table: dict[str, set[str]], name: str) -> bool:
+    section, _, key = name.partition(".")
+    return key in table.get(section, ())
+
+
+def classify(name: str, old: Any, new: Any, *, epoch_boundary: bool) -> str:
+    """"safe", "replan" or "refuse" for a change of field ``name`` (``section.field``) from ``old`` to ``new``."""
+    section = name.partition(".")[0]
+    if section == "eval":
+        return "refuse" if name == "eval.best_metric" else "safe"
+    if name == "run.precision":
+        return "refuse" if "fp16" in (old, new) else "safe"
+    if _in(SAFE, name):
+        return "safe"
+    if _in(REPLAN, name) or (_in(PLAN, name) and epoch_boundary):
+        return "replan"
+    return "refuse"
+
+
+@dataclass
+class ConfigChanges:
+    """The fields that differ between a checkpoint's config and this run's: ``{name: (old, new)}`` each."""
+
+    safe: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    replan: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    refused: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+
+    def record(self) -> dict[str, Any]:
+        """JSON-ready: ``{"applied": {name: [old, new]}, "replanned": {...}}``."""
+        return {"applied": {k: list(v) for k, v in self.safe.items()},
+                "replanned": {k: list(v) for k, v in self.replan.items()}}
+
+
+def compare_configs(saved: dict[str, Any], now: dict[str, Any], *, epoch_boundary: bool,
+                    only: set[str] | None = None) -> ConfigChanges:
+    """Every field of ``now`` (``Config.to_dict()``) against ``saved`` (the checkpoint's), sorted into
+    ``ConfigChanges``. Fields in ``DERIVED`` are skipped; ``only``: compare these sections only. A field
+    the checkpoint does not know (an older fastmt) counts as a change from None."""
+    changes = ConfigChanges()
+    for section, fields in now.items():
+        if only is not None and section not in only:
+            continue
+        old_section = saved.get(section) or {}
+        for key, new in fields.items():
+            name = f"{section}.{key}"
+            if key in DERIVED.get(section, ()) or _same(old_section.get(key), new):
+                continue
+            old = old_section.get(key)
+            kind = classify(name, old, new, epoch_boundary=epoch_boundary)
+            getattr(changes, {"safe": "safe", "replan": "replan", "refuse": "refused"}[kind])[name] = (old, new)
+    return changes
+
+
+def refusal(changes: ConfigChanges, *, where: str, position: dict[str, Any], how: str) -> ResumeConfigError:
+    """One line naming each refused field with its old and new value, why, and what to do instead."""
+    parts = []
+    for name, (old, new) in sorted(changes.refused.items()):
+        why = WHY_REFUSED.get(name)
+        if why is None and _in(PLAN, name):
+            why = f"the checkpoint is mid-epoch (batch {position.get('batch_index')}): the position indexes this plan"
+        parts.append(f"{name} {old!r} -> {new!r}" + (f" ({why})" if why else ""))
+    return ResumeConfigError(f"{where}: cannot change " + "; ".join(parts) + f". {how}")
+
+
+def apply_hyperparameters(optimizer: torch.optim.Optimizer, model: torch.nn.Module, cfg) -> None:
+    """Write ``cfg`` (an ``OptimConfig``)'s betas, eps and weight decay into the optimizer's parameter groups
+    (``load_state_dict`` restored the saved ones); the decay group gets ``cfg.weight_decay``, the
+    no-decay group keeps 0 (the groups of ``train.optim.build_optimizer``, in its order)."""
+    from train.optim import param_groups
+
+    groups = [g for g in param_groups(model, cfg.weight_decay) if g["params"]]
+    if len(groups) != len(optimizer.param_groups):
+        raise RuntimeError(f"apply_hyperparameters: {len(optimizer.param_groups)} optimizer groups, "
+                           f"{len(groups)} expected")
+    for spec, group in zip(groups, optimizer.param_groups):
+        group["weight_decay"] = spec["weight_decay"]
+        if "betas" in group:
+            group["betas"] = tuple(cfg.betas)
+        if "eps" in group:
+            group["eps"] = cfg.eps
+
+
+def scheduler_position(step: int, total_steps: int) -> int:
+    """The schedule's ``last_epoch`` after ``step`` optimizer steps of a ``total_steps`` plan: the loop steps
+    the schedule after every optimizer step but the last (OneCycle has no value past its plan)."""
+    return max(min(step, total_steps - 1), 0)
+
+
+def replan_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int, step: int):
+    """A new schedule for ``cfg`` (an ``OptimConfig``) over ``total_steps``, positioned at ``step``: the lr
+    is what the schedule would give there had the run been planned this way from its start (as nanoGPT's
+    and Hugging Face Trainer's extended runs do). The optimizer's groups get that lr at once."""
+    from train.optim import build_scheduler
+
+    for group in optimizer.param_groups:  # the saved schedule's bookkeeping would win over cfg.lr
+        group["lr"] = cfg.lr
+        for key in ("initial_lr", "max_lr", "min_lr"):
+            group.pop(key, None)
+    scheduler = build_scheduler(optimizer, cfg, total_steps)
+    scheduler.last_epoch = scheduler_position(step, total_steps)
+    with warnings.catch_warnings():  # get_lr outside step() warns; it is the closed form at last_epoch
+        warnings.simplefilter("ignore")
+        lrs = scheduler.get_lr()
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = list(lrs)  # what get_last_lr() reports
+    return scheduler
