@@ -251,19 +251,13 @@ def check_consistency(cfg: Config) -> None:
                                                         if d.pad_multiple > 1 else ""))
         raise ValueError(
             f"model.max_positions={m.max_positions} is shorter than the longest sequence the data gives, {need} "
-            f"({what}, batching {d.batching!r}): raise --model.max_positions to {need} or lower the data's")
+            f"({what}, batching {d.batching!r}): pass --model.max_positions {need}, or shorten the data's")
     if e.average_last > r.keep_last:
         raise ValueError(f"eval.average_last={e.average_last} needs run.keep_last >= {e.average_last} (got "
                          f"{r.keep_last}): pass --run.keep_last {e.average_last}")
-    if e.best_metric == "valid_loss" and not e.valid_loss:
-        raise ValueError("eval.best_metric='valid_loss' needs eval.valid_loss=true (it is the metric): "
-                         "pass --eval.valid_loss true or --eval.best_metric bleu")
-    if d.valid_size == 0:
-        raise ValueError("data.valid_size=0 leaves no validation split, but every run evaluates on it "
-                         "(BLEU, best.pt): give data.valid_size > 0")
-    if e.test_at_end and d.test_size == 0:
-        raise ValueError("eval.test_at_end=true scores the test split, but data.test_size=0 makes none: "
-                         "pass --eval.test_at_end false or a data.test_size > 0")
+    if e.best_metric == "valid_loss" and not e.valid_loss:  # else no best.pt is ever written
+        raise ValueError("eval.best_metric='valid_loss' needs eval.valid_loss=true (it is the metric best.pt "
+                         "keeps): pass --eval.valid_loss true or --eval.best_metric bleu")
 
 
 def load_config_file(path: str | Path, base: Config | None = None) -> Config:

@@ -186,7 +186,7 @@ def suggest(word: str, candidates: Iterable[str], n: int = 2) -> list[str]:
     the same section first; other words as a whole."""
     candidates = list(candidates)
     word = word.lstrip("-").replace("-", "_")
-    close = [c for c in difflib.get_close_matches(word, candidates, n=n, cutoff=0.75)]
+    close = difflib.get_close_matches(word, candidates, n=n, cutoff=0.75 if "." in word else 0.6)
     section, _, bare = word.rpartition(".")
     by_name: dict[str, list[str]] = {}
     for c in candidates:

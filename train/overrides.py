@@ -118,9 +118,9 @@ def _closest(text: str, choices: Sequence[Any]) -> str:
 
 
 def check_finite(value: float, where: str, *, inf_ok: bool = False) -> None:
-    """Refuse NaN (and inf unless ``inf_ok``) for a float setting, naming it."""
-    if math.isnan(value) or (math.isinf(value) and not inf_ok):
-        raise ValueError(f"{where}={value} must be a finite number")
+    """Refuse NaN and -inf (and +inf unless ``inf_ok``) for a float setting, naming it."""
+    if math.isnan(value) or (math.isinf(value) and not (inf_ok and value > 0)):
+        raise ValueError(f"{where}={value} must be a finite number" + (" (or inf)" if inf_ok else ""))
 
 
 def require_finite(obj, section: str, inf_ok: Mapping[str, str] | Sequence[str] = ()) -> None:

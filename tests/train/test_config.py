@@ -81,7 +81,7 @@ def test_cli(capsys, tmp_path):
     for argv, msg in [(["--preset", "tiny", "--model.nope", "1"], "unknown field --model.nope"),
                       (["--preset", "tiny", "--run.epochs", "x"], "is not an int"),
                       (["--preset", "tiny", "stray"], "unrecognized argument 'stray'"),
-                      (["--preset", "tiny", "--data-files", str(tmp_path / "missing.jsonl")], "no such file"),
+                      (["--preset", "tiny", "--data-files", str(tmp_path / "missing.jsonl")], "data files not found"),
                       (["--preset", "tiny", "--auto"], "either --auto or --preset"),
                       ([], "choose --preset")]:
         with pytest.raises(SystemExit) as e:
