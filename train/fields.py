@@ -33,17 +33,22 @@ def _str_choices() -> dict[str, tuple[str, ...]]:
     from data import config as D
     from models import config as M
 
-    return {
-        "data.batching": D.BATCHING_MODES,
-        "data.spm_model": D.SPM_MODELS,
-        "data.overlong": D.OVERLONG_POLICIES,
-        "model.sharing": M.SHARING,
-        "model.positions": M.POSITIONS,
-        "model.activation": M.ACTIVATIONS,
-        "model.attn_backend": tuple(M.ATTN_BACKENDS),
-        "model.norm": M.NORMS,
-        "model.layout": M.LAYOUTS,
+    table = {
+        "data.batching": "BATCHING_MODES",
+        "data.spm_model": "SPM_MODELS",
+        "data.overlong": "OVERLONG_POLICIES",
+        "data.split_grouping": "SPLIT_GROUPINGS",
+        "model.sharing": "SHARING",
+        "model.positions": "POSITIONS",
+        "model.activation": "ACTIVATIONS",
+        "model.attn_backend": "ATTN_BACKENDS",
+        "model.norm": "NORMS",
+        "model.layout": "LAYOUTS",
     }
+    modules = {"data": D, "model": M}
+    # a constant the module does not (yet) define is left out: the field then shows no choices
+    return {key: tuple(getattr(modules[key.partition(".")[0]], const)) for key, const in table.items()
+            if hasattr(modules[key.partition(".")[0]], const)}
 
 
 # float fields where an infinite value has a meaning (the others refuse inf as well as NaN)
