@@ -226,9 +226,14 @@ def test_readme_names_only_commands_targets_and_presets_that_exist():
 
 
 def test_readme_cites_only_sections_that_exist():
+    """In the README ("see *Data*") and in what the commands print ("README 'Time to BLEU'", which was none)."""
     headings = set(re.findall(r"^#+ (.+)$", README, flags=re.M))
     for cited in re.findall(r"(?:see|in|See) \*([^*]+)\*", README):
         assert cited in headings, cited
+    for path in [*REPO.glob("*/*.py"), *REPO.glob("bench/*.sh")]:
+        if path.parts[-2] in ("train", "data", "models", "bench", "kernels"):
+            for cited in re.findall(r"README[ ,:]+['\"*]([A-Z][^'\"*]+)['\"*]", path.read_text()):
+                assert cited in headings, f"{path.name} cites README section {cited!r}, which does not exist"
 
 
 def test_readme_explains_its_jargon():

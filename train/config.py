@@ -266,7 +266,7 @@ def load_config_file(path: str | Path, base: Config | None = None) -> Config:
     every field. Errors name the file and the key (``ValueError``/``TypeError``) or the line (bad JSON)."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # an editor's byte-order mark is not an error
     except FileNotFoundError:
         raise ValueError(f"--config {path}: no such file (write one with --print-config > {path.name})") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -276,6 +276,9 @@ def load_config_file(path: str | Path, base: Config | None = None) -> Config:
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}:{e.lineno}:{e.colno}: not valid JSON ({e.msg}); a config file is what "
                          f"--print-config writes") from None
+    except RecursionError:
+        raise ValueError(f"{path}: nested too deeply to be a config (a config file is what --print-config "
+                         f"writes)") from None
     if base is None and isinstance(d, dict):
         missing = [f"{s.name}.{f.name}" for s in dataclasses.fields(Config)
                    for f in dataclasses.fields(resolved_hints(Config)[s.name])
