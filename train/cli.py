@@ -38,7 +38,8 @@ Examples:
 # shortcut flag -> the config field it sets (giving both is an error)
 SHORTCUTS = {"epochs": "run.epochs", "max_steps": "run.max_steps", "data_files": "data.data_files"}
 
-PROG = "python -m train"  # `fastmt train` sets its own name
+DEFAULT_PROG = "python -m train"
+PROG = DEFAULT_PROG  # the parser's name; `fastmt train` / `fastmt stats` set theirs while they run
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -61,11 +61,15 @@ def run_module(module: str, prog: str, argv: list[str]) -> int:
     if entry is None:
         print(f"{prog}: {module} has no main(argv) in this version of fastmt", file=sys.stderr)
         return 1
-    if module in ("train.__main__", "train.stats"):
-        from train import cli
+    if module not in ("train.__main__", "train.stats"):
+        return int(entry(argv) or 0)
+    from train import cli
 
-        cli.PROG = prog
-    return int(entry(argv) or 0)
+    before, cli.PROG = cli.PROG, prog  # the parser's name in usage and errors
+    try:
+        return int(entry(argv) or 0)
+    finally:
+        cli.PROG = before
 
 
 def main(argv: Sequence[str] | None = None) -> int:

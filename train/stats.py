@@ -19,7 +19,7 @@ PROG = "python -m train.stats"
 def main(argv: list[str] | None = None) -> int:
     from train import cli
 
-    parser = cli.build_parser(prog=PROG if cli.PROG == "python -m train" else cli.PROG)
+    parser = cli.build_parser(prog=PROG if cli.PROG == cli.DEFAULT_PROG else cli.PROG)
     parser.description = __doc__.split("\n\n")[0]
     parser.add_argument("--json", action="store_true", help="print one JSON object (data.stats.collect) instead")
     parser.add_argument("--epoch", type=int, default=0, help="the epoch whose batch plan is measured (default 0)")
