@@ -69,6 +69,9 @@ def test_fastmt_train_is_python_m_train(capsys):
     argv = ["--preset", "s16", "--optim.lr", "2e-4", "--print-config"]
     assert commands.main(["train", *argv]) == 0
     via_fastmt = capsys.readouterr().out
+    from train import cli
+
+    assert cli.PROG == "python -m train"  # the name `fastmt train` used is not left behind
     assert train_main(argv) == 0
     assert via_fastmt == capsys.readouterr().out and json.loads(via_fastmt)["optim"]["lr"] == 2e-4
 
