@@ -2,8 +2,9 @@
 
 ``resolve_config(argv)`` turns a command line into a validated ``Config`` plus the parsed flags, before
 anything is written: every mistake is one line on stderr and exit code 2 (``train.errors.EXIT_USAGE``).
-``train/__main__.py`` runs it; ``fastmt stats`` and ``python -m models`` resolve the same flags, so a
-training command line can be pasted into them. Where a value comes from, last wins:
+``train/__main__.py`` runs it; ``fastmt stats`` resolves the same flags (a training command line with
+``train`` replaced by ``stats`` reports that run's data), and ``python -m models`` takes the same
+``--section.field`` overrides. Where a value comes from, last wins:
 
     --preset P (or --auto)  ->  --config FILE  ->  --section.field VALUE and the shortcuts
 
