@@ -23,6 +23,14 @@ REPO = Path(__file__).resolve().parents[2]
 FLOAT_FIELDS = sorted(k for k, i in field_infos(Config).items() if is_float_type(i.type))
 
 
+@pytest.fixture(autouse=True)
+def _idle_machine(monkeypatch):
+    """These tests read warnings: the machine's real load (a busy-machine warning) stays out of them."""
+    import train.cli
+
+    monkeypatch.setattr(train.cli.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+
+
 def _error(argv, capsys) -> str:
     """The one line a refused command line prints (exit code 2)."""
     with pytest.raises(SystemExit) as e:
@@ -184,6 +192,23 @@ def test_impossible_devices_are_refused(capsys):
     assert "torch sees no CUDA device" in _error(["--preset", "tiny", "--run.device", "cuda"], capsys)
     err = _error(["--preset", "tiny", "--run.compile", "true", "--run.compile_backend", "inductr"], capsys)
     assert "run.compile_backend='inductr'" in err and "did you mean inductor" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
+def test_a_busy_machine_is_named_with_the_faster_setting(monkeypatch):
+    import train.cli
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(train.cli.os, "getloadavg", lambda: (cores + 5.0, 0.0, 0.0))
+    notes: list[str] = []
+    resolve_config(["--preset", "tiny"], log=notes.append)
+    (warning,) = notes
+    assert f"load {cores + 5.0:.1f} on the {cores} cores" in warning and "--run.cpu_threads 1" in warning
+    notes.clear()
+    resolve_config(["--preset", "tiny", "--run.cpu_threads", "1"], log=notes.append)  # the user chose
+    monkeypatch.setattr(train.cli.os, "getloadavg", lambda: (0.2, 0.0, 0.0))
+    resolve_config(["--preset", "tiny"], log=notes.append)
+    assert notes == []
 
 
 def _physical_cores() -> int:
