@@ -1,77 +1,95 @@
-# fastmt — every target sets itself up first (`make setup` is idempotent: seconds when done).
-#
-#   make train        CUDA: `fast` preset, 18 epochs on OPUS Books en-it; CPU: `tiny` preset
-#   make test         the CPU test suite (what CI runs)
-#   make kernel-test  Triton kernels: interpreter on CPU, the full grid on CUDA
-#   make bench        kernel benchmarks, then the speedup ladder (tiny smoke run on CPU)
-#   make profile      torch.profiler trace + graph-break / recompile report
-#   make translate    beam-search translations from a checkpoint (CKPT=..., TEXT="...")
-#   make lint         ruff
-#   make gpu-wheels   download the wheels the GPU image lacks into .whl/ (CPU machine with PyPI)
-#
-# Variables: ARGS="--field value ..." is passed to the Python entry point;
-# DATA_FILES (or FASTMT_DATA_FILES) points at local jsonl/parquet/tsv files instead of the Hub;
-# SETUP=none PYTHON=python3 uses an existing interpreter (the GPU runbook does this).
+# fastmt — `make help` lists the targets and variables. Every target sets itself up first
+# (`make setup` is idempotent: seconds once done). The commands are also `.venv/bin/fastmt ...`.
 
 SHELL       := /bin/bash
 VENV        ?= .venv
 SETUP       ?= venv
 BASE_PYTHON ?= $(shell command -v python3.11 || command -v python3)
 TORCH_SPEC  ?= torch==2.13.0
+# where pip gets torch; https://download.pytorch.org/whl/cpu: the CPU-only build (~200 MB instead of ~3 GB of CUDA)
+TORCH_INDEX ?=
 ARGS        ?=
 CKPT        ?=
 TEXT        ?=
 
 ifeq ($(SETUP),none)
 PYTHON      ?= python3
-STAMP       :=
+RUNTIME     :=
+DEV         :=
 else
 PYTHON      := $(VENV)/bin/python
-STAMP       := $(VENV)/.fastmt-installed
+RUNTIME     := $(VENV)/.fastmt-runtime
+DEV         := $(VENV)/.fastmt-dev
 endif
 
-# Local data: DATA_FILES, else FASTMT_DATA_FILES, else the stand-in corpus beside this checkout
-# (a workplace without Hub access); real users leave all unset and get Helsinki-NLP/opus_books.
+# Local data: DATA_FILES, else FASTMT_DATA_FILES, else (a development checkout without Hub access) the
+# stand-in corpus beside it if present; with none of them the data comes from the Hub (OPUS Books en-it).
+# Not added when ARGS names the data itself (--data-files, --data.data_files, --data.dataset, --config).
 STANDIN     ?= ../shared/data/opus_mt_testsets/en-it/train.jsonl
 DATA_FILES  ?= $(or $(FASTMT_DATA_FILES),$(wildcard $(STANDIN)))
-DATA_ARG    := $(if $(DATA_FILES),--data-files $(DATA_FILES),)
+DATA_FLAGS  := --data-files --data.data_files --data.dataset --config
+ARGS_DATA   := $(filter $(DATA_FLAGS) $(addsuffix =%,$(DATA_FLAGS)),$(ARGS))
+DATA_ARG    := $(if $(ARGS_DATA),,$(if $(DATA_FILES),--data-files $(DATA_FILES),))
+# `make train` picks the preset by device (--auto) unless ARGS chooses one
+AUTO        := $(if $(filter --preset --preset=% --config --config=%,$(ARGS)),,--auto)
 
-.PHONY: setup train test kernel-test bench profile translate lint gpu-wheels clean
+.PHONY: help setup setup-dev train translate stats test kernel-test bench profile lint gpu-wheels clean
 
-setup: $(STAMP)
+help:  ## this list
+	@echo "usage: make TARGET [ARGS='--field value ...'] (targets set up .venv first)"
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## (.*)/  make \1\t\2/' | expand -t 22
+	@echo "variables: ARGS (passed to the command; shell words), CKPT and TEXT (translate; passed as is),"
+	@echo "  DATA_FILES (local jsonl/parquet/tsv files, space-separated), TORCH_INDEX (pip index for torch;"
+	@echo "  https://download.pytorch.org/whl/cpu: CPU-only), TORCH_SPEC, SETUP=none PYTHON=python3 (no venv)"
 
-$(VENV)/.fastmt-installed: pyproject.toml constraints-cpu.txt
+setup: $(RUNTIME)  ## create .venv with the runtime dependencies and the `fastmt` command
+
+setup-dev: $(DEV)  ## setup + the dev extra (pytest, hypothesis, ruff, transformers)
+
+$(VENV)/.fastmt-runtime: pyproject.toml constraints-cpu.txt
 	@test -x $(VENV)/bin/python || $(BASE_PYTHON) -m venv $(VENV)
-	@$(VENV)/bin/python -c "import torch" 2>/dev/null || $(VENV)/bin/pip install -q "$(TORCH_SPEC)"
+	@$(VENV)/bin/python -c "import torch" 2>/dev/null || \
+		$(VENV)/bin/pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
+	$(VENV)/bin/pip install -q -e . -c constraints-cpu.txt
+	@touch $@
+
+$(VENV)/.fastmt-dev: $(VENV)/.fastmt-runtime
 	$(VENV)/bin/pip install -q -e ".[dev]" -c constraints-cpu.txt
 	@touch $@
 
-train: setup
-	@$(if $(DATA_FILES),echo "make train: local data $(DATA_FILES)",)
-	PYTHONUNBUFFERED=1 $(PYTHON) -m train --auto $(DATA_ARG) $(ARGS)
+train: setup  ## train: CUDA -> the `fast` preset, CPU -> `tiny` (or ARGS="--preset P ...")
+	@$(if $(DATA_ARG),echo "make train: local data $(DATA_FILES)",)
+	PYTHONUNBUFFERED=1 $(PYTHON) -m train $(AUTO) $(DATA_ARG) $(ARGS)
 
-test: setup
+# CKPT and TEXT reach the command through the environment, unexpanded: make never reads `$`, and the shell
+# never runs backticks or splits the text
+translate: export FASTMT_CKPT = $(value CKPT)
+translate: export FASTMT_TEXT = $(value TEXT)
+translate: setup  ## translate TEXT='...' (or lines on stdin) with CKPT=runs/<name>/checkpoints/best.pt
+	@test -n "$$FASTMT_CKPT" || { echo "make translate: set CKPT=runs/<name>/checkpoints/best.pt (and TEXT='...' or pipe lines on stdin)" >&2; exit 2; }
+	$(PYTHON) -m train.translate --ckpt "$$FASTMT_CKPT" $${FASTMT_TEXT:+"$$FASTMT_TEXT"} $(ARGS)
+
+stats: setup  ## what the data pipeline makes of the corpus under a preset (ARGS="--preset P ...")
+	$(PYTHON) -m train.stats $(AUTO) $(DATA_ARG) $(ARGS)
+
+test: setup-dev  ## the CPU test suite (what CI runs, with .ci/readme-smoke.sh)
 	$(PYTHON) -m pytest -q -m "not slow and not gpu" --timeout=600 $(ARGS)
 
-kernel-test: setup
+kernel-test: setup-dev  ## Triton kernels: the interpreter on CPU, the full grid on CUDA
 	$(PYTHON) -m pytest -q tests/kernels -m "not slow" --timeout=1800 --durations=15 $(ARGS)
 
-bench: setup
+bench: setup  ## kernel benchmarks, then the speedup ladder (a small smoke run on CPU)
 	PYTHONUNBUFFERED=1 $(PYTHON) -m bench.kernels $(ARGS)
 	PYTHONUNBUFFERED=1 $(PYTHON) -m bench.ladder $(DATA_ARG) $(ARGS)
 
-profile: setup
+profile: setup  ## torch.profiler trace + graph-break / recompile report of the compiled step
 	PYTHONUNBUFFERED=1 $(PYTHON) -m bench.profile $(DATA_ARG) $(ARGS)
 
-translate: setup
-	@test -n "$(CKPT)" || { echo "make translate: set CKPT=runs/<name>/checkpoints/best.pt (and TEXT=\"...\" or pipe lines on stdin)"; exit 2; }
-	$(PYTHON) -m train.translate --ckpt $(CKPT) $(if $(TEXT),"$(TEXT)",) $(ARGS)
-
-lint: setup
+lint: setup-dev  ## ruff
 	$(PYTHON) -m ruff check .
 
-gpu-wheels: setup
+gpu-wheels: setup  ## download the wheels the GPU image lacks into .whl/ (CPU machine with PyPI)
 	bash bench/gpu_wheels.sh
 
-clean:
+clean:  ## remove .venv and the caches (never runs/)
 	rm -rf $(VENV) .cache .pytest_cache .ruff_cache

@@ -37,12 +37,13 @@ def choose(p: argparse.ArgumentParser, flag: str, spec: str, known: Iterable[str
 
 
 def cli_data_files(p: argparse.ArgumentParser, a: argparse.Namespace, *, toy: Callable[[], Path] | None = None,
-                   toy_rows: int = 1500) -> list[str]:
-    """The shared start of a bench CLI: ``--smoke`` is automatic without CUDA (said once), every
-    ``--data-files`` must exist, and a smoke run without files gets ``toy_rows`` of the toy corpus
-    written to ``toy()``."""
+                   toy_rows: int = 1500, announce: bool = True) -> list[str]:
+    """The shared start of a bench CLI: ``--smoke`` is automatic without CUDA (said once unless not
+    ``announce``: the CLI's report says it), every ``--data-files`` must exist, and a smoke run without
+    files gets ``toy_rows`` of the toy corpus written to ``toy()``."""
     if not torch.cuda.is_available() and not a.smoke:
-        print(f"{p.prog}: no CUDA device: running the --smoke configuration", flush=True)
+        if announce:
+            print(f"{p.prog}: no CUDA device: running the --smoke configuration", flush=True)
         a.smoke = True
     files = list(a.data_files or ())
     missing = [f for f in files if not Path(f).is_file()]

@@ -60,6 +60,7 @@ class Rung:
     compare: str | None  # the rung it is compared with (same switches minus this technique); None: baseline
     cap_s: float | None = None  # time cap (warm-up + timed steps); None: the ladder's default for its kind
     cuda_only: bool = False  # skipped (not an error) on CPU
+    cpu_why: str = "CUDA only"  # the skip note of a cuda_only rung on a CPU: why it does not apply there
 
     def overrides(self) -> dict[str, str]:
         """The rung's full set of overrides on the baseline (unknown switch names fail, naming them)."""
@@ -77,6 +78,7 @@ class Rung:
 
 
 _MAIN = ("bf16", "compile", "packed", "fused_norm")  # rung 7's switches, the side branches' base
+_FALLBACK = "CUDA only: on a CPU {} runs its PyTorch reference, so this rung would time nothing new"
 RUNGS: tuple[Rung, ...] = (
     Rung("0", "baseline (fp32, fixed pad 350, eager, reference attn, torch LN)", (), None),
     Rung("1", "+ bf16 autocast", ("bf16",), "0"),
@@ -84,12 +86,15 @@ RUNGS: tuple[Rung, ...] = (
     Rung("3", "+ token buckets", ("bf16", "token_bucket"), "2"),
     Rung("4", "+ SDPA attention", ("bf16", "token_bucket", "sdpa"), "3"),
     Rung("5", "+ torch.compile", ("bf16", "token_bucket", "sdpa", "compile"), "4"),
-    Rung("6a", "+ varlen Triton attention", ("bf16", "token_bucket", "compile", "varlen"), "5"),
+    Rung("6a", "+ varlen Triton attention", ("bf16", "token_bucket", "compile", "varlen"), "5", cuda_only=True,
+         cpu_why=_FALLBACK.format("our Triton attention")),
     Rung("6b", "+ padding-free packing", ("bf16", "compile", "packed"), "6a"),
-    Rung("7", "+ fused LayerNorm(+GELU)", _MAIN, "6b"),
+    Rung("7", "+ fused LayerNorm(+GELU)", _MAIN, "6b", cuda_only=True, cpu_why=_FALLBACK.format("the fused LayerNorm")),
     Rung("8", "side: sharing cycle_rev 3+3", (*_MAIN, "sharing"), "7"),
-    Rung("9a", "side: compile reduce-overhead", (*_MAIN, "cudagraphs"), "7", cuda_only=True),
-    Rung("9b", "side: compile max-autotune-no-cudagraphs", (*_MAIN, "autotune"), "7", cuda_only=True),
+    Rung("9a", "side: compile reduce-overhead", (*_MAIN, "cudagraphs"), "7", cuda_only=True,
+         cpu_why="CUDA only: CUDA graphs"),
+    Rung("9b", "side: compile max-autotune-no-cudagraphs", (*_MAIN, "autotune"), "7", cuda_only=True,
+         cpu_why="CUDA only: Inductor's autotuning benchmarks GPU kernels"),
 )
 
 
@@ -301,7 +306,7 @@ def measure_rung(cfg, bundle, s: LadderSettings, *, cap_s: float | None = None) 
     recompiles = counts["graphs"] - graphs_before if compiled else None
     n = len(timed)
     out = {
-        "status": "invalid" if recompiles else "ok", "tokens_per_second": tps, "tgt_tokens_per_second": tgt / wall,
+        **timed_status(recompiles), "tokens_per_second": tps, "tgt_tokens_per_second": tgt / wall,
         "step_ms": wall * 1e3 / n, "step_ms_p50": p50, "step_ms_p20": p20, "step_ms_p80": p80,
         "epoch_seconds_projected": epoch_real / tps, "peak_memory_gb": peak_gb,
         "padding_fraction": 1.0 - real / computed if computed else 0.0,
@@ -314,9 +319,15 @@ def measure_rung(cfg, bundle, s: LadderSettings, *, cap_s: float | None = None) 
         "sentences_per_step": sentences / n, "epoch_real_tokens": epoch_real, "epoch_batches": stats.batches,
         "final_loss": final_loss, "params_unique": params.get("unique"), "params_applied": params.get("applied"),
     }
-    if recompiles:
-        out["error"] = f"invalid: {recompiles} graph(s) compiled during the timed steps"
     return out
+
+
+def timed_status(recompiles: int | None) -> dict[str, str]:
+    """A measured rung's status: ``invalid`` (with why, the status not repeated) when graphs were compiled
+    while it was timed."""
+    if recompiles:
+        return {"status": "invalid", "error": f"{recompiles} graph(s) compiled during the timed steps"}
+    return {"status": "ok"}
 
 
 def _pct(v: Any) -> str:
@@ -413,7 +424,7 @@ def run_ladder(s: LadderSettings, rungs: Sequence[Rung] = RUNGS, log: Callable[[
         cap = rung.cap_s if rung.cap_s is not None else s.cap_s * (2 if compiled else 1)  # compiled: twice
         estimate = min(cap, cost.get(compiled, max(cost.values(), default=0.0)))
         if rung.cuda_only and s.device.type != "cuda":
-            row.update(status="skipped", note="; ".join(notes + ["CUDA only"]))
+            row.update(status="skipped", note="; ".join(notes + [rung.cpu_why]))
         elif s.budget_s is not None and elapsed + estimate > s.budget_s:
             row.update(status="skipped", note="; ".join(
                 notes + [f"time budget: {elapsed:.0f} s spent + ~{estimate:.0f} s > --budget-s {s.budget_s:.0f}"]))

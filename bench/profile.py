@@ -12,6 +12,7 @@ import gzip
 import logging
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -56,21 +57,57 @@ def check_no_graph_breaks(*reports: dict[str, Any], what: str = "the training st
         raise GraphBreakError(f"{n} graph break(s) in {what}:\n  - " + "\n  - ".join(reasons))
 
 
+def _drop(_record: logging.LogRecord) -> bool:
+    return False
+
+
+def _console_handlers() -> list[logging.Handler]:
+    """The console (stream, not file) handlers of the ``torch`` loggers: where TORCH_LOGS output goes."""
+    loggers = [logging.getLogger(n) for n in list(logging.root.manager.loggerDict) if n.split(".")[0] == "torch"]
+    return [h for lg in [logging.getLogger("torch"), *loggers] for h in lg.handlers
+            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)]
+
+
 @contextlib.contextmanager
 def capture_dynamo_logs(path: Path):
-    """TORCH_LOGS="graph_breaks,recompiles" into ``path`` (and not onto the console)."""
+    """TORCH_LOGS="graph_breaks,recompiles" into ``path``, and nothing of them onto the console (torch's own
+    console handlers drop every record while the block runs)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path, mode="w")
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
     logger = logging.getLogger("torch._dynamo")
     torch._logging.set_logs(graph_breaks=True, recompiles=True)
+    muted = _console_handlers()
+    for h in muted:
+        h.addFilter(_drop)
     logger.addHandler(handler)
     try:
         yield path
     finally:
         logger.removeHandler(handler)
         handler.close()
+        for h in muted:
+            h.removeFilter(_drop)
         torch._logging.set_logs()
+
+
+@contextlib.contextmanager
+def stderr_into(path: Path, enabled: bool = True):
+    """File descriptor 2 appended to ``path`` while the block runs: what C++ libraries print there (the
+    profiler's "profiler_start" / "profiler_stop" lines) stays off the console. Python errors still raise."""
+    if not enabled:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "ab") as f:
+        os.dup2(f.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 # -- Configuration ---------------------------------------------------------------------------------
@@ -133,7 +170,9 @@ def gpu_busy(prof) -> dict[str, Any]:
 
 
 def run_profile(preset: str, *, smoke: bool, data_files: Sequence[str], out_dir: Path, warmup: int, active: int,
-                work: Path, log=print) -> dict[str, Any]:
+                work: Path, log=print, quiet: bool = False) -> dict[str, Any]:
+    """Warm up, profile ``active`` steps, time them again without the profiler; write the outputs.
+    ``quiet``: what libraries print to the process's stderr while profiling goes to ``<out>/run.log``."""
     from torch._dynamo.utils import counters
     from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -164,14 +203,22 @@ def run_profile(preset: str, *, smoke: bool, data_files: Sequence[str], out_dir:
         graphs_after_warmup = dynamo_counters()["graphs"]
         trace_path = out / "trace.json"
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        with profile(activities=activities, schedule=schedule(wait=wait_s, warmup=warm_s, active=active, repeat=1),
-                     on_trace_ready=lambda p: p.export_chrome_trace(str(trace_path)),
-                     record_shapes=False, with_stack=False, profile_memory=False) as prof:
+        with stderr_into(out / "run.log", quiet), profile(
+                activities=activities, schedule=schedule(wait=wait_s, warmup=warm_s, active=active, repeat=1),
+                on_trace_ready=lambda p: p.export_chrome_trace(str(trace_path)),
+                record_shapes=False, with_stack=False, profile_memory=False) as prof:
             for b in batches[warmup:]:
                 trainer.train_step(b)
                 prof.step()
         H.synchronize(device)
         steps_counters = dynamo_counters()
+        # the step time without the profiler's overhead: the profiled batches again (their shapes compiled)
+        step_ms = []
+        for b in batches[warmup:]:
+            t = time.perf_counter()
+            trainer.train_step(b)
+            H.synchronize(device)
+            step_ms.append((time.perf_counter() - t) * 1e3)
         # explain: dynamo's own account of one forward of the compiled module on the first batch
         b = batches[0].to(device)
         with trainer.autocast:
@@ -189,10 +236,11 @@ def run_profile(preset: str, *, smoke: bool, data_files: Sequence[str], out_dir:
     (out / "top_kernels.md").write_text(
         f"# Top {'kernels' if cuda else 'ops'} by {unit} — {prov['gpu']}, preset `{preset}`, {active} active steps\n\n"
         + H.markdown_table(rows, ("name", "calls", "self_ms", "pct"), ("name", "calls", unit, "% of total")) + "\n")
-    result = {"preset": preset, "device": prov["gpu"], "out": out, "trace": trace_path, "compile_s": compile_s,
+    result = {"preset": preset, "smoke": smoke, "device": prov["gpu"], "out": out, "trace": trace_path, "compile_s": compile_s,
               "graphs_after_warmup": graphs_after_warmup, "steps": steps_counters, "explain": expl,
               "recompiles_while_profiling": steps_counters["graphs"] - graphs_after_warmup, "prov": prov,
-              "shapes": len({tuple(x.src.shape) + tuple(x.tgt_in.shape) for x in batches}), **busy}
+              "shapes": len({tuple(x.src.shape) + tuple(x.tgt_in.shape) for x in batches}), **busy,
+              "profiled_step_ms": busy["step_ms"], "step_ms": statistics.median(step_ms), "timed_steps": len(step_ms)}
     (out / "report.md").write_text(report_markdown(result, rows, cfg))
     return result
 
@@ -201,16 +249,20 @@ def report_markdown(r: dict[str, Any], rows, cfg) -> str:
     st, ex, prov = r["steps"], r["explain"], r["prov"]
     ok = st["graph_breaks"] == 0 and ex["graph_breaks"] == 0
     lines = [
-        f"# Profile of the compiled training step — preset `{r['preset']}` on {prov['gpu']}",
+        f"# Profile of the compiled training step — preset `{r['preset']}` on {prov['gpu']}"
+        + (" (smoke configuration: the tiny model, aot_eager)" if r.get("smoke") else ""),
         "",
         H.provenance_markdown(prov, None),
         f"- compile: backend {cfg.run.compile_backend}, mode {cfg.run.compile_mode}, dynamic {cfg.run.compile_dynamic}; "
         f"batching {cfg.data.batching}, layout {cfg.model.layout}, attention {cfg.model.attn_backend}, "
         f"norm {cfg.model.norm}, precision {cfg.run.precision}",
         f"- warm-up (compile included): {r['compile_s']:.1f} s; {r['shapes']} distinct batch shapes in the profiled batches",
-        f"- step: {H.fmt(r['step_ms'])} ms wall; GPU busy "
-        + (f"**{100 * r['gpu_busy']:.0f} %** of it (goal >= 80 %), {r['launches_per_step']:.0f} kernel launches per step"
-           if r["gpu_busy"] is not None else "n/a (no CUDA kernels recorded)"),
+        f"- step: **{H.fmt(r['step_ms'])} ms** wall (median of {r['timed_steps']} steps run again after profiling, "
+        f"no profiler; the batches' shapes already compiled)",
+        "- GPU busy: "
+        + (f"**{100 * r['gpu_busy']:.0f} %** of the profiled steps' {H.fmt(r['profiled_step_ms'])} ms (goal >= 80 %), "
+           f"{r['launches_per_step']:.0f} kernel launches per step"
+           if r["gpu_busy"] is not None else "n/a (no CUDA kernels: a CPU run)"),
         "",
         f"## Graph breaks: **{'none' if ok else 'FOUND'}**",
         "",
@@ -228,6 +280,19 @@ def report_markdown(r: dict[str, Any], rows, cfg) -> str:
     return "\n".join(lines) + "\n"
 
 
+@contextlib.contextmanager
+def _quiet_torch_console():
+    """torch's warnings-level console logging muted for the run (the report says what matters)."""
+    muted = _console_handlers()
+    for h in muted:
+        h.addFilter(_drop)
+    try:
+        yield
+    finally:
+        for h in muted:
+            h.removeFilter(_drop)
+
+
 # -- Command line ----------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.split("\n\n")[0])
@@ -235,18 +300,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--preset", help="training preset (default: fast on CUDA, tiny with --smoke)")
     p.add_argument("--warmup", type=int, help="untimed steps before profiling, compile included (default 4; smoke 2)")
     p.add_argument("--active", type=int, default=3, help="profiled steps (keep the trace small)")
+    p.add_argument("--verbose", action="store_true",
+                   help="also print the data log, recompiles and graph breaks as they happen (else: run.log, "
+                        "dynamo.log in the output folder)")
     a = p.parse_args(argv)
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     work = Path(tempfile.mkdtemp(prefix="fastmt-profile-"))
-    files = cli.cli_data_files(p, a, toy=lambda: work / "toy.jsonl", toy_rows=400)
+    files = cli.cli_data_files(p, a, toy=lambda: work / "toy.jsonl", toy_rows=400, announce=a.verbose)
     if a.smoke:
         flush_denormals()
     preset = a.preset or ("tiny" if a.smoke else "fast")
     out = a.out or (work / "out" if a.smoke else H.RESULTS_DIR)
     warmup = a.warmup if a.warmup is not None else (2 if a.smoke else 4)
-    r = run_profile(preset, smoke=a.smoke, data_files=files, out_dir=out, warmup=warmup, active=a.active, work=work)
+    lines: list[str] = []
+    log = print if a.verbose else (lambda *x: lines.append(" ".join(map(str, x))))
+    if a.verbose:
+        r = run_profile(preset, smoke=a.smoke, data_files=files, out_dir=out, warmup=warmup, active=a.active,
+                        work=work, log=log)
+    else:
+        with _quiet_torch_console():
+            r = run_profile(preset, smoke=a.smoke, data_files=files, out_dir=out, warmup=warmup, active=a.active,
+                            work=work, log=log, quiet=True)
+        with (r["out"] / "run.log").open("a") as f:
+            f.write("\n".join(lines) + "\n")
     print((r["out"] / "report.md").read_text(), flush=True)
-    print(f"[profile] outputs in {r['out']}")
+    print(f"[profile] outputs in {r['out']} (run.log: the data log; dynamo.log: recompiles, graph breaks)")
     try:
         check_no_graph_breaks(r["steps"], r["explain"], what=f"the compiled training step of preset {preset!r}")
     except GraphBreakError as e:

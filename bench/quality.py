@@ -1,7 +1,7 @@
 """The time-to-quality record of a training run (``make train``'s run in the runbook).
 
-Reads the run's ``metrics.jsonl`` and ``provenance.json``; writes ``<out>/quality-<gpu>.{md,csv}``, per
-epoch and in summary (time to each BLEU threshold, evaluation's share, test scores). See bench/README.md."""
+Reads the run's ``metrics.jsonl`` and ``provenance.json``; writes ``<out>/quality-<gpu>.{md,csv}`` (``<out>``:
+bench/results for a GPU run, the run folder for a CPU run), per epoch and in summary (time to each BLEU threshold, evaluation's share, test scores). See bench/README.md."""
 
 from __future__ import annotations
 
@@ -142,13 +142,24 @@ def write_quality(run: Path, out: Path) -> dict[str, Path]:
                            COLUMNS, quality_markdown(run, rows, summ, prov))
 
 
+def default_out(run: Path) -> Path:
+    """``bench/results`` for a run trained on a GPU (its provenance names one), else the run folder itself."""
+    prov_path = run / "provenance.json"
+    try:
+        gpu = json.loads(prov_path.read_text()).get("gpu") if prov_path.is_file() else None
+    except (OSError, ValueError):
+        gpu = None
+    return H.RESULTS_DIR if gpu and H.gpu_slug(gpu) != "cpu" else run
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.quality", description=__doc__.split("\n\n")[0])
     p.add_argument("--run", type=Path, required=True, help="run folder (runs/<name>) with metrics.jsonl")
-    p.add_argument("--out", type=Path, default=H.RESULTS_DIR, help="output folder (default bench/results)")
+    p.add_argument("--out", type=Path, help="output folder (default: bench/results for a GPU run, the run folder "
+                                            "for a CPU run: CPU smoke runs never touch the committed results)")
     a = p.parse_args(argv)
     try:
-        paths = write_quality(a.run, a.out)
+        paths = write_quality(a.run, a.out or default_out(a.run))
     except (FileNotFoundError, ValueError) as e:
         print(f"bench.quality: {e}", file=sys.stderr)
         return 2

@@ -227,8 +227,9 @@ def _ln_label(r) -> str:
 
 
 def write_plot(path: Path, rows, prov, peaks: H.Peaks) -> Path:
+    """The panels that have measured rows, in a grid of their number (a CPU smoke run has few: the Triton
+    providers need CUDA); with none, one panel saying why."""
     sel = [r for r in rows if r["mode"] == "fwd+bwd" and _ok(r)]
-    fig, axes = H.new_figure(3, 3, height=4.3)
 
     def attn_series(pred, suffix_causal: bool):
         series: dict[str, list[tuple[float, float]]] = {}
@@ -236,39 +237,59 @@ def write_plot(path: Path, rows, prov, peaks: H.Peaks) -> Path:
             if r["bench"] == "attention" and pred(r):
                 label = r["provider"] + (" (causal)" if suffix_causal and r["causal"] else "")
                 series.setdefault(label, []).append((r["Tq"], _val(r, "tflops")))
-        return series
+        return {k: v for k, v in series.items() if any(not math.isnan(y) for _, y in v)}
 
-    panels = [
+    def line(series, title):
+        def draw(ax):
+            if "dim 64" in title:
+                ax.axhspan(*FA2_FWD_BWD_TFLOPS, color="tab:green", alpha=0.12, label="FA2 published (target)")
+            H.line_panel(ax, series, title=f"attention fwd+bwd: {title}", xlabel="sequence length T",
+                         ylabel="TFLOP/s (real positions)")
+        return bool(series), draw
+
+    def bars(cats, groups, ceiling=False, **labels):
+        def draw(ax):
+            H.bar_panel(ax, cats, groups, **labels)
+            if ceiling:
+                ax.axhline(peaks.copy_gbps, color="gray", linestyle="--", linewidth=1)
+                ax.text(0, peaks.copy_gbps, " copy ceiling", va="bottom", fontsize=7, color="gray")
+        return bool(cats) and any(not math.isnan(v) for vals in groups.values() for v in vals), draw
+
+    panels = [line(attn_series(pred, suffix), title) for pred, suffix, title in [
         (lambda r: r["group"] == "train-ragged" and not r["causal"], False, "padded batches, padding mask, full"),
         (lambda r: r["group"] == "train-ragged" and r["causal"], False, "padded batches, padding mask, causal"),
         (lambda r: r["group"] == "train-dense", True, "full batches (no mask)"),
         (lambda r: r["group"] == "long" and r["D"] == 64, True, "long, head dim 64"),
         (lambda r: r["group"] == "long" and r["D"] == 128, True, "long, head dim 128"),
-    ]
-    for ax, (pred, suffix, title) in zip(axes.flat, panels):
-        series = attn_series(pred, suffix)
-        if "dim 64" in title and series:
-            ax.axhspan(*FA2_FWD_BWD_TFLOPS, color="tab:green", alpha=0.12, label="FA2 published (target)")
-        H.line_panel(ax, series, title=f"attention fwd+bwd: {title}", xlabel="sequence length T",
-                     ylabel="TFLOP/s (real positions)")
+    ]]
     is_ln = lambda r: r["bench"] == "layernorm"  # noqa: E731
-    cats, groups = _bars(rows, is_ln, registry.names("layernorm"), "gbps", _ln_label)
-    ax = axes.flat[5]
-    H.bar_panel(ax, cats, groups, title="LayerNorm+residual+GELU fwd+bwd", xlabel="width x rows", ylabel="GB/s")
-    ax.axhline(peaks.copy_gbps, color="gray", linestyle="--", linewidth=1)
-    ax.text(0, peaks.copy_gbps, " copy ceiling", va="bottom", fontsize=7, color="gray")
     is_corpus = lambda r: r.get("group") == "corpus"  # noqa: E731
     short = lambda r: r["case"].removeprefix("corpus-")  # noqa: E731
     corpus_providers = registry.names("attention", "corpus")
-    cats, groups = _bars(rows, is_corpus, corpus_providers, "ms", short, 1e3)
-    H.bar_panel(axes.flat[6], cats, groups, title="packed corpus attention fwd+bwd, kernel time",
-                xlabel="tokens per batch - kind", ylabel="µs (lower is better)")
-    cats, groups = _bars(rows, is_corpus, corpus_providers, "op_ms", short)
-    H.bar_panel(axes.flat[7], cats, groups, title="packed corpus attention fwd+bwd, op time (host included)",
-                xlabel="tokens per batch - kind", ylabel="ms (lower is better)")
-    cats, groups = _bars(rows, lambda r: is_ln(r) and "op_ms" in r, registry.names("layernorm"), "op_ms", _ln_label)
-    H.bar_panel(axes.flat[8], cats, groups, title="LayerNorm+GELU fwd+bwd, op time (host included)",
-                xlabel="width x rows", ylabel="ms (lower is better)")
+    panels += [
+        bars(*_bars(rows, is_ln, registry.names("layernorm"), "gbps", _ln_label), ceiling=True,
+             title="LayerNorm+residual+GELU fwd+bwd", xlabel="width x rows", ylabel="GB/s"),
+        bars(*_bars(rows, is_corpus, corpus_providers, "ms", short, 1e3),
+             title="packed corpus attention fwd+bwd, kernel time", xlabel="tokens per batch - kind",
+             ylabel="µs (lower is better)"),
+        bars(*_bars(rows, is_corpus, corpus_providers, "op_ms", short),
+             title="packed corpus attention fwd+bwd, op time (host included)", xlabel="tokens per batch - kind",
+             ylabel="ms (lower is better)"),
+        bars(*_bars(rows, lambda r: is_ln(r) and "op_ms" in r, registry.names("layernorm"), "op_ms", _ln_label),
+             title="LayerNorm+GELU fwd+bwd, op time (host included)", xlabel="width x rows",
+             ylabel="ms (lower is better)"),
+    ]
+    drawn = [draw for has_data, draw in panels if has_data]
+    ncols = min(3, max(1, len(drawn)))
+    fig, axes = H.new_figure(-(-max(1, len(drawn)) // ncols), ncols, height=4.3)
+    for ax, draw in zip(axes.flat, drawn):
+        draw(ax)
+    for ax in list(axes.flat)[len(drawn):]:
+        ax.set_axis_off()
+    if not drawn:
+        why = ("no fwd+bwd row ran on this device" + (": the Triton providers need CUDA (--cpu-triton runs "
+               "them in the interpreter)" if prov.get("gpu_slug") == "cpu" else ""))
+        axes.flat[0].text(0.5, 0.5, why, ha="center", va="center", wrap=True)
     sha = str(prov.get("git_sha", ""))[:10]
     return H.save_figure(fig, path, suptitle=f"fastmt kernels on {prov.get('gpu')} (torch {prov.get('torch')}, "
                                              f"triton {prov.get('triton')}, git {sha})")

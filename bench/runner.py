@@ -75,11 +75,17 @@ def device_and_dtype(opts) -> tuple[torch.device, torch.dtype]:
 
 def configure_torch() -> None:
     import torch._dynamo
+    import torch._functorch.config
 
     # Recompiles past the limit fall back to eager *silently*: raise it so "compile" stays compiled.
     for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit", "accumulated_recompile_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, max(256, getattr(torch._dynamo.config, name)))
+    # bwd rows time the backward alone, again and again over one graph (retain_graph=True); a compiled
+    # backward that donates its saved buffers refuses that ("non-empty donated buffers ... retain_graph"):
+    # the compile providers keep their buffers (donation saves memory, not time)
+    if hasattr(torch._functorch.config, "donated_buffer"):
+        torch._functorch.config.donated_buffer = False
 
 
 # -- Errors ----------------------------------------------------------------------------------------
@@ -358,7 +364,7 @@ def _progress(ev: dict[str, Any]) -> None:
         return
     r = ev["row"]
     if r["status"] == "ok":
-        rate = f"{r['tflops']:7.2f} TFLOP/s" if "tflops" in r else f"{r['gbps']:7.0f} GB/s"
+        rate = f"{H.fmt(r['tflops']):>7} TFLOP/s" if "tflops" in r else f"{H.fmt(r['gbps']):>7} GB/s"
         text = f"{r['ms']:9.4f} ms {rate}"
         if "op_ms" in r:
             text += f" | op {r['op_ms']:.4f} ms"

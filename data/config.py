@@ -25,8 +25,10 @@ def parse_data_files(value: str | os.PathLike | list | tuple | None) -> tuple[st
         return ()
     if isinstance(value, str | os.PathLike):
         return tuple(p for p in re.split(r"[\s,]+", os.fspath(value)) if p)
-    if isinstance(value, list | tuple):
-        return tuple(p for v in value for p in parse_data_files(v))
+    if isinstance(value, list | tuple):  # one path per element: never split (a path may hold spaces or commas)
+        if not all(isinstance(v, str | os.PathLike) for v in value):
+            raise TypeError(f"data_files must be a list of paths, got {value!r}")
+        return tuple(os.fspath(v) for v in value if os.fspath(v))
     raise TypeError(f"data_files must be a str or a list of str, got {type(value).__name__}: {value!r}")
 
 

@@ -17,12 +17,14 @@ Literal, Optional, tuple) and an unknown section or field fails with the list of
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from data import DataConfig
 from models import ModelConfig, get_preset
-from train.overrides import apply_overrides, build_dataclass, field_names, resolved_hints
+from train.overrides import apply_overrides, build_dataclass, field_names, require_finite, resolved_hints
 from train.rundir import validate_run_name
 
 Precision = Literal["bf16", "fp16", "fp32"]
@@ -47,8 +49,11 @@ class OptimConfig:
     label_smoothing: float = 0.1  # training cross-entropy smoothing (seeds: 0.1); validation uses 0
 
     def __post_init__(self):
+        require_finite(self, "optim")
         if self.lr <= 0:
             raise ValueError(f"optim.lr={self.lr} must be > 0")
+        if self.eps <= 0:
+            raise ValueError(f"optim.eps={self.eps} must be > 0")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"optim.betas={self.betas} must be two floats in [0, 1), e.g. 0.9,0.99")
         if self.weight_decay < 0:
@@ -83,7 +88,9 @@ class RunConfig:
     max_wall_seconds: float | None = None
     seed: int = 0  # torch/numpy/python seed for init and dropout (data order has data.seed)
     device: Literal["auto", "cuda", "cpu"] = "auto"  # auto: cuda when available
-    cpu_threads: int | None = None  # CPU runs: torch.set_num_threads(n); None = torch's default
+    # CPU runs: torch.set_num_threads(n); None = torch's default: every physical core this process may use
+    # (its CPU affinity), or $OMP_NUM_THREADS when set
+    cpu_threads: int | None = None
     precision: Precision = "bf16"  # autocast dtype; fp16 adds a GradScaler; fp32 = no autocast
     compile: bool | None = None  # torch.compile the training forward; None: on for CUDA, off for CPU
     # "blocks": regional compilation, one compiled code object per block type (reused by every layer and
@@ -107,6 +114,7 @@ class RunConfig:
     plot: bool = True  # write curves.png (loss and BLEU by epoch) at the end
 
     def __post_init__(self):
+        require_finite(self, "run")
         validate_run_name(self.name)
         if self.epochs < 1:
             raise ValueError(f"run.epochs={self.epochs} must be >= 1")
@@ -148,6 +156,7 @@ class EvalConfig:
     num_samples: int = 3  # sample translations printed per evaluation
 
     def __post_init__(self):
+        require_finite(self, "eval")
         for name in ("every", "beam_size", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"eval.{name}={getattr(self, name)} must be >= 1")
@@ -171,17 +180,114 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)  # loop, precision, compile, logging, checkpoints
     eval: EvalConfig = field(default_factory=EvalConfig)  # validation, BLEU thresholds, early stop, test
 
+    def __post_init__(self):
+        from train.fields import INF_OK
+
+        # the data and model sections validate themselves; non-finite floats are refused here for them
+        require_finite(self.data, "data", INF_OK)
+        require_finite(self.model, "model", INF_OK)
+        check_consistency(self)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Config:
-        """Inverse of ``to_dict`` (checkpoints, provenance); unknown keys fail loudly."""
+    def from_dict(cls, d: dict[str, Any], *, where: str = "", base: Config | None = None) -> Config:
+        """Inverse of ``to_dict`` (checkpoints, provenance, ``--config`` files); unknown keys and wrong types
+        fail naming the key and ``where`` (e.g. the file). ``base``: the values of fields ``d`` leaves out
+        (without it a missing section or field takes the dataclass default)."""
+        at = f"{where}: " if where else ""
+        if not isinstance(d, dict):
+            raise TypeError(f"{at}a config is a JSON object of sections, got {type(d).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(d) - set(names))
+        if unknown:
+            from train.fields import did_you_mean
+
+            hint = did_you_mean(unknown[0], names) or f"; sections are {', '.join(names)}"
+            raise ValueError(f"{at}unknown section {unknown[0]!r}{hint}")
+        from train.fields import field_infos
+
+        choices: dict[str, dict[str, Any]] = {}
+        for info in field_infos(cls).values():
+            if info.choices is not None:
+                choices.setdefault(info.section, {})[info.name] = info.choices
         sections = {}
         for f in dataclasses.fields(cls):
             section_cls = resolved_hints(cls)[f.name]
-            sections[f.name] = build_dataclass(section_cls, d.get(f.name, {}), f.name)
-        return cls(**sections)
+            values = d.get(f.name, {})
+            if base is not None and isinstance(values, dict):
+                values = {**dataclasses.asdict(getattr(base, f.name)), **values}
+            sections[f.name] = build_dataclass(section_cls, values, f.name, where=where,
+                                               choices=choices.get(f.name))
+        try:
+            return cls(**sections)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"{at}{e}") from None
+
+
+def positions_needed(data: DataConfig) -> int:
+    """The longest sequence (tokens, padding included) the model is fed under ``data``'s batching."""
+    if data.batching == "fixed":
+        return data.seq_len
+    if data.batching == "packed":
+        return data.max_len
+    return -(-data.max_len // data.pad_multiple) * data.pad_multiple
+
+
+def check_consistency(cfg: Config) -> None:
+    """Settings that are valid alone but conflict with another section's (and would only fail, or silently
+    do the wrong thing, once training ran): one ``ValueError`` naming both fields and the fix."""
+    d, m, r, e = cfg.data, cfg.model, cfg.run, cfg.eval
+    if (m.layout == "packed") != (d.batching == "packed"):
+        raise ValueError(
+            f"model.layout={m.layout!r} and data.batching={d.batching!r} do not fit: the packed layout reads "
+            f"packed token streams and only it can: set both (--data.batching packed --model.layout packed) "
+            f"or neither (e.g. --data.batching token_bucket --model.layout padded)")
+    need = positions_needed(d)
+    if m.max_positions < need:
+        what = {"fixed": f"data.seq_len={d.seq_len}", "packed": f"data.max_len={d.max_len}"}.get(
+            d.batching, f"data.max_len={d.max_len}" + (f" rounded up to data.pad_multiple={d.pad_multiple}"
+                                                        if d.pad_multiple > 1 else ""))
+        raise ValueError(
+            f"model.max_positions={m.max_positions} is shorter than the longest sequence the data gives, {need} "
+            f"({what}, batching {d.batching!r}): pass --model.max_positions {need}, or shorten the data's")
+    if e.average_last > r.keep_last:
+        raise ValueError(f"eval.average_last={e.average_last} needs run.keep_last >= {e.average_last} (got "
+                         f"{r.keep_last}): pass --run.keep_last {e.average_last}")
+    if e.best_metric == "valid_loss" and not e.valid_loss:  # else no best.pt is ever written
+        raise ValueError("eval.best_metric='valid_loss' needs eval.valid_loss=true (it is the metric best.pt "
+                         "keeps): pass --eval.valid_loss true or --eval.best_metric bleu")
+
+
+def load_config_file(path: str | Path, base: Config | None = None) -> Config:
+    """The ``Config`` of a JSON file as ``--print-config`` (and each run folder's ``config.json``) writes it.
+    Fields the file leaves out take ``base``'s values (the ``--preset``); without a base the file must give
+    every field. Errors name the file and the key (``ValueError``/``TypeError``) or the line (bad JSON)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8-sig")  # an editor's byte-order mark is not an error
+    except FileNotFoundError:
+        raise ValueError(f"--config {path}: no such file (write one with --print-config > {path.name})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--config {path}: cannot read it ({e})") from None
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}:{e.colno}: not valid JSON ({e.msg}); a config file is what "
+                         f"--print-config writes") from None
+    except RecursionError:
+        raise ValueError(f"{path}: nested too deeply to be a config (a config file is what --print-config "
+                         f"writes)") from None
+    if base is None and isinstance(d, dict):
+        missing = [f"{s.name}.{f.name}" for s in dataclasses.fields(Config)
+                   for f in dataclasses.fields(resolved_hints(Config)[s.name])
+                   if not isinstance(d.get(s.name), dict) or f.name not in d[s.name]]
+        if missing:
+            shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+            raise ValueError(f"{path}: no value for {shown}: give every field (what --print-config writes) or "
+                             f"add --preset P to take the preset's values for the fields the file leaves out")
+    return Config.from_dict(d, where=str(path), base=base)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,10 +317,9 @@ def tiny() -> Config:
         model=get_preset("tiny"),
         optim=OptimConfig(name="adamw", lr=3e-3, betas=(0.9, 0.98), weight_decay=1e-2, pct_start=0.2),
         run=RunConfig(
+            # cpu_threads stays None (every physical core): an epoch took 10.2 s with 2 threads against 13.1 s
+            # with 1 on a 2-core machine (issue 23); the tests pin one thread themselves
             name="tiny", epochs=5, max_batches_per_epoch=100, precision="fp32", compile=False, log_every=10,
-            # d_model 64 matmuls gain nothing from a 2nd thread, and on a shared 2-core machine (load 5.5)
-            # a 512x32x32 matmul took 3.2 ms with 2 threads vs 0.12 ms with 1 (OpenMP threads contending)
-            cpu_threads=1,
         ),
         eval=EvalConfig(beam_size=2, max_sentences=100, batch_size=100, num_samples=2),
     )
@@ -274,7 +379,8 @@ def baseline() -> Config:
 PRESETS = {"tiny": tiny, "s18": s18, "s16": s16, "fast": fast, "baseline": baseline}
 
 
-__all__ = ["Config", "OptimConfig", "RunConfig", "EvalConfig", "PRESETS", "get_config", "apply_overrides", "field_names"]
+__all__ = ["Config", "OptimConfig", "RunConfig", "EvalConfig", "PRESETS", "get_config", "apply_overrides", "field_names",
+           "load_config_file", "check_consistency"]
 
 
 def get_config(preset: str) -> Config:

@@ -12,10 +12,13 @@ from bench import profile as P
 from data.toy import write_toy_corpus
 
 
-def test_profile_smoke_tiny_has_no_graph_breaks(tmp_path):
+def test_profile_smoke_tiny_has_no_graph_breaks(tmp_path, capfd):
     corpus = write_toy_corpus(tmp_path / "toy.jsonl", n=300)
     r = P.run_profile("tiny", smoke=True, data_files=[str(corpus)], out_dir=tmp_path / "out", warmup=1, active=1,
-                      work=tmp_path / "work", log=lambda *_: None)
+                      work=tmp_path / "work", log=lambda *_: None, quiet=True)
+    assert capfd.readouterr() == ("", "")  # quiet: recompiles, graph breaks, the profiler's lines in the files
+    assert isinstance(r["step_ms"], float) and r["step_ms"] > 0 and r["timed_steps"] == 3  # a step time on CPU
+    assert f"- step: **{P.H.fmt(r['step_ms'])} ms** wall" in (r["out"] / "report.md").read_text()
     out = r["out"]
     assert out.name == "profile-cpu"
     for name in ("report.md", "top_kernels.md", "top_kernels.txt", "dynamo.log"):
@@ -85,3 +88,20 @@ def test_busy_share_is_the_union_of_kernel_time_over_the_steps():
     assert b["gpu_busy"] == pytest.approx((30 + 20 + 10) / 200)
     assert b["launches_per_step"] == 2.0 and b["step_ms"] == pytest.approx(0.1)
     assert P.busy_stats(kernels, [])["gpu_busy"] is None
+
+
+@pytest.mark.slow  # compiles the tiny model: ~1 min on 2 cores (the in-process test above checks the same quietly)
+def test_make_profile_prints_its_report_and_nothing_else(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-m", "bench.profile", "--warmup", "1", "--active", "1"], cwd=tmp_path,
+                          env=os.environ | {"PYTHONPATH": str(repo)}, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr == ""
+    report = proc.stdout[:proc.stdout.index("[profile] outputs in")]
+    assert report.startswith("# Profile of the compiled training step") and "- step: **" in report
+    assert "ecompil" not in report.split("## Graph breaks")[0] and proc.stdout.count("[profile]") == 1

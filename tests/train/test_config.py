@@ -35,21 +35,28 @@ def test_overrides_parse_types():
     cfg = apply_overrides(get_config("tiny"), {
         "optim.lr": "3e-4", "optim.betas": "0.8,0.95", "run.compile": "true", "run.max_steps": "none",
         "optim.grad_clip": "None", "data.valid_size": "0.1", "data.test_size": "7", "model.d_model": "96",
-        "run.precision": "bf16", "data.data_files": "a.jsonl b.jsonl",
+        "run.precision": "bf16", "data.data_files": "my data/a, b.jsonl",
     })
     assert cfg.optim.lr == 3e-4 and cfg.optim.betas == (0.8, 0.95) and cfg.run.compile is True
     assert cfg.run.max_steps is None and cfg.optim.grad_clip is None
     assert cfg.data.valid_size == 0.1 and isinstance(cfg.data.test_size, int) and cfg.data.test_size == 7
     assert cfg.model.d_model == 96 and cfg.run.precision == "bf16"
-    assert cfg.data.data_files == ("a.jsonl", "b.jsonl")
+    assert cfg.data.data_files == ("my data/a, b.jsonl",)  # one path, never split on spaces or commas
+    two = apply_overrides(get_config("tiny"), {"data.data_files": ["a b.jsonl", "c.jsonl"]})  # flag given twice
+    assert two.data.data_files == ("a b.jsonl", "c.jsonl")
+    assert apply_overrides(get_config("tiny"), {"data.data_files": '["x y.jsonl", "z,w.jsonl"]'}
+                           ).data.data_files == ("x y.jsonl", "z,w.jsonl")
 
 
 @pytest.mark.parametrize("overrides, match", [
-    ({"optim.lrr": "1"}, r"unknown field --optim.lrr.*optim.lr"),
-    ({"opt.lr": "1"}, r"unknown option --opt.lr.*section in"),
+    ({"optim.lrr": "1"}, r"unknown field --optim.lrr; did you mean --optim.lr\?"),
+    ({"opt.lr": "1"}, r"unknown option --opt.lr; did you mean --optim.lr\?"),
+    ({"run.epochs": ["1", "2"]}, r"--run.epochs given 2 times"),
     ({"optim.lr": "fast"}, r"--optim.lr: 'fast' is not a float"),
     ({"run.epochs": "2.5"}, r"--run.epochs: '2.5' is not an int"),
     ({"run.compile": "maybe"}, r"--run.compile: cannot parse 'maybe'"),
+    ({"optim.lr": "nan"}, r"--optim.lr=nan must be a finite number"),
+    ({"optim.betas": "0.9,inf"}, r"--optim.betas=inf must be a finite number"),
     ({"run.precision": "fp8"}, r"'fp8' is not one of \['bf16', 'fp16', 'fp32'\]"),
     ({"optim.betas": "0.9"}, r"expected 2 comma-separated values"),
     ({"optim.lr": "-1"}, r"optim.lr=-1.0 must be > 0"),  # value checks run again after the override
@@ -71,10 +78,10 @@ def test_cli(capsys, tmp_path):
     cfg, args = resolve_config(["--preset", "s16", "--optim.lr", "2e-4", "--run.name=abc", "--epochs", "3",
                                 "--max-steps", "10", "--resume", "auto"])
     assert (cfg.optim.lr, cfg.run.name, cfg.run.epochs, cfg.run.max_steps, args.resume) == (2e-4, "abc", 3, 10, "auto")
-    for argv, msg in [(["--preset", "tiny", "--model.nope", "1"], "valid fields of 'model'"),
+    for argv, msg in [(["--preset", "tiny", "--model.nope", "1"], "unknown field --model.nope"),
                       (["--preset", "tiny", "--run.epochs", "x"], "is not an int"),
                       (["--preset", "tiny", "stray"], "unrecognized argument 'stray'"),
-                      (["--preset", "tiny", "--data-files", str(tmp_path / "missing.jsonl")], "no such file"),
+                      (["--preset", "tiny", "--data-files", str(tmp_path / "missing.jsonl")], "data files not found"),
                       (["--preset", "tiny", "--auto"], "either --auto or --preset"),
                       ([], "choose --preset")]:
         with pytest.raises(SystemExit) as e:
@@ -89,6 +96,6 @@ def test_cli_auto_on_cpu_says_why(capsys):
     if torch.cuda.is_available():
         pytest.skip("CPU behaviour")
     assert main(["--auto", "--print-config"]) == 0
-    out = capsys.readouterr().out
-    assert "no CUDA device -> preset 'tiny'" in out
-    assert json.loads(out[out.index("{"):])["run"]["name"] == "tiny"
+    out, err = capsys.readouterr()
+    assert "no CUDA device -> preset 'tiny'" in err  # on stderr: stdout stays a valid --config file
+    assert json.loads(out)["run"]["name"] == "tiny"
