@@ -27,7 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     """Train; returns the exit code (train/errors.py): 0 finished, 2 a user error (one line), 3 stopped on
     non-finite values, 75 stopped by a signal with a checkpoint (resume with ``--resume auto``), 130 a
     second Ctrl-C (aborted at once; the newest checkpoint is intact), 1 a bug (traceback)."""
-    cfg, args = resolve_config(argv)
+    try:
+        cfg, args = resolve_config(argv)
+    except SystemExit as e:  # a flag or setting mistake (one line already printed), or --help: its exit code
+        return e.code if isinstance(e.code, int) else (EXIT_OK if e.code is None else EXIT_USAGE)
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2, default=str))
         return EXIT_OK

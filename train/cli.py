@@ -171,7 +171,7 @@ def resolve_config(argv: list[str] | None = None, *, log=None, parser: argparse.
         cfg = load_config_file(args.config, base) if args.config else base
         cfg = apply_overrides(cfg, overrides)
     except (ValueError, TypeError) as e:
-        parser.error(str(e))
+        _fail(parser, args, e)
     missing = [f for f in cfg.data.data_files if not Path(f).is_file()]
     if missing:
         parser.error(f"data files not found: {', '.join(map(repr, missing))} (give existing jsonl/parquet/tsv "
@@ -180,8 +180,17 @@ def resolve_config(argv: list[str] | None = None, *, log=None, parser: argparse.
         try:
             check_machine(cfg, preset, log)
         except ValueError as e:
-            parser.error(str(e))
+            _fail(parser, args, e)
     return cfg, args
+
+
+def _fail(parser: argparse.ArgumentParser, args: argparse.Namespace, e: Exception):
+    """One line and exit 2; under ``--debug`` / ``FASTMT_DEBUG=1`` the traceback first."""
+    if args.debug:
+        import traceback
+
+        traceback.print_exception(e)
+    parser.error(str(e))
 
 
 def _print_fields(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

@@ -251,7 +251,7 @@ def check_consistency(cfg: Config) -> None:
                                                         if d.pad_multiple > 1 else ""))
         raise ValueError(
             f"model.max_positions={m.max_positions} is shorter than the longest sequence the data gives, {need} "
-            f"({what}, batching {d.batching!r}): pass --model.max_positions {need}, or shorten the data's")
+            f"({what}, batching {d.batching!r}): pass --model.max_positions {need}, or lower {what.split('=')[0]}")
     if e.average_last > r.keep_last:
         raise ValueError(f"eval.average_last={e.average_last} needs run.keep_last >= {e.average_last} (got "
                          f"{r.keep_last}): pass --run.keep_last {e.average_last}")

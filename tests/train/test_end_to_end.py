@@ -9,7 +9,6 @@ import pytest
 
 from tests.utils import records, tiny_trainer
 from train.checkpoint import step_checkpoints
-from train.errors import UserError
 from train.translate import main as translate_main
 
 REQUIRED = {"epoch", "train_loss", "train_loss_last_batch", "valid_loss", "bleu", "chrf", "epoch_seconds",
@@ -59,5 +58,6 @@ def test_checkpoint_averaging_at_the_end(toy_bundle, tmp_path):
     assert (trainer.run_dir / "checkpoints" / "best.pt").is_file()
     if avg[0]["bleu"] > avg[0]["best_single_bleu"]:
         assert (trainer.run_dir / "checkpoints" / "best-single.pt").is_file()
-    with pytest.raises(UserError, match="keep_last"):
+    with pytest.raises(ValueError, match="keep_last"):  # refused when the config is built, before any folder
         tiny_trainer(toy_bundle, tmp_path / "x", keep_last=2, average_last=3)
+    assert not (tmp_path / "x").exists()

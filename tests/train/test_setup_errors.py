@@ -30,9 +30,9 @@ def _many_characters_file(path) -> str:
 
 CASES = {
     "positions-shorter-than-the-data": (["--model.max_positions", "8"], "model.max_positions=8 is shorter"),
-    "packed-layout-padded-batches": (["--model.layout", "packed"], "model.layout='packed' with data.batching"),
-    "padded-layout-packed-batches": (["--data.batching", "packed"], "model.layout='padded' with data.batching"),
-    "cuda-without-cuda": (["--run.device", "cuda"], "run.device='cuda' but no CUDA device"),
+    "packed-layout-padded-batches": (["--model.layout", "packed"], "model.layout='packed' and data.batching"),
+    "padded-layout-packed-batches": (["--data.batching", "packed"], "model.layout='padded' and data.batching"),
+    "cuda-without-cuda": (["--run.device", "cuda"], "--run.device cuda, but torch sees no CUDA device"),
     "averaging-more-than-kept": (["--eval.average_last", "3"], "eval.average_last=3 needs run.keep_last"),
     "missing-resume-checkpoint": (["--resume", "nope.pt"], "--resume nope.pt: checkpoint 'nope.pt' does not exist"),
     "vocabulary-too-small": (["--data-files", "MANY_CHARS"], "data.vocab_size=300 is too small for this text"),
@@ -45,9 +45,11 @@ def test_a_late_failing_setting_fails_first_in_one_line_and_changes_nothing(toy_
         pytest.skip("CUDA is available here")
     flags, message = CASES[case]
     flags = [_many_characters_file(tmp_path / "chars.jsonl") if f == "MANY_CHARS" else f for f in flags]
+    argv = train_argv(toy_bundle.cfg.cache_dir, tmp_path, *flags)
+    if "--data-files" in flags:  # local files instead of the toy corpus (giving both is refused)
+        argv[argv.index("--data.dataset") : argv.index("--data.dataset") + 2] = []
     tiny_trainer(toy_bundle, tmp_path, epochs=1, max_batches_per_epoch=1).fit()  # an earlier run named "t"
     before = tree(tmp_path / "runs")
-    argv = train_argv(toy_bundle.cfg.cache_dir, tmp_path, *flags)
     if case == "vocabulary-too-small":
         argv[argv.index("--data.vocab_size") + 1] = "300"
     code = main(argv)
@@ -62,5 +64,5 @@ def test_debug_shows_the_traceback_of_a_user_error(toy_bundle, tmp_path, capsys,
     monkeypatch.setenv("FASTMT_DEBUG", "1")
     assert main(train_argv(toy_bundle.cfg.cache_dir, tmp_path, "--model.max_positions", "8")) == EXIT_USAGE
     err = capsys.readouterr().err
-    assert "Traceback" in err and err.rstrip().endswith("lower --data.max_len") and "error: model.max_positions" in err
+    assert "Traceback" in err and err.rstrip().endswith("or lower data.max_len") and "error: model.max_positions" in err
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
