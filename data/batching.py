@@ -103,14 +103,22 @@ def pack_layout(src_len, tgt_len, max_tokens: int, max_len: int, multiple: int =
         raise ValueError(
             f"pack_layout needs equal, non-empty length arrays, got {src_len.shape} and {tgt_len.shape}"
         )
+    return pack_layout_from_totals(len(src_len), int(src_len.sum()), int(tgt_len.sum()), max_tokens, max_len,
+                                   multiple)
+
+
+def pack_layout_from_totals(n: int, s_tot: int, t_tot: int, max_tokens: int, max_len: int,
+                            multiple: int = PACK_MULTIPLE) -> PackLayout:
+    """`pack_layout` from the pair count and the token totals per side (all it reads of the lengths)."""
+    if n < 1 or s_tot < n or t_tot < n:
+        raise ValueError(f"pack_layout needs n >= 1 pairs of >= 1 token a side, got n={n}, totals {s_tot}, {t_tot}")
     if max_tokens < 2 * max_len:
         raise ValueError(f"max_tokens={max_tokens} < 2 * max_len={max_len}: a maximal pair would not fit")
-    s_tot, t_tot = int(src_len.sum()), int(tgt_len.sum())
     floor = int(round_up(max_len, multiple))
     c_src = max(int(round_up(-(-max_tokens * s_tot // (s_tot + t_tot)), multiple)), floor)
     c_tgt = max(int(round_up(-(-max_tokens * t_tot // (s_tot + t_tot)), multiple)), floor)
     # both terms: a stream's expected pair count when filled with average-length pairs
-    fill = max(c_src * len(src_len) / s_tot, c_tgt * len(tgt_len) / t_tot)
+    fill = max(c_src * n / s_tot, c_tgt * n / t_tot)
     real = int(np.ceil(PACK_SLOT_SLACK * fill))
     dummy = -(-max(c_src, c_tgt) // max_len)
     return PackLayout(c_src, c_tgt, real + dummy, max_len)
