@@ -32,20 +32,17 @@ import time
 from pathlib import Path
 
 TMP_PREFIX = ".tmp-"
-_UMASK: int | None = None
 
 
 def umask() -> int:
     """The process umask, read without changing it (Linux: /proc/self/status; else set-and-restore)."""
-    global _UMASK
-    if _UMASK is None:
-        try:
-            with open("/proc/self/status") as f:
-                _UMASK = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
-        except (OSError, StopIteration, ValueError):
-            _UMASK = os.umask(0o022)
-            os.umask(_UMASK)
-    return _UMASK
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
 
 
 def honour_umask(path: Path) -> None:

@@ -96,7 +96,7 @@ _ARRAYS = ("src_ids", "src_off", "tgt_ids", "tgt_off")
 def _mapped_file(a) -> str | None:
     """The .npy file a whole-file memory map (``np.load(..., mmap_mode="r")``) came from, else None."""
     if isinstance(a, np.memmap) and isinstance(a.base, mmap.mmap) and a.filename:
-        return a.filename
+        return str(a.filename)
     return None
 
 

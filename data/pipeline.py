@@ -328,10 +328,13 @@ def _resolve(cfg: DataConfig, inp: B.Inputs, sets: dict, cache: Path, tokenizer:
     return entry
 
 
-def _tokenizer_of(entry: B.Entry, cfg: DataConfig, cache: Path, tokenizer: Tokenizer | None) -> Tokenizer:
+def _tokenizer_of(entry: B.Entry, cfg: DataConfig, cache: Path, sets: dict, tokenizer: Tokenizer | None) -> Tokenizer:
+    """The given tokenizer, or the entry's ``spm-<key>`` model (its settings.json checked against ours)."""
     if tokenizer is not None:
         return tokenizer
     key = entry.meta["tokenizer_key"]
+    if C.read_json(cache / f"spm-{key}" / "settings.json") != sets["tokenizer"]:
+        raise ValueError("settings.json differs from the settings")
     return Tokenizer(cache / f"spm-{key}" / "spm.model", key, cfg.spm_threads or B.build_workers(cfg))
 
 
@@ -354,12 +357,12 @@ def build_data(cfg: DataConfig, log=print, tokenizer: Tokenizer | None = None) -
     sets = B.settings(cfg, tokenizer)
     entry = _resolve(cfg, inp, sets, cache, tokenizer, log)
     try:
-        tok = _tokenizer_of(entry, cfg, cache, tokenizer)
-    except (OSError, RuntimeError, ValueError) as e:  # the model file is gone or damaged: rebuild both
+        tok = _tokenizer_of(entry, cfg, cache, sets, tokenizer)
+    except (OSError, RuntimeError, ValueError, TypeError) as e:  # the model is gone or damaged: rebuild both
         C.discard(cache / f"spm-{entry.meta['tokenizer_key']}", f"{type(e).__name__}: {str(e)[:80]}", log)
         C.remove(entry.path)
         entry = _resolve(cfg, inp, sets, cache, tokenizer, log)
-        tok = _tokenizer_of(entry, cfg, cache, tokenizer)
+        tok = _tokenizer_of(entry, cfg, cache, sets, tokenizer)
     meta = entry.meta
     report = CleanReport.from_dict(meta["report"])
     splits = {s: _split(entry, s) for s in SPLITS}

@@ -146,11 +146,12 @@ def missing_files_error(missing: list[str], *, from_env: bool = False, name: str
     return DataFilesNotFound(f"{name} not found: {missing}{hint}")
 
 
-def plan_chunks(files: tuple[str, ...], chunk_bytes: int = CHUNK_BYTES, *, from_env: bool = False,
+def plan_chunks(files: tuple[str, ...], chunk_bytes: int | None = None, *, from_env: bool = False,
                 name: str = "data files") -> tuple[list[SourceFile], list[Chunk]]:
     """Check the files and cut them into chunks of about ``chunk_bytes`` (line files) or ``CHUNK_ROWS``
     rows (parquet row groups); a JSON array file is one chunk. Raises `DataInputError` for missing files,
     unknown extensions and unreadable parquet files."""
+    chunk_bytes = chunk_bytes or CHUNK_BYTES
     paths = [Path(f) for f in files]
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:

@@ -7,8 +7,6 @@ every training setting; a matching key re-uses the model.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import re
 from pathlib import Path
@@ -32,11 +30,6 @@ def spm_settings(cfg) -> dict:
         "sample": {"pairs": cfg.spm_sample_pairs, "seed": cfg.split_seed},
         "format": 2,
     }
-
-
-def tokenizer_key(fingerprint: str, split_digest: str, settings: dict) -> str:
-    blob = json.dumps({"data": fingerprint, "split": split_digest, "spm": settings}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
 class Tokenizer:
