@@ -238,7 +238,7 @@ def plot(rows: list[dict], png: Path) -> None:
         rs = sorted(rs, key=lambda r: int(r["pairs"]))
         x = [int(r["pairs"]) for r in rs]
         style = "-o" if phase == "cold" else "--s"
-        label = f"{tag} ({code}) {phase}"
+        label = f"{tag} ({code}) {phase}, {corpus}"
         axes[0].plot(x, [float(r["build_s"]) for r in rs], style, label=label)
         axes[1].plot(x, [float(r["pss_tree_mb"]) for r in rs], style, label=label)
     for ax, title in zip(axes, ("build_data wall (s)", "peak PSS of the process tree (MB)")):

@@ -248,6 +248,8 @@ def _encode(job) -> dict:
         for k in train[bad][:MAX_EXAMPLES]:
             tally.add(reason, pos[k], f"src {ls[k]} / tgt {lt[k]} tokens ({limit})")
         tally.counts[reason] = int(bad.sum())
+    for k in np.flatnonzero(labels == -1):  # removed: in your valid/test files
+        tally.add("in_eval_files", pos[k], f"source {src[k][:50]!r}")
     keep = train[~(too_long | bad_ratio)]
     part = {}
     part["src_ids"], part["src_len"] = _flat(ids_s, keep, dtype)
@@ -414,7 +416,6 @@ def build_entry(cfg, inp: Inputs, key: str, tok_key: str, sets: dict, cache: Pat
         keys = group_keys(h_src[free], h_tgt[free], cfg.split_grouping)
         labels[free] = assign(keys, n_test, n_valid, cfg.split_seed)
         labels[leak] = -1  # removed: their source/target is in your valid/test files
-        report.dropped["in_eval_files"] += int(leak.sum())
         olap = _overlaps(cfg, evals, labels, h_src, h_tgt, n_test, n_valid)
         del keys
         # ---- tokenizer
