@@ -254,6 +254,53 @@ def plot(rows: list[dict], png: Path) -> None:
     plt.close(fig)
 
 
+def spm_sample_rows(source: Path, sizes: list[int], work: Path, vocab: int = 8000) -> list[dict]:
+    """What a sampled tokenizer changes on one corpus: per ``spm_sample_pairs`` (0 = every train pair), the
+    vocabulary, subwords per sentence (valid and train), byte-fallback share on valid, the pieces shared with
+    the model trained on everything, and the SentencePiece training time."""
+    from data import DataConfig, build_data
+
+    rows, full = [], None
+    for k in sizes:
+        logs: list[str] = []
+        cfg = DataConfig(data_files=(str(source),), cache_dir=str(work / "cache-spm-sample"), spm_sample_pairs=k,
+                         vocab_size=vocab, num_workers=0)
+        b = build_data(cfg, log=logs.append)
+        tok, va, tr = b.tokenizer, b.splits["valid"], b.splits["train"]
+        pieces = {tok.sp.id_to_piece(i) for i in range(tok.vocab_size)}
+        full = pieces if full is None else full
+        ids = np.concatenate([np.asarray(va.src_ids), np.asarray(va.tgt_ids)])
+        is_byte = np.array([tok.sp.is_byte(i) for i in range(tok.vocab_size)])
+        trained = next((line for line in logs if "trained SentencePiece" in line), "")
+        rows.append({
+            "sample_pairs": k or len(tr), "of_train": len(tr), "vocab": tok.vocab_size, "asked": vocab,
+            "valid_src_per_sent": float(np.diff(va.src_offsets).mean()),
+            "valid_tgt_per_sent": float(np.diff(va.tgt_offsets).mean()),
+            "train_src_per_sent": float(np.diff(tr.src_offsets).mean()),
+            "train_tgt_per_sent": float(np.diff(tr.tgt_offsets).mean()),
+            "valid_byte_share": float(is_byte[ids].mean()), "shared_pieces": len(pieces & full) / len(full),
+            "log": trained,
+        })
+    return rows
+
+
+def write_spm_table(rows: list[dict], md: Path, source: Path) -> None:
+    lines = ["# SentencePiece on a seeded sample of the train split (stand-in corpus, CPU)", "",
+             f"`python -m bench.data_scale --spm-sample K,... --vocab V,... --from {source}` "
+             f"({date.today().isoformat()}, {machine()}). Stand-in corpus: real human translations in "
+             "the OPUS Books row format, not OPUS Books. Split as `build_data` does (1000 valid, 1000 test, seed 0); "
+             "BPE; subwords per sentence exclude EOS/BOS.", "",
+             "| sample pairs | of train | vocab | valid src / tgt subwords per sentence | train src / tgt | "
+             "valid byte-fallback share | pieces shared with the all-pairs model |",
+             "|---:|---:|---:|---|---|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['sample_pairs']:,} | {r['sample_pairs'] / r['of_train']:.1%} | {r['vocab']:,} "
+                     f"| {r['valid_src_per_sent']:.2f} / {r['valid_tgt_per_sent']:.2f} "
+                     f"| {r['train_src_per_sent']:.2f} / {r['train_tgt_per_sent']:.2f} "
+                     f"| {r['valid_byte_share']:.3%} | {r['shared_pieces']:.1%} |")
+    md.write_text("\n".join(lines) + "\n")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.data_scale", description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default=",".join(map(str, SIZES_M)), help="corpus sizes in millions of pairs")
@@ -265,7 +312,18 @@ def main(argv=None) -> int:
     p.add_argument("--warm-runs", type=int, default=2, help="warm starts per size (each a row)")
     p.add_argument("--out", type=Path, default=RESULTS, help="folder of data-scale-cpu.{csv,md,png}")
     p.add_argument("--keep", action="store_true", help="keep the caches (corpora are always kept)")
+    p.add_argument("--spm-sample", metavar="K,K", help="instead: tokenizer statistics per spm_sample_pairs on --from")
+    p.add_argument("--vocab", default="8000", help="--spm-sample: vocabulary sizes (comma-separated)")
     a = p.parse_args(argv)
+    if a.spm_sample:
+        if a.source is None:
+            p.error("--spm-sample needs --from FILE")
+        rows = [r for v in a.vocab.split(",") for r in
+                spm_sample_rows(a.source, [int(k) for k in a.spm_sample.split(",")], a.work, int(v))]
+        a.out.mkdir(parents=True, exist_ok=True)
+        write_spm_table(rows, a.out / "data-spm-sample-cpu.md", a.source)
+        print((a.out / "data-spm-sample-cpu.md").read_text())
+        return 0
     sizes = [float(s) for s in a.sizes.split(",") if s.strip()]
     if a.source is not None and not a.source.is_file():
         p.error(f"--from {a.source}: no such file")

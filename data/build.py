@@ -485,6 +485,7 @@ def build_entry(cfg, inp: Inputs, key: str, tok_key: str, sets: dict, cache: Pat
             f"{'s' * (len(inp.chunks) != 1)} with {how} in {time.perf_counter() - t0:.1f} s -> {final}")
     finally:
         run.close()
+        _TOKENIZERS.clear()  # in-process runs: a later build may retrain a model at the same path
         C.remove(tmp)
     entry = load_entry(cache, key, log)
     if entry is None:
