@@ -41,9 +41,11 @@ from .split import (
     assign,
     group_keys,
     hash64,
+    in_sorted,
     mix64,
     normalise,
     row_level_split,
+    sorted_unique,
 )
 from .tokenizer import Tokenizer, spm_settings, train_spm
 
@@ -82,10 +84,21 @@ class Inputs:
         return out
 
 
+def chunk_bytes(files, workers: int) -> int | None:
+    """About 4 chunks per worker (load balance), each between 1 MiB and `sources.CHUNK_BYTES`."""
+    from . import sources
+
+    try:
+        total = sum(os.path.getsize(f) for f in files)
+    except OSError:
+        return None  # plan_chunks names the missing file
+    return int(min(sources.CHUNK_BYTES, max(1 << 20, total // (4 * max(1, workers)))))
+
+
 def inputs(cfg) -> Inputs:
     files, label = training_files(cfg)
     if files:
-        src_files, chunks = plan_chunks(files, from_env=cfg.files_from_env())
+        src_files, chunks = plan_chunks(files, chunk_bytes(files, build_workers(cfg)), from_env=cfg.files_from_env())
         out = Inputs(label, src_files, chunks, tuple(files))
     else:
         src_files, chunks, fp = hub_chunks(cfg.dataset, cfg.dataset_config, cfg.hf_split)
@@ -376,6 +389,13 @@ def build_entry(cfg, inp: Inputs, key: str, tok_key: str, sets: dict, cache: Pat
     run = _Runner(build_workers(cfg))
     try:
         evals = {s: read_eval_files(files, s, cfg.src_lang, cfg.tgt_lang) for s, files in inp.evals.items()}
+        phases, t_phase = {}, time.perf_counter()
+
+        def phase(name: str) -> None:
+            nonlocal t_phase
+            phases[name] = time.perf_counter() - t_phase
+            t_phase = time.perf_counter()
+
         # ---- pass A
         scans = run.map(_scan, [(i, c, cfg.src_lang, cfg.tgt_lang, str(tmp)) for i, c in enumerate(inp.chunks)])
         report = CleanReport()
@@ -397,14 +417,16 @@ def build_entry(cfg, inp: Inputs, key: str, tok_key: str, sets: dict, cache: Pat
         h_pair = np.concatenate([sc.pop("h_pair") for sc in scans])
         n = len(h_src)
         fingerprint = C.digest([cfg.src_lang, cfg.tgt_lang, hashlib.sha256(h_pair.tobytes()).hexdigest()])
+        phase("read+clean+hash")
         # ---- split
         labels = np.zeros(n, dtype=np.int8)
         leak = np.zeros(n, dtype=bool)
         for es, et in evals.values():
             e_src = np.fromiter((hash64(normalise(x)) for x in es), np.uint64, len(es))
-            leak |= np.isin(h_src, e_src)
+            leak |= in_sorted(h_src, sorted_unique(e_src))
             if cfg.split_grouping == "source_target":
-                leak |= np.isin(h_tgt, np.fromiter((hash64(normalise(x)) for x in et), np.uint64, len(et)))
+                e_tgt = np.fromiter((hash64(normalise(x)) for x in et), np.uint64, len(et))
+                leak |= in_sorted(h_tgt, sorted_unique(e_tgt))
         n_free = int((~leak).sum())
         n_test = 0 if "test" in evals else _size(cfg.test_size, n_free)
         n_valid = 0 if "valid" in evals else _size(cfg.valid_size, n_free)
@@ -418,6 +440,7 @@ def build_entry(cfg, inp: Inputs, key: str, tok_key: str, sets: dict, cache: Pat
         labels[leak] = -1  # removed: their source/target is in your valid/test files
         olap = _overlaps(cfg, evals, labels, h_src, h_tgt, n_test, n_valid)
         del keys
+        phase("split")
         # ---- tokenizer
         if tokenizer is not None:
             model_file = tmp / "given-spm.model"
@@ -428,6 +451,7 @@ def build_entry(cfg, inp: Inputs, key: str, tok_key: str, sets: dict, cache: Pat
             model_file = Path(tok.model_file)
         del h_pair
         dtype = "uint16" if tok.vocab_size <= 1 << 16 else "int32"
+        phase("tokenizer")
         # ---- pass B
         jobs = [(i, str(tmp), labels[first[i]:first[i + 1]], str(model_file), cfg.max_len, cfg.max_len_ratio, dtype)
                 for i in range(len(inp.chunks))]
@@ -448,6 +472,7 @@ def build_entry(cfg, inp: Inputs, key: str, tok_key: str, sets: dict, cache: Pat
                 f"({dropped['too_long']:,} too_long with max_len={cfg.max_len}, {dropped['length_ratio']:,} "
                 f"length_ratio with max_len_ratio={cfg.max_len_ratio:g}); {length_hint(hist, dropped)}")
         counts, tokens = {}, {}
+        phase("encode")
         _assemble_train(tmp, encoded, first, dtype, counts, tokens)
         truncated = {}
         for s in ("valid", "test"):
@@ -478,11 +503,13 @@ def build_entry(cfg, inp: Inputs, key: str, tok_key: str, sets: dict, cache: Pat
         C.write_json(tmp / "meta.json", meta)
         final = cache / f"corpus-{key}"
         C.publish(tmp, final)
+        phase("write")
         n_tok = sum(v["src"] + v["tgt"] for v in tokens.values())
         procs = min(run.workers, len(inp.chunks))
         how = f"{procs} processes" if procs > 1 else "this process"
         log(f"[data] built {n:,} clean pairs ({n_tok:,} subwords) in {len(inp.chunks)} chunk"
-            f"{'s' * (len(inp.chunks) != 1)} with {how} in {time.perf_counter() - t0:.1f} s -> {final}")
+            f"{'s' * (len(inp.chunks) != 1)} with {how} in {time.perf_counter() - t0:.1f} s ("
+            + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()) + f") -> {final}")
     finally:
         run.close()
         _TOKENIZERS.clear()  # in-process runs: a later build may retrain a model at the same path
@@ -534,9 +561,9 @@ def _overlaps(cfg, evals: dict, labels, h_src, h_tgt, n_test: int, n_valid: int)
     """Valid/test rows whose normalised source/target occurs in train: "after" this split, and "before":
     the row-level split of 8c2d91d (same sizes and seed) for a split taken from the corpus, or the whole
     corpus (before the in_eval_files removal) for your own files."""
-    def count(s_held, t_held, s_train, t_train) -> dict:
-        return {"rows": len(s_held), "source": int(np.isin(s_held, s_train).sum()),
-                "target": int(np.isin(t_held, t_train).sum())}
+    def count(s_held, t_held, train) -> dict:
+        return {"rows": len(s_held), "source": int(in_sorted(s_held, sorted_unique(h_src[train])).sum()),
+                "target": int(in_sorted(t_held, sorted_unique(h_tgt[train])).sum())}
 
     row_level = row_level_split(len(labels), n_test, n_valid, cfg.split_seed)
     out = {"before": {}, "after": {}}
@@ -545,12 +572,11 @@ def _overlaps(cfg, evals: dict, labels, h_src, h_tgt, n_test: int, n_valid: int)
             es, et = evals[s]
             hs = np.fromiter((hash64(normalise(x)) for x in es), np.uint64, len(es))
             ht = np.fromiter((hash64(normalise(x)) for x in et), np.uint64, len(et))
-            out["before"][s] = count(hs, ht, h_src, h_tgt)
+            out["before"][s] = count(hs, ht, slice(None))
         else:
             hs, ht = h_src[labels == code], h_tgt[labels == code]
-            out["before"][s] = count(h_src[row_level == code], h_tgt[row_level == code],
-                                     h_src[row_level == 0], h_tgt[row_level == 0])
-        out["after"][s] = count(hs, ht, h_src[labels == 0], h_tgt[labels == 0])
+            out["before"][s] = count(h_src[row_level == code], h_tgt[row_level == code], row_level == 0)
+        out["after"][s] = count(hs, ht, labels == 0)
     return out
 
 

@@ -49,6 +49,33 @@ def mix64(x: np.ndarray, seed: int) -> np.ndarray:
         return z ^ (z >> np.uint64(31))
 
 
+def _dense(h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(order that sorts ``h``, per row the dense id of its value in sorted order, start of each id's run
+    in that order): one sort."""
+    order = np.argsort(h, kind="stable")
+    sh = h[order]
+    new = np.empty(len(h), dtype=bool)
+    new[0] = True
+    np.not_equal(sh[1:], sh[:-1], out=new[1:])
+    ids = np.empty(len(h), dtype=np.int64)
+    ids[order] = np.cumsum(new) - 1
+    return order, ids, np.flatnonzero(new)
+
+
+def sorted_unique(a: np.ndarray) -> np.ndarray:
+    """``np.unique(a)`` by one sort (numpy 2.3's ``np.unique`` took ~2 s for 1 M uint64 here, a sort 0.1 s)."""
+    s = np.sort(np.asarray(a))
+    return s[np.r_[True, s[1:] != s[:-1]]] if len(s) else s
+
+
+def in_sorted(values: np.ndarray, sorted_unique: np.ndarray) -> np.ndarray:
+    """``np.isin(values, sorted_unique)`` for a sorted unique array (a binary search per value)."""
+    if len(sorted_unique) == 0:
+        return np.zeros(len(values), dtype=bool)
+    i = np.minimum(np.searchsorted(sorted_unique, values), len(sorted_unique) - 1)
+    return sorted_unique[i] == values
+
+
 def group_keys(h_src: np.ndarray, h_tgt: np.ndarray, grouping: str) -> np.ndarray:
     """Per row, the key of its group: the smallest source hash among the rows linked to it by a shared
     normalised source (``grouping="source"``: the row's own source hash) or, with "source_target", by a chain
@@ -56,12 +83,9 @@ def group_keys(h_src: np.ndarray, h_tgt: np.ndarray, grouping: str) -> np.ndarra
     h_src = np.asarray(h_src, dtype=np.uint64)
     if grouping == "source" or len(h_src) == 0:
         return h_src.copy()
-    src_keys, s_id = np.unique(h_src, return_inverse=True)  # dense ids in hash order
-    _, t_id = np.unique(np.asarray(h_tgt, dtype=np.uint64), return_inverse=True)
-    s_id, t_id = s_id.astype(np.int64), t_id.astype(np.int64)
-    by_s, by_t = np.argsort(s_id, kind="stable"), np.argsort(t_id, kind="stable")
-    s_starts = np.flatnonzero(np.r_[True, np.diff(s_id[by_s]) != 0])
-    t_starts = np.flatnonzero(np.r_[True, np.diff(t_id[by_t]) != 0])
+    by_s, s_id, s_starts = _dense(h_src)  # dense ids in hash order, and the rows sorted by them
+    by_t, t_id, t_starts = _dense(np.asarray(h_tgt, dtype=np.uint64))
+    src_keys = h_src[by_s][s_starts]
     label = np.arange(len(src_keys), dtype=np.int64)  # per source id: the smallest source id linked to it
     while True:
         row = label[s_id]
@@ -83,7 +107,9 @@ def assign(keys: np.ndarray, n_test: int, n_valid: int, seed: int,
     out = np.zeros(len(keys), dtype=np.int8)
     if len(keys) == 0 or n_test + n_valid == 0:
         return out
-    uniq, inv, counts = np.unique(keys, return_inverse=True, return_counts=True)
+    by_key, inv, starts = _dense(keys)
+    uniq = keys[by_key][starts]
+    counts = np.diff(np.r_[starts, len(keys)])
     order = np.argsort(mix64(uniq, seed), kind="stable")
     order = order[counts[order] <= max_group]
     csum = np.cumsum(counts[order])
