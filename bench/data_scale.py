@@ -150,7 +150,7 @@ def run_child(code: Path, corpus: Path, cache: Path, workers: int) -> dict:
     env = {**os.environ, "PYTHONPATH": str(code)}
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-c", CHILD, str(corpus), str(cache), str(marker), str(workers)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env, cwd=str(code), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak_rss = peak_pss = 0.0
     while proc.poll() is None and not marker.exists():
         rss, pss = tree_memory(proc.pid)

@@ -428,6 +428,10 @@ def build_entry(cfg, inp: Inputs, key: str, tok_key: str, sets: dict, cache: Pat
                 e_tgt = np.fromiter((hash64(normalise(x)) for x in et), np.uint64, len(et))
                 leak |= in_sorted(h_tgt, sorted_unique(e_tgt))
         n_free = int((~leak).sum())
+        if n == 0 or n_free == 0:
+            raise DataInputError(
+                f"all {n:,} clean training pairs share a normalised source or target with data.valid_files / "
+                f"data.test_files: nothing is left to train on; give training files that are not your evaluation data")
         n_test = 0 if "test" in evals else _size(cfg.test_size, n_free)
         n_valid = 0 if "valid" in evals else _size(cfg.valid_size, n_free)
         if n_free and n_valid + n_test >= n_free:

@@ -143,10 +143,12 @@ def clean_stale_temps(cache: Path, log=print) -> int:
     """Remove the temp folders/files of builds that died (their key's lock is free); returns how many."""
     cache = Path(cache)
     removed = []
-    try:
-        entries = list(os.scandir(cache))
-    except FileNotFoundError:
-        return 0
+    entries = []
+    for folder in (cache, cache / "index"):  # build folders; index files being written
+        try:
+            entries += list(os.scandir(folder))
+        except FileNotFoundError:
+            pass
     for e in entries:
         if not e.name.startswith(TMP_PREFIX):
             continue

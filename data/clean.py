@@ -71,6 +71,9 @@ class CleanReport:
     dropped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
     dropped_by_split: dict[str, dict[str, int]] = field(default_factory=dict)  # length reasons per split
     examples: dict[str, list[str]] = field(default_factory=dict)  # reason -> first "file:line: detail"
+    # the split's leakage check (split_record["overlap"]) and valid/test pairs cut to max_len, once split
+    overlap: dict | None = None
+    truncated: dict | None = None
 
     @property
     def kept(self) -> int:
@@ -100,7 +103,8 @@ class CleanReport:
         """The inverse of `as_dict` (a cached entry's report); reasons it lacks count 0."""
         return cls(rows=d["rows"], dropped={**dict.fromkeys(REASONS, 0), **d["dropped"]},
                    dropped_by_split=d.get("dropped_by_split", {}),
-                   examples={k: list(v) for k, v in d.get("examples", {}).items()})
+                   examples={k: list(v) for k, v in d.get("examples", {}).items()},
+                   overlap=d.get("overlap"), truncated=d.get("truncated"))
 
     def as_dict(self) -> dict:
         return {
@@ -109,6 +113,8 @@ class CleanReport:
             "dropped": dict(self.dropped),
             "dropped_by_split": self.dropped_by_split,
             "examples": {k: list(v) for k, v in self.examples.items() if v},
+            "overlap": self.overlap,
+            "truncated": self.truncated,
         }
 
     def __str__(self) -> str:
@@ -126,6 +132,18 @@ def format_report(r: dict) -> str:
         lines += [f"      e.g. {e}" for e in r.get("examples", {}).get(reason, [])]
     if r["kept"] == r["rows"]:
         lines.append("  dropped         0")
+    ov = r.get("overlap")
+    if ov:
+        def pair(when: str, side: str) -> str:
+            return "/".join(str(ov[when][s][side]) if ov[when] and s in ov[when] else "-" for s in ("valid", "test"))
+
+        lines.append(f"valid/test rows whose normalised source / target is also in train: before grouping "
+                     f"{pair('before', 'source')} / {pair('before', 'target')}, after {pair('after', 'source')} / "
+                     f"{pair('after', 'target')}")
+    tr = r.get("truncated")
+    if tr and any(tr.values()):
+        lines.append(f"valid/test pairs over max_len kept whole, token arrays cut: {tr['valid']:,} valid, "
+                     f"{tr['test']:,} test")
     return "\n".join(lines)
 
 

@@ -21,7 +21,7 @@ import numpy as np
 from . import build as B
 from . import cache as C
 from .batching import BatchSpec, PackLayout, pack_layout_from_totals, plan_batches
-from .clean import CleanReport
+from .clean import CleanReport, DataInputError
 from .config import DataConfig
 from .tokenizer import Tokenizer
 
@@ -292,7 +292,8 @@ def _split(entry: B.Entry, s: str) -> EncodedSplit:
 def _resolve(cfg: DataConfig, inp: B.Inputs, sets: dict, cache: Path, tokenizer: Tokenizer | None, log) -> B.Entry:
     """The entry for these inputs and settings: from the identity index (stat only), else by content hash
     (a ``touch`` or a copy of known data), else built. Builders of one key take turns on its lock."""
-    ident = C.digest({"settings": sets, "inputs": inp.identity()})
+    seen = inp.identity()
+    ident = C.digest({"settings": sets, "inputs": seen})
     index = C.mkdirs(cache / "index") / f"{ident}.json"
 
     def indexed() -> B.Entry | None:
@@ -324,7 +325,12 @@ def _resolve(cfg: DataConfig, inp: B.Inputs, sets: dict, cache: Path, tokenizer:
             else:
                 log(f"[data] inputs changed on disk but not in content ({time.perf_counter() - t0:.1f} s to hash): "
                     f"re-using {entry.path}")
-        C.write_json(index, {"corpus": key, "inputs": inp.identity()})
+        if inp.identity() != seen:  # a file changed while it was read: what was read is not what is there
+            log(f"[data] warning: the data files changed while they were read; this run uses what was read, and "
+                f"the cache entry is dropped ({entry.path}): the next start reads them again")
+            C.remove(entry.path)  # this run's memory maps stay valid
+        else:
+            C.write_json(index, {"corpus": key, "inputs": seen})
     return entry
 
 
@@ -351,6 +357,8 @@ def build_data(cfg: DataConfig, log=print, tokenizer: Tokenizer | None = None) -
     if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
         raise TypeError(f"tokenizer must be a data.tokenizer.Tokenizer, got {type(tokenizer).__name__}")
     t0 = time.perf_counter()
+    if Path(cfg.cache_dir).exists() and not Path(cfg.cache_dir).is_dir():
+        raise DataInputError(f"data.cache_dir={cfg.cache_dir} is not a folder; give a folder (it is created if missing)")
     cache = C.mkdirs(Path(cfg.cache_dir))
     C.clean_stale_temps(cache, log)
     inp = B.inputs(cfg)
@@ -365,6 +373,7 @@ def build_data(cfg: DataConfig, log=print, tokenizer: Tokenizer | None = None) -
         tok = _tokenizer_of(entry, cfg, cache, sets, tokenizer)
     meta = entry.meta
     report = CleanReport.from_dict(meta["report"])
+    report.overlap, report.truncated = meta["record"]["overlap"], meta["record"]["truncated"]
     splits = {s: _split(entry, s) for s in SPLITS}
     split_record = {**meta["record"], "tokenizer_key": tok.key, "vocab_size": tok.vocab_size, "cache": str(entry.path)}
     if any(report.dropped.values()):

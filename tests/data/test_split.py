@@ -68,6 +68,7 @@ def test_no_valid_or_test_source_or_target_occurs_in_train(tmp_path, seed):
     assert rec["overlap"]["after"]["valid"]["source"] == rec["overlap"]["after"]["test"]["target"] == 0
     assert rec["overlap"]["before"]["valid"]["source"] + rec["overlap"]["before"]["test"]["source"] > 0
     assert sum(len(s) for s in b.splits.values()) == 600  # nothing lost
+    assert "also in train: before grouping " in str(b.report) and str(b.report).endswith("after 0/0 / 0/0")
 
 
 def test_normalisation_and_grouping_reference():
