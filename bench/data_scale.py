@@ -273,7 +273,8 @@ def spm_sample_rows(source: Path, sizes: list[int], work: Path, vocab: int = 800
         is_byte = np.array([tok.sp.is_byte(i) for i in range(tok.vocab_size)])
         trained = next((line for line in logs if "trained SentencePiece" in line), "")
         rows.append({
-            "sample_pairs": k or len(tr), "of_train": len(tr), "vocab": tok.vocab_size, "asked": vocab,
+            "sample_pairs": k, "of_train": b.split_record["rows_before_length_filter"]["train"],
+            "vocab": tok.vocab_size, "asked": vocab,
             "valid_src_per_sent": float(np.diff(va.src_offsets).mean()),
             "valid_tgt_per_sent": float(np.diff(va.tgt_offsets).mean()),
             "train_src_per_sent": float(np.diff(tr.src_offsets).mean()),
@@ -294,7 +295,8 @@ def write_spm_table(rows: list[dict], md: Path, source: Path) -> None:
              "valid byte-fallback share | pieces shared with the all-pairs model |",
              "|---:|---:|---:|---|---|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['sample_pairs']:,} | {r['sample_pairs'] / r['of_train']:.1%} | {r['vocab']:,} "
+        k = min(r["sample_pairs"] or r["of_train"], r["of_train"])
+        lines.append(f"| {'all ' if not r['sample_pairs'] else ''}{k:,} | {k / r['of_train']:.1%} | {r['vocab']:,} "
                      f"| {r['valid_src_per_sent']:.2f} / {r['valid_tgt_per_sent']:.2f} "
                      f"| {r['train_src_per_sent']:.2f} / {r['train_tgt_per_sent']:.2f} "
                      f"| {r['valid_byte_share']:.3%} | {r['shared_pieces']:.1%} |")

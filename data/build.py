@@ -281,9 +281,20 @@ def _encode(job) -> dict:
             "held": held, "longer": np.bincount(np.minimum(hi, _LEN_CAP), minlength=_LEN_CAP + 1)}
 
 
-def _quiet_worker() -> None:
-    """Build workers leave Ctrl-C to the main process (one clean KeyboardInterrupt, no worker tracebacks)."""
+def _worker_init(parent: int) -> None:
+    """A build worker: leaves Ctrl-C to the main process (one KeyboardInterrupt there, no worker tracebacks),
+    dies with it (Linux: parent-death signal; a worker forked from a parent killed by -9 would otherwise
+    live on), and drops its copies of the parent's lock fds."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    C.forget_locks()
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os._exit(1)
 
 
 class _Runner:
@@ -297,7 +308,8 @@ class _Runner:
             return [fn(j) for j in jobs]
         if self.pool is None:
             ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
-            self.pool = cf.ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_quiet_worker)
+            self.pool = cf.ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_worker_init,
+                                               initargs=(os.getpid(),))
         try:
             return list(self.pool.map(fn, jobs))
         except cf.process.BrokenProcessPool:

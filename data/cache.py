@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 TMP_PREFIX = ".tmp-"
+_HELD: set[int] = set()  # fds of the locks this process holds (forked build workers close their copies)
 
 
 def umask() -> int:
@@ -107,9 +108,20 @@ def locked(cache: Path, key: str, log=print, what: str = "this data"):
             log(f"[data] done waiting ({time.perf_counter() - t0:.1f} s)")
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        _HELD.add(fd)
         yield
     finally:
-        os.close(fd)  # closing releases the lock
+        _HELD.discard(fd)
+        os.close(fd)  # closing releases the lock (once no forked child holds a copy: see `forget_locks`)
+
+
+def forget_locks() -> None:
+    """In a forked child: close the inherited copies of the parent's lock fds. A flock lives as long as any
+    copy is open, so a worker that outlived a killed parent would otherwise hold the build lock forever."""
+    for fd in list(_HELD):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
 
 
 def _lock_is_free(cache: Path, key: str) -> bool:

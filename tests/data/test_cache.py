@@ -1,6 +1,7 @@
 """The data cache at scale: the warm-start key (identity, then content), memory maps shared by workers, the
 sampled tokenizer's determinism, concurrent builders, healing of damaged entries, interrupted builds, modes."""
 
+import contextlib
 import json
 import os
 import pickle
@@ -176,17 +177,22 @@ def test_given_tokenizer_is_used_and_keyed(tmp_path):
 # ----------------------------------------------------------------------------------------------
 _CHILD = """
 import sys
+import data.sources
 from data.config import toy
 from data import build_data
-cfg = toy(data_files=(sys.argv[1],), cache_dir=sys.argv[2], vocab_size=2000, max_len=128, max_tokens=512)
+extra = {}
+if len(sys.argv) > 3:  # several build workers over small chunks
+    data.sources.CHUNK_BYTES, extra = int(sys.argv[3]), {"build_workers": 2}
+cfg = toy(data_files=(sys.argv[1],), cache_dir=sys.argv[2], vocab_size=2000, max_len=128, max_tokens=512, **extra)
 b = build_data(cfg, log=lambda m: print(m, flush=True))
 print("SIZES", b.split_record["sizes"], b.split_record["fingerprint"], flush=True)
 """
 
 
-def _child(corpus, cache, umask=None):
+def _child(corpus, cache, umask=None, chunk_bytes=None):
     pre = (lambda: os.umask(umask)) if umask is not None else None
-    return subprocess.Popen([sys.executable, "-c", _CHILD, str(corpus), str(cache)], cwd=REPO, text=True,
+    more = [str(chunk_bytes)] if chunk_bytes else []
+    return subprocess.Popen([sys.executable, "-c", _CHILD, str(corpus), str(cache), *more], cwd=REPO, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=pre,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
 
@@ -218,21 +224,33 @@ def test_concurrent_builders_one_builds_the_other_waits_and_maps(tmp_path, big_c
     assert len(sizes) == 2 and sizes[0] == sizes[1]
 
 
-def test_build_killed_midway_is_cleaned_at_next_start(tmp_path, big_corpus):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_build_killed_midway_is_cleaned_at_next_start(tmp_path, big_corpus, workers):
+    """kill -9 mid-build (in-process, or with 2 forked build workers): the workers die with the parent, the
+    lock is free, and the next start removes the temp entry and builds."""
     cache = tmp_path / "cache"
-    a = _child(big_corpus, cache)
+    a = _child(big_corpus, cache, chunk_bytes=65536 if workers == 2 else None)
     _wait_for_build_in_progress(cache, a)
+    time.sleep(0.3)
+    kids = [int(p) for p in subprocess.run(["pgrep", "-P", str(a.pid)], capture_output=True, text=True).stdout.split()]
+    assert len(kids) == (2 if workers == 2 else 0) or workers == 1
     a.send_signal(signal.SIGKILL)
     a.wait()
+    t0 = time.monotonic()
+    try:
+        while any(Path(f"/proc/{k}").exists() and Path(f"/proc/{k}/stat").read_text().split()[2] != "Z" for k in kids):
+            assert time.monotonic() - t0 < 10, "build workers outlived their killed parent"
+            time.sleep(0.05)
+    finally:
+        for k in kids:  # never leave them behind, even when the test fails
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(k, signal.SIGKILL)
     leftovers = [p.name for p in cache.iterdir() if p.name.startswith(".")]
     assert leftovers  # the killed build left its temp entry
-    logs = []
-    cfg = cfg_for(tmp_path, str(big_corpus), vocab_size=2000, max_len=128, max_tokens=512, valid_size=60,
-                  test_size=60)
-    b = build_data(cfg, log=logs.append)
-    assert len(b.splits["train"]) > 0
+    b = _child(big_corpus, cache)
+    out = b.communicate(timeout=300)[0]
+    assert b.returncode == 0 and "interrupted builds" in out and "waiting" not in out, out
     assert [p.name for p in cache.iterdir() if p.name.startswith(".")] == []
-    assert any("interrupted builds" in line for line in logs)
 
 
 @pytest.mark.parametrize("mask", [0o022, 0o002])
