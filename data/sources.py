@@ -143,6 +143,9 @@ def missing_files_error(missing: list[str], *, from_env: bool = False, name: str
         hint = " (a path is never split on spaces or commas: give several files as several arguments)"
     if from_env:
         hint += f" ($FASTMT_DATA_FILES holds paths separated by {os.pathsep!r}, os.pathsep)"
+    folders = [m for m in missing if Path(m).is_dir()]
+    if folders:
+        hint += f" ({', '.join(folders)}: a folder, not a file; name the files in it)"
     return DataFilesNotFound(f"{name} not found: {missing}{hint}")
 
 
