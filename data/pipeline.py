@@ -20,6 +20,7 @@ import numpy as np
 
 from . import build as B
 from . import cache as C
+from . import entry as E
 from .batching import BatchSpec, PackLayout, pack_layout_from_totals, plan_batches
 from .clean import CleanReport, DataInputError
 from .config import DataConfig
@@ -276,7 +277,7 @@ class DataBundle:
         )
 
 
-def _split(entry: B.Entry, s: str) -> EncodedSplit:
+def _split(entry: E.Entry, s: str) -> EncodedSplit:
     a, texts = entry.arrays[s], entry.texts[s]
     return EncodedSplit(
         None if texts is None else texts[0],
@@ -289,14 +290,14 @@ def _split(entry: B.Entry, s: str) -> EncodedSplit:
     )
 
 
-def _resolve(cfg: DataConfig, inp: B.Inputs, sets: dict, cache: Path, tokenizer: Tokenizer | None, log) -> B.Entry:
+def _resolve(cfg: DataConfig, inp: E.Inputs, sets: dict, cache: Path, tokenizer: Tokenizer | None, log) -> E.Entry:
     """The entry for these inputs and settings: from the identity index (stat only), else by content hash
     (a ``touch`` or a copy of known data), else built. Builders of one key take turns on its lock."""
     seen = inp.identity()
     ident = C.digest({"settings": sets, "inputs": seen})
     index = C.mkdirs(cache / "index") / f"{ident}.json"
 
-    def indexed() -> B.Entry | None:
+    def indexed() -> E.Entry | None:
         if not index.is_file():
             return None
         try:
@@ -304,7 +305,7 @@ def _resolve(cfg: DataConfig, inp: B.Inputs, sets: dict, cache: Path, tokenizer:
         except (OSError, ValueError, KeyError, TypeError) as e:
             C.discard(index, f"{type(e).__name__}: {str(e)[:80]}", log)
             return None
-        return B.load_entry(cache, key, log)
+        return E.load_entry(cache, key, log)
 
     entry = indexed()
     if entry is not None:
@@ -318,9 +319,9 @@ def _resolve(cfg: DataConfig, inp: B.Inputs, sets: dict, cache: Path, tokenizer:
         content = inp.content()
         key = C.digest({"settings": sets, "content": content})
         with C.locked(cache, key, log):
-            entry = B.load_entry(cache, key, log)
+            entry = E.load_entry(cache, key, log)
             if entry is None:
-                tok_key = B.tokenizer_key(content, sets)
+                tok_key = E.tokenizer_key(content, sets)
                 entry = B.build_entry(cfg, inp, key, tok_key, sets, cache, tokenizer, log)
             else:
                 log(f"[data] inputs changed on disk but not in content ({time.perf_counter() - t0:.1f} s to hash): "
@@ -334,14 +335,14 @@ def _resolve(cfg: DataConfig, inp: B.Inputs, sets: dict, cache: Path, tokenizer:
     return entry
 
 
-def _tokenizer_of(entry: B.Entry, cfg: DataConfig, cache: Path, sets: dict, tokenizer: Tokenizer | None) -> Tokenizer:
+def _tokenizer_of(entry: E.Entry, cfg: DataConfig, cache: Path, sets: dict, tokenizer: Tokenizer | None) -> Tokenizer:
     """The given tokenizer, or the entry's ``spm-<key>`` model (its settings.json checked against ours)."""
     if tokenizer is not None:
         return tokenizer
     key = entry.meta["tokenizer_key"]
     if C.read_json(cache / f"spm-{key}" / "settings.json") != sets["tokenizer"]:
         raise ValueError("settings.json differs from the settings")
-    return Tokenizer(cache / f"spm-{key}" / "spm.model", key, cfg.spm_threads or B.build_workers(cfg))
+    return Tokenizer(cache / f"spm-{key}" / "spm.model", key, cfg.spm_threads or E.build_workers(cfg))
 
 
 def build_data(cfg: DataConfig, log=print, tokenizer: Tokenizer | None = None) -> DataBundle:
@@ -361,8 +362,8 @@ def build_data(cfg: DataConfig, log=print, tokenizer: Tokenizer | None = None) -
         raise DataInputError(f"data.cache_dir={cfg.cache_dir} is not a folder; give a folder (it is created if missing)")
     cache = C.mkdirs(Path(cfg.cache_dir))
     C.clean_stale_temps(cache, log)
-    inp = B.inputs(cfg)
-    sets = B.settings(cfg, tokenizer)
+    inp = E.inputs(cfg)
+    sets = E.settings(cfg, tokenizer)
     entry = _resolve(cfg, inp, sets, cache, tokenizer, log)
     try:
         tok = _tokenizer_of(entry, cfg, cache, sets, tokenizer)
