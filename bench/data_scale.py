@@ -206,6 +206,23 @@ def write_table(rows: list[dict], md: Path) -> None:
              "the build, summed over the process tree (RSS counts shared pages once per process, PSS shares them); "
              "getrusage = max RSS of the child / of its largest child. The machine is shared: the load average "
              "before/after each run is given.", ""]
+    lines += ["## Summary: medians over the rows below, per size, code and phase", "",
+              "| pairs | phase | code (tag) | build s | peak RSS tree MB | peak PSS tree MB | pairs/s/core | runs | load |",
+              "|---:|---|---|---:|---:|---:|---:|---:|---|"]
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((int(r["pairs"]), r["phase"], f"{r['code']} ({r['tag']})"), []).append(r)
+    for (pairs, phase, code), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
+        def med(k, rs=rs):
+            v = [float(r[k]) for r in rs if r[k] not in ("", None)]
+            return float(np.median(v)) if v else None
+
+        loads = [float(r["load_before"]) for r in rs] + [float(r["load_after"]) for r in rs]
+        pps = med("pairs_per_s_core")
+        lines.append(f"| {pairs:,} | {phase} | {code} | {med('build_s'):.3f} | {med('rss_tree_mb'):.0f} "
+                     f"| {med('pss_tree_mb'):.0f} | {'' if pps is None else f'{pps:,.0f}'} | {len(rs)} "
+                     f"| {min(loads):.1f}–{max(loads):.1f} |")
+    lines.append("")
     for mach in sorted({r["machine"] for r in rows}):
         lines += [f"## {mach}", "",
                   "| date | code | tag | corpus | pairs | phase | build s | process s | first batch s | pairs/s/core "
