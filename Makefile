@@ -22,11 +22,12 @@ RUNTIME     := $(VENV)/.fastmt-runtime
 DEV         := $(VENV)/.fastmt-dev
 endif
 
-# Local data: DATA_FILES, else FASTMT_DATA_FILES, else (a development checkout without Hub access) the
-# stand-in corpus beside it if present; with none of them the data comes from the Hub (OPUS Books en-it).
+# Local data: DATA_FILES (space-separated), else $FASTMT_DATA_FILES (read by fastmt itself: paths separated
+# by ':'), else (a development checkout without Hub access) the stand-in corpus beside it if present; with
+# none of them the data comes from the Hub (OPUS Books en-it).
 # Not added when ARGS names the data itself (--data-files, --data.data_files, --data.dataset, --config).
 STANDIN     ?= ../shared/data/opus_mt_testsets/en-it/train.jsonl
-DATA_FILES  ?= $(or $(FASTMT_DATA_FILES),$(wildcard $(STANDIN)))
+DATA_FILES  ?= $(if $(FASTMT_DATA_FILES),,$(wildcard $(STANDIN)))
 DATA_FLAGS  := --data-files --data.data_files --data.dataset --config
 ARGS_DATA   := $(filter $(DATA_FLAGS) $(addsuffix =%,$(DATA_FLAGS)),$(ARGS))
 DATA_ARG    := $(if $(ARGS_DATA),,$(if $(DATA_FILES),--data-files $(DATA_FILES),))
@@ -39,7 +40,7 @@ help:  ## this list
 	@echo "usage: make TARGET [ARGS='--field value ...'] (targets set up .venv first)"
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## (.*)/  make \1\t\2/' | expand -t 22
 	@echo "variables: ARGS (passed to the command; shell words), CKPT and TEXT (translate; passed as is),"
-	@echo "  DATA_FILES (local jsonl/parquet/tsv files, space-separated), TORCH_INDEX (pip index for torch;"
+	@echo "  DATA_FILES (local jsonl/parquet/tsv files, space-separated; or FASTMT_DATA_FILES=a:b), TORCH_INDEX (pip index for torch;"
 	@echo "  https://download.pytorch.org/whl/cpu: CPU-only), TORCH_SPEC, SETUP=none PYTHON=python3 (no venv)"
 
 setup: $(RUNTIME)  ## create .venv with the runtime dependencies and the `fastmt` command

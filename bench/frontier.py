@@ -231,7 +231,7 @@ def write_outputs(rows: list[dict[str, Any]], prov: Mapping[str, Any], corpus: s
 # -- The frontier ----------------------------------------------------------------------------------
 def corpus_of(data_files: Sequence[str]) -> str:
     """The label of the contestants' data: the files given, else ``$FASTMT_DATA_FILES``, else the Hub's."""
-    files = list(data_files) or os.environ.get("FASTMT_DATA_FILES", "").split()
+    files = list(data_files) or [f for f in os.environ.get("FASTMT_DATA_FILES", "").split(os.pathsep) if f]
     return cli.corpus_label(files) if files else "OPUS Books en-it (Hub)"
 
 

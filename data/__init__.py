@@ -1,6 +1,7 @@
-"""fastmt data pipeline: HF datasets -> cleaning -> seeded split -> SentencePiece -> cached arrays -> batches.
+"""fastmt data pipeline: files / HF datasets -> cleaning -> leakage-free split -> SentencePiece -> memory-mapped
+cache entry (built once, in parallel, streaming) -> batches.
 
-Public: `DataConfig`, `build_data(cfg, log=print) -> DataBundle`, `Batch`. Importing this package is light
+Public: `DataConfig`, `build_data(cfg, log=print, tokenizer=None) -> DataBundle`, `Batch`. Importing this package is light
 (stdlib only); torch, numpy-heavy code, datasets and sentencepiece load on first use.
 """
 

@@ -103,14 +103,22 @@ def pack_layout(src_len, tgt_len, max_tokens: int, max_len: int, multiple: int =
         raise ValueError(
             f"pack_layout needs equal, non-empty length arrays, got {src_len.shape} and {tgt_len.shape}"
         )
+    return pack_layout_from_totals(len(src_len), int(src_len.sum()), int(tgt_len.sum()), max_tokens, max_len,
+                                   multiple)
+
+
+def pack_layout_from_totals(n: int, s_tot: int, t_tot: int, max_tokens: int, max_len: int,
+                            multiple: int = PACK_MULTIPLE) -> PackLayout:
+    """`pack_layout` from the pair count and the token totals per side (all it reads of the lengths)."""
+    if n < 1 or s_tot < n or t_tot < n:
+        raise ValueError(f"pack_layout needs n >= 1 pairs of >= 1 token a side, got n={n}, totals {s_tot}, {t_tot}")
     if max_tokens < 2 * max_len:
         raise ValueError(f"max_tokens={max_tokens} < 2 * max_len={max_len}: a maximal pair would not fit")
-    s_tot, t_tot = int(src_len.sum()), int(tgt_len.sum())
     floor = int(round_up(max_len, multiple))
     c_src = max(int(round_up(-(-max_tokens * s_tot // (s_tot + t_tot)), multiple)), floor)
     c_tgt = max(int(round_up(-(-max_tokens * t_tot // (s_tot + t_tot)), multiple)), floor)
     # both terms: a stream's expected pair count when filled with average-length pairs
-    fill = max(c_src * len(src_len) / s_tot, c_tgt * len(tgt_len) / t_tot)
+    fill = max(c_src * n / s_tot, c_tgt * n / t_tot)
     real = int(np.ceil(PACK_SLOT_SLACK * fill))
     dummy = -(-max(c_src, c_tgt) // max_len)
     return PackLayout(c_src, c_tgt, real + dummy, max_len)
@@ -208,25 +216,39 @@ def _token_buckets(src_len, tgt_len, spec: BatchSpec, rng) -> list[np.ndarray]:
             f"a pair needs {worst} padded tokens > max_tokens={budget}; raise max_tokens or filter with max_len"
         )
     n = len(src_len)
+    if n == 0:
+        return []
     perm = rng.permutation(n) if rng is not None else np.arange(n)
     h = hilbert_index(s_pad // m, t_pad // m)
     order = perm[np.argsort(h[perm], kind="stable")]  # buckets in curve order, shuffled within each
 
-    batches, start, max_s, max_t = [], 0, 0, 0
-    s_o, t_o = s_pad[order].tolist(), t_pad[order].tolist()
-    for i in range(n):
-        ns, nt, b = max(max_s, s_o[i]), max(max_t, t_o[i]), i - start
+    # The greedy cut, walked per run of equal padded (S, T) instead of per pair: within a run that does not
+    # raise the batch maxima both close conditions grow monotonically with the batch size, so the next
+    # cut is computed, not searched (the same cuts as the per-pair loop; O(runs + batches) python steps).
+    s_o, t_o = s_pad[order], t_pad[order]
+    edges = np.flatnonzero((np.diff(s_o) != 0) | (np.diff(t_o) != 0)) + 1
+    cuts, start, max_s, max_t = [], 0, 0, 0
+    for a, e in zip([0, *edges.tolist()], [*edges.tolist(), n]):
+        s, t = int(s_o[a]), int(t_o[a])
+        ns, nt, b = max(max_s, s), max(max_t, t), a - start  # the run's first pair, as the per-pair loop
         over = (b + 1) * (ns + nt) > budget
-        jump = 2 * b * (max_s + max_t) >= budget and (b + 1) * (ns + nt) - b * (max_s + max_t) > 2 * (
-            s_o[i] + t_o[i]
-        )
+        jump = 2 * b * (max_s + max_t) >= budget and (b + 1) * (ns + nt) - b * (max_s + max_t) > 2 * (s + t)
         if over or jump:
-            batches.append(order[start:i])
-            start, ns, nt = i, s_o[i], t_o[i]
+            cuts.append(a)
+            start, ns, nt = a, s, t
         max_s, max_t = ns, nt
-    if start < n:
-        batches.append(order[start:n])
-    return batches
+        pos = a + 1
+        while pos < e:  # the rest of the run: equal pairs that do not raise the maxima
+            w = max_s + max_t
+            close = budget // w  # over: (b + 1) * w > budget
+            if w > 2 * (s + t):  # jump: 2 * b * w >= budget
+                close = min(close, -(-budget // (2 * w)))
+            j = max(start + close, pos)
+            if j >= e:
+                break
+            cuts.append(j)
+            start, max_s, max_t, pos = j, s, t, j + 1
+    return [order[x:y] for x, y in zip([0, *cuts], [*cuts, n]) if y > x]
 
 
 def _pack(src_len, tgt_len, layout: PackLayout, rng, lookahead: int = PACK_LOOKAHEAD) -> list[np.ndarray]:
@@ -250,11 +272,12 @@ def _pack(src_len, tgt_len, layout: PackLayout, rng, lookahead: int = PACK_LOOKA
             pending.append(order[nxt])
             nxt += 1
         room_s, room_t = cs - used_s, ct - used_t
-        j = (
-            next((j for j, i in enumerate(pending) if s_l[i] <= room_s and t_l[i] <= room_t), None)
-            if len(cur) < cap
-            else None
-        )
+        if len(cur) >= cap:
+            j = None
+        elif s_l[pending[0]] <= room_s and t_l[pending[0]] <= room_t:  # the common case: the head fits
+            j = 0
+        else:
+            j = next((j for j, i in enumerate(pending) if s_l[i] <= room_s and t_l[i] <= room_t), None)
         if j is None:  # nothing fits (or the slots are full): close; the head pair fits an empty batch
             batches.append(np.array(cur, dtype=np.int64))
             cur, used_s, used_t = [], 0, 0

@@ -1,9 +1,11 @@
 """Row cleaning with a per-reason report. Bad rows are counted, never raised.
 
-Every input row either trains or is counted under one reason, in three stages: the file readers
-(`data.sources`) count rows they cannot parse (`READ_REASONS`); `clean_text` counts parsed rows without two
-usable sides (`TEXT_REASONS`); `length_mask` counts pairs whose subword lengths fail the limits, per split
-(`LENGTH_REASONS`). The report keeps the first few examples of each reason with their file and line.
+Every input row either trains, is held out (valid/test), or is counted under one reason, in four stages: the
+file readers (`data.sources`) count rows they cannot parse (`READ_REASONS`); `clean_row` counts parsed rows
+without two usable sides (`TEXT_REASONS`); train pairs whose normalised source or target occurs in your own
+valid/test files are removed (`LEAK_REASONS`); `length_mask` counts TRAIN pairs whose subword lengths fail
+the limits (`LENGTH_REASONS`; valid and test are never length-filtered). The report keeps the first few
+examples of each reason with their file and line.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 READ_REASONS = ("blank_line", "bad_encoding", "bad_json", "not_an_object", "no_translation", "wrong_columns")
-TEXT_REASONS = ("not_a_dict", "missing_language", "not_a_string", "empty")
+TEXT_REASONS = ("not_a_dict", "missing_language", "not_a_string", "bad_unicode", "empty")
+LEAK_REASONS = ("in_eval_files",)
 LENGTH_REASONS = ("too_long", "length_ratio")
-REASONS = READ_REASONS + TEXT_REASONS + LENGTH_REASONS
+REASONS = READ_REASONS + TEXT_REASONS + LEAK_REASONS + LENGTH_REASONS
 MAX_EXAMPLES = 3  # examples kept per reason
 
 HINTS = {  # the fix, printed under a reason that dropped rows
@@ -26,13 +29,40 @@ HINTS = {  # the fix, printed under a reason that dropped rows
     "no_translation": 'rows need a "translation" object {src: ..., tgt: ...}',
     "wrong_columns": "tsv rows are exactly `src<TAB>tgt` (no header, no quoting)",
     "missing_language": "check data.src_lang / data.tgt_lang against the keys of the rows",
+    "bad_unicode": "a lone UTF-16 surrogate escape (e.g. \\ud800 without its pair) is not text: fix the writer",
+    "in_eval_files": "their normalised source or target occurs in data.valid_files / data.test_files",
     "too_long": "raise data.max_len (and data.max_tokens >= 2 x max_len) to keep them",
     "length_ratio": "raise data.max_len_ratio to keep them",
 }
 
 
 class DataInputError(ValueError):
-    """The input cannot train anything (an empty file, no usable rows, every pair filtered out)."""
+    """The input cannot train anything (an empty file, no usable rows, every pair filtered out), or a setting
+    the data cannot satisfy: one message naming the value, the file/line and the fix; no traceback."""
+
+
+class DataFilesNotFound(DataInputError, FileNotFoundError):
+    """Named data files do not exist (a `DataInputError` and a `FileNotFoundError`)."""
+
+
+@dataclass
+class Tally:
+    """Rows rejected while reading or cleaning one chunk: counts per reason and the first `MAX_EXAMPLES`
+    examples per reason as (reason, position in the chunk, detail); positions are resolved to file:line
+    when chunks are merged in order (`CleanReport.merge`)."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    examples: list[tuple[str, int, str]] = field(default_factory=list)
+
+    def add(self, reason: str, pos: int, detail: str = "") -> None:
+        n = self.counts.get(reason, 0)
+        self.counts[reason] = n + 1
+        if n < MAX_EXAMPLES:
+            self.examples.append((reason, pos, detail))
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
 
 
 @dataclass
@@ -41,6 +71,9 @@ class CleanReport:
     dropped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
     dropped_by_split: dict[str, dict[str, int]] = field(default_factory=dict)  # length reasons per split
     examples: dict[str, list[str]] = field(default_factory=dict)  # reason -> first "file:line: detail"
+    # the split's leakage check (split_record["overlap"]) and valid/test pairs cut to max_len, once split
+    overlap: dict | None = None
+    truncated: dict | None = None
 
     @property
     def kept(self) -> int:
@@ -58,6 +91,21 @@ class CleanReport:
         if len(shown) < MAX_EXAMPLES:
             shown.append(f"{where}: {detail}" if detail else where)
 
+    def merge(self, tally: Tally, where: Callable[[int], str]) -> None:
+        """Add a chunk's rejects (rows read are counted by the caller); ``where(pos)`` names a position."""
+        for reason, n in tally.counts.items():
+            self.dropped[reason] += n
+        for reason, pos, detail in tally.examples:
+            self.note(reason, where(pos), detail)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CleanReport:
+        """The inverse of `as_dict` (a cached entry's report); reasons it lacks count 0."""
+        return cls(rows=d["rows"], dropped={**dict.fromkeys(REASONS, 0), **d["dropped"]},
+                   dropped_by_split=d.get("dropped_by_split", {}),
+                   examples={k: list(v) for k, v in d.get("examples", {}).items()},
+                   overlap=d.get("overlap"), truncated=d.get("truncated"))
+
     def as_dict(self) -> dict:
         return {
             "rows": self.rows,
@@ -65,6 +113,8 @@ class CleanReport:
             "dropped": dict(self.dropped),
             "dropped_by_split": self.dropped_by_split,
             "examples": {k: list(v) for k, v in self.examples.items() if v},
+            "overlap": self.overlap,
+            "truncated": self.truncated,
         }
 
     def __str__(self) -> str:
@@ -82,7 +132,44 @@ def format_report(r: dict) -> str:
         lines += [f"      e.g. {e}" for e in r.get("examples", {}).get(reason, [])]
     if r["kept"] == r["rows"]:
         lines.append("  dropped         0")
+    ov = r.get("overlap")
+    if ov:
+        def pair(when: str, side: str) -> str:
+            return "/".join(str(ov[when][s][side]) if ov[when] and s in ov[when] else "-" for s in ("valid", "test"))
+
+        lines.append(f"valid/test rows whose normalised source / target is also in train: before grouping "
+                     f"{pair('before', 'source')} / {pair('before', 'target')}, after {pair('after', 'source')} / "
+                     f"{pair('after', 'target')}")
+    tr = r.get("truncated")
+    if tr and any(tr.values()):
+        lines.append(f"valid/test pairs over max_len kept whole, token arrays cut: {tr['valid']:,} valid, "
+                     f"{tr['test']:,} test")
     return "\n".join(lines)
+
+
+def clean_row(row, src_lang: str, tgt_lang: str, *, keep_empty: bool = False) -> tuple[str, str] | tuple[None, str, str]:
+    """``(src, tgt)`` stripped, or ``(None, reason, detail)`` for a row that is not a dict, lacks a language,
+    holds a non-str, a lone surrogate (not encodable as UTF-8) or, unless ``keep_empty``, an empty side."""
+    if not isinstance(row, dict):
+        return None, "not_a_dict", f"translation is {_short(row)}, not an object"
+    if src_lang not in row or tgt_lang not in row:
+        missing = [k for k in (src_lang, tgt_lang) if k not in row]
+        return None, "missing_language", f"no {missing[0]!r} (keys {sorted(map(str, row))})"
+    s, t = row[src_lang], row[tgt_lang]
+    if not isinstance(s, str) or not isinstance(t, str):  # None, numbers, lists
+        lang, v = (src_lang, s) if not isinstance(s, str) else (tgt_lang, t)
+        return None, "not_a_string", f"{lang!r} is {_short(v)}"
+    for lang, text in ((src_lang, s), (tgt_lang, t)):
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return None, "bad_unicode", (f"{lang!r} holds a lone surrogate U+{ord(text[e.start]):04X} at "
+                                             f"character {e.start + 1}")
+    s, t = s.strip(), t.strip()
+    if not keep_empty and (not s or not t):
+        return None, "empty", f"{src_lang if not s else tgt_lang!r} is empty or blank"
+    return s, t
 
 
 def clean_text(
@@ -92,35 +179,19 @@ def clean_text(
     report: CleanReport,
     where: Callable[[int], str] | None = None,
 ) -> tuple[list[str], list[str], np.ndarray]:
-    """Strip both sides; drop rows that are not dicts, lack a language, hold a non-str or an empty side.
+    """`clean_row` over a list: drops (and counts) rows without two usable sides.
 
     ``where(i)`` names row i (file and line) in the report's examples. Returns (src, tgt, kept_row_indices).
     """
     src, tgt, keep = [], [], []
     report.rows += len(translation)
-
-    def drop(reason: str, i: int, detail: str) -> None:
-        report.drop(reason, where(i) if where is not None else f"row {i}", detail)
-
     for i, row in enumerate(translation):
-        if not isinstance(row, dict):
-            drop("not_a_dict", i, f"translation is {_short(row)}, not an object")
+        got = clean_row(row, src_lang, tgt_lang)
+        if got[0] is None:
+            report.drop(got[1], where(i) if where is not None else f"row {i}", got[2])
             continue
-        if src_lang not in row or tgt_lang not in row:
-            missing = [k for k in (src_lang, tgt_lang) if k not in row]
-            drop("missing_language", i, f"no {missing[0]!r} (keys {sorted(map(str, row))})")
-            continue
-        s, t = row[src_lang], row[tgt_lang]
-        if not isinstance(s, str) or not isinstance(t, str):  # None, numbers, lists
-            lang, v = (src_lang, s) if not isinstance(s, str) else (tgt_lang, t)
-            drop("not_a_string", i, f"{lang!r} is {_short(v)}")
-            continue
-        s, t = s.strip(), t.strip()
-        if not s or not t:
-            drop("empty", i, f"{src_lang if not s else tgt_lang!r} is empty or blank")
-            continue
-        src.append(s)
-        tgt.append(t)
+        src.append(got[0])
+        tgt.append(got[1])
         keep.append(i)
     return src, tgt, np.asarray(keep, dtype=np.int64)
 

@@ -19,6 +19,7 @@ C_tgt, N for the whole run, k real pairs:
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -89,6 +90,36 @@ class Batch:
         return self._map(lambda t: t.pin_memory())
 
 
+_ARRAYS = ("src_ids", "src_off", "tgt_ids", "tgt_off")
+
+
+def _mapped_file(a) -> str | None:
+    """The .npy file a whole-file memory map (``np.load(..., mmap_mode="r")``) came from, else None."""
+    if isinstance(a, np.memmap) and isinstance(a.base, mmap.mmap) and a.filename:
+        return str(a.filename)
+    return None
+
+
+class _SharedArrays:
+    """Pickles the token arrays of a collator by reference when they are memory maps of the cache: a worker
+    process started by spawn/forkserver maps the same file (shared page cache) instead of receiving a copy
+    of the corpus; forked workers inherit the mapping anyway."""
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        for name in _ARRAYS:
+            path = _mapped_file(state[name])
+            if path is not None:
+                state[name] = ("mmap", path)
+        return state
+
+    def __setstate__(self, state):
+        for name in _ARRAYS:
+            if isinstance(state[name], tuple) and state[name][0] == "mmap":
+                state[name] = np.load(state[name][1], mmap_mode="r")
+        self.__dict__.update(state)
+
+
 def _pad_rows(flat: np.ndarray, starts: np.ndarray, lens: np.ndarray, width: int, shift: int) -> np.ndarray:
     """(B, width) int32 of pad with row i's tokens flat[starts[i]:starts[i]+lens[i]] placed at column ``shift``."""
     B = len(lens)
@@ -101,14 +132,14 @@ def _pad_rows(flat: np.ndarray, starts: np.ndarray, lens: np.ndarray, width: int
     return out
 
 
-class Collator:
+class Collator(_SharedArrays):
     """Turns an index list into a `Batch`, padding each side to its batch max rounded up to ``pad_multiple``,
     or to ``seq_len`` when ``seq_len`` is set (fixed mode, truncating overlong sequences: keeps EOS)."""
 
     def __init__(
         self, src_ids, src_off, tgt_ids, tgt_off, *, pad_multiple: int = 1, seq_len: int | None = None
     ):
-        self.src_ids, self.src_off, self.tgt_ids, self.tgt_off = src_ids, src_off, tgt_ids, tgt_off
+        self.src_ids, self.src_off, self.tgt_ids, self.tgt_off = src_ids, src_off, tgt_ids, tgt_off  # memory maps
         self.pad_multiple, self.seq_len = pad_multiple, seq_len
 
     def __call__(self, indices) -> Batch:
@@ -180,7 +211,7 @@ def _positions(seg: np.ndarray, used: int) -> np.ndarray:
     return pos[None]
 
 
-class PackedCollator:
+class PackedCollator(_SharedArrays):
     """Turns an index list into a packed `Batch` with the run's fixed ``layout`` (every batch same shapes)."""
 
     def __init__(self, src_ids, src_off, tgt_ids, tgt_off, *, layout: PackLayout):

@@ -6,30 +6,43 @@ Defaults were chosen by measurement on the stand-in corpus (bench/results/vocab-
 
 from __future__ import annotations
 
+import math
 import os
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 BATCHING_MODES = ("fixed", "dynamic", "sorted", "token_bucket", "packed")
 SPM_MODELS = ("bpe", "unigram")
 OVERLONG_POLICIES = ("error", "truncate")
-DATA_FILES_ENV = "FASTMT_DATA_FILES"
+SPLIT_GROUPINGS = ("source_target", "source")
+DATA_FILES_ENV = "FASTMT_DATA_FILES"  # several paths separated by os.pathsep (':' on POSIX, ';' on Windows)
 TOY_DATASET = "toy"  # dataset name of the generated toy corpus (data/toy.py)
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def parse_data_files(value: str | os.PathLike | list | tuple | None) -> tuple[str, ...]:
-    """Normalise ``data_files`` given as a str (whitespace- or comma-separated) or a sequence."""
+def parse_data_files(value: str | os.PathLike | list | tuple | None, name: str = "data_files") -> tuple[str, ...]:
+    """Normalise a file list: one path (str / PathLike) or a sequence of paths. A path is never split: spaces
+    and commas are part of it (give several files as several items; the environment variable
+    `DATA_FILES_ENV` separates them with ``os.pathsep``, see `env_data_files`)."""
     if value is None:
         return ()
     if isinstance(value, str | os.PathLike):
-        return tuple(p for p in re.split(r"[\s,]+", os.fspath(value)) if p)
-    if isinstance(value, list | tuple):  # one path per element: never split (a path may hold spaces or commas)
-        if not all(isinstance(v, str | os.PathLike) for v in value):
-            raise TypeError(f"data_files must be a list of paths, got {value!r}")
-        return tuple(os.fspath(v) for v in value if os.fspath(v))
-    raise TypeError(f"data_files must be a str or a list of str, got {type(value).__name__}: {value!r}")
+        path = os.fspath(value)
+        return (path,) if path else ()
+    if isinstance(value, list | tuple):
+        out = []
+        for v in value:
+            if not isinstance(v, str | os.PathLike):
+                raise TypeError(f"{name}: each item must be a path (str), got {type(v).__name__}: {v!r}")
+            if os.fspath(v):
+                out.append(os.fspath(v))
+        return tuple(out)
+    raise TypeError(f"{name} must be a path or a list of paths, got {type(value).__name__}: {value!r}")
+
+
+def env_data_files() -> tuple[str, ...]:
+    """``$FASTMT_DATA_FILES``: paths separated by ``os.pathsep`` (':' on POSIX), never by spaces or commas."""
+    return tuple(p for p in os.environ.get(DATA_FILES_ENV, "").split(os.pathsep) if p)
 
 
 @dataclass
@@ -40,24 +53,34 @@ class DataConfig:
     dataset: str = "Helsinki-NLP/opus_books"
     dataset_config: str | None = "en-it"  # Hub config name
     hf_split: str = "train"  # Hub split to read (opus_books has only "train"; we split it ourselves)
-    data_files: tuple[str, ...] = ()  # local jsonl/parquet/tsv files; env FASTMT_DATA_FILES if empty
+    # local jsonl/json/parquet/tsv files, each item one path (never split on spaces or commas); if empty,
+    # $FASTMT_DATA_FILES (paths separated by os.pathsep, ':' on POSIX)
+    data_files: tuple[str, ...] = ()
     src_lang: str = "en"  # key of the source side in {"translation": {...}} (tsv: first column)
     tgt_lang: str = "it"  # key of the target side (tsv: second column)
     toy_rows: int = 1500  # dataset="toy": rows generated (row i is the same for any toy_rows)
-    # --- cleaning (lengths in subword tokens, incl. EOS on src / BOS on tgt) ---
-    max_len: int = 256  # drop pairs with either side longer than this
-    max_len_ratio: float = 3.0  # drop pairs whose longer side is > ratio x the shorter side
-    # --- split ---
+    # --- cleaning of TRAIN pairs (lengths in subword tokens, incl. EOS on src / BOS on tgt); valid and test
+    # are never filtered: an over-long pair keeps its texts, its token arrays are cut to max_len (counted) ---
+    max_len: int = 256  # drop train pairs with either side longer than this
+    max_len_ratio: float = 3.0  # drop train pairs whose longer side is > ratio x the shorter side
+    # --- split (leakage-free: whole groups of pairs sharing a normalised source go to one split) ---
     valid_size: int | float = (
         1000  # int >= 0: rows (0: no valid split); float in [0, 1): fraction of clean rows
     )
     test_size: int | float = 1000  # same convention as valid_size
-    split_seed: int = 0  # seed of the train/valid/test permutation
-    # --- SentencePiece (one joint vocabulary, learned from the train split only) ---
+    split_seed: int = 0  # seed of the group hash that orders groups into test, valid, train
+    # "source_target": a group is all pairs linked by a shared normalised source OR target (measured on the
+    # stand-in corpus: ~2 % of valid/test targets otherwise occur in train); "source": shared source only
+    split_grouping: str = "source_target"
+    valid_files: tuple[str, ...] = ()  # your own validation rows (same formats), used whole and in order
+    test_files: tuple[str, ...] = ()  # your own test rows, used whole and in order (never filtered)
+    # --- SentencePiece (one joint vocabulary, learned from a seeded sample of the train split) ---
     vocab_size: int = 8000  # requested size; small corpora may yield fewer pieces
     spm_model: str = "bpe"  # "bpe" | "unigram"
     character_coverage: float = 0.9995  # rare characters beyond this go through byte fallback
-    spm_threads: int = 0  # SentencePiece training/encoding threads; 0 = all cores
+    spm_sample_pairs: int = 100_000  # train pairs (both sides) SentencePiece learns from; 0 = all
+    spm_threads: int = 0  # SentencePiece training threads; 0 = all cores
+    build_workers: int = 0  # processes that read, clean and encode a cold build; 0 = all cores, 1 = in-process
     # --- batching ---
     batching: str = "token_bucket"  # "fixed" | "dynamic" | "sorted" | "token_bucket" | "packed"
     # token_bucket: budget of padded src+tgt tokens per batch (~ the seed's real tokens/step);
@@ -76,6 +99,10 @@ class DataConfig:
 
     def __post_init__(self):
         self.data_files = parse_data_files(self.data_files)
+        self.valid_files = parse_data_files(self.valid_files, "valid_files")
+        self.test_files = parse_data_files(self.test_files, "test_files")
+        if self.split_grouping not in SPLIT_GROUPINGS:
+            raise ValueError(f"split_grouping={self.split_grouping!r}; choose one of {SPLIT_GROUPINGS}")
         if self.batching not in BATCHING_MODES:
             raise ValueError(f"batching={self.batching!r}; choose one of {BATCHING_MODES}")
         if self.spm_model not in SPM_MODELS:
@@ -98,6 +125,7 @@ class DataConfig:
             "max_tokens",
             "prefetch_factor",
             "toy_rows",
+            "vocab_size",
         )
         for name in names:
             v = getattr(self, name)
@@ -109,19 +137,24 @@ class DataConfig:
             raise ValueError(
                 f"vocab_size={self.vocab_size} must be >= 300 (byte fallback alone takes 256+4 ids)"
             )
-        if not self.max_len_ratio >= 1.0:
+        if not self.max_len_ratio >= 1.0:  # NaN fails too; inf = no ratio limit
             raise ValueError(f"max_len_ratio={self.max_len_ratio} must be >= 1")
+        if not 0.0 < self.character_coverage <= 1.0:
+            raise ValueError(f"character_coverage={self.character_coverage} must be in (0, 1]")
         for name in ("valid_size", "test_size"):
             v = getattr(self, name)
             if (
                 isinstance(v, bool)
                 or not isinstance(v, int | float)
+                or not math.isfinite(v)
                 or v < 0
                 or (isinstance(v, float) and v >= 1)
             ):
                 raise ValueError(f"{name}={v!r}: give an int count >= 0 or a float fraction in [0, 1)")
-        if self.num_workers < 0 or self.spm_threads < 0:
-            raise ValueError(f"num_workers={self.num_workers}, spm_threads={self.spm_threads} must be >= 0")
+        for name in ("num_workers", "spm_threads", "spm_sample_pairs", "build_workers", "split_seed", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name}={v!r} must be an int >= 0")
         # a single example at max_len must fit the token budget, or the budget could not be honoured
         longest = 2 * _round_up(self.max_len, self.pad_multiple)
         if self.max_tokens < longest:
@@ -135,10 +168,15 @@ class DataConfig:
         return self.dataset == TOY_DATASET and not self.data_files
 
     def resolved_data_files(self) -> tuple[str, ...]:
-        """``data_files``, else () for the toy corpus, else ``$FASTMT_DATA_FILES``, else () meaning the Hub."""
+        """``data_files``, else () for the toy corpus, else ``$FASTMT_DATA_FILES`` (``os.pathsep``-separated),
+        else () meaning the Hub."""
         if self.data_files or self.is_toy():
             return self.data_files
-        return parse_data_files(os.environ.get(DATA_FILES_ENV))
+        return env_data_files()
+
+    def files_from_env(self) -> bool:
+        """The training files come from ``$FASTMT_DATA_FILES`` (for error messages naming it)."""
+        return not self.data_files and not self.is_toy() and bool(env_data_files())
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -1,112 +1,88 @@
-"""`build_data(cfg) -> DataBundle`: load -> clean -> seeded split -> SentencePiece -> cached arrays -> loaders.
+"""`build_data(cfg) -> DataBundle`: inputs -> cached (or built) corpus entry -> memory-mapped splits -> loaders.
 
-Caches under ``cfg.cache_dir`` (both keyed by the data fingerprint, the split and the tokenizer settings):
-  spm-<key>/spm.model     the tokenizer, trained on the train split only
-  enc-<key>.npz           the whole corpus encoded once: per split one concatenated int32 token array and
-                          int64 offsets per side (no specials), plus the split's row indices
-Nothing is tokenized after this: the loader's collate pads slices of these arrays.
+The cache (`data.cache`, under ``cfg.cache_dir``) holds the cleaned, leakage-free split (`data.split`) and
+encoded corpus as .npy arrays (`data.build`), keyed by the inputs and every setting. A warm start stats the
+input files, reads one small JSON and maps the arrays: it reads nothing corpus-sized and its time and memory
+do not grow with the corpus. A cold build streams through the files in chunks with ``build_workers``
+processes. Concurrent builds of one entry (DDP ranks, two runs) take turns on a file lock: the first builds,
+the others map its result. Nothing is tokenized after this: the loader's collate pads slices of the arrays.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import tempfile
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 
-from .batching import BatchSpec, PackLayout, pack_layout, plan_batches
-from .clean import CleanReport, DataInputError, clean_text, length_examples, length_mask
+from . import build as B
+from . import cache as C
+from . import entry as E
+from .batching import BatchSpec, PackLayout, pack_layout_from_totals, plan_batches
+from .clean import CleanReport, DataInputError
 from .config import DataConfig
-from .sources import load_raw
-from .tokenizer import Tokenizer, spm_settings, tokenizer_key, train_or_load
+from .tokenizer import Tokenizer
 from .workers import ignore_stop_signals
 
 SPLITS = ("train", "valid", "test")
+PLANS_KEPT = 4  # batch plans memoised per bundle (num_batches and loader of one epoch share one)
 
 
 @dataclass
 class EncodedSplit:
-    """One split: texts plus its slice of the cached token arrays (subwords only, no specials)."""
+    """One split: its token arrays (subwords only, no specials; memory maps of the cache for a built
+    corpus) and, for valid/test, its texts. Train texts are never loaded (``None``)."""
 
-    src_text: list[str]
-    tgt_text: list[str]
-    src_ids: np.ndarray  # (N_src_tokens,) int32, concatenated
+    src_text: list[str] | None  # valid/test: the whole source texts (what is translated); train: None
+    tgt_text: list[str] | None  # valid/test: the whole references (what BLEU scores against); train: None
+    src_ids: np.ndarray  # (N_src_tokens,) uint16 (vocab <= 65536) or int32, concatenated
     src_offsets: np.ndarray  # (n+1,) int64
     tgt_ids: np.ndarray
     tgt_offsets: np.ndarray
-    rows: np.ndarray  # (n,) int64 index of each pair in the cleaned corpus
+    rows: np.ndarray  # (n,) int64 index of each pair in the cleaned corpus (your valid/test files: row index)
 
-    @property
+    @cached_property
     def src_lengths(self) -> np.ndarray:  # (n,) int32 tokens incl. EOS
         return (np.diff(self.src_offsets) + 1).astype(np.int32)
 
-    @property
+    @cached_property
     def tgt_lengths(self) -> np.ndarray:  # (n,) int32 tokens incl. BOS
         return (np.diff(self.tgt_offsets) + 1).astype(np.int32)
 
+    def token_totals(self) -> tuple[int, int]:
+        """(src tokens incl. EOS, tgt tokens incl. BOS) of the split, read in O(1) from the offsets."""
+        n = len(self)
+        return int(self.src_offsets[-1]) + n, int(self.tgt_offsets[-1]) + n
+
     def __len__(self) -> int:
-        return len(self.src_text)
+        return len(self.src_offsets) - 1
 
     def select(self, keep: np.ndarray) -> EncodedSplit:
-        """Subset by a boolean mask, re-packing the token arrays."""
+        """Subset by a boolean mask, re-packing the token arrays (in memory)."""
         idx = np.flatnonzero(keep)
         src_ids, src_off = _gather(self.src_ids, self.src_offsets, idx)
         tgt_ids, tgt_off = _gather(self.tgt_ids, self.tgt_offsets, idx)
         return EncodedSplit(
-            [self.src_text[i] for i in idx],
-            [self.tgt_text[i] for i in idx],
+            None if self.src_text is None else [self.src_text[i] for i in idx],
+            None if self.tgt_text is None else [self.tgt_text[i] for i in idx],
             src_ids,
             src_off,
             tgt_ids,
             tgt_off,
-            self.rows[idx],
+            np.asarray(self.rows)[idx],
         )
 
 
 def _gather(flat: np.ndarray, offsets: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    offsets = np.asarray(offsets)
     lens = offsets[idx + 1] - offsets[idx]
     new_off = np.zeros(len(idx) + 1, dtype=np.int64)
     np.cumsum(lens, out=new_off[1:])
     pos = np.repeat(offsets[idx] - new_off[:-1], lens) + np.arange(int(new_off[-1]))
-    return flat[pos], new_off
-
-
-def fingerprint(src: list[str], tgt: list[str], src_lang: str, tgt_lang: str) -> str:
-    """sha256 over the cleaned pairs, in order."""
-    h = hashlib.sha256(f"{src_lang}\t{tgt_lang}\n".encode())
-    for s, t in zip(src, tgt):
-        h.update(s.encode())
-        h.update(b"\t")
-        h.update(t.encode())
-        h.update(b"\n")
-    return h.hexdigest()[:20]
-
-
-def _size(spec: int | float, n: int) -> int:
-    return int(round(spec * n)) if isinstance(spec, float) else int(spec)
-
-
-def split_indices(
-    n: int, valid_size: int | float, test_size: int | float, seed: int
-) -> dict[str, np.ndarray]:
-    """Seeded permutation cut into test, valid, train (sorted indices within each split)."""
-    n_valid, n_test = _size(valid_size, n), _size(test_size, n)
-    if n and n_valid + n_test >= n:
-        raise ValueError(
-            f"valid_size={valid_size} ({n_valid}) + test_size={test_size} ({n_test}) leave no training rows "
-            f"out of {n} clean rows; lower them (floats are fractions)"
-        )
-    perm = np.random.default_rng(seed).permutation(n)
-    return {
-        "test": np.sort(perm[:n_test]),
-        "valid": np.sort(perm[n_test : n_test + n_valid]),
-        "train": np.sort(perm[n_test + n_valid :]),
-    }
+    return np.asarray(flat)[pos], new_off
 
 
 class _IndexDataset:
@@ -163,9 +139,10 @@ class DataBundle:
         self.log = log
         self._layout, self._layout_key = None, None  # packed layout, memoised on (max_tokens, max_len)
         self._loaders: dict[tuple, object] = {}  # persistent DataLoaders (worker processes kept across epochs)
+        self._plans: dict[tuple, list[np.ndarray]] = {}  # the last `PLANS_KEPT` plans, oldest first
 
     def pack_layout(self) -> PackLayout:
-        """The packed layout of this run: from the train split's lengths + (max_tokens, max_len), so every
+        """The packed layout of this run: from the train split's token totals + (max_tokens, max_len), so every
         rank, epoch and split (valid/test too) uses the same capacities and slots."""
         c, tr = self.cfg, self.splits["train"]
         key = (c.max_tokens, c.max_len)
@@ -174,7 +151,7 @@ class DataBundle:
                 raise ValueError(
                     "batching='packed' derives its capacities from the train split, which is empty"
                 )
-            self._layout, self._layout_key = pack_layout(tr.src_lengths, tr.tgt_lengths, *key), key
+            self._layout, self._layout_key = pack_layout_from_totals(len(tr), *tr.token_totals(), *key), key
         return self._layout
 
     def spec(self, batching: str | None = None) -> BatchSpec:
@@ -197,16 +174,21 @@ class DataBundle:
             raise ValueError(f"split={split!r}; choose one of {tuple(self.splits)}")
         sp, spec = self.splits[split], self.spec(batching)
         shuffle = split == "train" if shuffle is None else shuffle
-        return plan_batches(
-            sp.src_lengths,
-            sp.tgt_lengths,
-            spec,
-            seed=self.cfg.seed,
-            epoch=epoch,
-            shuffle=shuffle,
-            rank=rank,
-            world_size=world_size,
-        )
+        key = (split, spec, self.cfg.seed, epoch, shuffle, rank, world_size)
+        if key not in self._plans:
+            self._plans[key] = plan_batches(
+                sp.src_lengths,
+                sp.tgt_lengths,
+                spec,
+                seed=self.cfg.seed,
+                epoch=epoch,
+                shuffle=shuffle,
+                rank=rank,
+                world_size=world_size,
+            )
+            while len(self._plans) > PLANS_KEPT:
+                self._plans.pop(next(iter(self._plans)))
+        return self._plans[key]
 
     def num_batches(
         self, split: str, epoch: int = 0, batching: str | None = None, rank: int = 0, world_size: int = 1
@@ -297,148 +279,131 @@ class DataBundle:
         )
 
 
-def _encode_or_load(
-    tok: Tokenizer, src: list[str], tgt: list[str], idx: dict[str, np.ndarray], path: Path, log
-) -> dict:
-    if path.is_file():
-        with np.load(path) as z:
-            arrays = {k: z[k] for k in z.files}
-        if all(np.array_equal(arrays[f"{s}_rows"], idx[s]) for s in SPLITS):
-            return arrays
-        log(f"[data] {path.name} does not match the split; re-encoding")
-    t0 = time.perf_counter()
-    arrays = {}
-    for s in SPLITS:
-        rows = idx[s]
-        arrays[f"{s}_src_ids"], arrays[f"{s}_src_off"] = tok.encode_flat([src[i] for i in rows])
-        arrays[f"{s}_tgt_ids"], arrays[f"{s}_tgt_off"] = tok.encode_flat([tgt[i] for i in rows])
-        arrays[f"{s}_rows"] = rows
-    fd, tmp = tempfile.mkstemp(prefix=".enc-", suffix=".npz", dir=path.parent)
-    with os.fdopen(fd, "wb") as f:
-        np.savez(f, **arrays)
-    os.replace(tmp, path)
-    n_tok = sum(int(v[-1]) for k, v in arrays.items() if k.endswith("_off"))
-    log(
-        f"[data] encoded {len(src):,} pairs ({n_tok:,} subwords) in {time.perf_counter() - t0:.1f} s -> {path}"
+def _split(entry: E.Entry, s: str) -> EncodedSplit:
+    a, texts = entry.arrays[s], entry.texts[s]
+    return EncodedSplit(
+        None if texts is None else texts[0],
+        None if texts is None else texts[1],
+        a["src_ids"],
+        a["src_off"],
+        a["tgt_ids"],
+        a["tgt_off"],
+        a["rows"],
     )
-    return arrays
 
 
-def _check_usable(raw, kept: np.ndarray, report: CleanReport) -> None:
-    """Fail in one sentence, naming the file, when a file (or the whole source) yields no clean row."""
-    shown = "\n  ".join(str(report).splitlines())
-    if raw.files:
-        for f, k in zip(raw.files, raw.kept_per_file(kept)):
-            if f.read == 0:
-                raise DataInputError(f"{f.path} is empty: nothing to train on; cleaning report:\n  {shown}")
-            if k == 0:
-                raise DataInputError(
-                    f"{f.path}: none of its {f.read:,} {f.unit}{'s' * (f.read != 1)} is a usable pair (reasons and "
-                    f"examples below); cleaning report:\n  {shown}"
-                )
-    elif len(kept) == 0:
-        raise DataInputError(f"{raw.source}: no usable pairs; cleaning report:\n  {shown}")
+def _resolve(cfg: DataConfig, inp: E.Inputs, sets: dict, cache: Path, tokenizer: Tokenizer | None, log) -> E.Entry:
+    """The entry for these inputs and settings: from the identity index (stat only), else by content hash
+    (a ``touch`` or a copy of known data), else built. Builders of one key take turns on its lock."""
+    seen = inp.identity()
+    ident = C.digest({"settings": sets, "inputs": seen})
+    index = C.mkdirs(cache / "index") / f"{ident}.json"
+
+    def indexed() -> E.Entry | None:
+        if not index.is_file():
+            return None
+        try:
+            key = C.read_json(index)["corpus"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            C.discard(index, f"{type(e).__name__}: {str(e)[:80]}", log)
+            return None
+        return E.load_entry(cache, key, log)
+
+    entry = indexed()
+    if entry is not None:
+        log(f"[data] cache hit: {entry.path} (inputs unchanged on disk; tokenizer spm-{entry.meta['tokenizer_key']})")
+        return entry
+    with C.locked(cache, ident, log):
+        entry = indexed()  # another process may have finished it while we waited
+        if entry is not None:
+            return entry
+        t0 = time.perf_counter()
+        content = inp.content()
+        key = C.digest({"settings": sets, "content": content})
+        with C.locked(cache, key, log):
+            entry = E.load_entry(cache, key, log)
+            if entry is None:
+                tok_key = E.tokenizer_key(content, sets)
+                entry = B.build_entry(cfg, inp, key, tok_key, sets, cache, tokenizer, log)
+            else:
+                log(f"[data] inputs changed on disk but not in content ({time.perf_counter() - t0:.1f} s to hash): "
+                    f"re-using {entry.path}")
+        if inp.identity() != seen:  # a file changed while it was read: what was read is not what is there
+            log(f"[data] warning: the data files changed while they were read; this run uses what was read, and "
+                f"the cache entry is dropped ({entry.path}): the next start reads them again")
+            C.remove(entry.path)  # this run's memory maps stay valid
+        else:
+            C.write_json(index, {"corpus": key, "inputs": seen})
+    return entry
 
 
-def _length_hint(before: EncodedSplit, dropped: dict[str, int]) -> str:
-    """Token-length percentiles of a split before the length filter, and the setting that keeps it."""
-    longer = np.maximum(before.src_lengths, before.tgt_lengths)
-    pct = "  ".join(f"p{q} {int(np.percentile(longer, q))}" for q in (50, 90, 99, 100))
-    keep99 = -(-int(np.percentile(longer, 99)) // 8) * 8
-    fix = (
-        f"data.max_len={keep99} keeps ~99 % (it needs data.max_tokens >= {2 * keep99})"
-        if dropped["too_long"] >= dropped["length_ratio"]
-        else "raise data.max_len_ratio"
-    )
-    return f"longer side in tokens (incl. EOS/BOS): {pct}; {fix}"
+def _tokenizer_of(entry: E.Entry, cfg: DataConfig, cache: Path, sets: dict, tokenizer: Tokenizer | None) -> Tokenizer:
+    """The given tokenizer, or the entry's ``spm-<key>`` model (its settings.json checked against ours)."""
+    if tokenizer is not None:
+        return tokenizer
+    key = entry.meta["tokenizer_key"]
+    if C.read_json(cache / f"spm-{key}" / "settings.json") != sets["tokenizer"]:
+        raise ValueError("settings.json differs from the settings")
+    return Tokenizer(cache / f"spm-{key}" / "spm.model", key, cfg.spm_threads or E.build_workers(cfg))
 
 
-def build_data(cfg: DataConfig, log=print) -> DataBundle:
-    """Load, clean, split, tokenize and encode ``cfg``'s corpus (cached); every dropped row is counted in
-    ``bundle.report``. Raises `DataInputError` when nothing could train (empty file, no usable rows, every
-    pair over the length limits)."""
+def build_data(cfg: DataConfig, log=print, tokenizer: Tokenizer | None = None) -> DataBundle:
+    """Clean, split (leakage-free), tokenize and encode ``cfg``'s corpus, or map it from the cache; every
+    input row trains, is held out, or is counted in ``bundle.report``. Raises `DataInputError` when nothing
+    could train (empty file, no usable rows, every pair over the length limits) or a setting cannot work.
+
+    ``tokenizer``: encode with this `Tokenizer` (e.g. a checkpoint's, for fine-tuning) instead of training
+    SentencePiece; its key is part of the cache key. Writes nothing outside ``cfg.cache_dir``.
+    """
     if not isinstance(cfg, DataConfig):
         raise TypeError(f"build_data takes a data.DataConfig, got {type(cfg).__name__}")
+    if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
+        raise TypeError(f"tokenizer must be a data.tokenizer.Tokenizer, got {type(tokenizer).__name__}")
     t0 = time.perf_counter()
-    raw = load_raw(cfg)
-    report = raw.report
-    src, tgt, kept = clean_text(raw.translation, cfg.src_lang, cfg.tgt_lang, report, raw.where)
-    del raw.translation
-    _check_usable(raw, kept, report)
+    if Path(cfg.cache_dir).exists() and not Path(cfg.cache_dir).is_dir():
+        raise DataInputError(f"data.cache_dir={cfg.cache_dir} is not a folder; give a folder (it is created if missing)")
+    cache = C.mkdirs(Path(cfg.cache_dir))
+    C.clean_stale_temps(cache, log)
+    inp = E.inputs(cfg)
+    sets = E.settings(cfg, tokenizer)
+    entry = _resolve(cfg, inp, sets, cache, tokenizer, log)
+    try:
+        tok = _tokenizer_of(entry, cfg, cache, sets, tokenizer)
+    except (OSError, RuntimeError, ValueError, TypeError) as e:  # the model is gone or damaged: rebuild both
+        C.discard(cache / f"spm-{entry.meta['tokenizer_key']}", f"{type(e).__name__}: {str(e)[:80]}", log)
+        C.remove(entry.path)
+        entry = _resolve(cfg, inp, sets, cache, tokenizer, log)
+        tok = _tokenizer_of(entry, cfg, cache, sets, tokenizer)
+    meta = entry.meta
+    report = CleanReport.from_dict(meta["report"])
+    report.overlap, report.truncated = meta["record"]["overlap"], meta["record"]["truncated"]
+    splits = {s: _split(entry, s) for s in SPLITS}
+    split_record = {**meta["record"], "tokenizer_key": tok.key, "vocab_size": tok.vocab_size, "cache": str(entry.path)}
     if any(report.dropped.values()):
         log(
             f"[data] warning: {report.rows - report.kept:,} of {report.rows:,} input rows dropped "
             "(reasons and examples in the cleaning report below)"
         )
-    fp = fingerprint(src, tgt, cfg.src_lang, cfg.tgt_lang)
-    idx = split_indices(len(src), cfg.valid_size, cfg.test_size, cfg.split_seed)
-    split_digest = hashlib.sha256(b"".join(idx[s].tobytes() for s in SPLITS)).hexdigest()[:20]
-
-    settings = spm_settings(cfg)
-    key = tokenizer_key(fp, split_digest, settings)
-    cache = Path(cfg.cache_dir)
-    cache.mkdir(parents=True, exist_ok=True)
-    tok, trained = train_or_load(
-        [src[i] for i in idx["train"]] + [tgt[i] for i in idx["train"]], cfg, key, settings, log
-    )
-    if not trained:
-        log(f"[data] tokenizer cache hit: {tok.model_file}")
-    arrays = _encode_or_load(tok, src, tgt, idx, cache / f"enc-{key}.npz", log)
-
-    splits = {}
-    for s in SPLITS:
-        rows = arrays[f"{s}_rows"]
-        sp = EncodedSplit(
-            [src[i] for i in rows],
-            [tgt[i] for i in rows],
-            arrays[f"{s}_src_ids"],
-            arrays[f"{s}_src_off"],
-            arrays[f"{s}_tgt_ids"],
-            arrays[f"{s}_tgt_off"],
-            rows,
-        )
-        keep, dropped = length_mask(sp.src_lengths, sp.tgt_lengths, cfg.max_len, cfg.max_len_ratio)
-        for reason, k in dropped.items():
-            report.dropped[reason] += k
-        for i, reason, detail in length_examples(
-            sp.src_lengths, sp.tgt_lengths, cfg.max_len, cfg.max_len_ratio
-        ):
-            report.note(reason, raw.where(int(kept[rows[i]])), detail)
-        report.dropped_by_split[s] = dropped
-        if s == "train":
-            train_before = sp
-        splits[s] = sp if keep.all() else sp.select(keep)
-    d, n_train = report.dropped_by_split["train"], len(train_before)
-    if len(splits["train"]) == 0:
-        raise DataInputError(
-            f"every one of the {n_train:,} training pairs is over the length limits "
-            f"({d['too_long']:,} too_long with max_len={cfg.max_len}, {d['length_ratio']:,} length_ratio "
-            f"with max_len_ratio={cfg.max_len_ratio:g}); {_length_hint(train_before, d)}"
-        )
-    if d["too_long"] > 0.1 * n_train:
+    d, n_train = report.dropped_by_split.get("train", {}), meta["train_before_length_filter"]
+    if d.get("too_long", 0) > 0.1 * n_train:
         log(
             f"[data] warning: max_len={cfg.max_len} drops {d['too_long']:,} of {n_train:,} training pairs as "
-            f"too_long; {_length_hint(train_before, d)}"
+            f"too_long; {meta['length_hint']}"
         )
-    del train_before
-    split_record = {
-        "source": raw.source,
-        "fingerprint": fp,
-        "split_digest": split_digest,
-        "split_seed": cfg.split_seed,
-        "valid_size": cfg.valid_size,
-        "test_size": cfg.test_size,
-        "rows_before_length_filter": {s: int(len(idx[s])) for s in SPLITS},
-        "sizes": {s: len(splits[s]) for s in SPLITS},
-        "tokenizer_key": key,
-        "vocab_size": tok.vocab_size,
-    }
+    trunc = split_record["truncated"]
+    if any(trunc.values()):
+        log(f"[data] valid/test pairs longer than max_len={cfg.max_len} are kept whole (texts) with token arrays "
+            f"cut to max_len: {trunc['valid']:,} valid, {trunc['test']:,} test")
     bundle = DataBundle(cfg, tok, splits, report, split_record, log)
     if len(splits["train"]):  # the packed layout is fixed by corpus + config: recorded with the run
         split_record["packing"] = bundle.pack_layout().as_dict()
+    ov = split_record["overlap"]
     log("[data] " + str(report).replace("\n", "\n[data] "))
     log(
-        f"[data] split {json.dumps(split_record['sizes'])} (seed {cfg.split_seed}, fingerprint {fp}); "
-        f"vocab {tok.vocab_size}; ready in {time.perf_counter() - t0:.1f} s"
+        f"[data] split {json.dumps(split_record['sizes'])} (seed {cfg.split_seed}, groups by normalised "
+        f"{cfg.split_grouping.replace('_', ' + ')}; valid/test sources also in train: "
+        f"{ov['before']['valid']['source']}/{ov['before']['test']['source']} before -> "
+        f"{ov['after']['valid']['source']}/{ov['after']['test']['source']}); vocab {tok.vocab_size}; "
+        f"ready in {time.perf_counter() - t0:.1f} s"
     )
     return bundle

@@ -8,7 +8,10 @@ Local formats (by extension; files of different formats may be mixed):
 
 Local text files are read line by line here, not through ``datasets``: its JSON and CSV builders parse a
 whole file at once and stop at the first bad line (a traceback naming neither file nor line), while this
-reader counts each bad line under its reason, with file and line, in the cleaning report and keeps the rest.
+reader counts each bad line under its reason, with file and line, in the cleaning report and keeps the rest
+(malformed JSON of any kind, deep nesting and over-long numbers included). Inputs are cut into `Chunk`s
+(`plan_chunks`: ~8 MB of lines, or parquet row groups, or Hub row ranges) that `read_chunk` parses
+independently, so a cold build streams through a corpus with one task per chunk (`data.build`).
 
 The Hub path never hangs in retries: with ``HF_HUB_OFFLINE``/``HF_DATASETS_OFFLINE`` set it only looks
 in the local cache (fails at once); otherwise a short TCP probe of the Hub endpoint runs first.
@@ -19,6 +22,7 @@ from __future__ import annotations
 import bisect
 import json
 import os
+import re
 import socket
 import time
 from dataclasses import dataclass, field
@@ -27,21 +31,47 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from .clean import CleanReport, DataInputError
+from .clean import CleanReport, DataFilesNotFound, DataInputError, Tally
 
 PROBE_TIMEOUT_S = 3.0
+CHUNK_BYTES = 8 << 20  # a line file is read in pieces of about this many bytes (one task each)
+CHUNK_ROWS = 50_000  # parquet / Hub: rows per task
 _FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".tsv": "tsv"}
 _BOM = b"\xef\xbb\xbf"
 
 
 @dataclass
 class SourceFile:
-    """One local input file and where its parsed rows sit in `RawCorpus.translation`."""
+    """One input (a local file, or the Hub dataset) and how its rows are numbered in messages."""
 
     path: str
-    unit: str  # how its rows are numbered: "line" (1-based), "row" (parquet, 0-based), "index" (JSON array)
-    start: int  # index of its first parsed row in RawCorpus.translation
+    unit: str  # "line" (1-based), "row" (parquet / Hub, 0-based), "index" (JSON array, 0-based)
+    fmt: str = "jsonl"  # "jsonl" | "tsv" | "json_array" | "parquet" | "hub"
+    start: int = 0  # `load_local`: index of its first parsed row in RawCorpus.translation
     read: int = 0  # lines / rows / items read, bad ones included
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A piece of one input read by one task: bytes [lo, hi) of a line file (cut after a newline), row groups
+    [lo, hi) of a parquet file, rows [lo, hi) of the Hub dataset, or a whole JSON array file."""
+
+    file: int  # index of its file in the input list
+    path: str
+    fmt: str
+    lo: int
+    hi: int
+    base: int = 0  # position (row number) of its first row; line files: 0 (lines before it are counted later)
+
+
+@dataclass
+class ChunkRows:
+    """What `read_chunk` parsed: rows (not yet cleaned), their positions inside the chunk, rejected rows."""
+
+    translation: list  # one entry per parsed row: normally a dict {lang: text}; anything else is a bad row
+    positions: list[int]  # 0-based position of each parsed row inside the chunk (line / row / item)
+    read: int = 0  # lines / rows / items read, bad ones included
+    rejects: Tally = field(default_factory=Tally)
 
 
 @dataclass
@@ -59,7 +89,7 @@ class RawCorpus:
         if not self.files:
             return f"{self.source} row {i}"
         f = self.files[bisect.bisect_right([f.start for f in self.files], i) - 1]
-        return _where(f, self.positions[i])
+        return where(f, self.positions[i])
 
     def kept_per_file(self, kept: np.ndarray) -> list[int]:
         """How many of the parsed rows ``kept`` (indices into `translation`) come from each file."""
@@ -68,7 +98,8 @@ class RawCorpus:
         return np.bincount(owner, minlength=len(self.files)).tolist()
 
 
-def _where(f: SourceFile, n: int) -> str:
+def where(f: SourceFile, n: int) -> str:
+    """``path:line``, ``path[index]`` or ``path row n``: where row ``n`` of ``f`` is."""
     return {"line": f"{f.path}:{n}", "index": f"{f.path}[{n}]"}.get(f.unit, f"{f.path} {f.unit} {n}")
 
 
@@ -104,38 +135,118 @@ def probe_hub(timeout: float = PROBE_TIMEOUT_S) -> str | None:
         return f"{host}:{port} unreachable within {timeout:.0f} s ({type(e).__name__}: {e})"
 
 
-def load_local(files: tuple[str, ...], src_lang: str, tgt_lang: str) -> RawCorpus:
-    """Read local files in order; rows that cannot be parsed are counted in ``report``, never raised."""
+def missing_files_error(missing: list[str], *, from_env: bool = False, name: str = "data files") -> DataFilesNotFound:
+    """The one message for paths that do not exist: names them, and says how several paths are given."""
+    hint = ""
+    pieces = [p for m in missing for p in re.split(r"[\s,]+", m) if p and p != m]
+    if pieces and all(Path(p).is_file() for p in pieces):
+        hint = " (a path is never split on spaces or commas: give several files as several arguments)"
+    if from_env:
+        hint += f" ($FASTMT_DATA_FILES holds paths separated by {os.pathsep!r}, os.pathsep)"
+    folders = [m for m in missing if Path(m).is_dir()]
+    if folders:
+        hint += f" ({', '.join(folders)}: a folder, not a file; name the files in it)"
+    return DataFilesNotFound(f"{name} not found: {missing}{hint}")
+
+
+def plan_chunks(files: tuple[str, ...], chunk_bytes: int | None = None, *, from_env: bool = False,
+                name: str = "data files") -> tuple[list[SourceFile], list[Chunk]]:
+    """Check the files and cut them into chunks of about ``chunk_bytes`` (line files) or ``CHUNK_ROWS``
+    rows (parquet row groups); a JSON array file is one chunk. Raises `DataInputError` for missing files,
+    unknown extensions and unreadable parquet files."""
+    chunk_bytes = chunk_bytes or CHUNK_BYTES
     paths = [Path(f) for f in files]
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
-        raise FileNotFoundError(f"data files not found: {missing}")
+        raise missing_files_error(missing, from_env=from_env, name=name)
     unknown = sorted({p.suffix.lower() for p in paths} - set(_FORMATS))
     if unknown:
-        raise ValueError(
-            f"unsupported data file extension(s) {unknown} in {files}; use .jsonl, .json, .parquet or .tsv"
+        raise DataInputError(
+            f"unsupported data file extension(s) {unknown} in {list(files)}; use .jsonl, .json, .parquet or .tsv"
         )
-    raw = RawCorpus(translation=[], source="files:" + ",".join(str(p) for p in paths))
-    for p in paths:
+    out_files, chunks = [], []
+    for k, p in enumerate(paths):
         fmt = _FORMATS[p.suffix.lower()]
         if fmt == "json":
             fmt = "json_array" if _first_byte(p) == b"[" else "jsonl"
-        f = SourceFile(
-            str(p), {"parquet": "row", "json_array": "index"}.get(fmt, "line"), len(raw.translation)
-        )
-        raw.files.append(f)
+        out_files.append(SourceFile(str(p), {"parquet": "row", "json_array": "index"}.get(fmt, "line"), fmt))
         if fmt == "parquet":
-            _read_parquet(f, raw)
+            chunks += _parquet_chunks(k, p)
         elif fmt == "json_array":
-            _read_json_array(f, raw)
+            chunks.append(Chunk(k, str(p), fmt, 0, 0))
         else:
-            _read_lines(f, raw, src_lang, tgt_lang, tsv=fmt == "tsv")
+            size = p.stat().st_size
+            cuts = [0]
+            with open(p, "rb") as fh:
+                while cuts[-1] + chunk_bytes < size:
+                    fh.seek(cuts[-1] + chunk_bytes)
+                    fh.readline()  # the cut falls after a newline
+                    if fh.tell() >= size:
+                        break
+                    cuts.append(fh.tell())
+            cuts.append(size)
+            chunks += [Chunk(k, str(p), fmt, a, b) for a, b in zip(cuts, cuts[1:]) if b > a or size == 0]
+    return out_files, chunks
+
+
+def _parquet_chunks(k: int, p: Path) -> list[Chunk]:
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.ParquetFile(p)
+    except Exception as e:  # pyarrow raises ArrowInvalid / OSError for a damaged or foreign file
+        raise DataInputError(f"{p}: not a readable parquet file ({type(e).__name__}: {e})") from e
+    names = meta.schema_arrow.names
+    if "translation" not in names:
+        raise DataInputError(
+            f"{p}: no 'translation' column (found {names}); rows must be "
+            f'{{"id": ..., "translation": {{src: ..., tgt: ...}}}}'
+        )
+    chunks, lo, rows, base = [], 0, 0, 0
+    groups = meta.metadata.num_row_groups
+    for g in range(groups):
+        rows += meta.metadata.row_group(g).num_rows
+        if rows >= CHUNK_ROWS or g == groups - 1:
+            chunks.append(Chunk(k, str(p), "parquet", lo, g + 1, base))
+            lo, base, rows = g + 1, base + rows, 0
+    return chunks or [Chunk(k, str(p), "parquet", 0, 0, 0)]
+
+
+def read_chunk(chunk: Chunk, src_lang: str, tgt_lang: str) -> ChunkRows:
+    """Parse one chunk; rows that cannot be parsed are counted in ``rejects``, never raised (a JSON array
+    file or parquet file that cannot be read at all raises `DataInputError` naming it)."""
+    out = ChunkRows([], [])
+    if chunk.fmt == "parquet":
+        _read_parquet(chunk, out)
+    elif chunk.fmt == "json_array":
+        _read_json_array(chunk, out)
+    elif chunk.fmt == "hub":
+        rows = hub_dataset(chunk.path)[chunk.lo : chunk.hi]["translation"]
+        out.translation, out.positions, out.read = rows, list(range(len(rows))), len(rows)
+    else:
+        _read_lines(chunk, out, src_lang, tgt_lang, tsv=chunk.fmt == "tsv")
+    return out
+
+
+def load_local(files: tuple[str, ...], src_lang: str, tgt_lang: str) -> RawCorpus:
+    """Read local files in order into memory (small inputs, tests); rows that cannot be parsed are counted
+    in ``report``, never raised. `data.build` streams large corpora chunk by chunk instead."""
+    src_files, chunks = plan_chunks(tuple(files))
+    raw = RawCorpus(translation=[], source="files:" + ",".join(files), files=src_files)
+    lines_before = [0] * len(src_files)
+    for c in chunks:
+        f = src_files[c.file]
+        if c.lo == 0:  # the file's first chunk
+            f.start = len(raw.translation)
+        rows = read_chunk(c, src_lang, tgt_lang)
+        base = lines_before[c.file] + 1 if f.unit == "line" else c.base
+        raw.report.rows += rows.rejects.total
+        raw.report.merge(rows.rejects, lambda pos, f=f, base=base: where(f, base + pos))
+        raw.translation += rows.translation
+        raw.positions += [base + p for p in rows.positions]
+        lines_before[c.file] += rows.read
+        f.read += rows.read
     return raw
-
-
-def _reject(raw: RawCorpus, f: SourceFile, n: int, reason: str, detail: str = "") -> None:
-    raw.report.rows += 1
-    raw.report.drop(reason, _where(f, n), detail)
 
 
 def _clip(text: str, width: int = 60) -> str:
@@ -147,103 +258,113 @@ def _first_byte(path: Path) -> bytes:
         return fh.read(4096).removeprefix(_BOM).lstrip()[:1]
 
 
-def _read_lines(f: SourceFile, raw: RawCorpus, src_lang: str, tgt_lang: str, *, tsv: bool) -> None:
+def _read_lines(c: Chunk, out: ChunkRows, src_lang: str, tgt_lang: str, *, tsv: bool) -> None:
     """JSON lines or ``src<TAB>tgt`` lines, each decoded on its own so one bad line costs one row."""
-    with open(f.path, "rb") as fh:
-        for n, line in enumerate(fh, 1):
-            f.read = n
-            if n == 1:
-                line = line.removeprefix(_BOM)
-            line = line.rstrip(b"\n").rstrip(b"\r")
+    with open(c.path, "rb") as fh:
+        fh.seek(c.lo)
+        data = fh.read(c.hi - c.lo)
+    if c.lo == 0:
+        data = data.removeprefix(_BOM)
+    lines = data.split(b"\n")
+    if lines and not lines[-1]:
+        lines.pop()  # the text after the last newline: nothing
+    out.read = len(lines)
+    bad = out.rejects.add
+    for n, line in enumerate(lines):
+        line = line.rstrip(b"\r")
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            near = line[max(0, e.start - 20) : e.start + 20].decode("utf-8", "backslashreplace")
+            bad("bad_encoding", n, f"byte 0x{line[e.start]:02x} (byte {e.start + 1} of the line) is not UTF-8, near: {near}")
+            continue
+        if not text.strip():
+            bad("blank_line", n, "empty or whitespace only")
+            continue
+        if tsv:
+            cols = text.split("\t")
+            if len(cols) != 2:
+                bad("wrong_columns", n, f"{len(cols)} tab-separated columns, expected 2: {_clip(text)}")
+                continue
+            row = {src_lang: cols[0], tgt_lang: cols[1]}
+        else:
             try:
-                text = line.decode("utf-8")
-            except UnicodeDecodeError as e:
-                near = line[max(0, e.start - 20) : e.start + 20].decode("utf-8", "backslashreplace")
-                detail = (
-                    f"byte 0x{line[e.start]:02x} (byte {e.start + 1} of the line) is not UTF-8, near: {near}"
-                )
-                _reject(raw, f, n, "bad_encoding", detail)
+                obj = json.loads(text)
+            except json.JSONDecodeError as e:
+                bad("bad_json", n, f"{e.msg} at column {e.colno}: {_clip(text)}")
                 continue
-            if not text.strip():
-                _reject(raw, f, n, "blank_line", "empty or whitespace only")
+            except RecursionError:
+                bad("bad_json", n, f"nested too deeply for the JSON parser: {_clip(text)}")
                 continue
-            if tsv:
-                cols = text.split("\t")
-                if len(cols) != 2:
-                    _reject(
-                        raw,
-                        f,
-                        n,
-                        "wrong_columns",
-                        f"{len(cols)} tab-separated columns, expected 2: {_clip(text)}",
-                    )
-                    continue
-                row = {src_lang: cols[0], tgt_lang: cols[1]}
-            else:
-                try:
-                    obj = json.loads(text)
-                except json.JSONDecodeError as e:
-                    _reject(raw, f, n, "bad_json", f"{e.msg} at column {e.colno}: {_clip(text)}")
-                    continue
-                if not isinstance(obj, dict):
-                    _reject(raw, f, n, "not_an_object", f"a JSON {type(obj).__name__}: {_clip(text)}")
-                    continue
-                if "translation" not in obj:
-                    _reject(raw, f, n, "no_translation", f"keys {sorted(obj)[:8]}")
-                    continue
-                row = obj["translation"]
-            raw.translation.append(row)
-            raw.positions.append(n)
+            except ValueError as e:  # e.g. an integer literal over Python's digit limit
+                bad("bad_json", n, f"{str(e)[:80]}: {_clip(text)}")
+                continue
+            if not isinstance(obj, dict):
+                bad("not_an_object", n, f"a JSON {type(obj).__name__}: {_clip(text)}")
+                continue
+            if "translation" not in obj:
+                bad("no_translation", n, f"keys {sorted(obj)[:8]}")
+                continue
+            row = obj["translation"]
+        out.translation.append(row)
+        out.positions.append(n)
 
 
-def _read_json_array(f: SourceFile, raw: RawCorpus) -> None:
+def _read_json_array(c: Chunk, out: ChunkRows) -> None:
     """A .json file holding one array of rows: a single document, so a bad byte or syntax error stops it."""
-    data = Path(f.path).read_bytes().removeprefix(_BOM)
+    data = Path(c.path).read_bytes().removeprefix(_BOM)
     try:
         items = json.loads(data.decode("utf-8"))
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         raise DataInputError(
-            f"{f.path}:{line}: byte 0x{data[e.start]:02x} is not UTF-8; convert the file, "
+            f"{c.path}:{line}: byte 0x{data[e.start]:02x} is not UTF-8; convert the file, "
             f"e.g. `iconv -f latin1 -t utf-8 IN > OUT`"
         ) from None
     except json.JSONDecodeError as e:
         raise DataInputError(
-            f"{f.path}:{e.lineno}:{e.colno}: not valid JSON ({e.msg}); a .json file is one array of rows "
+            f"{c.path}:{e.lineno}:{e.colno}: not valid JSON ({e.msg}); a .json file is one array of rows "
+            f"or JSON lines"
+        ) from None
+    except (RecursionError, ValueError) as e:
+        raise DataInputError(
+            f"{c.path}: not valid JSON ({type(e).__name__}: {str(e)[:80]}); a .json file is one array of rows "
             f"or JSON lines"
         ) from None
     if not isinstance(items, list):
-        raise DataInputError(
-            f"{f.path}: a JSON {type(items).__name__}, expected an array of rows or JSON lines"
-        )
-    f.read = len(items)
+        raise DataInputError(f"{c.path}: a JSON {type(items).__name__}, expected an array of rows or JSON lines")
+    out.read = len(items)
     for k, obj in enumerate(items):
         if not isinstance(obj, dict):
-            _reject(raw, f, k, "not_an_object", f"a JSON {type(obj).__name__}: {_clip(json.dumps(obj))}")
+            out.rejects.add("not_an_object", k, f"a JSON {type(obj).__name__}: {_clip(json.dumps(obj))}")
         elif "translation" not in obj:
-            _reject(raw, f, k, "no_translation", f"keys {sorted(obj)[:8]}")
+            out.rejects.add("no_translation", k, f"keys {sorted(obj)[:8]}")
         else:
-            raw.translation.append(obj["translation"])
-            raw.positions.append(k)
+            out.translation.append(obj["translation"])
+            out.positions.append(k)
 
 
-def _read_parquet(f: SourceFile, raw: RawCorpus) -> None:
-    """A parquet table is typed already: pyarrow (what ``datasets`` reads it with) gives its rows."""
+def _read_parquet(c: Chunk, out: ChunkRows) -> None:
+    """Row groups [lo, hi) of a parquet table (typed already: pyarrow gives its rows)."""
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(f.path)
+        table = pq.ParquetFile(c.path).read_row_groups(list(range(c.lo, c.hi)), columns=["translation"])
     except Exception as e:  # pyarrow raises ArrowInvalid / OSError for a damaged or foreign file
-        raise DataInputError(f"{f.path}: not a readable parquet file ({type(e).__name__}: {e})") from e
-    if "translation" not in table.column_names:
-        raise DataInputError(
-            f"{f.path}: no 'translation' column (found {table.column_names}); rows must be "
-            f'{{"id": ..., "translation": {{src: ..., tgt: ...}}}}'
-        )
+        raise DataInputError(f"{c.path}: not a readable parquet file ({type(e).__name__}: {e})") from e
     rows = table.column("translation").to_pylist()
-    f.read = len(rows)
-    raw.translation += rows
-    raw.positions += range(len(rows))
+    out.translation, out.positions, out.read = rows, list(range(len(rows))), len(rows)
+
+
+_HUB: dict[str, object] = {}  # Hub datasets by source name: set before the build forks its workers
+
+
+def hub_dataset(name: str):
+    """The Hub dataset a chunk names (loaded by `load_hub` in this or the parent process)."""
+    if name not in _HUB:  # a worker that was not forked from the loader: load it again (local HF cache)
+        dataset, config, split = name.removeprefix("hub:").rsplit("/", 2)
+        load_hub(dataset, None if config == "None" else config, split)
+    return _HUB[name]
 
 
 def load_hub(
@@ -268,19 +389,32 @@ def load_hub(
             f"after {time.perf_counter() - t0:.1f} s): {type(e).__name__}: {e}. {_fix_hint(dataset)}"
         ) from e
     if "translation" not in ds.column_names:
-        raise ValueError(f"{dataset!r} has no 'translation' column (found {ds.column_names})")
-    return RawCorpus(translation=list(ds["translation"]), source=f"hub:{dataset}/{config}/{split}")
+        raise DataInputError(f"{dataset!r} has no 'translation' column (found {ds.column_names})")
+    name = f"hub:{dataset}/{config}/{split}"
+    _HUB[name] = ds
+    return RawCorpus(translation=[], source=name)
 
 
-def load_raw(cfg) -> RawCorpus:
-    """``cfg.data_files``, else the toy corpus (``dataset="toy"``), else $FASTMT_DATA_FILES, else the Hub."""
+def hub_chunks(dataset: str, config: str | None, split: str) -> tuple[list[SourceFile], list[Chunk], str]:
+    """Load the Hub dataset (memory-mapped Arrow in the HF cache) and cut it into chunks of `CHUNK_ROWS`
+    rows; returns (files, chunks, datasets' fingerprint of it)."""
+    name = f"hub:{dataset}/{config}/{split}"
+    if name not in _HUB:
+        load_hub(dataset, config, split)
+    ds = _HUB[name]
+    n = len(ds)
+    chunks = [Chunk(0, name, "hub", a, min(a + CHUNK_ROWS, n), a) for a in range(0, n, CHUNK_ROWS)]
+    return [SourceFile(name, "row", "hub")], chunks, str(getattr(ds, "_fingerprint", name))
+
+
+def training_files(cfg) -> tuple[tuple[str, ...], str]:
+    """The local files ``cfg`` trains on and the source label: ``data_files``, else the toy corpus (written
+    into the cache once), else ``$FASTMT_DATA_FILES``; ``((), "hub:...")`` for the Hub."""
     if cfg.is_toy():
         from .toy import toy_corpus
 
-        raw = load_local((str(toy_corpus(cfg.cache_dir, cfg.toy_rows)),), cfg.src_lang, cfg.tgt_lang)
-        raw.source = f"toy:{cfg.toy_rows}"
-        return raw
+        return (str(toy_corpus(cfg.cache_dir, cfg.toy_rows)),), f"toy:{cfg.toy_rows}"
     files = cfg.resolved_data_files()
     if files:
-        return load_local(files, cfg.src_lang, cfg.tgt_lang)
-    return load_hub(cfg.dataset, cfg.dataset_config, cfg.hf_split)
+        return files, "files:" + ",".join(files)
+    return (), f"hub:{cfg.dataset}/{cfg.dataset_config}/{cfg.hf_split}"

@@ -1,16 +1,14 @@
 """Joint SentencePiece tokenizer (BPE or unigram, byte fallback, ids pad=0 unk=1 bos=2 eos=3).
 
-Trained once from the train split and cached as ``<cache_dir>/spm-<key>/spm.model``, where ``key``
-hashes the data fingerprint, the split and every training setting; a matching key re-uses the model.
+Trained once on a seeded sample of the train split (``spm_sample_pairs`` pairs, both sides; `data.build`
+picks it) and cached as ``<cache_dir>/spm-<key>/spm.model``, where ``key`` hashes the inputs, the split and
+every training setting; a matching key re-uses the model.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import shutil
-import tempfile
+import re
 from pathlib import Path
 
 import numpy as np
@@ -29,13 +27,9 @@ def spm_settings(cfg) -> dict:
         "byte_fallback": True,
         "ids": [PAD_ID, UNK_ID, BOS_ID, EOS_ID],
         "sentencepiece": spm.__version__,
-        "format": 1,
+        "sample": {"pairs": cfg.spm_sample_pairs, "seed": cfg.split_seed},
+        "format": 2,
     }
-
-
-def tokenizer_key(fingerprint: str, split_digest: str, settings: dict) -> str:
-    blob = json.dumps({"data": fingerprint, "split": split_digest, "spm": settings}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
 class Tokenizer:
@@ -125,26 +119,22 @@ class Tokenizer:
         return f"Tokenizer(vocab_size={self.vocab_size}, key={self.key!r}, {where})"
 
 
-def train_or_load(texts: list[str], cfg, key: str, settings: dict, log=print) -> tuple[Tokenizer, bool]:
-    """Load ``<cache>/spm-<key>/spm.model`` if present, else train on ``texts`` and write it atomically.
+_VOCAB_TOO_SMALL = re.compile(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)")
 
-    Returns (tokenizer, trained).
-    """
+
+def train_spm(texts: list[str], settings: dict, out_dir: Path, threads: int, cfg) -> None:
+    """Train ``out_dir/spm.model`` on ``texts`` (already the sample; fed in order, no further sampling).
+    A vocabulary below what the text needs is a `DataInputError` naming the size that works."""
     import sentencepiece as spm
 
-    out_dir = Path(cfg.cache_dir) / f"spm-{key}"
-    model_file = out_dir / "spm.model"
-    threads = cfg.spm_threads or (os.cpu_count() or 1)
-    if model_file.is_file():
-        return Tokenizer(model_file, key, threads), False
+    from .clean import DataInputError
+
     if not texts:
-        raise ValueError("cannot train a tokenizer on an empty train split")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".spm-{key}-", dir=out_dir.parent))
+        raise DataInputError("cannot train a tokenizer on an empty train split")
     try:
         spm.SentencePieceTrainer.train(
             sentence_iterator=iter(texts),
-            model_prefix=str(tmp / "spm"),
+            model_prefix=str(Path(out_dir) / "spm"),
             model_type=settings["model_type"],
             vocab_size=settings["vocab_size"],
             character_coverage=settings["character_coverage"],
@@ -154,21 +144,18 @@ def train_or_load(texts: list[str], cfg, key: str, settings: dict, log=print) ->
             bos_id=BOS_ID,
             eos_id=EOS_ID,
             hard_vocab_limit=False,  # a small corpus gets a smaller vocab instead of an error
-            input_sentence_size=2_000_000,
-            shuffle_input_sentence=True,
+            input_sentence_size=0,  # all of ``texts``: the sample is drawn before
+            shuffle_input_sentence=False,
             num_threads=threads,
             minloglevel=2,
         )
-        (tmp / "settings.json").write_text(json.dumps(settings, indent=1))
-        try:
-            os.replace(tmp, out_dir)  # atomic publish; loses the race gracefully if another process won
-        except OSError:
-            if not model_file.is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    tok = Tokenizer(model_file, key, threads)
-    log(
-        f"[data] trained SentencePiece {settings['model_type']} vocab {tok.vocab_size} on {len(texts):,} lines -> {model_file}"
-    )
-    return tok, True
+    except RuntimeError as e:
+        m = _VOCAB_TOO_SMALL.search(str(e))
+        if m is None:
+            raise
+        need = int(m.group(2))
+        raise DataInputError(
+            f"data.vocab_size={cfg.vocab_size} is below the {need} pieces SentencePiece needs for this text "
+            f"(the characters covering data.character_coverage={cfg.character_coverage:g}, 256 byte pieces, "
+            f"4 special ids); set --data.vocab_size {need} or more (or lower --data.character_coverage)"
+        ) from None

@@ -13,6 +13,8 @@ import random
 import tempfile
 from pathlib import Path
 
+from .cache import honour_umask
+
 EN = (
     "the cat dog house red big small eats sees runs sleeps green tree water bread man woman child black "
     "white old new book table under over near far quick slow blue sun moon"
@@ -55,6 +57,7 @@ def toy_corpus(cache_dir: str | os.PathLike, n: int = 1500, seed: int = 0) -> Pa
         os.close(fd)
         try:
             write_toy_corpus(tmp, n, seed)
+            honour_umask(Path(tmp))  # mkstemp made it 0600; a shared cache must stay readable
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):

@@ -217,3 +217,44 @@ def test_hilbert_index_is_a_unit_step_walk():
     o = np.argsort(d)
     steps = np.abs(np.diff(xs.ravel()[o])) + np.abs(np.diff(ys.ravel()[o]))
     assert steps.max() == 1
+
+
+def _token_buckets_per_pair(src_len, tgt_len, spec, rng):
+    """The greedy token-bucket cut as first written (one python step per pair): the reference."""
+    from data.batching import hilbert_index
+
+    m, budget = spec.pad_multiple, spec.max_tokens
+    s_pad, t_pad = round_up(src_len, m), round_up(tgt_len, m)
+    n = len(src_len)
+    perm = rng.permutation(n)
+    order = perm[np.argsort(hilbert_index(s_pad // m, t_pad // m)[perm], kind="stable")]
+    batches, start, max_s, max_t = [], 0, 0, 0
+    s_o, t_o = s_pad[order].tolist(), t_pad[order].tolist()
+    for i in range(n):
+        ns, nt, b = max(max_s, s_o[i]), max(max_t, t_o[i]), i - start
+        over = (b + 1) * (ns + nt) > budget
+        jump = 2 * b * (max_s + max_t) >= budget and (b + 1) * (ns + nt) - b * (max_s + max_t) > 2 * (
+            s_o[i] + t_o[i])
+        if over or jump:
+            batches.append(order[start:i])
+            start, ns, nt = i, s_o[i], t_o[i]
+        max_s, max_t = ns, nt
+    if start < n:
+        batches.append(order[start:n])
+    return batches
+
+
+@settings(max_examples=150, deadline=None)
+@given(pairs=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 40)), min_size=1, max_size=400),
+       few=st.booleans(), pad_multiple=st.sampled_from([1, 2, 8]), budget=st.integers(0, 600), seed=st.integers(0, 9))
+def test_token_bucket_cuts_per_run_equal_the_per_pair_reference(pairs, few, pad_multiple, budget, seed):
+    """The run-at-a-time cut (O(runs + batches) python steps) gives exactly the per-pair loop's batches."""
+    from data.batching import _token_buckets
+
+    src, tgt = (np.array(x) for x in zip(*pairs))
+    if few:  # long runs of equal shapes: the arithmetic path
+        src, tgt = np.minimum(src, 3), np.minimum(tgt, 2)
+    spec = BatchSpec("token_bucket", max_tokens=2 * round_up(40, pad_multiple) + budget, pad_multiple=pad_multiple)
+    got = _token_buckets(src, tgt, spec, np.random.default_rng(seed))
+    want = _token_buckets_per_pair(src, tgt, spec, np.random.default_rng(seed))
+    assert [b.tolist() for b in got] == [b.tolist() for b in want]

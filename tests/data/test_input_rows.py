@@ -1,6 +1,7 @@
 """Every input row trains or is counted by reason with file and line; unusable input: one sentence."""
 
 import json
+import os
 
 import datasets
 import numpy as np
@@ -202,3 +203,59 @@ def test_valid_size_zero_gives_an_empty_valid_split(tmp_path, mode):
     assert b.num_batches("valid") == 0 and list(b.loader("valid")) == []
     assert b.num_batches("train") > 0
     _accounted(b, 150)
+
+
+def test_malformed_json_of_any_kind_is_a_counted_row_with_file_and_line(tmp_path):
+    """Issue 20 row 10: a lone surrogate escape, deep nesting, an over-long number: counted, never raised."""
+    lines = _lines(make_rows(150))
+    bad = {
+        4: ('{"id": "s", "translation": {"en": "ok \\ud800 half", "it": "ciao"}}', "bad_unicode"),
+        9: ("[" * 100_000 + "]" * 100_000, "bad_json"),
+        15: ('{"id": "n", "translation": {"en": "a", "it": "b"}, "x": ' + "1" * 5000 + "}", "bad_json"),
+        21: ('{"id": "t", "translation": {"en": "x", "it": "\\udfff"}}', "bad_unicode"),
+    }
+    for n in sorted(bad):
+        lines.insert(n - 1, bad[n][0])
+    path = tmp_path / "odd.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    b = build_data(cfg_for(tmp_path, str(path)), **QUIET)
+    _accounted(b, len(lines))
+    assert b.report.dropped["bad_unicode"] == 2 and b.report.dropped["bad_json"] == 2
+    assert [e.split(" ")[0] for e in b.report.examples["bad_unicode"]] == [f"{path}:4:", f"{path}:21:"]
+    assert [e.split(" ")[0] for e in b.report.examples["bad_json"]] == [f"{path}:9:", f"{path}:15:"]
+    assert "U+D800" in b.report.examples["bad_unicode"][0] and "nested too deeply" in b.report.examples["bad_json"][0]
+
+
+def test_paths_are_never_split_and_env_uses_the_path_separator(tmp_path, monkeypatch):
+    """Issue 20 row 9: a path holding a space or a comma is one path; $FASTMT_DATA_FILES uses os.pathsep."""
+    from data import DataConfig
+
+    odd = tmp_path / "my data, v2"
+    odd.mkdir()
+    a = write_jsonl(odd / "a b.jsonl", make_rows(150, seed=1))
+    c = write_jsonl(odd / "c,d.jsonl", make_rows(150, seed=2))
+    one = build_data(cfg_for(tmp_path, a), **QUIET)
+    assert one.report.rows == 150 and one.split_record["source"] == f"files:{a}"
+    monkeypatch.setenv("FASTMT_DATA_FILES", f"{a}{os.pathsep}{c}")
+    cfg = cfg_for(tmp_path, (), dataset=DataConfig().dataset)
+    assert cfg.resolved_data_files() == (a, c)
+    assert build_data(cfg, **QUIET).report.rows == 300
+    monkeypatch.setenv("FASTMT_DATA_FILES", f"{a},{c}")  # not the separator: one path that does not exist
+    with pytest.raises(DataInputError, match=rf"not found.*FASTMT_DATA_FILES holds paths separated by '{os.pathsep}'"):
+        build_data(cfg_for(tmp_path, (), dataset=DataConfig().dataset), **QUIET)
+
+
+def test_vocab_below_what_the_text_needs_names_the_minimum(tmp_path):
+    """Issue 20 row 13, data side: SentencePiece's refusal becomes one sentence with the value and the fix."""
+    rows = make_rows(200)
+    greek = "αβγδεζηθικλμνξοπρστυφχψωБГДЖЗИЙЛПФЦЧШЩЭЮЯ"
+    for i, r in enumerate(rows):
+        r["translation"]["it"] += " " + greek[i % len(greek)] * 2 + greek[(i * 7) % len(greek)]
+    cfg = cfg_for(tmp_path, write_jsonl(tmp_path / "d.jsonl", rows), vocab_size=300)
+    with pytest.raises(DataInputError) as e:
+        build_data(cfg, **QUIET)
+    msg = str(e.value)
+    need = int(msg.split("below the ")[1].split(" ")[0])
+    assert "data.vocab_size=300" in msg and f"--data.vocab_size {need} or more" in msg and need > 300
+    assert "\n" not in msg
+    assert build_data(cfg_for(tmp_path, cfg.data_files, vocab_size=need), **QUIET).tokenizer.vocab_size >= need

@@ -75,19 +75,19 @@ def test_tokenizer_cache_reused_and_invalidated(corpus, tmp_path):
 
 
 def test_tokenizer_learns_from_train_split_only(tmp_path):
-    """A word frequent in held-out rows only must not become a vocabulary piece; in train rows it must."""
-    n, kw = 300, dict(valid_size=0.2, test_size=0.2, vocab_size=450, max_len_ratio=10.0)
+    """A word frequent in held-out rows only must not become a vocabulary piece; in train rows it must.
+    With split_grouping="source" the split depends on the sources only, so planting the word in targets
+    leaves every row in its split."""
+    n, kw = 300, dict(valid_size=0.2, test_size=0.2, vocab_size=450, max_len_ratio=10.0, split_grouping="source")
     probe = build_data(
         cfg_for(tmp_path, write_jsonl(tmp_path / "p.jsonl", make_rows(n)), **kw), log=lambda *_: None
     )
-    held_out = (
-        probe.splits["valid"].rows.tolist() + probe.splits["test"].rows.tolist()
-    )  # positions depend on n and seed only
+    held_out = probe.splits["valid"].rows.tolist() + probe.splits["test"].rows.tolist()
 
     def with_word(rows_idx, name):
         rows = make_rows(n)
         for i in rows_idx:
-            rows[i]["translation"]["en"] = "qwzyxv " * 3 + rows[i]["translation"]["en"]
+            rows[i]["translation"]["it"] = "qwzyxv " * 3 + rows[i]["translation"]["it"]
         return build_data(cfg_for(tmp_path, write_jsonl(tmp_path / name, rows), **kw), log=lambda *_: None)
 
     held = with_word(held_out, "held.jsonl")
@@ -338,7 +338,8 @@ def test_config_validation_messages():
         DataConfig(max_tokens=100)
     with pytest.raises(ValueError, match="valid_size"):
         DataConfig(valid_size=1.5)
-    assert DataConfig(data_files="a.jsonl, b.jsonl c.jsonl").data_files == ("a.jsonl", "b.jsonl", "c.jsonl")
+    assert DataConfig(data_files="my data/a, b.jsonl").data_files == ("my data/a, b.jsonl",)  # one path, whole
+    assert DataConfig(data_files=["a b.jsonl", "c,d.tsv"]).data_files == ("a b.jsonl", "c,d.tsv")
 
 
 def _no_network(monkeypatch):

@@ -1,0 +1,217 @@
+"""The data cache under ``cfg.cache_dir``: keys, locks, atomic publishing, self-healing, file modes.
+
+Layout (every entry immutable once published; fastmt owns everything in here):
+  index/<ident>.json     file identity key -> the corpus entry it resolved to (the O(1) warm-start lookup)
+  corpus-<key>/          one cleaned, split, encoded corpus (`data.build`): meta.json, .npy arrays, texts
+  spm-<key>/             a SentencePiece model (spm.model) and its settings.json
+  toy/                   the generated toy corpus
+  locks/<key>.lock       flock(2) files: one builder per key; the others wait, then map the result
+  .tmp-<key>-<pid>-*     a build in progress; left behind only by a killed build, removed at the next start
+
+Keys. ``ident`` hashes the settings and each input file's identity (real path, size, mtime_ns, ctime_ns,
+inode, device): a warm start stats the files and reads one small JSON, never the corpus. When ``ident``
+misses (a new file, an edit, a ``touch``), the files' bytes are hashed (sha256, streaming) into the content
+key; equal content reuses the entry, so a ``touch`` costs one read of the files, not a rebuild. An edit in
+place changes mtime/ctime (ctime cannot be set back by ``touch -r``), so it is always detected.
+
+Healing. An entry that fails to load or validate (truncated, empty or garbage files, a missing part) is
+removed with a one-line warning and rebuilt. Files and folders are created with the modes the umask gives
+(0644/0755 under umask 022), so a cache shared between users stays readable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+TMP_PREFIX = ".tmp-"
+_HELD: set[int] = set()  # fds of the locks this process holds (forked build workers close their copies)
+
+
+def umask() -> int:
+    """The process umask, read without changing it (Linux: /proc/self/status; else set-and-restore)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
+
+
+def honour_umask(path: Path) -> None:
+    """Give ``path`` (and, for a folder, everything in it) the mode a plain ``open``/``mkdir`` would have:
+    ``mkstemp``/``mkdtemp`` make 0600/0700, which would lock other users out of a shared cache."""
+    mask = umask()
+    path = Path(path)
+    if path.is_dir():
+        for root, _dirs, files in os.walk(path):
+            os.chmod(root, 0o777 & ~mask)
+            for f in files:
+                os.chmod(os.path.join(root, f), 0o666 & ~mask)
+    else:
+        os.chmod(path, 0o666 & ~mask)
+
+
+def digest(obj) -> str:
+    """20 hex digits of sha256 over ``obj`` as canonical JSON."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def file_identity(path: str) -> dict:
+    """What a warm start compares instead of the bytes: real path, size, mtime_ns, ctime_ns, inode, device."""
+    st = os.stat(path)
+    return {"path": os.path.realpath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "ctime_ns": st.st_ctime_ns, "inode": st.st_ino, "dev": st.st_dev}
+
+
+def content_hash(paths, block: int = 1 << 20) -> str:
+    """sha256 over the files' bytes (each prefixed by its size), read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    for p in paths:
+        with open(p, "rb") as f:
+            h.update(f"{os.fstat(f.fileno()).st_size}\n".encode())
+            while chunk := f.read(block):
+                h.update(chunk)
+    return h.hexdigest()[:32]
+
+
+def mkdirs(path: Path) -> Path:
+    """``mkdir -p`` with the umask's modes (what ``Path.mkdir`` does; stated because temp folders do not)."""
+    Path(path).mkdir(parents=True, exist_ok=True)
+    return Path(path)
+
+
+@contextlib.contextmanager
+def locked(cache: Path, key: str, log=print, what: str = "this data"):
+    """Hold ``locks/<key>.lock`` exclusively (flock; released when the process dies, even by kill -9).
+    Another holder is waited for, with one line naming its pid."""
+    path = mkdirs(Path(cache) / "locks") / f"{key}.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            log(f"[data] waiting for process {holder}, which is building {what} ({path})")
+            t0 = time.perf_counter()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            log(f"[data] done waiting ({time.perf_counter() - t0:.1f} s)")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        _HELD.add(fd)
+        yield
+    finally:
+        _HELD.discard(fd)
+        os.close(fd)  # closing releases the lock (once no forked child holds a copy: see `forget_locks`)
+
+
+def forget_locks() -> None:
+    """In a forked child: close the inherited copies of the parent's lock fds. A flock lives as long as any
+    copy is open, so a worker that outlived a killed parent would otherwise hold the build lock forever."""
+    for fd in list(_HELD):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+
+def _lock_is_free(cache: Path, key: str) -> bool:
+    path = Path(cache) / "locks" / f"{key}.lock"
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def temp_dir(cache: Path, key: str) -> Path:
+    """A fresh ``.tmp-<key>-<pid>-<n>`` folder for a build of ``key`` (call it holding ``locked(key)``)."""
+    for n in range(1000):
+        path = Path(cache) / f"{TMP_PREFIX}{key}-{os.getpid()}-{n}"
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"cannot create a temp folder for {key} in {cache}")
+
+
+def clean_stale_temps(cache: Path, log=print) -> int:
+    """Remove the temp folders/files of builds that died (their key's lock is free); returns how many."""
+    cache = Path(cache)
+    removed = []
+    entries = []
+    for folder in (cache, cache / "index"):  # build folders; index files being written
+        try:
+            entries += list(os.scandir(folder))
+        except FileNotFoundError:
+            pass
+    for e in entries:
+        if not e.name.startswith(TMP_PREFIX):
+            continue
+        key = e.name[len(TMP_PREFIX):].split("-", 1)[0]
+        if _lock_is_free(cache, key):
+            remove(Path(e.path))
+            removed.append(e.name)
+    if removed:
+        log(f"[data] removed {len(removed)} temp entr{'y' if len(removed) == 1 else 'ies'} of interrupted builds "
+            f"in {cache}: {', '.join(removed[:3])}{' ...' if len(removed) > 3 else ''}")
+    return len(removed)
+
+
+def remove(path: Path) -> None:
+    """Remove a file or folder of the cache (missing is fine)."""
+    path = Path(path)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def discard(path: Path, why: str, log=print) -> None:
+    """Remove a cache entry that failed to load or validate, with one line saying which and why."""
+    log(f"[data] warning: cache entry {path} is unusable ({why}); removing it and rebuilding")
+    remove(path)
+
+
+def publish(tmp: Path, final: Path) -> bool:
+    """Move a finished build folder into place atomically. If another process published ``final`` first, its
+    entry stays and ``tmp`` is removed. Returns True when ours was published."""
+    honour_umask(tmp)
+    try:
+        os.rename(tmp, final)
+        return True
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not final.is_dir():
+            raise
+        remove(tmp)
+        return False
+
+
+def write_json(path: Path, obj) -> None:
+    """Write JSON atomically (temp file in the same folder, then rename), mode from the umask."""
+    path = Path(path)
+    tmp = path.with_name(f"{TMP_PREFIX}{path.stem}-{os.getpid()}{path.suffix}")
+    tmp.write_text(json.dumps(obj, indent=1, ensure_ascii=False))
+    os.replace(tmp, path)
+
+
+def read_json(path: Path):
+    """Parsed JSON, or raises ValueError/OSError (the caller heals)."""
+    return json.loads(Path(path).read_text())

@@ -1,0 +1,167 @@
+"""What a cache entry is: its inputs (the files or Hub dataset, cut into chunks), its keys, and how a built
+entry is opened (the warm path: memory maps and a few small JSON files, nothing corpus-sized).
+
+An entry is a folder ``corpus-<key>/`` of .npy arrays per split (``{split}_{src,tgt}_{ids,off}.npy`` and
+``{split}_rows.npy``), the valid/test texts (``{split}_text.json``) and ``meta.json`` (counts, the cleaning
+report, the split record). `data.build` makes one; `load_entry` opens and validates one.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import cache as C
+from .sources import Chunk, SourceFile, hub_chunks, plan_chunks, training_files
+from .split import HELDOUT_MAX_GROUP
+from .tokenizer import Tokenizer, spm_settings
+
+CACHE_FORMAT = 2  # bump when the entry layout or the meaning of a key changes
+SPLITS = ("train", "valid", "test")
+
+
+def build_workers(cfg) -> int:
+    """``cfg.build_workers``, or (0) the cores this process may use."""
+    if cfg.build_workers:
+        return cfg.build_workers
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# What a build reads, and its keys
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Inputs:
+    """The files (or Hub dataset) of the training corpus and of your own valid/test files, cut into chunks."""
+
+    label: str  # split_record["source"]
+    files: list[SourceFile]
+    chunks: list[Chunk]
+    paths: tuple[str, ...]  # local files (empty for the Hub)
+    hub_fingerprint: str | None = None
+    evals: dict[str, tuple[str, ...]] = field(default_factory=dict)  # "valid"/"test" -> your files
+
+    def identity(self) -> dict:
+        """What a warm start compares: each file's identity (stat only), or the Hub dataset's fingerprint."""
+        ident = {"train": [C.file_identity(p) for p in self.paths] or self.hub_fingerprint}
+        for s, files in self.evals.items():
+            ident[s] = [C.file_identity(p) for p in files]
+        return ident
+
+    def content(self) -> dict:
+        """The inputs' bytes, hashed (read once; only when the identity is new)."""
+        out = {"train": C.content_hash(self.paths) if self.paths else self.hub_fingerprint}
+        for s, files in self.evals.items():
+            out[s] = C.content_hash(files)
+        return out
+
+
+def chunk_bytes(files, workers: int) -> int | None:
+    """About 4 chunks per worker (load balance), each between 1 MiB and `sources.CHUNK_BYTES`."""
+    from . import sources
+
+    try:
+        total = sum(os.path.getsize(f) for f in files)
+    except OSError:
+        return None  # plan_chunks names the missing file
+    return int(min(sources.CHUNK_BYTES, max(1 << 20, total // (4 * max(1, workers)))))
+
+
+def inputs(cfg) -> Inputs:
+    files, label = training_files(cfg)
+    if files:
+        src_files, chunks = plan_chunks(files, chunk_bytes(files, build_workers(cfg)), from_env=cfg.files_from_env())
+        out = Inputs(label, src_files, chunks, tuple(files))
+    else:
+        src_files, chunks, fp = hub_chunks(cfg.dataset, cfg.dataset_config, cfg.hf_split)
+        out = Inputs(label, src_files, chunks, (), hub_fingerprint=fp)
+    for s in ("valid", "test"):
+        ev = getattr(cfg, f"{s}_files")
+        if ev:
+            plan_chunks(ev, name=f"data.{s}_files")  # existence and formats, before anything is built
+            out.evals[s] = tuple(ev)
+    return out
+
+
+def settings(cfg, tokenizer: Tokenizer | None) -> dict:
+    """Everything besides the inputs that changes an entry: split, cleaning and tokenizer settings."""
+    if tokenizer is not None:
+        tok = {"given": tokenizer.key or C.digest(tokenizer.model_bytes().hex())}
+    else:
+        tok = spm_settings(cfg)
+    return {
+        "format": CACHE_FORMAT,
+        "langs": [cfg.src_lang, cfg.tgt_lang],
+        "split": {"valid_size": cfg.valid_size, "test_size": cfg.test_size, "seed": cfg.split_seed,
+                  "grouping": cfg.split_grouping, "max_group": HELDOUT_MAX_GROUP,
+                  "evals": sorted(s for s in ("valid", "test") if getattr(cfg, f"{s}_files"))},
+        "tokenizer": tok,
+        "length": {"max_len": cfg.max_len, "max_len_ratio": cfg.max_len_ratio},
+    }
+
+
+def tokenizer_key(content: dict, sets: dict) -> str:
+    """The SentencePiece model's key: inputs + split + tokenizer settings (not the length limits, so a new
+    ``max_len`` re-encodes but never retrains the tokenizer)."""
+    return C.digest({"content": content, **{k: v for k, v in sets.items() if k != "length"}})
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading a built entry (the warm path)
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Entry:
+    """A loaded corpus entry: per split the arrays (memory maps) and the valid/test texts, and meta.json."""
+
+    path: Path
+    meta: dict
+    arrays: dict[str, dict[str, np.ndarray]]
+    texts: dict[str, tuple[list[str], list[str]] | None]
+
+
+_ARRAYS = ("src_ids", "src_off", "tgt_ids", "tgt_off", "rows")
+
+
+def _open(path: Path, shape: tuple, dtype: str) -> np.ndarray:
+    a = np.load(path, mmap_mode="r") if shape[0] else np.load(path)  # an empty array cannot be mapped
+    if a.shape != shape or a.dtype != np.dtype(dtype):
+        raise ValueError(f"{path.name} holds {a.dtype}{a.shape}, expected {dtype}{shape}")
+    return a
+
+
+def load_entry(cache: Path, key: str, log=print) -> Entry | None:
+    """The entry ``corpus-<key>`` if it is there and valid; a broken one is removed with a warning (None)."""
+    path = Path(cache) / f"corpus-{key}"
+    if not path.is_dir():
+        return None
+    try:
+        meta = C.read_json(path / "meta.json")
+        if meta.get("format") != CACHE_FORMAT or meta.get("key") != key:
+            raise ValueError(f"meta.json is for {meta.get('key')!r}, format {meta.get('format')!r}")
+        arrays, texts = {}, {}
+        for s in SPLITS:
+            n, tok = meta["counts"][s], meta["tokens"][s]
+            ids_t = meta["id_dtype"]
+            shapes = {"src_ids": ((tok["src"],), ids_t), "tgt_ids": ((tok["tgt"],), ids_t),
+                      "src_off": ((n + 1,), "int64"), "tgt_off": ((n + 1,), "int64"), "rows": ((n,), "int64")}
+            arrays[s] = {a: _open(path / f"{s}_{a}.npy", *shapes[a]) for a in _ARRAYS}
+            for side in ("src", "tgt"):
+                off = arrays[s][f"{side}_off"]
+                if off[0] != 0 or off[-1] != tok[side]:
+                    raise ValueError(f"{s}_{side}_off does not end at the token count")
+            if s == "train":
+                texts[s] = None
+            else:
+                t = C.read_json(path / f"{s}_text.json")
+                if len(t["src"]) != n or len(t["tgt"]) != n:
+                    raise ValueError(f"{s}_text.json holds {len(t['src'])} rows, expected {n}")
+                texts[s] = (t["src"], t["tgt"])
+        return Entry(path, meta, arrays, texts)
+    except (OSError, ValueError, KeyError, TypeError, EOFError) as e:
+        C.discard(path, f"{type(e).__name__}: {str(e)[:120]}", log)
+        return None
+
+
