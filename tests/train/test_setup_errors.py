@@ -35,7 +35,7 @@ CASES = {
     "cuda-without-cuda": (["--run.device", "cuda"], "--run.device cuda, but torch sees no CUDA device"),
     "averaging-more-than-kept": (["--eval.average_last", "3"], "eval.average_last=3 needs run.keep_last"),
     "missing-resume-checkpoint": (["--resume", "nope.pt"], "--resume nope.pt: checkpoint 'nope.pt' does not exist"),
-    "vocabulary-too-small": (["--data-files", "MANY_CHARS"], "data.vocab_size=300 is too small for this text"),
+    "vocabulary-too-small": (["--data-files", "MANY_CHARS"], "data.vocab_size=300 is below the"),
 }
 
 
