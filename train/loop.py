@@ -53,7 +53,7 @@ from train.rundir import (
     run_finished,
     stop_on_signals,
 )
-from train.step import EpochStats, StepCounters, forward_backward, optimizer_step
+from train.step import EpochStats, StepCounters, forward_backward, optimizer_step, out_of_memory_advice
 
 
 class NonFiniteLossError(RuntimeError):
@@ -212,13 +212,7 @@ class Trainer:
             loss = forward_backward(self.step_module, batches, device=self.device, autocast=self.autocast,
                                     scaler=self.scaler, ddp=self.ddp, on_batch=self._see_shape)
         except torch.OutOfMemoryError as e:
-            d = self.cfg.data
-            raise torch.OutOfMemoryError(
-                f"out of memory with data.max_tokens={d.max_tokens} (batching={d.batching}, batch_size="
-                f"{d.batch_size}): use a smaller token budget, e.g. --data.max_tokens {d.max_tokens // 2}, with "
-                f"--optim.accum_steps {2 * self.cfg.optim.accum_steps} to keep the effective batch, or "
-                f"--model.checkpointing true"
-            ) from e
+            raise torch.OutOfMemoryError(out_of_memory_advice(self.cfg)) from e
         self._last_grad_norm = optimizer_step(self.optimizer, self.flat, self.scheduler, self.scaler, self.counters,
                                               loss, grad_clip=self.cfg.optim.grad_clip,
                                               guard=self.cfg.run.nonfinite_guard,

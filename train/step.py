@@ -108,6 +108,24 @@ def optimizer_step(optimizer, flat: FlatParams, scheduler, scaler, counters: Ste
     return grad_norm
 
 
+def out_of_memory_advice(cfg) -> str:
+    """The message of a training step that ran out of memory: a smaller token budget with more accumulation
+    (the same effective batch), or activation checkpointing, which CUDA-graph modes cannot run
+    (``train.config.Config`` refuses the pair): with those the advice also names a mode without graphs."""
+    from train.config import uses_cuda_graphs
+
+    d, accum = cfg.data, cfg.optim.accum_steps
+    msg = (f"out of memory with data.max_tokens={d.max_tokens} (batching={d.batching}, batch_size={d.batch_size}): "
+           f"use a smaller token budget, e.g. --data.max_tokens {max(d.max_tokens // 2, 1)} --optim.accum_steps "
+           f"{2 * accum} (the same effective batch)")
+    if cfg.model.checkpointing:
+        return msg
+    if cfg.run.compile is not False and uses_cuda_graphs(cfg.run):
+        return (msg + f", or --model.checkpointing true --run.compile_mode default (activation checkpointing cannot "
+                f"run under CUDA graphs, run.compile_mode={cfg.run.compile_mode!r}: pytorch#154306)")
+    return msg + ", or --model.checkpointing true"
+
+
 def _scaler_found_inf(scaler, optimizer, loss: torch.Tensor) -> torch.Tensor:
     """The GradScaler's inf/NaN flag from ``unscale_``, as a 0-d device float (per-device flags summed;
     no sync). Read here rather than through ``scaler.step``, which syncs for optimizers without AMP hooks."""
