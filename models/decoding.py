@@ -33,7 +33,8 @@ the ``Decoder`` and replayed across calls.
 Host syncs: one "all done?" read every ``check_every`` steps (default: 4 on CUDA, where a read waits
 for the queued steps; every step on the CPU, where it costs nothing and stops at once), and one read
 of the answers per batch.
-Decoding runs in ``torch.inference_mode`` with the model in eval mode (restored after).
+Decoding runs in ``torch.inference_mode`` with the model in eval mode (restored after), and with
+torch.compile'd regions (``run.compile_scope="blocks"``) forced eager: it never compiles a variant.
 """
 
 from __future__ import annotations
@@ -64,10 +65,14 @@ class DecodeStats:
 
 @contextmanager
 def _eval(model: Transformer):
+    """Eval mode, inference mode, and every torch.compile'd region run eagerly: decoding never adds a
+    compiled variant to the training regions (each would be an Inductor compile and, with CUDA graphs, a
+    recording, inside time-to-BLEU; under inference mode, pytorch#135892 on the way back to training).
+    Its speed comes from ``cuda_graph`` capture of whole steps instead."""
     was_training = model.training
     model.eval()
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), torch.compiler.set_stance("force_eager"):
             yield
     finally:
         model.train(was_training)

@@ -15,16 +15,19 @@ from train.loss import SummedCrossEntropy
 @torch.no_grad()
 def split_loss(model, bundle, split: str, device: torch.device, autocast) -> float:
     """Mean cross-entropy per real target token over ``split`` (no label smoothing, pad ignored)."""
+    from train.compile import eager_regions
+
     was_training = model.training
     model.eval()
     loss = SummedCrossEntropy(model, bundle.tokenizer.pad_id, label_smoothing=0.0)
     total = torch.zeros((), dtype=torch.float64, device=device)
     n_tokens = 0
-    for batch in bundle.loader(split, shuffle=False):
-        b = batch.to(device, non_blocking=True)
-        with autocast:
-            total += loss(b.tgt_out, **b.model_inputs())
-        n_tokens += batch.num_target_tokens  # host-side count from the CPU batch
+    with eager_regions():  # compiled training regions run eagerly here: no variant for no-grad (train/compile.py)
+        for batch in bundle.loader(split, shuffle=False):
+            b = batch.to(device, non_blocking=True)
+            with autocast:
+                total += loss(b.tgt_out, **b.model_inputs())
+            n_tokens += batch.num_target_tokens  # host-side count from the CPU batch
     model.train(was_training)
     return float(total) / max(n_tokens, 1)  # host sync: once per evaluation
 
