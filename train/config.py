@@ -181,18 +181,6 @@ class Config:
                 f"run.compile_backend={self.run.compile_backend!r}): torch's CUDA-graph trees fail on recomputed "
                 f"activations (pytorch#154306); use --run.compile_mode default with it, or --model.checkpointing false")
 
-
-# torch.compile modes that replay compiled regions as CUDA graphs (torch._inductor.list_mode_options(mode) sets
-# "triton.cudagraphs"; tests/train/test_config_gpu_hazards.py checks this against the installed torch)
-CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
-
-
-def uses_cuda_graphs(run: RunConfig) -> bool:
-    """Whether ``run``'s compile settings (when compiling on CUDA) replay compiled regions as CUDA graphs."""
-    if run.compile_backend == "cudagraphs":  # torch's CUDA-graph-trees backend without Inductor
-        return True
-    return run.compile_backend == "inductor" and run.compile_mode in CUDA_GRAPH_MODES
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -204,6 +192,18 @@ def uses_cuda_graphs(run: RunConfig) -> bool:
             section_cls = resolved_hints(cls)[f.name]
             sections[f.name] = build_dataclass(section_cls, d.get(f.name, {}), f.name)
         return cls(**sections)
+
+
+# torch.compile modes that replay compiled regions as CUDA graphs (torch._inductor.list_mode_options(mode) sets
+# "triton.cudagraphs"; tests/train/test_cuda_graph_config.py checks this against the installed torch)
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def uses_cuda_graphs(run: RunConfig) -> bool:
+    """Whether ``run``'s compile settings (when compiling on CUDA) replay compiled regions as CUDA graphs."""
+    if run.compile_backend == "cudagraphs":  # torch's CUDA-graph-trees backend without Inductor
+        return True
+    return run.compile_backend == "inductor" and run.compile_mode in CUDA_GRAPH_MODES
 
 
 # ---------------------------------------------------------------------------------------------

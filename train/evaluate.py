@@ -33,6 +33,9 @@ def split_loss(model, bundle, split: str, device: torch.device, autocast) -> flo
 
 
 DECODE_MODES = ("beam", "greedy")
+# what an epoch record copies from ``evaluate_split``'s result: the decoding's cost and whether CUDA graphs held
+DECODE_RECORD_KEYS = ("decode", "decode_seconds", "decode_steps", "host_syncs", "graphs_captured", "capture_failures",
+                      "decode_fallbacks", "decode_eager_reason")
 # source widths a batch is padded to (8 and 12 times powers of two): a validation set meets a handful
 _SRC_WIDTHS = sorted({8 << k for k in range(16)} | {12 << k for k in range(16)})
 _decoders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {settings: Decoder}
@@ -121,7 +124,9 @@ def bleu_chrf(model, bundle, split: str, device: torch.device, *, max_sentences:
               decode: str = "beam", fixed_shapes: bool | None = None, cuda_graph: bool | None = None) -> dict:
     """sacreBLEU and chrF of the decoded first N sentences of ``split`` against their references (decoding
     options: ``translate``), with the decoding's cost: ``decode_seconds`` (wall, the host waits for the answers), ``decode_steps``,
-    ``host_syncs``, ``decode_batches``, ``graphs_captured`` (CUDA graphs made by this call)."""
+    ``host_syncs``, ``decode_batches``, ``graphs_captured`` (CUDA graphs made by this call), ``capture_failures``
+    (capture attempts that raised), ``decode_fallbacks`` (decoders that gave up CUDA graphs in this call) and
+    ``decode_eager_reason`` (why decoding runs eagerly although graphs were asked for; None otherwise)."""
     import sacrebleu
 
     from models.decoding import DecodeStats
@@ -146,6 +151,9 @@ def bleu_chrf(model, bundle, split: str, device: torch.device, *, max_sentences:
         "host_syncs": stats.host_syncs,
         "decode_batches": stats.batches,
         "graphs_captured": stats.graphs,
+        "capture_failures": stats.capture_failures,
+        "decode_fallbacks": stats.fallbacks,
+        "decode_eager_reason": stats.eager_reason,
         "samples": list(zip(src, refs, hyps)),
     }
 

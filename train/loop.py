@@ -326,12 +326,15 @@ class Trainer:
         summary: dict[str, Any] = {"steps": self.step, "skipped_steps": self.skipped_steps,
                                    "epochs_done": self.epoch, "wall_seconds": time.perf_counter() - t_fit,
                                    "run_wall_seconds": self.clock.wall(), "stop_reason": stop_reason or "done",
-                                   "best_bleu": self.clock.best, "time_to_bleu": self.clock.reached}
+                                   "best_bleu": self.clock.best, "time_to_bleu": self.clock.reached,
+                                   # CUDA-graph decoding that fell back to eager (the records say when and why)
+                                   "decode_fallbacks": sum(r.get("decode_fallbacks") or 0 for r in self.history)}
         if stop_reason in (None, "max_steps", "wall_budget", "early_stop") and self.is_main:
             if self.cfg.eval.average_last:
                 self._average_last(self.cfg.eval.average_last)
             if self.cfg.eval.test_at_end:
                 summary["test"] = self._final_test()
+                summary["decode_fallbacks"] += summary["test"]["decode_fallbacks"] or 0
             for line in self.clock.summary_lines():
                 self.log(line)
             test = summary.get("test") or {}
@@ -433,10 +436,10 @@ class Trainer:
         """Validation loss and BLEU into ``record``; updates the BLEU clock; returns the best-metric value."""
         ev = self.cfg.eval
         r = self._eval_split("valid", ev.decode, loss=ev.valid_loss)
+        from train.evaluate import DECODE_RECORD_KEYS
+
         record.update(valid_loss=r["loss"], bleu=r["bleu"], chrf=r["chrf"], eval_sentences=r["sentences"],
-                      eval_seconds=r["seconds"], decode=r.get("decode"), decode_seconds=r.get("decode_seconds"),
-                      decode_steps=r.get("decode_steps"), host_syncs=r.get("host_syncs"),
-                      graphs_captured=r.get("graphs_captured"))
+                      eval_seconds=r["seconds"], **{k: r.get(k) for k in DECODE_RECORD_KEYS})
         wall = self.clock.wall()
         for t in self.clock.update(record["bleu"], epoch + 1, wall):
             self.log(f"BLEU {t:g} reached at {wall:.1f} s (epoch {epoch + 1})")
@@ -463,7 +466,8 @@ class Trainer:
         r = self._eval_split("test", "beam")
         rec = {"kind": "test", "epoch": self.epoch, "weights": source, "test_loss": r["loss"],
                "test_bleu": r["bleu"], "test_chrf": r["chrf"], "test_sentences": r["sentences"],
-               "eval_seconds": r["seconds"], "wall_seconds": self.clock.wall()}
+               "eval_seconds": r["seconds"], "wall_seconds": self.clock.wall(),
+               "decode_fallbacks": r.get("decode_fallbacks"), "decode_eager_reason": r.get("decode_eager_reason")}
         self.log(f"test ({source}): loss {_fmt(r['loss'], '.4f')} BLEU {_fmt(r['bleu'], '.2f')} "
                  f"chrF {_fmt(r['chrf'], '.2f')} ({r['sentences']} sentences, beam {self.cfg.eval.beam_size})")
         self.metrics.log(rec)
