@@ -43,11 +43,13 @@ from kernels._utils import LOG2E, LOG2E_C, autotune, block_configs, empty, fp32_
 # ----------------------------------------------------------------------------------------------
 # Segment ids (plain PyTorch: compiles, no host sync)
 # ----------------------------------------------------------------------------------------------
-def segment_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+def segment_ids(cu_seqlens: torch.Tensor, total: int, tokens: torch.Tensor | None = None) -> torch.Tensor:
     """int32 (total,): the segment holding each packed token (empty segments hold none; tokens at or past
     ``cu_seqlens[-1]`` get N = ``cu_seqlens.numel() - 1``). Compute once per batch and side, and pass it to
-    ``kernels.attention(..., segment_ids_q=..., segment_ids_k=...)`` in every layer."""
-    tokens = torch.arange(total, dtype=torch.int32, device=cu_seqlens.device)  # (total,)
+    ``kernels.attention(..., segment_ids_q=..., segment_ids_k=...)`` in every layer. ``tokens``: int32
+    ``arange(total)`` on the device, for callers that keep one across batches (one kernel less per call)."""
+    if tokens is None:
+        tokens = torch.arange(total, dtype=torch.int32, device=cu_seqlens.device)  # (total,)
     return torch.bucketize(tokens, cu_seqlens[1:], right=True, out_int32=True)  # first segment ending after t
 
 
