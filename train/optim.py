@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from itertools import repeat
-from operator import attrgetter
+from operator import attrgetter, is_
 
 import torch
 from torch import nn
@@ -91,7 +91,9 @@ class FlatParams:
         the step runs no Python bytecode per parameter (tests/train/test_step.py pins it)."""
         for params, views in zip(self.params, self._grad_views):
             grads = list(map(_GRAD, params))
-            if None in grads:  # an unused parameter this step (a host-side check: no sync); rare
+            # an unused parameter this step (a host-side check: no sync; rare). Not ``None in grads``: that
+            # compares every tensor with None through Tensor.__eq__ (~40 us each, 7 ms at 155 tensors)
+            if any(map(is_, grads, repeat(None))):
                 used = [(g, v) for g, v in zip(grads, views) if g is not None]
                 for g, v in zip(grads, views):
                     if g is None:
