@@ -73,5 +73,23 @@ lint: setup
 gpu-wheels: setup
 	bash bench/gpu_wheels.sh
 
+# --- oldest supported torch (the GPU image's: 2.11) ------------------------------------------------------
+# `make test-torch-min`: a second, git-ignored venv with torch $(TORCH_MIN) (the registry's wheel, a CUDA build
+# that runs on the CPU) and the project, then the tests of the code that meets torch's compiler and kernel APIs
+# -- compile, decoding, kernels, training -- on it. .ci/run calls it after `make test`.
+TORCH_MIN       ?= 2.11.0
+VENV_MIN        ?= .venv-torch-min
+TORCH_MIN_TESTS ?= tests/kernels tests/models/test_decoding.py tests/train
+.PHONY: test-torch-min
+test-torch-min: $(VENV_MIN)/.fastmt-installed
+	$(VENV_MIN)/bin/python -c "import torch, triton; print(f'test-torch-min: torch {torch.__version__}, triton {triton.__version__}')"
+	$(VENV_MIN)/bin/python -m pytest -q -m "not slow and not gpu" --timeout=900 -p no:cacheprovider $(TORCH_MIN_TESTS) $(ARGS)
+
+$(VENV_MIN)/.fastmt-installed: pyproject.toml constraints-cpu.txt
+	@test -x $(VENV_MIN)/bin/python || $(BASE_PYTHON) -m venv $(VENV_MIN)
+	$(VENV_MIN)/bin/pip install -q "torch==$(TORCH_MIN)"
+	$(VENV_MIN)/bin/pip install -q -e ".[dev]" -c constraints-cpu.txt "torch==$(TORCH_MIN)"
+	@touch $@
+
 clean:
-	rm -rf $(VENV) .cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VENV_MIN) .cache .pytest_cache .ruff_cache
