@@ -84,6 +84,11 @@ def _stream_autotune(shapes):
                     interpret_config=block_configs([(32, 32, 1, 1)])[0], prune=_prune)
 
 
+# Integer arguments Triton must not specialise on (as in kernels/sequence_attention.py): stream lengths,
+# slot counts, the statistics' head stride and the autotune-key buckets bound masks and loops only.
+_NOT_SPECIALIZED = ["C_q", "C_k", "N", "stride_lh", "MEAN_BUCKET", "ROWS_BUCKET"]
+
+
 # ----------------------------------------------------------------------------------------------
 # Triton kernels
 # ----------------------------------------------------------------------------------------------
@@ -124,7 +129,7 @@ def _block_range(lo, hi, n_other):
 
 
 @_stream_autotune(STREAM_FWD_CONFIGS)
-@triton.jit
+@triton.jit(do_not_specialize=_NOT_SPECIALIZED)
 def _stream_attention_fwd_kernel(
     Q_ptr,  # (C_q, H, D) packed queries; unit last stride
     K_ptr,  # (C_k, H, D) packed keys
@@ -192,7 +197,7 @@ def _stream_attention_fwd_kernel(
 
 
 @_stream_autotune(STREAM_BWD_Q_CONFIGS)
-@triton.jit
+@triton.jit(do_not_specialize=_NOT_SPECIALIZED)
 def _stream_attention_bwd_dq_kernel(
     Q_ptr, K_ptr, V_ptr,  # forward inputs, (C_q, H, D) / (C_k, H, D)
     O_ptr,  # forward output, (C_q, H, D)
@@ -259,7 +264,7 @@ def _stream_attention_bwd_dq_kernel(
 
 
 @_stream_autotune(STREAM_BWD_KV_CONFIGS)
-@triton.jit
+@triton.jit(do_not_specialize=_NOT_SPECIALIZED)
 def _stream_attention_bwd_dkdv_kernel(
     Q_ptr, K_ptr, V_ptr,  # forward inputs, (C_q, H, D) / (C_k, H, D)
     DO_ptr,  # gradient of the output, (C_q, H, D)
