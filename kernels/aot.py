@@ -306,11 +306,21 @@ def cache_keys(arch: int) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m kernels.aot", description=__doc__.split("\n")[0])
-    p.add_argument("--plan", choices=sorted(PLANS), action="append", required=True)
+    p.add_argument("--plan", choices=sorted(PLANS), action="append")
+    p.add_argument("--check", metavar="AOT-KEYS.json", help="say whether a cache built elsewhere matches this machine")
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10 (90: H100/H200)")
     p.add_argument("--out", help="cache directory to fill (TRITON_CACHE_DIR); default: a temporary one")
     p.add_argument("--json", help="write the units per plan here")
     args = p.parse_args(argv)
+    if args.check:
+        built, here = json.loads(Path(args.check).read_text()), cache_keys(args.arch)
+        differ = [k for k in ("triton", "triton_key_sha256", "backend") if built.get(k) != here.get(k)]
+        print("keys match: the steps should compile none of the carried kernels" if not differ else
+              f"KEYS DIFFER ({', '.join(differ)}; built with python {built.get('python')}, this is "
+              f"{here['python']}): every kernel compiles here")
+        return 0
+    if not args.plan:
+        p.error("give --plan (or --check)")
     import tempfile
 
     out = Path(args.out or tempfile.mkdtemp(prefix="fastmt-aot-"))
