@@ -86,6 +86,29 @@ class Units:
         return sum(u["seconds"] for u in self.units)
 
 
+_RECORDING: list[Units] = []  # the innermost compile_only block's record
+_HITS: list[bool] = []  # Triton's compilation listener: whether the last compile came from the disk cache
+
+
+def _listener(*, cache_hit, **_kwargs):
+    _HITS.append(cache_hit)
+
+
+def _recording_compile(real):
+    """``triton.compiler.compile``, timed into the active record. A JIT function binds the compile function
+    once (its first launch), so this wrapper reads the record at call time rather than closing over one."""
+
+    def compile_(src, target=None, options=None, _env_vars=None):
+        t0 = time.perf_counter()
+        kernel = real(src, target=target, options=options, _env_vars=_env_vars)
+        if _RECORDING:
+            _RECORDING[-1].record(src, options, time.perf_counter() - t0, hit=bool(_HITS and _HITS.pop()))
+        return kernel
+
+    compile_.recording = True
+    return compile_
+
+
 @contextlib.contextmanager
 def compile_only(arch: int = 90, units: Units | None = None):
     """Inside the block every Triton launch compiles for ``arch`` (into TRITON_CACHE_DIR) and launches
@@ -93,35 +116,27 @@ def compile_only(arch: int = 90, units: Units | None = None):
     from kernels import _utils
 
     units = units if units is not None else Units()
-    real_compile, real_run, real_usable = triton.compiler.compile, JITFunction.run, _utils.triton_usable
-
-    hits: list[bool] = []
-
-    def listener(*, cache_hit, **_kwargs):
-        hits.append(cache_hit)
-
-    def timed_compile(src, target=None, options=None, _env_vars=None):
-        t0 = time.perf_counter()
-        kernel = real_compile(src, target=target, options=options, _env_vars=_env_vars)
-        units.record(src, options, time.perf_counter() - t0, hit=bool(hits and hits.pop()))
-        return kernel
+    if not getattr(triton.compiler.compile, "recording", False):
+        triton.compiler.compile = _recording_compile(triton.compiler.compile)
+    real_run, real_usable = JITFunction.run, _utils.triton_usable
 
     def compile_not_launch(self, *args, grid, warmup, **kwargs):
         return real_run(self, *args, grid=grid, warmup=True, **kwargs)
 
     previous = driver._active  # None until something asked (a CPU machine has no driver to default to)
     previous_listener = triton.knobs.compilation.listener
-    triton.knobs.compilation.listener = listener
+    triton.knobs.compilation.listener = _listener
     driver.set_active(_CompileOnlyDriver(GPUTarget("cuda", arch, 32)))
-    triton.compiler.compile = timed_compile
     JITFunction.run = compile_not_launch
     _utils.triton_usable = lambda t: True  # CPU tensors pass the launchers' device checks
+    _RECORDING.append(units)
     try:
         yield units
     finally:
+        _RECORDING.pop()
         driver._active = previous
         triton.knobs.compilation.listener = previous_listener
-        triton.compiler.compile, JITFunction.run, _utils.triton_usable = real_compile, real_run, real_usable
+        JITFunction.run, _utils.triton_usable = real_run, real_usable
 
 
 # ----------------------------------------------------------------------------------------------
