@@ -81,15 +81,16 @@ TORCH_MIN       ?= 2.11.0
 VENV_MIN        ?= .venv-torch-min
 TORCH_MIN_TESTS ?= tests/kernels tests/models/test_decoding.py tests/train
 .PHONY: test-torch-min
-test-torch-min: $(VENV_MIN)/.fastmt-installed
-	$(VENV_MIN)/bin/python -c "import torch, triton; print(f'test-torch-min: torch {torch.__version__}, triton {triton.__version__}')"
+test-torch-min: $(VENV_MIN)/.fastmt-torch-$(TORCH_MIN)
+	$(VENV_MIN)/bin/python -c "import torch, triton; assert torch.__version__.split('+')[0] == '$(TORCH_MIN)', torch.__version__; print(f'test-torch-min: torch {torch.__version__}, triton {triton.__version__}')"
 	$(VENV_MIN)/bin/python -m pytest -q -m "not slow and not gpu" --timeout=900 -p no:cacheprovider $(TORCH_MIN_TESTS) $(ARGS)
 
-$(VENV_MIN)/.fastmt-installed: pyproject.toml constraints-cpu.txt
+# one stamp per torch version: TORCH_MIN=2.12.0 reinstalls torch in the same venv
+$(VENV_MIN)/.fastmt-torch-$(TORCH_MIN): pyproject.toml constraints-cpu.txt
 	@test -x $(VENV_MIN)/bin/python || $(BASE_PYTHON) -m venv $(VENV_MIN)
 	$(VENV_MIN)/bin/pip install -q "torch==$(TORCH_MIN)"
 	$(VENV_MIN)/bin/pip install -q -e ".[dev]" -c constraints-cpu.txt "torch==$(TORCH_MIN)"
-	@touch $@
+	@rm -f $(VENV_MIN)/.fastmt-torch-* && touch $@
 
 clean:
 	rm -rf $(VENV) $(VENV_MIN) .cache .pytest_cache .ruff_cache

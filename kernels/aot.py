@@ -33,7 +33,8 @@ from collections import Counter
 from pathlib import Path
 
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-    raise SystemExit("kernels.aot compiles for a GPU: run it with TRITON_INTERPRET unset")
+    print("error: kernels.aot compiles for a GPU: run it with TRITON_INTERPRET unset", file=sys.stderr)
+    raise SystemExit(2)
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -328,7 +329,13 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the units per plan here")
     args = p.parse_args(argv)
     if args.check:
-        built, here = json.loads(Path(args.check).read_text()), cache_keys(args.arch)
+        try:
+            built = json.loads(Path(args.check).read_text())
+        except (OSError, ValueError) as e:
+            print(f"no usable cache keys in {args.check} ({e.__class__.__name__}: {e}); rebuild with "
+                  f"`GPU_AOT=1 make gpu-wheels`: every kernel compiles here")
+            return 2
+        here = cache_keys(args.arch)
         differ = [k for k in ("triton", "triton_key_sha256", "backend") if built.get(k) != here.get(k)]
         print("keys match: the steps should compile none of the carried kernels" if not differ else
               f"KEYS DIFFER ({', '.join(differ)}; built with python {built.get('python')}, this is "
