@@ -92,5 +92,24 @@ lint: setup-dev  ## ruff
 gpu-wheels: setup  ## download the wheels the GPU image lacks into .whl/ (CPU machine with PyPI)
 	bash bench/gpu_wheels.sh
 
-clean:  ## remove .venv and the caches (never runs/)
-	rm -rf $(VENV) .cache .pytest_cache .ruff_cache
+# --- oldest supported torch (the GPU image's: 2.11) ------------------------------------------------------
+# `make test-torch-min`: a second, git-ignored venv with torch $(TORCH_MIN) (the registry's wheel, a CUDA build
+# that runs on the CPU) and the project, then the tests of the code that meets torch's compiler and kernel APIs
+# -- compile, decoding, kernels, training -- on it. .ci/run calls it after `make test`.
+TORCH_MIN       ?= 2.11.0
+VENV_MIN        ?= .venv-torch-min
+TORCH_MIN_TESTS ?= tests/kernels tests/models/test_decoding.py tests/train
+.PHONY: test-torch-min
+test-torch-min: $(VENV_MIN)/.fastmt-torch-$(TORCH_MIN)
+	$(VENV_MIN)/bin/python -c "import torch, triton; assert torch.__version__.split('+')[0] == '$(TORCH_MIN)', torch.__version__; print(f'test-torch-min: torch {torch.__version__}, triton {triton.__version__}')"
+	$(VENV_MIN)/bin/python -m pytest -q -m "not slow and not gpu" --timeout=900 -p no:cacheprovider $(TORCH_MIN_TESTS) $(ARGS)
+
+# one stamp per torch version: TORCH_MIN=2.12.0 reinstalls torch in the same venv
+$(VENV_MIN)/.fastmt-torch-$(TORCH_MIN): pyproject.toml constraints-cpu.txt
+	@test -x $(VENV_MIN)/bin/python || $(BASE_PYTHON) -m venv $(VENV_MIN)
+	$(VENV_MIN)/bin/pip install -q "torch==$(TORCH_MIN)"
+	$(VENV_MIN)/bin/pip install -q -e ".[dev]" -c constraints-cpu.txt "torch==$(TORCH_MIN)"
+	@rm -f $(VENV_MIN)/.fastmt-torch-* && touch $@
+
+clean:  ## remove .venv, .venv-torch-min and the caches (never runs/)
+	rm -rf $(VENV) $(VENV_MIN) .cache .pytest_cache .ruff_cache

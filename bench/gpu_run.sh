@@ -11,7 +11,7 @@
 #   sweep-adamw  sweep (the AdamW settings)                 the optimiser sweep on wall time to BLEU
 #   sweep-lion   sweep (the Lion settings)
 # Steps:
-#   kernel-test     make kernel-test SETUP=none PYTHON=python3  (tests/kernels on CUDA, slow grids left out)
+#   kernel-test     pytest tests/kernels -m "gpu and not slow"  (the CUDA grids; the rest runs in CI, interpreted)
 #   bench-kernels   python3 -m bench.kernels --groups corpus,ln ...  (bench/results/kernels-<gpu>.*)
 #   train           python3 -m train --auto --run.name default ...   (runs/default/: what `make train` runs)
 #   quality         python3 -m bench.quality --run runs/default  (bench/results/quality-<gpu>.*)
@@ -23,7 +23,9 @@
 # Setup (always): install the carried wheels (.whl/*.whl, from `make gpu-wheels`) offline into
 # /tmp/site and put it first on PYTHONPATH; export FASTMT_DATA_FILES from the carried .data/; set the
 # Hugging Face libraries offline; print nvidia-smi, versions and a check of the carried wheels'
-# requirements against the image.
+# requirements against the image; unpack .whl/triton-aot-sm90.tgz (our kernels compiled for sm_90 on a CPU
+# machine, `GPU_AOT=1 make gpu-wheels`) into TRITON_CACHE_DIR, say whether its cache key matches this
+# machine's, and after each step how many Triton kernels the step still compiled here.
 #
 # Each step runs under its own time limit with its own log, and the script goes on after a failure.
 # Limits fit one 10-minute device call: the whole script stops starting steps at GPU_RUN_DEADLINE_S
@@ -43,7 +45,7 @@
 set -uo pipefail
 
 ALL_STEPS=(kernel-test bench-kernels train quality profile frontier ladder sweep)
-declare -A DEFAULT_LIMIT=([kernel-test]=200 [bench-kernels]=340 [train]=300 [quality]=30 [profile]=200
+declare -A DEFAULT_LIMIT=([kernel-test]=240 [bench-kernels]=300 [train]=300 [quality]=30 [profile]=200
                           [frontier]=420 [ladder]=120 [sweep]=540)
 declare -A STEP_GROUPS=([call1]="kernel-test bench-kernels" [call2]="train quality profile" [call3]="frontier ladder"
                    [sweep-adamw]="sweep" [sweep-lion]="sweep")
@@ -133,6 +135,17 @@ setup() {
     fi
     log "git: $FASTMT_GIT_SHA$(git status --porcelain --untracked-files=no 2>/dev/null | grep -q . && echo ' (uncommitted changes)')"
 
+    # our Triton kernels compiled ahead of time for sm_90 (kernels/aot.py): a warm cache if the keys match
+    export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+    mkdir -p "$TRITON_CACHE_DIR"
+    if [[ -f .whl/triton-aot-sm90.tgz ]]; then
+        tar -xzf .whl/triton-aot-sm90.tgz -C "$TRITON_CACHE_DIR" 2>>"$LOGDIR/setup-aot.log"
+        log "triton cache: $(triton_entries) kernels compiled ahead of time in $TRITON_CACHE_DIR;" \
+            "$(env -u TRITON_INTERPRET "$PY" -m kernels.aot --check "$TRITON_CACHE_DIR/AOT-KEYS.json" 2>&1 | tail -n 1)"
+    else
+        log "triton cache: no .whl/triton-aot-sm90.tgz (GPU_AOT=1 make gpu-wheels builds it): every kernel compiles here"
+    fi
+
     {
         echo "---- nvidia-smi"
         nvidia-smi 2>&1 || echo "nvidia-smi failed"
@@ -197,21 +210,18 @@ EOF
 # Steps
 # ---------------------------------------------------------------------------------------------
 has_flag() { grep -q -- "\"$2\"" "$1" 2>/dev/null; }   # does the module's source define this option?
+triton_entries() { find "${TRITON_CACHE_DIR:-/nonexistent}" -mindepth 1 -maxdepth 1 -type d 2>/dev/null | wc -l; }
 
 step_command() {  # fills CMD for step $1 given its time limit $2
     local step=$1 limit=$2 extra=()
     local data_arg=()
     ((${#DATA_FILES[@]})) && data_arg=(--data-files "${DATA_FILES[@]}")
     case $step in
-        kernel-test)
+        kernel-test)  # the CUDA grids, whose compile units kernels/aot.py's kernel-test plan counts; the
+            # interpreter runs the rest in CI. KERNEL_TEST_ARGS="-m 'not slow'" widens it to `make kernel-test`.
             read -r -a extra <<<"${KERNEL_TEST_ARGS:-}"
-            local args="-rfE --durations=15 --junitxml=$ROOT/$LOGDIR/kernel-test.xml ${extra[*]}"
-            if command -v make >/dev/null; then
-                CMD=(make kernel-test SETUP=none "PYTHON=$PY" "ARGS=$args")
-            else  # the same command as the Makefile's target
-                read -r -a extra <<<"$args"
-                CMD=("$PY" -m pytest -q tests/kernels -m "not slow" --timeout=1800 "${extra[@]}")
-            fi ;;
+            CMD=("$PY" -m pytest -q tests/kernels -m "gpu and not slow" --timeout=600 -rfE --durations=15
+                 "--junitxml=$ROOT/$LOGDIR/kernel-test.xml" "${extra[@]}") ;;
         bench-kernels)
             read -r -a extra <<<"${BENCH_KERNELS_ARGS:-}"
             # leave room for the worker's grace period and the writing of the outputs
@@ -256,9 +266,12 @@ run_step() {
     step_command "$step" "$limit"
     log "START $step (limit ${limit}s): ${CMD[*]}"
     t0=$SECONDS
+    local cached
+    cached=$(triton_entries)
     timeout --signal=TERM --kill-after=15 "$limit" "${CMD[@]}" >"$LOGDIR/$step.log" 2>&1
     rc=$?
     SECS[$step]=$((SECONDS - t0))
+    log "$step compiled $(( $(triton_entries) - cached )) Triton kernels here (not in the cache; ours and Inductor's)"
     case $rc in
         0) STATUS[$step]=ok ;;
         124 | 137) STATUS[$step]="TIMEOUT after ${limit}s (rc $rc)" ;;

@@ -28,6 +28,12 @@
 #   GPU_WHEELS_EXTRA   more distributions to carry, space-separated (resolved versions)
 #   FASTMT_DATA_FILES  data files to copy (whitespace- or comma-separated); default the stand-in
 #                      corpus ../shared/data/opus_mt_testsets/en-it/train.jsonl
+#   GPU_AOT_PYTHON     a CPython 3.12 with the GPU image's torch 2.11 and triton 3.6 (plus einops, numpy<2.4,
+#                      sentencepiece, pytest, hypothesis): also compile our Triton kernels for sm_90 here
+#                      (kernels/aot.py: the runbook's kernel-test grid and the `fast` preset's first step) into
+#                      .whl/triton-aot-sm90.tgz, which bench/gpu_run.sh unpacks into TRITON_CACHE_DIR. Python
+#                      3.12 because Triton's cache key hashes libtriton, which differs per CPython build.
+#                      GPU_AOT=1 builds such an interpreter in .cache/aot-py312 with python3.12 (~5 GB, minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -120,8 +126,32 @@ else
     (cd .data && xargs -d '\n' sha256sum <FILES >SHA256SUMS)
 fi
 
-# -- 5. sizes ---------------------------------------------------------------------------------------
+# -- 5. Triton kernels compiled ahead of time for sm_90 (optional) -----------------------------------
+AOT_PY=${GPU_AOT_PYTHON:-}
+if [[ -z $AOT_PY && ${GPU_AOT:-0} == 1 ]]; then
+    command -v python3.12 >/dev/null || die "GPU_AOT=1 needs python3.12 on PATH (the GPU image's CPython)"
+    if [[ ! -x .cache/aot-py312/bin/python ]]; then
+        say "building .cache/aot-py312 (torch 2.11.0, triton 3.6.0 for CPython 3.12: the GPU image's)"
+        python3.12 -m venv .cache/aot-py312
+        .cache/aot-py312/bin/pip install -q "torch==2.11.0" "triton==3.6.0" "numpy<2.4" einops sentencepiece \
+            pytest hypothesis 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
+    fi
+    AOT_PY=.cache/aot-py312/bin/python
+fi
+if [[ -n $AOT_PY ]]; then
+    "$AOT_PY" -c 'import sys, triton; assert sys.version_info[:2] == (3, 12) and triton.__version__ == "3.6.0", (sys.version, triton.__version__)' \
+        || die "GPU_AOT_PYTHON=$AOT_PY is not CPython 3.12 with triton 3.6.0 (the GPU image's): its cache would never hit"
+    say "compiling our Triton kernels for sm_90 with $AOT_PY (kernels/aot.py; minutes on 2 cores)"
+    rm -rf "$tmp/aot" && mkdir -p "$tmp/aot"
+    env -u TRITON_INTERPRET TRITON_STORE_BINARY_ONLY=1 PYTHONPATH="$PWD" "$AOT_PY" -m kernels.aot --plan kernel-test \
+        --plan train --out "$tmp/aot" --json "$tmp/aot-units.json" | sed 's/^/  /'
+    tar -czf .whl/triton-aot-sm90.tgz -C "$tmp/aot" .
+    say "carrying .whl/triton-aot-sm90.tgz ($(( $(stat -c %s .whl/triton-aot-sm90.tgz) / 1024 )) KB)"
+fi
+
+# -- 6. sizes ---------------------------------------------------------------------------------------
 data_kb=$(du -sk .data | cut -f1)
+whl_kb=$(du -sk .whl | cut -f1)
 mb() { echo "$(( $1 / 1024 )).$(( $1 % 1024 * 10 / 1024 )) MB"; }
 say "$(find .whl -type f -name '*.whl' | wc -l) wheels, $(mb "$whl_kb") in .whl/;" \
     "$(wc -l <.data/FILES) data file(s), $(mb "$data_kb") in .data/"

@@ -134,8 +134,13 @@ def launch(kernel: Autotuner, grid, key: tuple, *args, **kwargs) -> None:
 
 def _first_config(kernel: Autotuner, args: tuple, kwargs: dict) -> dict:
     """The kwargs of the first config the kernel's pruner keeps for these arguments."""
+    return pruned_configs(kernel, args, kwargs)[0].all_kwargs()
+
+
+def pruned_configs(kernel: Autotuner, args: tuple, kwargs: dict) -> list[triton.Config]:
+    """The configs the kernel's pruner keeps for these arguments: what its Autotuner compiles and times."""
     configs = kernel.configs
     prune = getattr(kernel, "early_config_prune", None)
     if prune is not None and len(configs) > 1:
         configs = prune(configs, dict(zip(kernel.arg_names, args)), **kwargs) or configs
-    return configs[0].all_kwargs()
+    return configs

@@ -163,7 +163,7 @@ def _activation_grad(z, ACTIVATION: tl.constexpr):
 
 
 @_layer_norm_autotune(16, key=["N", "HAS_RESIDUAL"], limits=_FWD_TILES)
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the row count bounds a mask along rows: one compile for every M
 def _layer_norm_fwd_kernel(
     X_ptr,  # (M, N) input rows, row stride stride_x_row, last stride 1
     R_ptr,  # (M, N) residual rows (read only when HAS_RESIDUAL)
@@ -216,7 +216,7 @@ def _layer_norm_fwd_kernel(
 
 
 @_layer_norm_autotune(8, key=["N", "HAS_DS"], limits=_BWD_TILES)
-@triton.jit
+@triton.jit(do_not_specialize=["M", "rows_per_program"])  # row counts (and the GPU's SM count through G)
 def _layer_norm_bwd_kernel(
     DY_ptr,  # (M, N) upstream gradient of y
     DS_ptr,  # (M, N) upstream gradient of s (read only when HAS_DS)

@@ -43,11 +43,13 @@ from kernels._utils import LOG2E, LOG2E_C, autotune, block_configs, empty, fp32_
 # ----------------------------------------------------------------------------------------------
 # Segment ids (plain PyTorch: compiles, no host sync)
 # ----------------------------------------------------------------------------------------------
-def segment_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+def segment_ids(cu_seqlens: torch.Tensor, total: int, tokens: torch.Tensor | None = None) -> torch.Tensor:
     """int32 (total,): the segment holding each packed token (empty segments hold none; tokens at or past
     ``cu_seqlens[-1]`` get N = ``cu_seqlens.numel() - 1``). Compute once per batch and side, and pass it to
-    ``kernels.attention(..., segment_ids_q=..., segment_ids_k=...)`` in every layer."""
-    tokens = torch.arange(total, dtype=torch.int32, device=cu_seqlens.device)  # (total,)
+    ``kernels.attention(..., segment_ids_q=..., segment_ids_k=...)`` in every layer. ``tokens``: int32
+    ``arange(total)`` on the device, for callers that keep one across batches (one kernel less per call)."""
+    if tokens is None:
+        tokens = torch.arange(total, dtype=torch.int32, device=cu_seqlens.device)  # (total,)
     return torch.bucketize(tokens, cu_seqlens[1:], right=True, out_int32=True)  # first segment ending after t
 
 
@@ -80,6 +82,11 @@ def _stream_autotune(shapes):
     # interpreter's blocks are small enough that tiles span segments in tests.
     return autotune(block_configs(shapes), ["HEAD_DIM", "CAUSAL", "MEAN_BUCKET", "ROWS_BUCKET"],
                     interpret_config=block_configs([(32, 32, 1, 1)])[0], prune=_prune)
+
+
+# Integer arguments Triton must not specialise on (as in kernels/sequence_attention.py): stream lengths,
+# slot counts, the statistics' head stride and the autotune-key buckets bound masks and loops only.
+_NOT_SPECIALIZED = ["C_q", "C_k", "N", "stride_lh", "MEAN_BUCKET", "ROWS_BUCKET"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -122,7 +129,7 @@ def _block_range(lo, hi, n_other):
 
 
 @_stream_autotune(STREAM_FWD_CONFIGS)
-@triton.jit
+@triton.jit(do_not_specialize=_NOT_SPECIALIZED)
 def _stream_attention_fwd_kernel(
     Q_ptr,  # (C_q, H, D) packed queries; unit last stride
     K_ptr,  # (C_k, H, D) packed keys
@@ -190,7 +197,7 @@ def _stream_attention_fwd_kernel(
 
 
 @_stream_autotune(STREAM_BWD_Q_CONFIGS)
-@triton.jit
+@triton.jit(do_not_specialize=_NOT_SPECIALIZED)
 def _stream_attention_bwd_dq_kernel(
     Q_ptr, K_ptr, V_ptr,  # forward inputs, (C_q, H, D) / (C_k, H, D)
     O_ptr,  # forward output, (C_q, H, D)
@@ -257,7 +264,7 @@ def _stream_attention_bwd_dq_kernel(
 
 
 @_stream_autotune(STREAM_BWD_KV_CONFIGS)
-@triton.jit
+@triton.jit(do_not_specialize=_NOT_SPECIALIZED)
 def _stream_attention_bwd_dkdv_kernel(
     Q_ptr, K_ptr, V_ptr,  # forward inputs, (C_q, H, D) / (C_k, H, D)
     DO_ptr,  # gradient of the output, (C_q, H, D)

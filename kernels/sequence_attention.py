@@ -72,6 +72,13 @@ def _sequence_autotune(shapes):
                     interpret_config=block_configs([(16, 16, 1, 1)])[0], prune=_prune)
 
 
+# Integer arguments Triton must not specialise on (divisibility by 16, value 1): extents and the
+# statistics' strides vary with every sequence length, and each specialisation is a compile of its own
+# (kernels/aot.py counts them: the CUDA test grid compiled 169 kernels with them); they bound masks and
+# loops, never the contiguous head dimension, so nothing vectorises on them.
+_NOT_SPECIALIZED = ["EXTENT_Q", "EXTENT_K", "stride_lb", "stride_lh"]
+
+
 # ----------------------------------------------------------------------------------------------
 # Triton kernels
 # ----------------------------------------------------------------------------------------------
@@ -155,7 +162,7 @@ def _key_ranges(m0, Lq, Lk, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N
 
 
 @_sequence_autotune(FWD_CONFIGS)
-@triton.jit
+@triton.jit(do_not_specialize=_NOT_SPECIALIZED)
 def _sequence_attention_fwd_kernel(
     Q_ptr,  # (B, H, Tq, D) padded or (total_q, H, D) varlen; unit last stride
     K_ptr,  # (B, H, Tk, D) or (total_k, H, D)
@@ -217,7 +224,7 @@ def _sequence_attention_fwd_kernel(
     tl.store(LSE_base + offs_m, lse, mask=store)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_NOT_SPECIALIZED)
 def _sequence_attention_bwd_preprocess_kernel(
     O_ptr,  # forward output, (B, H, Tq, D) or (total_q, H, D)
     DO_ptr,  # its gradient, same shape, any strides with a unit last one
@@ -289,7 +296,7 @@ def _bwd_dkdv_inner(
 
 
 @_sequence_autotune(BWD_KV_CONFIGS)
-@triton.jit
+@triton.jit(do_not_specialize=_NOT_SPECIALIZED)
 def _sequence_attention_bwd_dkdv_kernel(
     Q_ptr, K_ptr, V_ptr,  # forward inputs (layouts as in _sequence_attention_fwd_kernel)
     DO_ptr,  # gradient of the output, like Q
@@ -405,7 +412,7 @@ def _bwd_dq_inner(
 
 
 @_sequence_autotune(BWD_Q_CONFIGS)
-@triton.jit
+@triton.jit(do_not_specialize=_NOT_SPECIALIZED)
 def _sequence_attention_bwd_dq_kernel(
     Q_ptr, K_ptr, V_ptr,  # forward inputs
     DO_ptr,  # gradient of the output, like Q

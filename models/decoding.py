@@ -28,19 +28,28 @@ the ancestry (which row holds position j of the beam now in row r); attention ga
 positions from there. ``spans`` picks the shapes a step sees: "exact" reads the t+1 filled
 positions (eager; a new shape every step), "pow2" the next power of two >= 16 (a handful of
 shapes), "full" the whole cache (one shape); the two static modes keep the position on the device
-and sync nothing, so ``cuda_graph=True`` captures one CUDA graph per (batch shape, span), kept with
-the ``Decoder`` and replayed across calls.
+and sync nothing, so ``cuda_graph=True`` captures one CUDA graph per (batch shape, span) -- a decode
+bucket -- kept with the ``Decoder`` and replayed across calls: a bucket is captured once per process (the
+second time a step of it runs; the first runs eagerly on the capture stream), never again unless the
+model's parameters move. Captures run in thread-local capture mode, so the DataLoader's worker and
+pin-memory threads, alive during evaluation, cannot invalidate them; each still synchronises and empties
+the allocator caches (``torch.cuda.graph``). A capture that fails twice turns the Decoder eager for good:
+``DecodeStats`` counts the failures and the fall-back and keeps the reason, and the training records carry
+them (``train/evaluate.py``).
 Host syncs: one "all done?" read every ``check_every`` steps (default: 4 on CUDA, where a read waits
 for the queued steps; every step on the CPU, where it costs nothing and stops at once), and one read
 of the answers per batch.
-Decoding runs in ``torch.inference_mode`` with the model in eval mode (restored after).
+Decoding runs in ``torch.inference_mode`` with the model in eval mode (restored after), and with
+torch.compile'd regions (``run.compile_scope="blocks"``) forced eager: it never compiles a variant.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 import weakref
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -60,14 +69,21 @@ class DecodeStats:
     steps: int = 0  # decoder steps (each over all rows of a batch)
     host_syncs: int = 0  # reads of device values by the host ("all done?" checks, answers)
     graphs: int = 0  # CUDA graphs captured
+    capture_failures: int = 0  # capture attempts that raised (a first capture in a process may; it is retried once)
+    fallbacks: int = 0  # decoders that gave up capturing in these calls and decode eagerly from then on
+    eager_reason: str | None = None  # why the last call's decoder decodes eagerly although graphs were asked for
 
 
 @contextmanager
 def _eval(model: Transformer):
+    """Eval mode, inference mode, and every torch.compile'd region run eagerly: decoding never adds a
+    compiled variant to the training regions (each would be an Inductor compile and, with CUDA graphs, a
+    recording, inside time-to-BLEU; under inference mode, pytorch#135892 on the way back to training).
+    Its speed comes from ``cuda_graph`` capture of whole steps instead."""
     was_training = model.training
     model.eval()
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), torch.compiler.set_stance("force_eager"):
             yield
     finally:
         model.train(was_training)
@@ -95,7 +111,8 @@ class Decoder:
     ``check_every``: steps between "all done?" reads (None: 4 on CUDA, 1 on the CPU). ``spans``:
     "exact" | "pow2" | "full" (None: "pow2" with ``cuda_graph``, else "exact"). ``cuda_graph``:
     replay each step from a CUDA graph (CUDA tensors; a capture that fails twice falls back to eager
-    decoding with a warning). The model is held by a weak reference.
+    decoding with a warning, counted in ``stats`` and kept in ``fallback_reason``). The model is held by a
+    weak reference.
     """
 
     def __init__(self, model: Transformer, *, bos_id: int, eos_id: int, pad_id: int, beam_size: int | None = 4,
@@ -119,7 +136,8 @@ class Decoder:
         self.check_every, self.spans, self.cuda_graph = check_every, spans, cuda_graph
         self._runs: dict[tuple, _Run] = {}
         self._params: tuple[int, ...] = ()
-        self._pool, self._stream = None, None
+        self._graphs: StepGraphs | None = None  # the capture machinery, made at the first graph call
+        self.fallback_reason: str | None = None  # why this decoder stopped capturing (None: it never did)
 
     @property
     def model(self) -> Transformer:
@@ -131,18 +149,16 @@ class Decoder:
     def __call__(self, src: torch.Tensor, src_lengths: torch.Tensor, *, active: torch.Tensor | None = None,
                  stats: DecodeStats | None = None) -> list[list[int]]:
         stats = stats if stats is not None else DecodeStats()
-        self._check_device(src)
+        if self.cuda_graph and self._graphs is None:
+            self._graphs = _make_step_graphs(src.device)  # before any work: refuses a CPU src
         with _eval(self.model):
             run = self._run_for(src)
             run.load(src, src_lengths, active)
             run.decode(stats, self.check_every or (4 if src.is_cuda else 1))
             stats.batches += 1
             stats.host_syncs += 1
+            stats.eager_reason = self.fallback_reason
             return run.answers()
-
-    def _check_device(self, src: torch.Tensor):
-        if self.cuda_graph and not src.is_cuda:
-            raise ValueError(f"cuda_graph=True needs CUDA tensors, src is on {src.device}")
 
     def _run_for(self, src: torch.Tensor) -> _Run:
         """The buffers of this batch shape (created on first use); with graphs, dropped when the
@@ -152,8 +168,6 @@ class Decoder:
             if params != self._params:
                 self._runs.clear()
                 self._params = params
-            if self._pool is None:  # one memory pool and one side stream for all of this decoder's graphs
-                self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
         dev = src.device.type
         autocast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
         key = (tuple(src.shape), autocast, src.device)
@@ -175,7 +189,7 @@ class _Run:
         self.limits = torch.empty(B, dtype=torch.long, device=device)
         self.done = torch.empty(B, dtype=torch.bool, device=device)
         self.forbidden = torch.tensor([dec.ids["pad"], dec.ids["bos"]], device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, Callable[[], None]] = {}  # span -> replay of its captured step
         self.warm: set[int] = set()
 
     def load(self, src, src_lengths, active):
@@ -219,42 +233,84 @@ class _Run:
         if not self.dec.cuda_graph:
             self.step(span)
             return
-        graph = self.graphs.get(span)
-        if graph is None:
-            stream = self.dec._stream
-            stream.wait_stream(torch.cuda.current_stream())
+        replay = self.graphs.get(span)
+        if replay is None:
+            step = functools.partial(self.step, span)
             if span not in self.warm:
                 self.warm.add(span)
-                with torch.cuda.stream(stream), _no_autocast_cache():
-                    self.step(span)
-                torch.cuda.current_stream().wait_stream(stream)
+                self.dec._graphs.warm(step)
                 return
-            graph = self._capture(span, stream)
-            if graph is None:
+            replay = self._capture(step, stats)
+            if replay is None:
                 self.step(span)  # the failed capture ran nothing: this step runs eagerly
                 return
-            self.graphs[span] = graph
+            self.graphs[span] = replay
             stats.graphs += 1
-        graph.replay()
+        replay()
 
-    def _capture(self, span: int, stream) -> torch.cuda.CUDAGraph | None:
-        """A graph of one step at ``span``; None (and eager decoding from then on) if capture fails
-        twice (a first capture in a process can fail on some lazy initialisation)."""
+    def _capture(self, step: Callable[[], None], stats: DecodeStats) -> Callable[[], None] | None:
+        """The replay of a captured ``step``; None (and eager decoding from then on, recorded in ``stats``)
+        if capture fails twice (a first capture in a process can fail on some lazy initialisation)."""
         for attempt in (1, 2):
-            graph = torch.cuda.CUDAGraph()
             try:
-                with _no_autocast_cache(), torch.cuda.graph(graph, pool=self.dec._pool, stream=stream):
-                    self.step(span)
-                return graph
+                return self.dec._graphs.capture(step)
             except Exception as err:  # noqa: BLE001 - any capture failure: retry once, then decode eagerly
+                stats.capture_failures += 1
+                reason = f"{type(err).__name__}: {err}"
                 if attempt == 2:
-                    warnings.warn(f"decoding: CUDA graph capture failed twice ({err!r}); this Decoder decodes "
-                                  f"eagerly from now on (cuda_graph=False skips the attempt)", stacklevel=3)
+                    warnings.warn(f"decoding: CUDA graph capture failed twice ({reason}); this Decoder decodes "
+                                  f"eagerly from now on (cuda_graph=False skips the attempt)", stacklevel=4)
         self.dec.cuda_graph = False
+        self.dec.fallback_reason = reason[:500]
+        stats.fallbacks += 1
         return None
 
     def answers(self) -> list[list[int]]:
         raise NotImplementedError
+
+
+class StepGraphs:
+    """How a ``Decoder`` records decoding steps and replays them: ``warm(step)`` runs a step where captures
+    happen, ``capture(step)`` records it (running nothing) and returns its replay. One per Decoder."""
+
+    def warm(self, step: Callable[[], None]) -> None:
+        raise NotImplementedError
+
+    def capture(self, step: Callable[[], None]) -> Callable[[], None]:
+        raise NotImplementedError
+
+
+class CudaStepGraphs(StepGraphs):
+    """CUDA graphs in one memory pool, captured on one side stream in thread-local capture mode: another
+    thread's CUDA calls (the DataLoader's pin-memory thread allocating pinned memory, a worker) cannot
+    invalidate a capture, as they can in the default global mode."""
+
+    CAPTURE_MODE = "thread_local"
+
+    def __init__(self, device: torch.device):
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device)
+
+    def warm(self, step):
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream), _no_autocast_cache():
+            step()
+        torch.cuda.current_stream().wait_stream(self.stream)
+
+    def capture(self, step):
+        self.stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with _no_autocast_cache(), torch.cuda.graph(graph, pool=self.pool, stream=self.stream,
+                                                    capture_error_mode=self.CAPTURE_MODE):
+            step()
+        return graph.replay
+
+
+def _make_step_graphs(device: torch.device) -> StepGraphs:
+    """The capture machinery for ``device`` (CUDA only)."""
+    if device.type != "cuda":
+        raise ValueError(f"cuda_graph=True needs CUDA tensors, src is on {device}")
+    return CudaStepGraphs(device)
 
 
 @contextmanager

@@ -360,6 +360,7 @@ class Transformer(nn.Module):
         else:
             self.register_buffer("pos_table", sinusoids(cfg.max_positions, d), persistent=False)
         self.drop = nn.Dropout(cfg.dropout)
+        self._token_indices: dict[tuple[int, torch.device], torch.Tensor] = {}  # packed: arange per stream length
         self.encoder = Stack([EncoderBlock(cfg) for _ in range(cfg.unique_blocks("enc"))], cfg.schedule("enc"),
                              d, cfg.norm, cfg.checkpointing)
         self.decoder = Stack([DecoderBlock(cfg) for _ in range(cfg.unique_blocks("dec"))], cfg.schedule("dec"),
@@ -385,7 +386,9 @@ class Transformer(nn.Module):
         if self.cfg.layout == "padded":
             return Side(lengths, None, None, None)
         if self.cfg.layout == "packed":  # the batch's segments as they are: no gather, static shapes
-            return Side(lengths, cu_seqlens, max_len, None, segment_ids(cu_seqlens, tokens.numel()))
+            total = tokens.numel()
+            return Side(lengths, cu_seqlens, max_len, None,
+                        segment_ids(cu_seqlens, total, self._token_index(total, tokens.device)))
         B, T = tokens.shape
         if cu_seqlens is None:
             cu_seqlens = F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
@@ -393,6 +396,17 @@ class Transformer(nn.Module):
         index = rearrange(valid, "b t -> (b t)").nonzero().squeeze(1)  # (total,) row-major = cu_seqlens order
         return Side(lengths, cu_seqlens, T if max_len is None else max_len, index,
                     segment_ids(cu_seqlens, index.shape[0]))
+
+    def _token_index(self, total: int, device: torch.device) -> torch.Tensor | None:
+        """int32 ``arange(total)`` for ``segment_ids``, made once per stream length and device and kept (a
+        packed run has one or two lengths); None while torch.compile traces (it makes its own)."""
+        if torch.compiler.is_compiling():
+            return None
+        key = (total, device)
+        cached = self._token_indices.get(key)
+        if cached is None:
+            cached = self._token_indices[key] = torch.arange(total, dtype=torch.int32, device=device)
+        return cached
 
     def _embed(self, tokens, side: Side, table: nn.Embedding, pos_table: nn.Embedding | None,
                positions: torch.Tensor | None = None) -> torch.Tensor:

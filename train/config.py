@@ -187,6 +187,14 @@ class Config:
         require_finite(self.data, "data", INF_OK)
         require_finite(self.model, "model", INF_OK)
         check_consistency(self)
+        # activation checkpointing recomputes a block's forward inside the backward; under torch's CUDA-graph
+        # trees that replay sees tensors die that the recording kept (pytorch#154306, open in 2.11-2.13): the
+        # first step fails on the GPU, after the data and the compile. Refused here, before any side effect.
+        if self.model.checkpointing and self.run.compile is not False and uses_cuda_graphs(self.run):
+            raise ValueError(
+                f"model.checkpointing=true cannot run under CUDA graphs (run.compile_mode={self.run.compile_mode!r}, "
+                f"run.compile_backend={self.run.compile_backend!r}): torch's CUDA-graph trees fail on recomputed "
+                f"activations (pytorch#154306); use --run.compile_mode default with it, or --model.checkpointing false")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -288,6 +296,18 @@ def load_config_file(path: str | Path, base: Config | None = None) -> Config:
             raise ValueError(f"{path}: no value for {shown}: give every field (what --print-config writes) or "
                              f"add --preset P to take the preset's values for the fields the file leaves out")
     return Config.from_dict(d, where=str(path), base=base)
+
+
+# torch.compile modes that replay compiled regions as CUDA graphs (torch._inductor.list_mode_options(mode) sets
+# "triton.cudagraphs"; tests/train/test_cuda_graph_config.py checks this against the installed torch)
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def uses_cuda_graphs(run: RunConfig) -> bool:
+    """Whether ``run``'s compile settings (when compiling on CUDA) replay compiled regions as CUDA graphs."""
+    if run.compile_backend == "cudagraphs":  # torch's CUDA-graph-trees backend without Inductor
+        return True
+    return run.compile_backend == "inductor" and run.compile_mode in CUDA_GRAPH_MODES
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import torch
 from train.checkpoint import atomic_save, average_last_epochs, load_checkpoint
 from train.distributed import barrier
 from train.errors import EXIT_NONFINITE
-from train.evaluate import decoding_settings, record_fields
+from train.evaluate import DECODE_RECORD_KEYS, decoding_settings, record_fields
 from train.metrics import plot_curves
 from train.rundir import done_record
 from train.step import EpochStats
@@ -151,9 +151,7 @@ class EpochEnd:
         ev = self.cfg.eval
         r = self._eval_split("valid", ev.decode, loss=ev.valid_loss)
         record.update(valid_loss=r["loss"], bleu=r["bleu"], chrf=r["chrf"], eval_sentences=r["sentences"],
-                      eval_seconds=r["seconds"], decode=r.get("decode"), decode_seconds=r.get("decode_seconds"),
-                      decode_steps=r.get("decode_steps"), host_syncs=r.get("host_syncs"),
-                      graphs_captured=r.get("graphs_captured"), **record_fields(r))
+                      eval_seconds=r["seconds"], **{k: r.get(k) for k in DECODE_RECORD_KEYS}, **record_fields(r))
         wall = self.clock.wall()
         for t in self.clock.update(record["bleu"], epoch + 1, wall):
             self.log(f"BLEU {t:g} reached at {wall:.1f} s (epoch {epoch + 1})")
@@ -198,6 +196,7 @@ class EpochEnd:
             self._average_last(self.cfg.eval.average_last)
         if self.cfg.eval.test_at_end:
             summary["test"] = self._final_test()
+            summary["decode_fallbacks"] = (summary.get("decode_fallbacks") or 0) + (summary["test"].get("decode_fallbacks") or 0)
         test = summary.get("test") or {}
         wall = self.clock.wall()
         summary["wall_seconds"], summary["time_split"] = wall, self.split.split(wall)
@@ -220,7 +219,8 @@ class EpochEnd:
         rec = {"kind": "test", "epoch": self.epoch, "weights": source, "test_loss": r["loss"],
                "test_bleu": r["bleu"], "test_chrf": r["chrf"], "test_sentences": r["sentences"],
                **record_fields(r, "test_"), "decoding": decoding_settings(self.cfg.eval, "beam"),
-               "beam_size": self.cfg.eval.beam_size, "eval_seconds": r["seconds"], "wall_seconds": self.clock.wall()}
+               "beam_size": self.cfg.eval.beam_size, "eval_seconds": r["seconds"], "wall_seconds": self.clock.wall(),
+               "decode_fallbacks": r.get("decode_fallbacks"), "decode_eager_reason": r.get("decode_eager_reason")}
         self.log(f"test ({source}): loss {_fmt(r['loss'], '.4f')} BLEU {_fmt(r['bleu'], '.2f')} "
                  f"chrF {_fmt(r['chrf'], '.2f')} ({r['sentences']} sentences, {r.get('truncated_sources', 0)} cut to "
                  f"the model's positions; beam {self.cfg.eval.beam_size}; BLEU|{r.get('bleu_signature')})")

@@ -27,21 +27,27 @@ from train.loss import SummedCrossEntropy
 @torch.no_grad()
 def split_loss(model, bundle, split: str, device: torch.device, autocast) -> float:
     """Mean cross-entropy per real target token over ``split`` (no label smoothing, pad ignored)."""
+    from train.compile import eager_regions
+
     was_training = model.training
     model.eval()
     loss = SummedCrossEntropy(model, bundle.tokenizer.pad_id, label_smoothing=0.0)
     total = torch.zeros((), dtype=torch.float64, device=device)
     n_tokens = 0
-    for batch in bundle.loader(split, shuffle=False):
-        b = batch.to(device, non_blocking=True)
-        with autocast:
-            total += loss(b.tgt_out, **b.model_inputs())
-        n_tokens += batch.num_target_tokens  # host-side count from the CPU batch
+    with eager_regions():  # compiled training regions run eagerly here: no variant for no-grad (train/compile.py)
+        for batch in bundle.loader(split, shuffle=False):
+            b = batch.to(device, non_blocking=True)
+            with autocast:
+                total += loss(b.tgt_out, **b.model_inputs())
+            n_tokens += batch.num_target_tokens  # host-side count from the CPU batch
     model.train(was_training)
     return float(total) / max(n_tokens, 1)  # host sync: once per evaluation
 
 
 DECODE_MODES = ("beam", "greedy")
+# what an epoch record copies from ``evaluate_split``'s result: the decoding's cost and whether CUDA graphs held
+DECODE_RECORD_KEYS = ("decode", "decode_seconds", "decode_steps", "host_syncs", "graphs_captured", "capture_failures",
+                      "decode_fallbacks", "decode_eager_reason")
 # source widths a batch is padded to (8 and 12 times powers of two): a validation set meets a handful
 _SRC_WIDTHS = sorted({8 << k for k in range(16)} | {12 << k for k in range(16)})
 _decoders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {settings: Decoder}
@@ -184,7 +190,9 @@ def bleu_chrf(model, bundle, split: str, device: torch.device, *, max_sentences:
               decode: str = "beam", fixed_shapes: bool | None = None, cuda_graph: bool | None = None) -> dict:
     """``score_split`` of this model's translations (decoding options: ``translate``), with the decoding's
     cost: ``decode_seconds`` (wall, the host waits for the answers), ``decode_steps``, ``host_syncs``,
-    ``decode_batches``, ``graphs_captured`` (CUDA graphs made by this call)."""
+    ``decode_batches``, ``graphs_captured`` (CUDA graphs made by this call), ``capture_failures`` (capture
+    attempts that raised), ``decode_fallbacks`` (decoders that gave up CUDA graphs in this call) and
+    ``decode_eager_reason`` (why decoding runs eagerly although graphs were asked for; None otherwise)."""
     from models.decoding import DecodeStats
 
     stats = DecodeStats()
@@ -197,7 +205,8 @@ def bleu_chrf(model, bundle, split: str, device: torch.device, *, max_sentences:
 
     out = score_split(bundle, split, fn, max_sentences=max_sentences, max_positions=model.cfg.max_positions)
     out.update(decode=decode, decode_steps=stats.steps, host_syncs=stats.host_syncs, decode_batches=stats.batches,
-               graphs_captured=stats.graphs)
+               graphs_captured=stats.graphs, capture_failures=stats.capture_failures,
+               decode_fallbacks=stats.fallbacks, decode_eager_reason=stats.eager_reason)
     return out
 
 

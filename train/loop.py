@@ -53,7 +53,7 @@ from train.rundir import (
 )
 from train.runplan import RunFinishedError, RunPlan, plan_run
 from train.signals import stop_on_signals
-from train.step import EpochStats, StepCounters, forward_backward, optimizer_step
+from train.step import EpochStats, StepCounters, forward_backward, optimizer_step, out_of_memory_advice
 
 __all__ = ["Trainer", "NonFiniteLossError", "RunFinishedError"]
 
@@ -304,13 +304,7 @@ class Trainer(EpochEnd):
             loss = forward_backward(self.step_module, batches, device=self.device, autocast=self.autocast,
                                     scaler=self.scaler, ddp=self.ddp, on_batch=self._see_shape)
         except torch.OutOfMemoryError as e:
-            d = self.cfg.data
-            raise torch.OutOfMemoryError(
-                f"out of memory with data.max_tokens={d.max_tokens} (batching={d.batching}, batch_size="
-                f"{d.batch_size}): use a smaller token budget, e.g. --data.max_tokens {d.max_tokens // 2}, with "
-                f"--optim.accum_steps {2 * self.cfg.optim.accum_steps} to keep the effective batch, or "
-                f"--model.checkpointing true"
-            ) from e
+            raise torch.OutOfMemoryError(out_of_memory_advice(self.cfg)) from e
         self._last_grad_norm = optimizer_step(self.optimizer, self.flat, self.scheduler, self.scaler, self.counters,
                                               loss, grad_clip=self.cfg.optim.grad_clip,
                                               guard=self.cfg.run.nonfinite_guard,
@@ -436,7 +430,9 @@ class Trainer(EpochEnd):
             "run_dir": str(self.run_dir), "run_id": self.run_id, "stop_reason": stop_reason or "done",
             "signal": self._stop_signal, "steps": self.step, "skipped_steps": self.skipped_steps,
             "epochs_done": self.epoch, "checkpoint": str(path) if path else None, "best_bleu": self.clock.best,
-            "best_bleu_at": self.clock.best_at, "time_to_bleu": self.clock.reached, "test": None, "curves": None}
+            "best_bleu_at": self.clock.best_at, "time_to_bleu": self.clock.reached, "test": None, "curves": None,
+            # CUDA-graph decoding that fell back to eager (the epoch records say when and why)
+            "decode_fallbacks": sum(r.get("decode_fallbacks") or 0 for r in self.history)}
         finished = stop_reason in (None, "max_steps", "wall_budget", "early_stop")
         if finished and self.is_main:
             self.finish(stop_reason, summary)

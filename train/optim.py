@@ -15,6 +15,9 @@ update there (torch's fused AdamW/Adam natively, ``kernels.lion.Lion`` likewise)
 from __future__ import annotations
 
 import math
+from collections import deque
+from itertools import repeat
+from operator import attrgetter, is_
 
 import torch
 from torch import nn
@@ -82,26 +85,34 @@ class FlatParams:
 
     @torch.no_grad()
     def gather_grads(self) -> None:
-        """Copy every parameter's ``.grad`` into its group's flat gradient (zeros where a parameter got none)."""
+        """Copy every parameter's ``.grad`` into its group's flat gradient (zeros where a parameter got none).
+
+        One ``_foreach_copy_`` per group; the per-parameter work (reading ``.grad``) is a C-level ``map``, so
+        the step runs no Python bytecode per parameter (tests/train/test_step.py pins it)."""
         for params, views in zip(self.params, self._grad_views):
-            src, dst = [], []
-            for p, v in zip(params, views):
-                if p.grad is None:
-                    v.zero_()  # an unused parameter this step (host-side check: no sync)
-                else:
-                    src.append(p.grad)
-                    dst.append(v)
-            if src:
-                torch._foreach_copy_(dst, src)
+            grads = list(map(_GRAD, params))
+            # an unused parameter this step (a host-side check: no sync; rare). Not ``None in grads``: that
+            # compares every tensor with None through Tensor.__eq__ (~40 us each, 7 ms at 155 tensors)
+            if any(map(is_, grads, repeat(None))):
+                used = [(g, v) for g, v in zip(grads, views) if g is not None]
+                for g, v in zip(grads, views):
+                    if g is None:
+                        v.zero_()
+                grads, views = [g for g, _ in used], [v for _, v in used]
+            if grads:
+                torch._foreach_copy_(views, grads)
 
     def grads(self) -> list[torch.Tensor]:
         return [f.grad for f in self.flat]
 
     def zero_grad(self) -> None:
-        """Drop the parameters' gradients (the next backward allocates fresh ones; the flat buffers stay)."""
+        """Drop the parameters' gradients (the next backward hands autograd's own tensors over, no zeroing
+        kernel; the flat buffers stay). A C-level loop, as in ``gather_grads``."""
         for params in self.params:
-            for p in params:
-                p.grad = None
+            deque(map(setattr, params, repeat("grad"), repeat(None)), maxlen=0)
+
+
+_GRAD = attrgetter("grad")
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device

@@ -57,7 +57,7 @@ def forward_backward(step_module, batches, *, device: torch.device, autocast, sc
     n_tgt = sum(b.num_target_tokens for b in batches)  # python ints from the collate: no sync
     if device.type == "cuda":  # a new iteration for CUDA-graph trees (compiled regions run many times per step)
         torch.compiler.cudagraph_mark_step_begin()
-    total = torch.zeros((), device=device)
+    total = None  # one micro-batch (the usual step): its loss, no accumulator ops
     for i, cpu_batch in enumerate(batches):
         b = cpu_batch.to(device, non_blocking=True)  # pinned memory -> async H2D copy
         if on_batch is not None:
@@ -69,8 +69,8 @@ def forward_backward(step_module, batches, *, device: torch.device, autocast, sc
                 loss_sum = step_module(b.tgt_out, **b.model_inputs(static_max_len=True))
             loss = loss_sum / max(n_tgt, 1)
             scaler.scale(loss).backward()
-        total += loss.detach()
-    return total
+        total = loss.detach() if total is None else total + loss.detach()
+    return total if total is not None else torch.zeros((), device=device)
 
 
 def optimizer_step(optimizer, flat: FlatParams, scheduler, scaler, counters: StepCounters, loss: torch.Tensor, *,
@@ -81,7 +81,7 @@ def optimizer_step(optimizer, flat: FlatParams, scheduler, scaler, counters: Ste
     grads = flat.grads()
     grad_norm = None
     if grad_clip is not None or guard:
-        grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        grad_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))  # one norm kernel per step
     if grad_clip is not None:
         coef = (grad_clip / (grad_norm + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_(grads, coef)
@@ -106,6 +106,24 @@ def optimizer_step(optimizer, flat: FlatParams, scheduler, scaler, counters: Ste
         scheduler.step()
     flat.zero_grad()
     return grad_norm
+
+
+def out_of_memory_advice(cfg) -> str:
+    """The message of a training step that ran out of memory: a smaller token budget with more accumulation
+    (the same effective batch), or activation checkpointing, which CUDA-graph modes cannot run
+    (``train.config.Config`` refuses the pair): with those the advice also names a mode without graphs."""
+    from train.config import uses_cuda_graphs
+
+    d, accum = cfg.data, cfg.optim.accum_steps
+    msg = (f"out of memory with data.max_tokens={d.max_tokens} (batching={d.batching}, batch_size={d.batch_size}): "
+           f"use a smaller token budget, e.g. --data.max_tokens {max(d.max_tokens // 2, 1)}, with --optim.accum_steps "
+           f"{2 * accum} to keep the effective batch")
+    if cfg.model.checkpointing:
+        return msg
+    if cfg.run.compile is not False and uses_cuda_graphs(cfg.run):
+        return (msg + f", or --model.checkpointing true --run.compile_mode default (activation checkpointing cannot "
+                f"run under CUDA graphs, run.compile_mode={cfg.run.compile_mode!r}: pytorch#154306)")
+    return msg + ", or --model.checkpointing true"
 
 
 def _scaler_found_inf(scaler, optimizer, loss: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import kernels.layernorm as ln
@@ -102,10 +102,13 @@ def errors(x, r, w, b, dy, ds, activation):
 
 
 def assert_within_torch_error(errs, dtype):
-    slack = 2.0 if dtype == BF16 and interpreting() else 1.0  # interpreter truncates fp32 -> bf16
+    truncates = dtype == BF16 and interpreting()  # the interpreter truncates fp32 -> bf16: up to one ulp
+    slack = 2.0 if truncates else 1.0
     for name, (k_err, t_err, scale) in errs.items():
         factor = (2.0 if name in ("y", "s") else 3.0) * slack
-        floor = 1e-6 * max(1.0, scale)
+        # plus one bf16 ulp of the largest value when truncating: PyTorch's round-to-nearest can be exact
+        # by luck (one element: rows=1, N=1 gave torch 1.4e-5 and the kernel one truncation, 1.9e-3)
+        floor = 1e-6 * max(1.0, scale) + (torch.finfo(BF16).eps * scale if truncates else 0.0)
         assert k_err <= factor * t_err + floor, (
             f"{name}: kernel error {k_err:.3g} > {factor:g} x PyTorch {SHORT[dtype]} error {t_err:.3g} "
             f"+ {floor:.1g} (|truth| max {scale:.3g})")
@@ -156,6 +159,7 @@ def test_forward_and_gradients(rows, N, dtype, residual, bias, act, param_dtype)
 @given(rows=st.integers(1, 40), N=st.integers(1, 300), dtype=st.sampled_from([F32, BF16, F16]),
        act=st.sampled_from(ACTIVATIONS), residual=st.booleans(), bias=st.booleans(),
        seed=st.integers(0, 2**16))
+@example(rows=1, N=1, dtype=BF16, act="gelu", residual=False, bias=True, seed=198)  # torch exact by luck
 def test_fuzz_against_reference(rows, N, dtype, act, residual, bias, seed):
     inputs = make_inputs(rows, N, dtype, residual=residual, bias=bias, seed=seed)
     assert_within_torch_error(errors(*inputs, act), dtype)

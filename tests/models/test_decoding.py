@@ -391,6 +391,11 @@ class FakeGraph:
 
     recording: FakeGraph | None = None
     fail_next = 0  # captures that raise (a first capture in a process can fail on a lazy init)
+    # a DataLoader pin-memory thread allocating pinned memory during every capture: in the default "global"
+    # capture mode CUDA refuses that call and invalidates the capture; "thread_local" confines the check
+    # to the capturing thread
+    other_thread_allocates = False
+    modes: list[str] = []  # capture_error_mode of every capture
 
     def __init__(self):
         self.steps: list = []
@@ -413,14 +418,21 @@ def fake_cuda_graphs(monkeypatch):
     from models import decoding
 
     class Stream:
+        def __init__(self, *_device):
+            pass
+
         def wait_stream(self, other):
             pass
 
     @contextlib.contextmanager
-    def graph(g, pool=None, stream=None):
+    def graph(g, pool=None, stream=None, capture_error_mode="global"):
+        FakeGraph.modes.append(capture_error_mode)
         if FakeGraph.fail_next:
             FakeGraph.fail_next -= 1
             raise RuntimeError("operation not permitted when stream is capturing")
+        if FakeGraph.other_thread_allocates and capture_error_mode == "global":
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing (cudaHostAlloc "
+                               "from another thread during a global-mode capture)")
         FakeGraph.recording = g
         try:
             yield
@@ -440,8 +452,8 @@ def fake_cuda_graphs(monkeypatch):
                             CUDAGraph=FakeGraph, graph=graph, graph_pool_handle=object).items():
         monkeypatch.setattr(torch.cuda, name, value)
     monkeypatch.setattr(decoding, "_no_autocast_cache", contextlib.nullcontext)
-    monkeypatch.setattr(decoding.Decoder, "_check_device", lambda self, src: None)
-    FakeGraph.fail_next = 0
+    monkeypatch.setattr(decoding, "_make_step_graphs", decoding.CudaStepGraphs)  # the CUDA one on CPU tensors
+    FakeGraph.fail_next, FakeGraph.other_thread_allocates, FakeGraph.modes = 0, False, []
     yield FakeGraph
 
 
@@ -459,10 +471,11 @@ def test_graph_driver_warms_captures_and_replays(fake_cuda_graphs, beam):
     assert dec(*args, stats=stats) == want
     (run,) = dec._runs.values()
     spans = sorted(run.graphs)
+    graphs = [replay.__self__ for replay in run.graphs.values()]  # the FakeGraph behind each replay
     assert run.T == 28 and stats.steps == 28  # longest source 12: 1.5 * 12 + 10 steps, all run
     assert spans == [16, 28] and stats.graphs == 2 and run.warm == set(spans)  # spans 1-16, then 17-28
-    assert sum(g.replays for g in run.graphs.values()) == stats.steps - len(spans)  # all but the warm-ups
-    assert all(len(g.steps) == 1 for g in run.graphs.values())  # a graph holds one step
+    assert sum(g.replays for g in graphs) == stats.steps - len(spans)  # all but the warm-ups
+    assert all(len(g.steps) == 1 for g in graphs)  # a graph holds one step
     assert dec(*args, stats=stats) == want and stats.graphs == 2  # reused: nothing captured again
     with torch.no_grad():
         model.lm_head.weight.data = model.lm_head.weight.data.clone()  # a parameter moved
@@ -472,3 +485,35 @@ def test_graph_driver_warms_captures_and_replays(fake_cuda_graphs, beam):
     with pytest.warns(UserWarning, match="capture failed twice"):
         assert fallback(*args) == want
     assert not fallback.cuda_graph and fake_cuda_graphs.fail_next == 1
+
+
+@pytest.mark.parametrize("beam", [None, 3], ids=["greedy", "beam3"])
+def test_captures_are_thread_local_and_fallbacks_are_recorded(fake_cuda_graphs, beam):
+    """With another thread allocating pinned memory during every capture (the DataLoader's pin-memory
+    thread, alive during evaluation), captures still succeed: they run in thread-local mode. A decoder
+    whose captures fail twice decodes eagerly for good, and says so in every call's stats: the failed
+    attempts, one fall-back, and the reason."""
+    model = build_eos(40, 0, 3.0)
+    batch = make_batch(SRC_LENS, [2] * len(SRC_LENS), 40, seed=0)
+    args = (batch["src"], batch["src_lengths"])
+    want = Decoder(model, beam_size=beam, **IDS)(*args)
+    fake_cuda_graphs.other_thread_allocates = True
+    stats = DecodeStats()
+    assert Decoder(model, beam_size=beam, cuda_graph=True, **IDS)(*args, stats=stats) == want
+    assert (stats.graphs, stats.capture_failures, stats.fallbacks, stats.eager_reason) == (2, 0, 0, None)
+    assert fake_cuda_graphs.modes == ["thread_local"] * 2
+
+    fake_cuda_graphs.fail_next = 1  # a first capture that fails once (a lazy initialisation): retried
+    stats = DecodeStats()
+    assert Decoder(model, beam_size=beam, cuda_graph=True, **IDS)(*args, stats=stats) == want
+    assert (stats.graphs, stats.capture_failures, stats.fallbacks) == (2, 1, 0)
+
+    fake_cuda_graphs.fail_next = 2
+    dec, first, later = Decoder(model, beam_size=beam, cuda_graph=True, **IDS), DecodeStats(), DecodeStats()
+    with pytest.warns(UserWarning, match="capture failed twice"):
+        assert dec(*args, stats=first) == want
+    assert (first.graphs, first.capture_failures, first.fallbacks) == (0, 2, 1)
+    assert "operation not permitted when stream is capturing" in first.eager_reason
+    assert dec(*args, stats=later) == want  # eager from now on, no new attempt, the reason kept
+    assert (later.graphs, later.capture_failures, later.fallbacks) == (0, 0, 0)
+    assert later.eager_reason == first.eager_reason == dec.fallback_reason and not dec.cuda_graph

@@ -82,3 +82,55 @@ def test_second_process_reuses_the_compile_cache(toy_bundle, tmp_path):
     assert warm["hit"] == cold["miss"] and warm["miss"] == 0  # every graph came from the cache
     assert warm["losses"] == cold["losses"]
     assert (tmp_path / "run" / "cache" / "inductor").is_dir()
+
+
+_COMPILES: list[tuple[bool, bool]] = []  # (grad enabled, inference mode) of each graph the backend below compiles
+
+
+def _recording_backend(gm, example_inputs):
+    """aot_eager, recording the autograd modes each graph is compiled under."""
+    _COMPILES.append((torch.is_grad_enabled(), torch.is_inference_mode_enabled()))
+    return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+
+def test_evaluation_and_decoding_add_no_compiled_variant(toy_bundle, tmp_path):
+    """train -> validation (loss + beam search) -> translate (2 sentences, then 1: fewer rows) -> train again.
+
+    With ``compile_scope="blocks"`` every block call goes through its compiled forward, so evaluation (no
+    grad) and the decoding encoder (inference mode, padded widths) used to add variants: 5 graphs became 13,
+    the encoder block at dynamo's recompile limit (8), each a compile and a CUDA-graph recording on a GPU.
+    Evaluation and decoding now run those regions eagerly: the 5 training graphs are all, all compiled with
+    grad on and outside inference mode (pytorch#135892: compiled in inference mode, then trained), and the
+    losses after the round trip are the eager twin's."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from models.transformer import DecoderBlock, EncoderBlock
+    from train.evaluate import evaluate_split, translate
+
+    compiles = _COMPILES
+    compiles.clear()
+    if "fastmt_recording" not in torch._dynamo.list_backends(exclude_tags=()):
+        torch._dynamo.register_backend(_recording_backend, name="fastmt_recording")
+    torch._dynamo.reset()
+    losses = {}
+    for compiled in (True, False):
+        tr = tiny_trainer(toy_bundle, tmp_path / str(compiled), model={"layout": "packed", "dropout": 0.0},
+                          data={"batching": "packed", "cache_dir": toy_bundle.cfg.cache_dir}, compile=compiled,
+                          compile_backend="fastmt_recording", compile_scope="blocks")
+        batches = first_batches(tr, 3)
+        run = [tr.train_step(b).item() for b in batches[:2]]
+        n_training = len(compiles)
+        evaluate_split(tr.model, tr.data, "valid", tr.device, tr.cfg.eval, autocast=tr.autocast, decode="beam")
+        for texts in (["the cat sleeps on the mat", "a dog"], ["hello"]):
+            translate(tr.model, tr.data.tokenizer, texts, tr.device, beam_size=2, batch_size=4)
+        assert len(compiles) == n_training, "evaluation or decoding compiled a variant"
+        run.append(tr.train_step(batches[2]).item())
+        tr.close()
+        losses[compiled] = run
+        if compiled:
+            entries = [len(_debug_get_cache_entry_list(f.__code__)) for f in (EncoderBlock.forward,
+                                                                              DecoderBlock.forward)]
+            assert entries == [2, 2]  # first block (no residual yet) and the rest, per block type
+            assert len(compiles) == 5 and all(grad and not inference for grad, inference in compiles), compiles
+    torch.testing.assert_close(losses[True], losses[False], rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()

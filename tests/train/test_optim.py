@@ -113,3 +113,22 @@ def test_short_runs_never_break_the_schedule(three_phase):
     for total in range(1, 12):
         lrs = _lrs(OptimConfig(lr=1.0, pct_start=0.2, three_phase=three_phase), total, steps=total - 1)
         assert all(0 < lr <= 1.0 for lr in lrs), (total, lrs)
+
+
+def test_flat_params_gather_and_zero():
+    """Gradients land in the group's flat buffer in parameter order, zeros for a parameter that got none (a
+    stale value there would be applied), and zero_grad drops every parameter's own gradient."""
+    from train.optim import FlatParams
+
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(3, 2)), nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(2, 2))]
+    flat = FlatParams([{"params": params}])
+    flat.flat[0].grad.fill_(7.0)  # what a previous step left behind
+    (params[0].sum() * 2 + params[2].square().sum()).backward()  # params[1] unused
+    flat.gather_grads()
+    want = torch.cat([torch.full((6,), 2.0), torch.zeros(4), (2 * params[2].detach()).reshape(-1)])
+    torch.testing.assert_close(flat.grads()[0], want)
+    assert params[0].data_ptr() == flat.flat[0].data_ptr()  # parameters are views of the buffer
+    flat.zero_grad()
+    assert all(p.grad is None for p in params)
+    torch.testing.assert_close(flat.grads()[0], want)  # the flat gradient stays until the next gather

@@ -10,11 +10,18 @@ idle 85 % of a step: a host sync every step, one optimizer launch per parameter)
 
 from __future__ import annotations
 
+import sys
+from collections import Counter
+from pathlib import Path
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.utils import OpCounter, SyncCounter, first_batches, tiny_trainer
-from train.step import optimizer_step
+from train.step import forward_backward, optimizer_step
+
+ROOT = Path(__file__).resolve().parents[2]
 
 CASES = {
     "fp32-adamw-padded": dict(),
@@ -75,3 +82,121 @@ def test_optimizer_ops_do_not_grow_with_the_parameter_count(toy_bundle, tmp_path
     assert tensors[4] > 1.8 * tensors[2]
     assert counts[4] == counts[2], (sum(counts[2].values()), sum(counts[4].values()))
     assert sum(counts[2].values()) < 100  # a fixed, small number of ops per group (2 groups here)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host work of one `fast` step (packed batches, regional compile): what runs outside compiled regions
+# ----------------------------------------------------------------------------------------------
+class _OutsideRegions(TorchDispatchMode):
+    """Counts the aten ops dispatched while no compiled region is running (``depth`` is raised by the
+    wrappers ``_host_work`` puts around the regions)."""
+
+    depth = 0
+
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _OutsideRegions.depth == 0:
+            self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _region(fn, calls: list):
+    def call(*args, **kwargs):
+        calls.append(1)
+        _OutsideRegions.depth += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _OutsideRegions.depth -= 1
+
+    return call
+
+
+def _host_work(bundle, tmp) -> dict:
+    """One warm step of the `fast` recipe at 1+1 layers (packed, bf16, blocks compiled with aot_eager):
+    compiled-region calls, aten ops outside them (forward) and autograd nodes outside them (backward)."""
+    torch._dynamo.reset()
+    tr = tiny_trainer(bundle, tmp, precision="bf16", compile=True, compile_backend="aot_eager",
+                      compile_scope="blocks", model={"layout": "packed", "enc_layers": 1, "dec_layers": 1},
+                      data={"batching": "packed", "cache_dir": bundle.cfg.cache_dir})
+    warm1, warm2, b = first_batches(tr, 3)
+    tr.train_step(warm1)
+    tr.train_step(warm2)
+    calls: list = []
+    for stack in (tr.model.encoder, tr.model.decoder):
+        for block in stack.blocks:
+            block._compiled_call_impl = _region(block._compiled_call_impl, calls)
+    tr.loss_module.criterion = _region(tr.loss_module.criterion, calls)
+    tr.model.train()
+    with tr.autocast:
+        loss_sum = tr.step_module(b.tgt_out, **b.model_inputs(static_max_len=True))
+    forward_calls = len(calls)
+    nodes, seen, todo = Counter(), set(), [loss_sum.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            nodes[type(node).__name__] += 1
+            todo.extend(fn for fn, _ in node.next_functions)
+    # a dispatch mode changes what dynamo runs inside the regions (never counted here), so it comes last
+    with _OutsideRegions() as outside, tr.autocast, torch.no_grad():
+        tr.step_module(b.tgt_out, **b.model_inputs(static_max_len=True))
+    tr.close()
+    torch._dynamo.reset()
+    return {"forward_region_calls": forward_calls, "backward_region_calls": nodes["CompiledFunctionBackward"],
+            "parameters": nodes["AccumulateGrad"], "tensors": sum(len(p) for p in tr.flat.params),
+            "eager_forward_ops": dict(outside.ops),
+            "eager_backward_nodes": {k: v for k, v in nodes.items()
+                                     if k not in ("CompiledFunctionBackward", "AccumulateGrad")}}
+
+
+def _optimizer_python_lines(bundle, tmp, layers: int) -> int:
+    """Lines of fastmt's own Python one warm optimizer phase executes (gather, clip, guard, update, zero)."""
+    tr = tiny_trainer(bundle, tmp / str(layers), model={"enc_layers": layers, "dec_layers": layers})
+    warm, b = first_batches(tr, 2)
+    tr.train_step(warm)
+    tr.model.train()
+    loss = forward_backward(tr.step_module, [b], device=tr.device, autocast=tr.autocast, scaler=tr.scaler)
+    lines = Counter()
+    ours = tuple(str(ROOT / pkg) + "/" for pkg in ("train", "models", "kernels", "data"))
+
+    def trace(frame, event, arg):
+        if event == "line" and frame.f_code.co_filename.startswith(ours):
+            lines[frame.f_code.co_filename] += 1
+        return trace
+
+    sys.settrace(trace)
+    try:
+        optimizer_step(tr.optimizer, tr.flat, tr.scheduler, tr.scaler, tr.counters, loss,
+                       grad_clip=tr.cfg.optim.grad_clip, guard=True)
+    finally:
+        sys.settrace(None)
+    tr.close()
+    return sum(lines.values())
+
+
+# aten ops a warm step's forward runs outside the compiled regions, on CPU: per side the segment ids (the slice
+# and the bucketize; their arange is kept per stream length), the embedding (table, scale, positions, dropout)
+# and the stack's final norm (residual add, LayerNorm in fp32 under CPU autocast), the packed-stream views
+EAGER_FORWARD_OPS = {"aten.slice": 2, "aten.bucketize": 2, "aten.view": 5, "aten.embedding": 2, "aten.mul": 4,
+                     "aten.index": 2, "aten.add": 4, "aten.empty_like": 2, "aten.bernoulli_": 2, "aten.div_": 2,
+                     "aten._to_copy": 2, "aten.native_layer_norm": 2}
+# autograd nodes of those (embedding, scale, position add, dropout, final norms)
+EAGER_BACKWARD_NODES = {"EmbeddingBackward0": 2, "MulBackward0": 4, "AddBackward0": 4, "ToCopyBackward0": 2,
+                        "NativeLayerNormBackward0": 2, "ViewBackward0": 1}
+
+
+def test_fast_step_host_work_is_pinned(toy_bundle, tmp_path):
+    """What one step runs outside its compiled regions is a fixed list (stems, final norms: none of it per
+    layer), and the optimizer phase runs no Python line per parameter (gather_grads / zero_grad iterate
+    in C): the same lines for 1+1 and 2+2 layers (55 parameter tensors; the `fast` preset has 155)."""
+    w = _host_work(toy_bundle, tmp_path / "compiled")
+    assert w["forward_region_calls"] == w["backward_region_calls"] == 3  # two blocks and the loss
+    assert w["parameters"] == w["tensors"]
+    assert w["eager_forward_ops"] == EAGER_FORWARD_OPS, w["eager_forward_ops"]
+    assert w["eager_backward_nodes"] == EAGER_BACKWARD_NODES, w["eager_backward_nodes"]
+    lines = {layers: _optimizer_python_lines(toy_bundle, tmp_path, layers) for layers in (1, 2)}
+    assert lines[1] == lines[2] < 80, lines

@@ -1,0 +1,372 @@
+"""Compile fastmt's Triton kernels ahead of time for a GPU that is not here, and count the compile units.
+
+A GPU run compiles every (kernel, constexprs, config, argument specialization) it launches the first time
+it meets it: the runbook's first call paid that inside its time limits. This module replays the launches
+of a runbook step on CPU tensors with Triton's active driver replaced by a compile-only one targeting
+``--arch`` (sm_90: H100/H200): each launch is compiled exactly as the GPU run would key it (Triton's own
+binder specialises the same tensors' dtypes, alignments and integer arguments) and written to
+``TRITON_CACHE_DIR``, and nothing is launched. Per step it reports the compile units and the seconds
+they took here.
+
+Plans (``--plan``):
+  train        the `fast` preset's first training step (its model, a packed batch of its shape, forward
+               and backward through our kernels), every config the autotuner's pruner keeps: the
+               Autotuner compiles each to time it
+  kernel-test  the CUDA grids of tests/kernels (``make kernel-test`` on a GPU) with the tests' policy:
+               the first fitting config (``FASTMT_AUTOTUNE=0``), every config where a test walks them
+
+Whether a GPU run hits the cache depends on Triton's cache key: the triton build (``triton_key()``
+hashes libtriton, so CPython 3.12's wheel for the GPU image's python), the ptxas version, the target and
+the options. ``--out`` writes ``AOT-KEYS.json`` with those; ``bench/gpu_run.sh`` compares them with the
+device's and counts hits. Run with the interpreter off: ``python -m kernels.aot --plan train --out DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    print("error: kernels.aot compiles for a GPU: run it with TRITON_INTERPRET unset", file=sys.stderr)
+    raise SystemExit(2)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.compiler  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime.driver import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+
+class _CompileOnlyDriver:
+    """Triton's active driver for a machine without the GPU: device 0, stream 0, the given target."""
+
+    def __init__(self, target: GPUTarget):
+        self.target = target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def is_active(self):
+        return True
+
+
+class Units:
+    """What one plan compiled: one entry per Triton cache key (a compile unit)."""
+
+    def __init__(self):
+        self.units: list[dict] = []
+
+    def record(self, src, options: dict | None, seconds: float, hit: bool) -> None:
+        names = src.fn.arg_names
+        constexprs = {names[k[0]]: getattr(v, "value", v) for k, v in src.constants.items()
+                      if isinstance(k, tuple) and len(k) == 1 and names[k[0]].isupper()}
+        opts = {k: (options or {}).get(k) for k in ("num_warps", "num_stages")}
+        self.units.append({"kernel": src.name, "seconds": round(seconds, 3), "cache_hit": hit,
+                           "constexprs": {k: str(v) for k, v in constexprs.items()}, **opts})
+
+    def by_kernel(self) -> Counter:
+        return Counter(u["kernel"] for u in self.units)
+
+    def seconds(self) -> float:
+        return sum(u["seconds"] for u in self.units)
+
+
+_RECORDING: list[Units] = []  # the innermost compile_only block's record
+_HITS: list[bool] = []  # Triton's compilation listener: whether the last compile came from the disk cache
+
+
+def _listener(*, cache_hit, **_kwargs):
+    _HITS.append(cache_hit)
+
+
+def _recording_compile(real):
+    """``triton.compiler.compile``, timed into the active record. A JIT function binds the compile function
+    once (its first launch), so this wrapper reads the record at call time rather than closing over one."""
+
+    def compile_(src, target=None, options=None, _env_vars=None):
+        t0 = time.perf_counter()
+        kernel = real(src, target=target, options=options, _env_vars=_env_vars)
+        if _RECORDING:
+            _RECORDING[-1].record(src, options, time.perf_counter() - t0, hit=bool(_HITS and _HITS.pop()))
+        return kernel
+
+    compile_.recording = True
+    return compile_
+
+
+@contextlib.contextmanager
+def compile_only(arch: int = 90, units: Units | None = None):
+    """Inside the block every Triton launch compiles for ``arch`` (into TRITON_CACHE_DIR) and launches
+    nothing; ``units`` records each compile (cache key) with its seconds."""
+    from kernels import _utils
+
+    units = units if units is not None else Units()
+    if not getattr(triton.compiler.compile, "recording", False):
+        triton.compiler.compile = _recording_compile(triton.compiler.compile)
+    real_run, real_usable = JITFunction.run, _utils.triton_usable
+
+    def compile_not_launch(self, *args, grid, warmup, **kwargs):
+        return real_run(self, *args, grid=grid, warmup=True, **kwargs)
+
+    previous = driver._active  # None until something asked (a CPU machine has no driver to default to)
+    previous_listener = triton.knobs.compilation.listener
+    triton.knobs.compilation.listener = _listener
+    driver.set_active(_CompileOnlyDriver(GPUTarget("cuda", arch, 32)))
+    JITFunction.run = compile_not_launch
+    _utils.triton_usable = lambda t: True  # CPU tensors pass the launchers' device checks
+    _RECORDING.append(units)
+    try:
+        yield units
+    finally:
+        _RECORDING.pop()
+        driver._active = previous
+        triton.knobs.compilation.listener = previous_listener
+        JITFunction.run, _utils.triton_usable = real_run, real_usable
+
+
+# ----------------------------------------------------------------------------------------------
+# Plans
+# ----------------------------------------------------------------------------------------------
+def plan_train(*, autotune: bool = True) -> None:
+    """The `fast` preset's first training step on CPU tensors: model (s18, packed, our kernels), a packed
+    batch of its capacity, bf16 autocast, forward + backward. ``autotune``: every pruned config per
+    autotune key (what the Autotuner compiles to time them); else the first (``FASTMT_AUTOTUNE=0``)."""
+    import dataclasses
+
+    from models import Transformer
+    from tests.utils import pack_batch  # the packed layout as data/ builds it
+    from train.config import get_config
+
+    cfg = get_config("fast")
+    model_cfg = dataclasses.replace(cfg.model, attn_backend="triton", dropout=0.0)
+    model = Transformer(model_cfg)
+    capacity = cfg.data.max_tokens // 2  # per side (data/batching.py splits the budget)
+    batch = _packed_like(capacity, cfg.data.max_len, model_cfg.vocab_size, pack_batch)
+    with _all_configs(autotune), _env(FASTMT_NORM_BACKEND="triton"), torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = model(**{k: v for k, v in batch.items() if k not in ("tgt_out", "real_pairs")}, return_hidden=True)
+        hidden.float().sum().backward()
+
+
+def _packed_like(capacity: int, max_len: int, vocab: int, pack_batch) -> dict:
+    """A packed batch of ``capacity`` tokens per side with segments of the corpus's mean length (~16)."""
+    gen = torch.Generator().manual_seed(0)
+    lens = torch.randint(4, 30, (capacity // 16,), generator=gen).tolist()
+    while sum(lens) > capacity - max_len:
+        lens.pop()
+    B, T = len(lens), max(lens)
+    padded = {"src": torch.randint(4, vocab, (B, T), generator=gen, dtype=torch.int32),
+              "tgt_in": torch.randint(4, vocab, (B, T), generator=gen, dtype=torch.int32),
+              "tgt_out": torch.randint(4, vocab, (B, T), generator=gen, dtype=torch.int32),
+              "src_lengths": torch.tensor(lens, dtype=torch.int32), "tgt_lengths": torch.tensor(lens, dtype=torch.int32)}
+    slots = len(lens) + -(-capacity // max_len) + 1
+    return pack_batch(padded, (capacity, capacity), slots, max_len)
+
+
+def plan_kernel_test() -> None:
+    """The launches of tests/kernels' CUDA grids (``make kernel-test`` on a GPU, slow ones left out): the
+    first fitting config per launch (``FASTMT_AUTOTUNE=0``, the tests' policy), every config in the
+    tests that walk them, every pruned config in the ones that autotune."""
+    import math
+
+    import kernels.packed_attention as pa
+    import kernels.sequence_attention as sa
+    from kernels.layernorm import layer_norm_bwd, layer_norm_fwd
+    from kernels.lion import lion_step_triton
+    from tests.kernels import test_layernorm as tln
+    from tests.kernels import test_packed_attention as tpa
+    from tests.kernels import test_sequence_attention as tsa
+
+    def padded(shape, D, dtype, causal, ragged):
+        B, H, Tq, Tk = tsa.GPU_SHAPES[shape]
+        q, k, v, do = (torch.empty(B, H, T, D, dtype=dtype) for T in (Tq, Tk, Tk, Tq))
+        ql = torch.full((B,), Tq, dtype=torch.int32)
+        kl = torch.full((B,), Tk, dtype=torch.int32)
+        out, lse = sa.sequence_attention_fwd(q, k, v, ql, kl, Tq, Tk, causal, 1 / math.sqrt(D))
+        sa.sequence_attention_bwd(do, q, k, v, out, lse, ql, kl, Tq, Tk, causal, 1 / math.sqrt(D))
+
+    def varlen(lq, lk, H, D, dtype, causal, tiling):
+        cu_q, cu_k = tpa._cu(lq), tpa._cu(lk)
+        q, do = (torch.empty(sum(lq), H, D, dtype=dtype) for _ in range(2))
+        k, v = (torch.empty(sum(lk), H, D, dtype=dtype) for _ in range(2))
+        scale = 1 / math.sqrt(D)
+        if tiling == "sequence":
+            out, lse = sa.sequence_attention_fwd(q, k, v, cu_q, cu_k, max(lq), max(lk), causal, scale)
+            sa.sequence_attention_bwd(do, q, k, v, out, lse, cu_q, cu_k, max(lq), max(lk), causal, scale)
+        else:
+            seg_q, seg_k = pa.segment_ids(cu_q, sum(lq)), pa.segment_ids(cu_k, sum(lk))
+            out, lse = pa.stream_attention_fwd(q, k, v, cu_q, cu_k, seg_q, causal, scale)
+            pa.stream_attention_bwd(do, q, k, v, out, lse, cu_q, cu_k, seg_q, seg_k, causal, scale)
+
+    def packed(kind, D, dtype, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        src, tgt = tpa._packed_layout(gen, (2048, 2048), 176, 128, mean=15, p99=75)
+        lq, lk, causal = {"encoder-self": (src, src, False), "decoder-causal": (tgt, tgt, True),
+                          "cross": (tgt, src, False)}[kind]
+        varlen(lq, lk, 8, D, dtype, causal, "stream")
+
+    with _env(FASTMT_AUTOTUNE="0"):
+        for case in tsa.GPU_COVER:  # test_gpu_grid_padded
+            padded(*case)
+        for tiling in ("sequence", "stream"):  # test_gpu_grid_varlen
+            for lengths, D, dtype, causal in (("self-ragged", 64, torch.bfloat16, True),
+                                              ("self-ragged", 16, torch.float16, False),
+                                              ("cross-ragged-nokeys", 128, torch.float16, False),
+                                              ("cross-ragged-nokeys", 64, torch.bfloat16, True)):
+                varlen(*tsa.GPU_VARLEN[lengths], 4, D, dtype, causal, tiling)
+        for p in tpa.GPU_PACKED:  # test_gpu_packed_batches
+            packed(*p.values)
+        for module, names, case in ((sa, tsa.SEQUENCE_KERNELS, lambda: padded("B2-H4-Tq300-Tk77", 64, torch.bfloat16,
+                                                                                 True, True)),
+                                    (pa, tpa.STREAM_KERNELS, lambda: packed("decoder-causal", 64, torch.bfloat16, 2))):
+            kernels = [getattr(module, n) for n in names]  # test_gpu_every_config_is_correct: each config alone
+            saved = [k.configs for k in kernels]
+            try:
+                for index in range(max(len(c) for c in saved)):
+                    for k, c in zip(kernels, saved):
+                        k.configs = [c[min(index, len(c) - 1)]]
+                    case()
+            finally:
+                for k, c in zip(kernels, saved):
+                    k.configs = c
+        for case in tln.GPU_CASES:  # test_layernorm's test_gpu_grid (fast cases)
+            if any(m.name == "slow" for m in case.marks):
+                continue
+            dtype, N, residual, bias, act = case.values
+            act = act or "none"
+            rows = max(3, 2**17 // N) + 1
+            x = torch.empty(rows, N, dtype=dtype)
+            w, b = torch.empty(N, dtype=torch.float32), torch.empty(N, dtype=torch.float32)
+            y, s, stats = layer_norm_fwd(x, w, b if bias else None, x if residual else None, 1e-5, act)
+            layer_norm_bwd(x, x if residual else None, s if residual else x, w, b if bias else None, stats, act)
+        for n in (1, 1000, 4097, 2**20):  # test_lion's CUDA cases (sizes off every block)
+            p = torch.empty(n)
+            lion_step_triton(p, torch.empty(n), torch.empty(n), 1e-3, None, 0.9, 0.99, 0.1, None)
+    with _all_configs(True):  # test_gpu_autotuned_matches (both tilings): the autotuner times every pruned config
+        padded("B2-H4-Tq300-Tk77", 64, torch.bfloat16, True, True)
+        packed("decoder-causal", 64, torch.bfloat16, 3)
+
+
+PLANS = {"train": plan_train, "kernel-test": plan_kernel_test}
+
+
+@contextlib.contextmanager
+def _env(**values):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _all_configs(enabled: bool):
+    """``kernels._utils.launch`` compiling every config the kernel's pruner keeps (what the Autotuner
+    compiles when it times them) instead of tuning; off: the first one (``FASTMT_AUTOTUNE=0``)."""
+    from kernels import _utils
+
+    if not enabled:
+        with _env(FASTMT_AUTOTUNE="0"):
+            yield
+        return
+    real = _utils.launch
+
+    def every_config(kernel, grid, key, *args, **kwargs):
+        for config in _utils.pruned_configs(kernel, args, kwargs):
+            meta = config.all_kwargs()
+            kernel.fn.run(*args, grid=grid(meta), warmup=True, **kwargs, **meta)
+
+    _utils.launch = every_config
+    for name in ("kernels.sequence_attention", "kernels.packed_attention", "kernels.layernorm"):
+        sys.modules[name].launch = every_config
+    try:
+        yield
+    finally:
+        _utils.launch = real
+        for name in ("kernels.sequence_attention", "kernels.packed_attention", "kernels.layernorm"):
+            sys.modules[name].launch = real
+
+
+def cache_keys(arch: int) -> dict:
+    """What decides whether a GPU run hits this cache: the triton build, ptxas, the target."""
+    import hashlib
+
+    from triton.backends.compiler import GPUTarget as Target
+    from triton.compiler import make_backend
+    from triton.runtime.cache import triton_key
+
+    return {"triton": triton.__version__, "triton_key_sha256": hashlib.sha256(triton_key().encode()).hexdigest(),
+            "backend": make_backend(Target("cuda", arch, 32)).hash(), "python": sys.version.split()[0],
+            "torch": torch.__version__, "arch": arch}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kernels.aot", description=__doc__.split("\n")[0])
+    p.add_argument("--plan", choices=sorted(PLANS), action="append")
+    p.add_argument("--check", metavar="AOT-KEYS.json", help="say whether a cache built elsewhere matches this machine")
+    p.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10 (90: H100/H200)")
+    p.add_argument("--out", help="cache directory to fill (TRITON_CACHE_DIR); default: a temporary one")
+    p.add_argument("--json", help="write the units per plan here")
+    args = p.parse_args(argv)
+    if args.check:
+        try:
+            built = json.loads(Path(args.check).read_text())
+        except (OSError, ValueError) as e:
+            print(f"no usable cache keys in {args.check} ({e.__class__.__name__}: {e}); rebuild with "
+                  f"`GPU_AOT=1 make gpu-wheels`: every kernel compiles here")
+            return 2
+        here = cache_keys(args.arch)
+        differ = [k for k in ("triton", "triton_key_sha256", "backend") if built.get(k) != here.get(k)]
+        print("keys match: the steps should compile none of the carried kernels" if not differ else
+              f"KEYS DIFFER ({', '.join(differ)}; built with python {built.get('python')}, this is "
+              f"{here['python']}): every kernel compiles here")
+        return 0
+    if not args.plan:
+        p.error("give --plan (or --check)")
+    import tempfile
+
+    out = Path(args.out or tempfile.mkdtemp(prefix="fastmt-aot-"))
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ["TRITON_CACHE_DIR"] = str(out)
+    report = {"keys": cache_keys(args.arch), "plans": {}}
+    for name in args.plan:
+        with compile_only(args.arch) as units:
+            t0 = time.perf_counter()
+            PLANS[name]()
+            wall = time.perf_counter() - t0
+        report["plans"][name] = {"units": len(units.units), "compile_seconds": round(units.seconds(), 1),
+                                 "cache_hits": sum(u["cache_hit"] for u in units.units),
+                                 "wall_seconds": round(wall, 1), "by_kernel": dict(units.by_kernel()),
+                                 "detail": units.units}
+        print(f"{name}: {len(units.units)} compile units ({sum(u['cache_hit'] for u in units.units)} from the "
+              f"cache), {units.seconds():.1f} s compiling "
+              f"({wall:.1f} s wall) for sm_{args.arch}: {dict(units.by_kernel())}", flush=True)
+    (out / "AOT-KEYS.json").write_text(json.dumps(report["keys"], indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    print(f"cache: {out} ({sum(f.stat().st_size for f in out.rglob('*') if f.is_file()) / 2**20:.1f} MiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
