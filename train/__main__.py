@@ -20,7 +20,15 @@ import sys
 import traceback
 
 from train.cli import resolve_config
-from train.errors import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_OK, EXIT_USAGE, UserError, debug_enabled
+from train.errors import (
+    EXIT_ABORTED,
+    EXIT_INTERRUPTED,
+    EXIT_NONFINITE,
+    EXIT_OK,
+    EXIT_USAGE,
+    UserError,
+    debug_enabled,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                 traceback.print_exc()
             print("aborted by a second Ctrl-C: the checkpoints written so far are intact; continue with --resume auto",
                   file=sys.stderr)
-            return 130
+            return EXIT_ABORTED
         except NonFiniteLossError as e:
             if debug:
                 traceback.print_exc()

@@ -10,6 +10,8 @@ A command ends with one of these codes, so that schedulers and scripts can tell 
     3   EXIT_NONFINITE    training stopped on non-finite values; the message names a finite checkpoint
     75  EXIT_INTERRUPTED  stopped early by a signal (SIGTERM, SIGINT, preemption) with a checkpoint:
                           resume with ``--resume auto`` (75 is EX_TEMPFAIL: "try again later")
+    130 EXIT_ABORTED      a second Ctrl-C (training) or a Ctrl-C (translate, evaluate): stopped at once; what
+                          was written before is intact (128 + SIGINT, as shells report it)
 
 ``UserError`` (and the other error classes that commands map to ``EXIT_USAGE``) print one line,
 ``error: <message>``, without a traceback; ``--debug`` or ``FASTMT_DEBUG=1`` shows the traceback too.
@@ -24,6 +26,7 @@ EXIT_BUG = 1
 EXIT_USAGE = 2
 EXIT_NONFINITE = 3
 EXIT_INTERRUPTED = 75
+EXIT_ABORTED = 130
 
 
 class UserError(Exception):

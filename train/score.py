@@ -31,7 +31,7 @@ import time
 import traceback
 from pathlib import Path
 
-from train.errors import EXIT_OK, UserError, debug_enabled
+from train.errors import EXIT_ABORTED, EXIT_OK, UserError, debug_enabled
 from train.inference import (
     add_decoding_options,
     configure_cpu,
@@ -42,7 +42,7 @@ from train.inference import (
 
 PAIR_FORMATS = (".jsonl", ".json", ".parquet", ".tsv")  # data.sources' formats: both sides in one file
 WRITER = "python -m train.evaluate"  # the mark of this command's records (what it may overwrite)
-EXIT_SIGINT = 130
+EXIT_SIGINT = EXIT_ABORTED  # 130: a Ctrl-C (train/errors.py)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
-from train.errors import EXIT_OK, UserError, debug_enabled
+from train.errors import EXIT_ABORTED, EXIT_OK, UserError, debug_enabled
 from train.evaluate import overlong
 from train.inference import (
     add_decoding_options,
@@ -36,7 +36,8 @@ from train.inference import (
 
 __all__ = ["main", "load_for_inference", "overlong", "stdin_batches"]
 
-EXIT_SIGINT = 130
+EXIT_SIGINT = EXIT_ABORTED  # 130: a Ctrl-C (train/errors.py)
+
 _CHUNK = 1 << 16  # bytes per read of stdin
 
 
