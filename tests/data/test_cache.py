@@ -176,8 +176,16 @@ def test_given_tokenizer_is_used_and_keyed(tmp_path):
 # Processes: concurrent builders, a build killed mid-way, file modes
 # ----------------------------------------------------------------------------------------------
 _CHILD = """
-import sys
+import os, sys, time
+import data.build
 import data.sources
+if os.environ.get("HANG_MARK"):  # stop inside the encoding (the workers', or this process's): a build in progress
+    def _hang(job, _encode=data.build._encode):
+        open(os.environ["HANG_MARK"], "a").close()
+        while not os.path.exists(os.environ["HANG_MARK"] + ".go"):  # released by the test, or killed
+            time.sleep(0.01)
+        return _encode(job)
+    data.build._encode = _hang
 from data.config import toy
 from data import build_data
 extra = {}
@@ -189,20 +197,28 @@ print("SIZES", b.split_record["sizes"], b.split_record["fingerprint"], flush=Tru
 """
 
 
-def _child(corpus, cache, umask=None, chunk_bytes=None):
+def _child(corpus, cache, umask=None, chunk_bytes=None, hang_mark=None):
+    """A process building ``corpus``'s entry in ``cache``; ``hang_mark``: it stops for good in the middle of the
+    encoding, after creating that file, until a file of that name + ".go" exists (so a test can catch a build
+    that is surely in progress, whatever the machine's speed)."""
     pre = (lambda: os.umask(umask)) if umask is not None else None
     more = [str(chunk_bytes)] if chunk_bytes else []
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("HANG_MARK", None)
+    if hang_mark is not None:
+        env["HANG_MARK"] = str(hang_mark)
     return subprocess.Popen([sys.executable, "-c", _CHILD, str(corpus), str(cache), *more], cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=pre,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=pre, env=env)
 
 
-def _wait_for_build_in_progress(cache: Path, proc, timeout=60.0) -> None:
+def _wait_for_mark(mark: Path, proc, timeout=120.0) -> float:
+    """Wait until ``proc`` (started with ``hang_mark=mark``) stops inside its encoding; returns the start time."""
     t0 = time.monotonic()
-    while not (cache.is_dir() and any(p.name.startswith(".") for p in cache.iterdir())):
+    while not mark.exists():
         assert proc.poll() is None, proc.communicate()[0]
-        assert time.monotonic() - t0 < timeout, "the build never started"
-        time.sleep(0.005)
+        assert time.monotonic() - t0 < timeout, "the build never reached its encoding"
+        time.sleep(0.01)
+    return t0
 
 
 @pytest.fixture(scope="module")
@@ -212,11 +228,17 @@ def big_corpus(tmp_path_factory):
 
 
 def test_concurrent_builders_one_builds_the_other_waits_and_maps(tmp_path, big_corpus):
-    cache = tmp_path / "cache"
-    a = _child(big_corpus, cache)
-    _wait_for_build_in_progress(cache, a)
+    cache, mark = tmp_path / "cache", tmp_path / "encoding"
+    a = _child(big_corpus, cache, hang_mark=mark)
+    _wait_for_mark(mark, a)  # a holds the entry's lock, in the middle of its build
     b = _child(big_corpus, cache)
-    out_a, out_b = a.communicate(timeout=300)[0], b.communicate(timeout=300)[0]
+    seen = []
+    for line in b.stdout:  # b reaches the lock and waits for a
+        seen.append(line)
+        if "waiting for process" in line:
+            break
+    Path(str(mark) + ".go").touch()  # a finishes its build
+    out_a, out_b = a.communicate(timeout=300)[0], "".join(seen) + b.communicate(timeout=300)[0]
     assert a.returncode == 0 and b.returncode == 0, out_a + out_b
     assert out_a.count("[data] built ") == 1 and out_b.count("[data] built ") == 0, out_a + out_b
     assert f"waiting for process {a.pid}" in out_b
@@ -229,9 +251,13 @@ def test_build_killed_midway_is_cleaned_at_next_start(tmp_path, big_corpus, work
     """kill -9 mid-build (in-process, or with 2 forked build workers): the workers die with the parent, the
     lock is free, and the next start removes the temp entry and builds."""
     cache = tmp_path / "cache"
-    a = _child(big_corpus, cache, chunk_bytes=65536 if workers == 2 else None)
-    _wait_for_build_in_progress(cache, a)
-    time.sleep(0.3)
+    mark = tmp_path / "encoding"
+    a = _child(big_corpus, cache, chunk_bytes=65536 if workers == 2 else None, hang_mark=mark)
+    t0 = _wait_for_mark(mark, a)  # whatever the machine's speed: the build stops inside its encoding
+    if workers == 2:  # both forked build workers are up (each stops in its first encoding job)
+        while len(subprocess.run(["pgrep", "-P", str(a.pid)], capture_output=True, text=True).stdout.split()) < 2:
+            assert time.monotonic() - t0 < 120, "the build workers never started"
+            time.sleep(0.01)
     kids = [int(p) for p in subprocess.run(["pgrep", "-P", str(a.pid)], capture_output=True, text=True).stdout.split()]
     assert len(kids) == (2 if workers == 2 else 0) or workers == 1
     a.send_signal(signal.SIGKILL)
