@@ -135,13 +135,13 @@ setup() {
     fi
     log "git: $FASTMT_GIT_SHA$(git status --porcelain --untracked-files=no 2>/dev/null | grep -q . && echo ' (uncommitted changes)')"
 
-    # our Triton kernels compiled ahead of time for sm_90 (kernels/aot.py): a warm cache if the keys match
+    # our Triton kernels compiled ahead of time for sm_90 (bench/aot.py): a warm cache if the keys match
     export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
     mkdir -p "$TRITON_CACHE_DIR"
     if [[ -f .whl/triton-aot-sm90.tgz ]]; then
         tar -xzf .whl/triton-aot-sm90.tgz -C "$TRITON_CACHE_DIR" 2>>"$LOGDIR/setup-aot.log"
         log "triton cache: $(triton_entries) kernels compiled ahead of time in $TRITON_CACHE_DIR;" \
-            "$(env -u TRITON_INTERPRET "$PY" -m kernels.aot --check "$TRITON_CACHE_DIR/AOT-KEYS.json" 2>&1 | tail -n 1)"
+            "$(env -u TRITON_INTERPRET "$PY" -m bench.aot --check "$TRITON_CACHE_DIR/AOT-KEYS.json" 2>&1 | tail -n 1)"
     else
         log "triton cache: no .whl/triton-aot-sm90.tgz (GPU_AOT=1 make gpu-wheels builds it): every kernel compiles here"
     fi
@@ -217,7 +217,7 @@ step_command() {  # fills CMD for step $1 given its time limit $2
     local data_arg=()
     ((${#DATA_FILES[@]})) && data_arg=(--data-files "${DATA_FILES[@]}")
     case $step in
-        kernel-test)  # the CUDA grids, whose compile units kernels/aot.py's kernel-test plan counts; the
+        kernel-test)  # the CUDA grids, whose compile units bench/aot.py's kernel-test plan counts; the
             # interpreter runs the rest in CI. KERNEL_TEST_ARGS="-m 'not slow'" widens it to `make kernel-test`.
             read -r -a extra <<<"${KERNEL_TEST_ARGS:-}"
             CMD=("$PY" -m pytest -q tests/kernels -m "gpu and not slow" --timeout=600 -rfE --durations=15

@@ -30,7 +30,7 @@
 #                      corpus ../shared/data/opus_mt_testsets/en-it/train.jsonl
 #   GPU_AOT_PYTHON     a CPython 3.12 with the GPU image's torch 2.11 and triton 3.6 (plus einops, numpy<2.4,
 #                      sentencepiece, pytest, hypothesis): also compile our Triton kernels for sm_90 here
-#                      (kernels/aot.py: the runbook's kernel-test grid and the `fast` preset's first step) into
+#                      (bench/aot.py: the runbook's kernel-test grid and the `fast` preset's first step) into
 #                      .whl/triton-aot-sm90.tgz, which bench/gpu_run.sh unpacks into TRITON_CACHE_DIR. Python
 #                      3.12 because Triton's cache key hashes libtriton, which differs per CPython build.
 #                      GPU_AOT=1 builds such an interpreter in .cache/aot-py312 with python3.12 (~5 GB, minutes).
@@ -141,9 +141,9 @@ fi
 if [[ -n $AOT_PY ]]; then
     "$AOT_PY" -c 'import sys, triton; assert sys.version_info[:2] == (3, 12) and triton.__version__ == "3.6.0", (sys.version, triton.__version__)' \
         || die "GPU_AOT_PYTHON=$AOT_PY is not CPython 3.12 with triton 3.6.0 (the GPU image's): its cache would never hit"
-    say "compiling our Triton kernels for sm_90 with $AOT_PY (kernels/aot.py; minutes on 2 cores)"
+    say "compiling our Triton kernels for sm_90 with $AOT_PY (bench/aot.py; minutes on 2 cores)"
     rm -rf "$tmp/aot" && mkdir -p "$tmp/aot"
-    env -u TRITON_INTERPRET TRITON_STORE_BINARY_ONLY=1 PYTHONPATH="$PWD" "$AOT_PY" -m kernels.aot --plan kernel-test \
+    env -u TRITON_INTERPRET TRITON_STORE_BINARY_ONLY=1 PYTHONPATH="$PWD" "$AOT_PY" -m bench.aot --plan kernel-test \
         --plan train --out "$tmp/aot" --json "$tmp/aot-units.json" | sed 's/^/  /'
     tar -czf .whl/triton-aot-sm90.tgz -C "$tmp/aot" .
     say "carrying .whl/triton-aot-sm90.tgz ($(( $(stat -c %s .whl/triton-aot-sm90.tgz) / 1024 )) KB)"

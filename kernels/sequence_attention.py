@@ -74,7 +74,7 @@ def _sequence_autotune(shapes):
 
 # Integer arguments Triton must not specialise on (divisibility by 16, value 1): extents and the
 # statistics' strides vary with every sequence length, and each specialisation is a compile of its own
-# (kernels/aot.py counts them: the CUDA test grid compiled 169 kernels with them); they bound masks and
+# (bench/aot.py counts them: the CUDA test grid compiled 169 kernels with them); they bound masks and
 # loops, never the contiguous head dimension, so nothing vectorises on them.
 _NOT_SPECIALIZED = ["EXTENT_Q", "EXTENT_K", "stride_lb", "stride_lh"]
 

@@ -18,7 +18,9 @@ Plans (``--plan``):
 Whether a GPU run hits the cache depends on Triton's cache key: the triton build (``triton_key()``
 hashes libtriton, so CPython 3.12's wheel for the GPU image's python), the ptxas version, the target and
 the options. ``--out`` writes ``AOT-KEYS.json`` with those; ``bench/gpu_run.sh`` compares them with the
-device's and counts hits. Run with the interpreter off: ``python -m kernels.aot --plan train --out DIR``.
+device's and counts hits. Run with the interpreter off: ``python -m bench.aot --plan train --out DIR``.
+A development tool of the runbook: its kernel-test plan reads the CUDA grids from tests/kernels, so it lives
+in bench/ (the top layer), not in kernels/.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from collections import Counter
 from pathlib import Path
 
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-    print("error: kernels.aot compiles for a GPU: run it with TRITON_INTERPRET unset", file=sys.stderr)
+    print("error: bench.aot compiles for a GPU: run it with TRITON_INTERPRET unset", file=sys.stderr)
     raise SystemExit(2)
 
 import torch  # noqa: E402
@@ -321,7 +323,7 @@ def cache_keys(arch: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kernels.aot", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.aot", description=__doc__.split("\n")[0])
     p.add_argument("--plan", choices=sorted(PLANS), action="append")
     p.add_argument("--check", metavar="AOT-KEYS.json", help="say whether a cache built elsewhere matches this machine")
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10 (90: H100/H200)")

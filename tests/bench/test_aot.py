@@ -1,4 +1,4 @@
-"""kernels/aot.py: our Triton kernels compile for sm_90 on a CPU machine, one compile unit per kernel and
+"""bench/aot.py: our Triton kernels compile for sm_90 on a CPU machine, one compile unit per kernel and
 constexpr key whatever the sequence lengths, into a Triton cache a second process (the GPU run) hits.
 
 The probe runs in subprocesses with the interpreter off (``@triton.jit`` must give compilable functions).
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 _PROBE = """
 import json, sys
 import torch
-from kernels.aot import compile_only
+from bench.aot import compile_only
 from kernels.packed_attention import segment_ids, stream_attention_fwd
 from kernels.sequence_attention import sequence_attention_fwd
 
