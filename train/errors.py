@@ -8,7 +8,7 @@ A command ends with one of these codes, so that schedulers and scripts can tell 
     2   EXIT_USAGE        a mistake the message explains in one line (bad flag or value, bad input file,
                           a run folder in use or not a run, a full or read-only disk); nothing was changed
     3   EXIT_NONFINITE    training stopped on non-finite values; the message names a finite checkpoint
-    75  EXIT_INTERRUPTED  stopped early by a signal (SIGTERM, SIGINT, preemption) with a checkpoint:
+    75  EXIT_INTERRUPTED  stopped early by a signal (SIGTERM, SIGINT, SIGUSR1: pre-emption) with a checkpoint:
                           resume with ``--resume auto`` (75 is EX_TEMPFAIL: "try again later")
     130 EXIT_ABORTED      a second Ctrl-C (training) or a Ctrl-C (translate, evaluate): stopped at once; what
                           was written before is intact (128 + SIGINT, as shells report it)

@@ -57,8 +57,9 @@ def _run_until_workers(cmd: list[str], n_workers: int) -> subprocess.Popen:
 
 
 @pytest.mark.parametrize("target, sig", [("group", signal.SIGTERM), ("process", signal.SIGTERM),
-                                         ("group", signal.SIGINT)],
-                         ids=["SIGTERM-to-the-group", "SIGTERM-to-the-process", "SIGINT-to-the-group"])
+                                         ("group", signal.SIGINT), ("group", signal.SIGUSR1)],
+                         ids=["SIGTERM-to-the-group", "SIGTERM-to-the-process", "SIGINT-to-the-group",
+                              "SIGUSR1-to-the-group"])
 def test_a_signal_stops_at_a_step_with_a_checkpoint_and_exit_75(toy_bundle, tmp_path, target, sig):
     cmd = train_command(toy_bundle.cfg.cache_dir, tmp_path, "--epochs", "1000", "--eval.every", "1000",
                         "--data.num_workers", "2")
