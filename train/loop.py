@@ -227,9 +227,13 @@ class Trainer(EpochEnd):
             return None
         changes = compare_configs(ckpt["config"], cfg.to_dict(), epoch_boundary=pos.get("batch_index", 0) == 0)
         if changes.refused:
-            raise refusal(changes, where=f"resuming from {plan.ckpt_path}", position=pos,
-                          how="Drop these flags (the run's settings are in its config.json), or start a new run "
-                              f"from its weights with a fresh optimizer: --init-from {plan.ckpt_path}")
+            if any(k.startswith("model.") for k in changes.refused):  # the weights need the checkpoint's model
+                how = ("Drop these flags (the run's settings are in its config.json); another architecture is a new "
+                       "run trained from scratch (without --resume)")
+            else:
+                how = ("Drop these flags (the run's settings are in its config.json), or start a new run from its "
+                       f"weights with a fresh optimizer: --init-from {plan.ckpt_path}")
+            raise refusal(changes, where=f"resuming from {plan.ckpt_path}", position=pos, how=how)
         return changes
 
     def _open_run_folder(self, plan: RunPlan, changes: ConfigChanges | None, schedule: dict | None) -> None:

@@ -68,7 +68,7 @@ def provenance(config: dict[str, Any], split_record: Any = None, extra: dict[str
 def write_provenance(run_dir: Path, config: dict[str, Any], split_record: Any, extra: dict[str, Any], *,
                      step: int, log=print) -> Path:
     """``provenance.json`` at the start of a run (``provenance-resume-step<N>.json`` for a resumed one), and
-    one summary line plus the resolved config to ``log``."""
+    one summary line to ``log`` (the resolved config is in the file, and in the run folder's config.json)."""
     rec = provenance(config, split_record, extra)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / ("provenance.json" if step == 0 else f"provenance-resume-step{step}.json")
@@ -76,7 +76,6 @@ def write_provenance(run_dir: Path, config: dict[str, Any], split_record: Any, e
     log(f"provenance ({path}): git {rec['git_sha']}, torch {rec['torch']}, triton {rec['triton']}, cuda {rec['cuda']}, "
         f"gpu {rec['gpu']}, " + ", ".join(f"{k} {extra[k]}" for k in ("device", "world_size", "params", "compiled",
                                                                       "steps_per_epoch", "total_steps") if k in extra))
-    log("config: " + json.dumps(config, default=str))
     return path
 
 

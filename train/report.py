@@ -15,13 +15,14 @@ from typing import Any
 
 
 def python_command() -> str:
-    """How to call this interpreter from the current folder: ``.venv/bin/python`` style when it lives below
-    it (a project venv), else ``python``."""
+    """How to call this interpreter from a fresh shell in the current folder: ``.venv/bin/python`` style when
+    it lives below it (a project venv), its absolute path when it is another virtual environment's (a fresh
+    shell has not activated it), else ``python``."""
     exe = Path(sys.executable)
     try:
         return os.fspath(exe.relative_to(Path.cwd()))
     except ValueError:
-        return "python"
+        return shlex.quote(os.fspath(exe)) if sys.prefix != sys.base_prefix else "python"
 
 
 def translation_checkpoint(run_dir: Path) -> Path | None:

@@ -5,8 +5,6 @@ cannot change is refused naming the field's old and new values, a finished run i
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 
@@ -81,7 +79,8 @@ def test_changes_that_cannot_be_applied_are_refused_naming_old_and_new(toy_bundl
     for changes, message in cases:
         with pytest.raises(ResumeConfigError, match=message.replace("(", r"\(")) as e:
             tiny_trainer(toy_bundle, tmp_path, resume="auto", **{**KW, **changes})
-        assert "\n" not in str(e.value) and "--init-from" in str(e.value)
+        # weights of another architecture cannot be loaded: no --init-from advice for a model change
+        assert "\n" not in str(e.value) and ("--init-from" in str(e.value)) == ("model" not in changes)
         assert tree(tmp_path / "runs") == before  # refused before anything was written
 
 
@@ -143,17 +142,9 @@ def test_init_from_starts_a_new_run_from_the_weights_with_a_fresh_optimizer(toy_
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["src", "tuned"]
 
 
-def _build_data_takes_a_tokenizer() -> bool:
-    from data import build_data
-
-    return "tokenizer" in inspect.signature(build_data).parameters
-
-
-@pytest.mark.skipif(not _build_data_takes_a_tokenizer(),
-                    reason="needs data.build_data(cfg, tokenizer=...) from the data branch: run after the merge")
 def test_init_from_fine_tunes_on_other_data_with_the_checkpoints_tokenizer(toy_bundle, tmp_path):
-    """MERGE CHECK: --init-from on another corpus (here more toy rows) builds that data with the
-    checkpoint's tokenizer (``build_data(cfg, tokenizer=...)``, added by the data engineer)."""
+    """--init-from on another corpus (here more toy rows) builds that data with the checkpoint's tokenizer
+    (``build_data(cfg, tokenizer=...)``)."""
     src = tiny_trainer(toy_bundle, tmp_path, name="src", **KW)
     src.fit()
     cfg = tiny_config(tmp_path, name="tuned", data={"toy_rows": 1500}, epochs=1, max_batches_per_epoch=2)
@@ -164,7 +155,7 @@ def test_init_from_fine_tunes_on_other_data_with_the_checkpoints_tokenizer(toy_b
 
 
 def test_init_from_hands_the_checkpoints_tokenizer_to_build_data(toy_bundle, tmp_path, monkeypatch):
-    """Until the data branch lands, this checks the Trainer's side of ``build_data(cfg, tokenizer=...)``."""
+    """The Trainer's side of ``build_data(cfg, tokenizer=...)``: the checkpoint's tokenizer is handed over."""
     src = tiny_trainer(toy_bundle, tmp_path, name="src", **KW)
     src.fit()
     seen = {}
