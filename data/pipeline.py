@@ -394,6 +394,13 @@ def build_data(cfg: DataConfig, log=print, tokenizer: Tokenizer | None = None) -
     if any(trunc.values()):
         log(f"[data] valid/test pairs longer than max_len={cfg.max_len} are kept whole (texts) with token arrays "
             f"cut to max_len: {trunc['valid']:,} valid, {trunc['test']:,} test")
+    for s in ("valid", "test"):  # held-out groups ran out: say so (the split is still leakage-free)
+        spec, got = getattr(cfg, f"{s}_size"), split_record["sizes"][s]
+        asked = int(round(spec * sum(split_record["sizes"].values()))) if isinstance(spec, float) else int(spec)
+        if not split_record["eval_files"].get(s) and got < asked:
+            log(f"[data] warning: the {s} split has {got:,} rows where data.{s}_size={spec} asked for {asked:,}: the "
+                f"other pairs share a normalised source or target with groups of more than "
+                f"{split_record['heldout_max_group']} rows, which always train; give --data.{s}_files for a {s} set")
     bundle = DataBundle(cfg, tok, splits, report, split_record, log)
     if len(splits["train"]):  # the packed layout is fixed by corpus + config: recorded with the run
         split_record["packing"] = bundle.pack_layout().as_dict()

@@ -174,8 +174,11 @@ def resolve_config(argv: list[str] | None = None, *, log=None, parser: argparse.
         _fail(parser, args, e)
     missing = [f for f in cfg.data.data_files if not Path(f).is_file()]
     if missing:
+        odd = [f for f in missing if Path(f).exists()]  # a folder, a pipe, a device
         parser.error(f"data files not found: {', '.join(map(repr, missing))} (give existing jsonl/parquet/tsv "
-                     f"files; each --data-files argument is one path)")
+                     f"files; each --data-files argument is one path)" if not odd else
+                     f"data files must be regular files: {', '.join(map(repr, odd))} "
+                     f"{'is' if len(odd) == 1 else 'are'} not (a folder, a pipe or a device); give jsonl/parquet/tsv files")
     if machine:
         try:
             check_machine(cfg, preset, log)

@@ -182,3 +182,15 @@ def test_unreadable_row_in_a_test_file_is_refused_naming_it(tmp_path):
         build_data(cfg_for(tmp_path, good, test_files=(str(bad),)), **QUIET)
     with pytest.raises(DataInputError, match="data.valid_files not found"):
         build_data(cfg_for(tmp_path, good, valid_files=(str(tmp_path / "nope.jsonl"),)), **QUIET)
+
+
+def test_held_out_splits_that_run_out_of_groups_are_said_not_silent(tmp_path):
+    """Every pair shares one source: one group of 300 rows, over the held-out limit, so it trains; the
+    valid/test splits asked for are empty, and the log says why and what to do (found by a probe: it was silent)."""
+    rows = [{"id": str(i), "translation": {"en": "the same sentence", "it": f"la frase {i}"}} for i in range(300)]
+    logs: list[str] = []
+    b = build_data(cfg_for(tmp_path, [write_jsonl(tmp_path / "d.jsonl", rows)], valid_size=20, test_size=20),
+                   log=logs.append)
+    assert b.split_record["sizes"] == {"train": 300, "valid": 0, "test": 0}
+    warned = [m for m in logs if "warning" in m and "_size=20 asked for 20" in m]
+    assert len(warned) == 2 and all("--data." in m and "_files" in m for m in warned), logs

@@ -161,6 +161,9 @@ def test_paths_are_never_split(tmp_path, capsys):
     assert cfg.data.data_files == (str(comma), str(spaced))
     err = _error(["--preset", "tiny", "--data-files", str(tmp_path / "gone x.jsonl")], capsys)
     assert repr(str(tmp_path / "gone x.jsonl")) in err  # named whole
+    os.mkfifo(tmp_path / "pipe")  # exists, but no corpus: said so, not "not found" (and never opened: no hang)
+    err = _error(["--preset", "tiny", "--data-files", str(tmp_path / "pipe")], capsys)
+    assert "must be regular files" in err and "not found" not in err
 
 
 def test_debug_flag_and_environment(monkeypatch):
