@@ -1,64 +1,22 @@
-"""``python -m data.stats --data-files F [...] [--json]``: what the pipeline makes of a corpus.
+"""What the pipeline makes of a corpus: the library behind ``fastmt stats`` (``python -m train.stats``).
 
-Prints the cleaning report, token-length percentiles per side, tokens per epoch, and for every batching
-mode over the train split (epoch 0): padding fraction (pad tokens / computed tokens), batches, distinct
-padded shapes (B, S, T), and the packed mode's fixed layout (capacities, slots). ``--json`` prints one JSON
-object instead, with ``modes`` mapping each mode to ``{"padding_fraction", "batches", "shapes"}``. Any DataConfig field can be overridden:
-``--max-tokens 4096``.
+``collect(bundle, epoch)`` gathers the cleaning report, token-length percentiles per side, tokens per epoch,
+and for every batching mode over the train split (epoch ``epoch``): padding fraction (pad tokens / computed
+tokens), batches, distinct padded shapes (B, S, T), and the packed mode's fixed layout (capacities, slots);
+``format_table`` prints it. The command lives in train/ because it takes training's own flags (``--preset``,
+``--data.*``), so it reports exactly the data a training run reads; ``python -m data.stats`` says so.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
 import sys
 
 import numpy as np
 
 from .batching import MODES, plan_batches, plan_stats
-from .clean import DataInputError, format_report
-from .config import DataConfig
+from .clean import format_report
 
 PCTS = (50, 90, 95, 99, 100)
-_ARG_TYPES = {
-    "int": int,
-    "float": float,
-    "bool": lambda v: v.lower() in ("1", "true", "yes", "on"),
-    "int | float": lambda v: float(v) if "." in v else int(v),
-}
-
-
-def _parse(argv) -> tuple[DataConfig, argparse.Namespace]:
-    p = argparse.ArgumentParser(prog="python -m data.stats", description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--data-files",
-        nargs="+",
-        default=None,
-        help="local jsonl/json/parquet/tsv files (default: --dataset toy, $FASTMT_DATA_FILES, the Hub)",
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--epoch", type=int, default=0)
-    for f in dataclasses.fields(DataConfig):
-        if f.name == "data_files":
-            continue
-        typ = _ARG_TYPES.get(str(f.type), str)  # config.py uses postponed annotations: f.type is a str
-        p.add_argument("--" + f.name.replace("_", "-"), type=typ, default=None, dest=f.name)
-    a = p.parse_args(argv)
-    overrides = {
-        f.name: getattr(a, f.name)
-        for f in dataclasses.fields(DataConfig)
-        if getattr(a, f.name, None) is not None
-    }
-    if a.data_files:
-        overrides["data_files"] = tuple(a.data_files)
-    overrides.setdefault("num_workers", 0)
-    try:
-        return DataConfig(**overrides), a
-    except (ValueError, TypeError) as e:
-        p.error(str(e))
-
-
 def collect(bundle, epoch: int = 0) -> dict:
     cfg, tr = bundle.cfg, bundle.splits["train"]
     lens = {"src": tr.src_lengths, "tgt": tr.tgt_lengths}
@@ -135,23 +93,12 @@ def format_table(s: dict) -> str:
 
 
 def main(argv=None) -> int:
-    cfg, a = _parse(argv)
-    from .pipeline import build_data
-    from .sources import HubUnavailableError
-
-    log = (lambda *x: print(*x, file=sys.stderr)) if a.json else print
-    try:
-        bundle = build_data(cfg, log=log)
-    except (
-        DataInputError,
-        FileNotFoundError,
-        HubUnavailableError,
-    ) as e:  # bad input: the message, no traceback
-        print(f"python -m data.stats: {e}", file=sys.stderr)
-        return 2
-    s = collect(bundle, a.epoch)
-    print(json.dumps(s) if a.json else format_table(s))
-    return 0
+    """The command moved: it takes training's flags now (its old flags reported other settings than a run's)."""
+    del argv
+    print("python -m data.stats is now `fastmt stats` (or `python -m train.stats`): it takes the flags of "
+          "training (--preset P, --data-files F ..., --data.FIELD VALUE), so it reports the data that run reads",
+          file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

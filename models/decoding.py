@@ -47,10 +47,11 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 import warnings
 import weakref
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,13 @@ class DecodeStats:
     eager_reason: str | None = None  # why the last call's decoder decodes eagerly although graphs were asked for
 
 
+def eager_compiled_regions():
+    """``torch.compiler.set_stance("force_eager")``: every torch.compile'd region runs eagerly inside the block.
+    Only where dynamo is loaded (something may be compiled): otherwise there is nothing to make eager, and
+    importing dynamo would create torch's cache folders under the temp dir for nothing."""
+    return torch.compiler.set_stance("force_eager") if "torch._dynamo" in sys.modules else nullcontext()
+
+
 @contextmanager
 def _eval(model: Transformer):
     """Eval mode, inference mode, and every torch.compile'd region run eagerly: decoding never adds a
@@ -83,7 +91,7 @@ def _eval(model: Transformer):
     was_training = model.training
     model.eval()
     try:
-        with torch.inference_mode(), torch.compiler.set_stance("force_eager"):
+        with torch.inference_mode(), eager_compiled_regions():
             yield
     finally:
         model.train(was_training)

@@ -68,7 +68,9 @@ def eager_regions():
     variant per grad mode and shape (13 graphs instead of 5 on the toy model, the encoder block at its
     recompile limit), each an Inductor compile and a CUDA-graph recording inside the first evaluation. An
     eager forward costs a few host milliseconds per validation batch instead."""
-    return torch.compiler.set_stance("force_eager")
+    from models.decoding import eager_compiled_regions
+
+    return eager_compiled_regions()
 
 
 def compiled_graphs() -> int | None:

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
+import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from train.errors import UserError
+from train.errors import EXIT_ABORTED, UserError, debug_enabled
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -177,3 +180,21 @@ def translate_lines(model, tok, lines: list[str | None], device: torch.device, d
     for k, h in zip(todo, hyps):
         out[k] = " ".join(h.splitlines())  # a decoded line break would shift every later line
     return out
+
+
+def run_command(run: Callable[[argparse.Namespace], int], args: argparse.Namespace, *,
+                interrupted: str | None = None) -> int:
+    """``run(args)`` under the inference commands' error policy: a ``UserError`` prints one line, ``error: ...``
+    (its traceback too under ``--debug`` or ``FASTMT_DEBUG=1``), and returns its exit code; Ctrl-C returns 130
+    (after printing ``interrupted``, if given)."""
+    try:
+        return run(args)
+    except UserError as e:
+        if getattr(args, "debug", False) or debug_enabled():
+            traceback.print_exc()
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        if interrupted:
+            print(interrupted, file=sys.stderr)
+        return EXIT_ABORTED

@@ -28,21 +28,20 @@ import os
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
-from train.errors import EXIT_ABORTED, EXIT_OK, UserError, debug_enabled
+from train.errors import EXIT_OK, UserError
 from train.inference import (
     add_decoding_options,
     configure_cpu,
     load_for_inference,
     resolve_decoding,
     resolve_device,
+    run_command,
 )
 
 PAIR_FORMATS = (".jsonl", ".json", ".parquet", ".tsv")  # data.sources' formats: both sides in one file
 WRITER = "python -m train.evaluate"  # the mark of this command's records (what it may overwrite)
-EXIT_SIGINT = EXIT_ABORTED  # 130: a Ctrl-C (train/errors.py)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -262,15 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` and score; a user error prints one line (``error: ...``) and returns 2, Ctrl-C 130."""
     args = build_parser().parse_args(argv)
     try:
-        return run(args)
-    except UserError as e:
-        if args.debug or debug_enabled():
-            traceback.print_exc()
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("interrupted: nothing written", file=sys.stderr)
-        return EXIT_SIGINT
+        return run_command(run, args, interrupted="interrupted: nothing written")
     except BrokenPipeError:  # the report piped into `head`: the files are written, the rest of it unread
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return EXIT_OK

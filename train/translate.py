@@ -19,12 +19,11 @@ import io
 import os
 import select
 import sys
-import traceback
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
-from train.errors import EXIT_ABORTED, EXIT_OK, UserError, debug_enabled
+from train.errors import EXIT_OK, UserError
 from train.evaluate import overlong
 from train.inference import (
     add_decoding_options,
@@ -32,11 +31,11 @@ from train.inference import (
     load_for_inference,
     resolve_decoding,
     resolve_device,
+    run_command,
 )
 
 __all__ = ["main", "load_for_inference", "overlong", "stdin_batches"]
 
-EXIT_SIGINT = EXIT_ABORTED  # 130: a Ctrl-C (train/errors.py)
 
 _CHUNK = 1 << 16  # bytes per read of stdin
 
@@ -189,16 +188,7 @@ def run(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` and translate; a user error prints one line (``error: ...``) and returns 2, Ctrl-C 130."""
-    args = build_parser().parse_args(argv)
-    try:
-        return run(args)
-    except UserError as e:
-        if args.debug or debug_enabled():
-            traceback.print_exc()
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        return EXIT_SIGINT
+    return run_command(run, build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -383,31 +383,16 @@ def test_unreachable_hub_probe_fails_fast_with_fix(monkeypatch):
 
 
 def test_stats_cli_json(corpus, capsys):
+    """``fastmt stats`` (train/stats.py) takes training's flags; ``python -m data.stats`` points at it."""
     tmp, files, _, _ = corpus
-    from data.stats import main
+    from data.stats import main as old_main
+    from train.stats import main
 
-    assert (
-        main(
-            [
-                "--data-files",
-                files,
-                "--json",
-                "--cache-dir",
-                str(tmp / "cache"),
-                "--vocab-size",
-                "400",
-                "--max-len",
-                "64",
-                "--max-tokens",
-                "512",
-                "--valid-size",
-                "20",
-                "--test-size",
-                "20",
-            ]
-        )
-        == 0
-    )
+    assert old_main([]) == 2 and "fastmt stats" in capsys.readouterr().err
+    flags = ["--preset", "tiny", "--data-files", files, "--data.cache_dir", str(tmp / "cache"), "--data.vocab_size",
+             "400", "--data.max_len", "64", "--data.max_tokens", "512", "--data.valid_size", "20",
+             "--data.test_size", "20", "--data.pad_multiple", "1"]
+    assert main([*flags, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out["modes"]) == {"fixed", "dynamic", "sorted", "token_bucket", "packed"}
     packed = out["modes"]["packed"]
