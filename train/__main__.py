@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
     flush_denormals()
     from data.clean import DataInputError
+    from data.sources import HubUnavailableError
     from train.distributed import cleanup
     from train.epoch_end import NonFiniteLossError
     from train.loop import Trainer
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return EXIT_NONFINITE
         # a mistake the message explains: bad setting or file, a busy or foreign run folder, a full disk
-        except (UserError, DataInputError) as e:
+        except (UserError, DataInputError, HubUnavailableError) as e:
             if debug:
                 traceback.print_exc()
             print(f"error: {' '.join(str(e).split()) if not isinstance(e, DataInputError) else e}", file=sys.stderr)

@@ -66,3 +66,16 @@ def test_debug_shows_the_traceback_of_a_user_error(toy_bundle, tmp_path, capsys,
     err = capsys.readouterr().err
     assert "Traceback" in err and err.rstrip().endswith("or lower data.max_len") and "error: model.max_positions" in err
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_the_hub_unreachable_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    """No local data and no Hub (offline, as in these tests and on the GPU machine): one line naming the fix,
+    exit 2, no run folder (found by running the GPU runbook on CPU: it was a traceback, exit 1)."""
+    monkeypatch.delenv("FASTMT_DATA_FILES", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    code = main(["--preset", "tiny", "--run.out_dir", str(tmp_path / "runs"), "--data.cache_dir", str(tmp_path / "c")])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and err.startswith("error: could not load") and "--data-files" in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
