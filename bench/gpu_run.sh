@@ -13,8 +13,8 @@
 # Steps:
 #   kernel-test     pytest tests/kernels -m "gpu and not slow"  (the CUDA grids; the rest runs in CI, interpreted)
 #   bench-kernels   python3 -m bench.kernels --groups corpus,ln ...  (bench/results/kernels-<gpu>.*)
-#   train           python3 -m train --auto --run.name default ...   (runs/default/: what `make train` runs)
-#   quality         python3 -m bench.quality --run runs/default  (bench/results/quality-<gpu>.*)
+#   train           python3 -m train --auto --run.name default-<RUN_ID> ...   (what `make train` runs)
+#   quality         python3 -m bench.quality --run runs/default-<RUN_ID>  (bench/results/quality-<gpu>.*)
 #   profile         python3 -m bench.profile ...                 (bench/results/profile-<gpu>/, warm compile)
 #   frontier        python3 -m bench.frontier --budget-s ...     (bench/results/frontier-<gpu>.*)
 #   ladder          python3 -m bench.ladder ...                  (bench/results/ladder-<gpu>.*)
@@ -229,9 +229,10 @@ step_command() {  # fills CMD for step $1 given its time limit $2
             CMD=("$PY" -m bench.kernels --groups corpus,ln --budget-s "$budget" "${data_arg[@]}" "${extra[@]}") ;;
         train)  # what `make train` runs on CUDA, from a cold compile cache
             read -r -a extra <<<"${TRAIN_ARGS:-}"
-            CMD=("$PY" -m train --auto --run.name default --run.progress false "${data_arg[@]}" "${extra[@]}") ;;
+            CMD=("$PY" -m train --auto --run.name "default-$RUN_ID" --run.progress false "${data_arg[@]}" "${extra[@]}") ;;
         quality)
-            CMD=("$PY" -m bench.quality --run runs/default) ;;
+            # this invocation's own run (a run name is never reused: a second call2 would get default-2)
+            CMD=("$PY" -m bench.quality --run "runs/default-$RUN_ID") ;;
         profile)  # after `train`: its compile is the warm-cache compile
             read -r -a extra <<<"${PROFILE_ARGS:-}"
             CMD=("$PY" -m bench.profile "${data_arg[@]}" "${extra[@]}") ;;

@@ -421,7 +421,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if device.type == "cpu":
         flush_denormals()
-    run_dir = Path(args.out_dir) / args.name
+    from train.rundir import free_run_name
+
+    name = free_run_name(args.out_dir, args.name)  # as fastmt's runs: an earlier run of the name is never moved
+    if name != args.name:
+        print(f"{Path(args.out_dir) / args.name} holds an earlier run, so this run is {Path(args.out_dir) / name}")
+    run_dir = Path(args.out_dir) / name
     summary = train_peer(cfg, recipe, run_dir=run_dir, device=device)
     print("summary: " + json.dumps(summary, default=str))
     print(f"run folder: {run_dir} (metrics.jsonl, provenance.json, curves.png)")
