@@ -29,6 +29,9 @@ from .workers import ignore_stop_signals
 
 SPLITS = ("train", "valid", "test")
 PLANS_KEPT = 4  # batch plans memoised per bundle (num_batches and loader of one epoch share one)
+# modes whose batch count is the same every epoch: the epoch's shuffle only reorders pairs within equal padded
+# shapes (token buckets: the cuts follow the shapes' order, which no shuffle changes) or fixed-size chunks
+EPOCH_FREE_COUNT = ("fixed", "dynamic", "sorted", "token_bucket")
 
 
 @dataclass
@@ -140,6 +143,7 @@ class DataBundle:
         self._layout, self._layout_key = None, None  # packed layout, memoised on (max_tokens, max_len)
         self._loaders: dict[tuple, object] = {}  # persistent DataLoaders (worker processes kept across epochs)
         self._plans: dict[tuple, list[np.ndarray]] = {}  # the last `PLANS_KEPT` plans, oldest first
+        self._counts: dict[tuple, int] = {}  # batch counts of the EPOCH_FREE_COUNT modes, planned once
 
     def pack_layout(self) -> PackLayout:
         """The packed layout of this run: from the train split's token totals + (max_tokens, max_len), so every
@@ -193,7 +197,13 @@ class DataBundle:
     def num_batches(
         self, split: str, epoch: int = 0, batching: str | None = None, rank: int = 0, world_size: int = 1
     ) -> int:
-        return len(self.plan(split, epoch=epoch, batching=batching, rank=rank, world_size=world_size))
+        mode = batching or self.cfg.batching
+        if mode not in EPOCH_FREE_COUNT:  # packed: the count follows the epoch's order (a plan per epoch)
+            return len(self.plan(split, epoch=epoch, batching=batching, rank=rank, world_size=world_size))
+        key = (split, self.spec(batching), rank, world_size)
+        if key not in self._counts:  # the same for every epoch: planned once (the schedule counts all epochs)
+            self._counts[key] = len(self.plan(split, epoch=epoch, batching=batching, rank=rank, world_size=world_size))
+        return self._counts[key]
 
     def collator(self, split: str, batching: str | None = None):
         from .collate import Collator, PackedCollator

@@ -258,3 +258,22 @@ def test_token_bucket_cuts_per_run_equal_the_per_pair_reference(pairs, few, pad_
     got = _token_buckets(src, tgt, spec, np.random.default_rng(seed))
     want = _token_buckets_per_pair(src, tgt, spec, np.random.default_rng(seed))
     assert [b.tolist() for b in got] == [b.tolist() for b in want]
+
+
+@settings(max_examples=15, deadline=None)
+@given(n=st.integers(1, 300), seed=st.integers(0, 99), world=st.integers(1, 3),
+       mode=st.sampled_from(["fixed", "dynamic", "sorted", "token_bucket"]))
+def test_epoch_free_modes_have_the_same_batch_count_every_epoch(n, seed, world, mode):
+    """DataBundle.num_batches plans these modes once for every epoch (the schedule counts all epochs at start,
+    which at millions of pairs cost a plan per epoch): the count must not depend on the epoch's shuffle."""
+    from data.pipeline import EPOCH_FREE_COUNT
+
+    assert mode in EPOCH_FREE_COUNT
+    rng = np.random.default_rng(seed)
+    src, tgt = rng.integers(1, 60, n), rng.integers(1, 60, n)
+    spec = BatchSpec(mode, 8, 256, 64, 4, None)
+    if n < world:
+        return
+    counts = {len(plan_batches(src, tgt, spec, seed=seed, epoch=e, world_size=world, rank=r))
+              for e in range(4) for r in range(world)}
+    assert len(counts) == 1
