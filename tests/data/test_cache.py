@@ -157,6 +157,16 @@ def test_sampled_tokenizer_and_arrays_independent_of_workers_and_chunks(tmp_path
     assert _vocab(other.tokenizer) != _vocab(one.tokenizer)  # another seed: another sample
 
 
+
+def test_a_sample_that_covers_the_train_split_is_training_on_everything(tmp_path):
+    """``spm_sample_pairs`` >= the train pairs (the default 100,000 on OPUS Books' 32k pairs) learns the same
+    vocabulary as ``0`` (every pair): sampling only changes corpora larger than the sample."""
+    files = write_jsonl(tmp_path / "d.jsonl", make_rows(600))
+    every = build_data(cfg_for(tmp_path / "a", files, spm_sample_pairs=0, vocab_size=350), **QUIET)
+    covering = build_data(cfg_for(tmp_path / "b", files, spm_sample_pairs=100_000, vocab_size=350), **QUIET)
+    fewer = build_data(cfg_for(tmp_path / "c", files, spm_sample_pairs=100, vocab_size=350), **QUIET)
+    assert _vocab(every.tokenizer) == _vocab(covering.tokenizer) != _vocab(fewer.tokenizer)
+
 def test_given_tokenizer_is_used_and_keyed(tmp_path):
     files = write_jsonl(tmp_path / "d.jsonl", make_rows(300))
     base = build_data(cfg_for(tmp_path / "a", files), **QUIET)
