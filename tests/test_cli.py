@@ -269,8 +269,12 @@ def test_the_smoke_blocks_are_what_ci_runs():
     blocks = re.findall(r"^<!-- smoke -->\n```\n(.*?)^```", README, flags=re.M | re.S)
     assert len(blocks) == 2
     commands_run = [line for b in blocks for line in b.splitlines()]
-    assert any(c.startswith("fastmt train --preset tiny --data.dataset toy") for c in commands_run)
-    assert any(c.startswith("fastmt translate --ckpt runs/tiny/") for c in commands_run)
+    trains = [c for c in commands_run if c.startswith("fastmt train --preset tiny --data.dataset toy")]
+    assert trains
+    # the translate line reads the checkpoint of the run the train line names
+    name = re.search(r"--run\.name (\S+)", trains[0])
+    run_dir = f"runs/{name.group(1) if name else 'tiny'}/"
+    assert any(c.startswith(f"fastmt translate --ckpt {run_dir}") for c in commands_run)
     assert any(c.startswith("make translate ") for c in commands_run)
     ci = (REPO / ".ci" / "run").read_text()
     assert "make test" in ci and "bash .ci/readme-smoke.sh" in ci
