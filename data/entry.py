@@ -60,14 +60,18 @@ class Inputs:
 
 
 def chunk_bytes(files, workers: int) -> int | None:
-    """About 4 chunks per worker (load balance), each between 1 MiB and `sources.CHUNK_BYTES`."""
+    """Chunks of equal size, at least 4 per worker and a multiple of the workers (no worker idles through the
+    last chunk of a pass), each between 1 MiB and `sources.CHUNK_BYTES`."""
     from . import sources
 
     try:
         total = sum(os.path.getsize(f) for f in files)
     except OSError:
         return None  # plan_chunks names the missing file
-    return int(min(sources.CHUNK_BYTES, max(1 << 20, total // (4 * max(1, workers)))))
+    workers = max(1, workers)
+    n = max(4 * workers, -(-total // sources.CHUNK_BYTES))
+    n = -(-n // workers) * workers
+    return int(min(sources.CHUNK_BYTES, max(1 << 20, -(-total // n))))
 
 
 def inputs(cfg) -> Inputs:
