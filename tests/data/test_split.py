@@ -194,3 +194,41 @@ def test_held_out_splits_that_run_out_of_groups_are_said_not_silent(tmp_path):
     assert b.split_record["sizes"] == {"train": 300, "valid": 0, "test": 0}
     warned = [m for m in logs if "warning" in m and "_size=20 asked for 20" in m]
     assert len(warned) == 2 and all("--data." in m and "_files" in m for m in warned), logs
+
+
+@pytest.mark.parametrize("n_keys", [1, 7, 300, 5000])
+def test_in_sorted_is_isin_on_both_paths(n_keys):
+    """`in_sorted` equals `np.isin`, on its table-prefiltered path (many values, few keys: the held-out
+    overlap counts) and on its plain binary-search path, keys at the extremes of uint64 included."""
+    from data.split import in_sorted, sorted_unique
+
+    rng = np.random.default_rng(n_keys)
+    keys = rng.integers(0, 2**64 - 1, n_keys, dtype=np.uint64, endpoint=True)
+    keys[0] = np.uint64(2**64 - 1)
+    pool = np.concatenate([keys, rng.integers(0, 2**64 - 1, 4000, dtype=np.uint64, endpoint=True),
+                           keys ^ np.uint64(1 << 40)])  # same low bits as a key, another value
+    for n_values in (10, 200_000):
+        values = pool[rng.integers(0, len(pool), n_values)]
+        values[:2] = [np.uint64(0), np.uint64(2**64 - 1)]
+        got = in_sorted(values, sorted_unique(keys))
+        np.testing.assert_array_equal(got, np.isin(values, keys))
+        assert got.any()
+
+
+def test_chunks_are_a_multiple_of_the_build_workers(tmp_path):
+    """The planned chunk size cuts a large file into a multiple of the workers (at least 4 each), of 1 MiB to
+    `CHUNK_BYTES` each; a small file is never cut below 1 MiB."""
+    from data import sources
+    from data.entry import chunk_bytes
+
+    big = tmp_path / "big.jsonl"
+    with open(big, "wb") as f:
+        f.truncate(3 * sources.CHUNK_BYTES + 12345)  # the size is all the plan reads
+    for workers in (1, 2, 3, 8):
+        cb = chunk_bytes([big], workers)
+        n = -(-big.stat().st_size // cb)
+        assert (1 << 20) <= cb <= sources.CHUNK_BYTES
+        assert n % workers == 0 and n >= 4 * workers or cb == 1 << 20, (workers, cb, n)
+    small = tmp_path / "small.jsonl"
+    small.write_text("{}\n")
+    assert chunk_bytes([small], 2) == 1 << 20
