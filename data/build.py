@@ -21,6 +21,7 @@ start maps them and reads nothing corpus-sized; DataLoader workers share the pag
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import hashlib
 import itertools
 import multiprocessing
@@ -458,30 +459,37 @@ def _overlaps(cfg, evals: dict, labels, h_src, h_tgt, n_test: int, n_valid: int)
 
 
 def _assemble_train(tmp: Path, encoded: list[dict], first, dtype: str, counts: dict, tokens: dict) -> None:
-    """Copy the train parts (in chunk order) into one array per side, plus offsets and clean-row indices."""
+    """Append the train parts (in chunk order) to one array file per side, plus offsets and clean-row
+    indices: written through plain file writes, one part in memory at a time (a memory map of the whole
+    arrays would count every written page in this process's resident memory: ~90 bytes a pair)."""
     n = sum(e["n_train"] for e in encoded)
     tot = {"src": sum(e["tokens"][0] for e in encoded), "tgt": sum(e["tokens"][1] for e in encoded)}
-    out = {}
-    for side in ("src", "tgt"):
-        out[f"{side}_ids"] = np.lib.format.open_memmap(tmp / f"train_{side}_ids.npy", "w+", dtype, (tot[side],))
-        out[f"{side}_off"] = np.lib.format.open_memmap(tmp / f"train_{side}_off.npy", "w+", np.int64, (n + 1,))
-        out[f"{side}_off"][0] = 0
-    out["rows"] = np.lib.format.open_memmap(tmp / "train_rows.npy", "w+", np.int64, (n,))
-    r = {"src": 0, "tgt": 0}
-    k = 0
-    for i, e in enumerate(encoded):
-        m = e["n_train"]
+    shapes = {"src_ids": (dtype, tot["src"]), "tgt_ids": (dtype, tot["tgt"]), "src_off": (np.int64, n + 1),
+              "tgt_off": (np.int64, n + 1), "rows": (np.int64, n)}
+    out, header = {}, {}
+    with contextlib.ExitStack() as stack:
+        for name, (dt, size) in shapes.items():
+            out[name] = stack.enter_context(open(tmp / f"train_{name}.npy", "wb"))
+            np.lib.format.write_array_header_1_0(out[name], {
+                "descr": np.lib.format.dtype_to_descr(np.dtype(dt)), "fortran_order": False, "shape": (size,)})
+            header[name] = out[name].tell()
+        r = {"src": 0, "tgt": 0}
         for side in ("src", "tgt"):
-            ids, lens = np.load(tmp / f"b-{i}-{side}_ids.npy"), np.load(tmp / f"b-{i}-{side}_len.npy")
-            out[f"{side}_ids"][r[side] : r[side] + len(ids)] = ids
-            out[f"{side}_off"][k + 1 : k + m + 1] = r[side] + np.cumsum(lens, dtype=np.int64)
-            r[side] += len(ids)
-        out["rows"][k : k + m] = first[i] + np.load(tmp / f"b-{i}-rows.npy")
-        k += m
-        for name in ("src_ids", "src_len", "tgt_ids", "tgt_len", "rows"):
-            os.unlink(tmp / f"b-{i}-{name}.npy")
-    for a in out.values():
-        a.flush()
+            np.zeros(1, np.int64).tofile(out[f"{side}_off"])
+        for i, e in enumerate(encoded):
+            for side in ("src", "tgt"):
+                ids, lens = np.load(tmp / f"b-{i}-{side}_ids.npy"), np.load(tmp / f"b-{i}-{side}_len.npy")
+                ids.astype(dtype, copy=False).tofile(out[f"{side}_ids"])
+                (r[side] + np.cumsum(lens, dtype=np.int64)).tofile(out[f"{side}_off"])
+                r[side] += len(ids)
+            (first[i] + np.load(tmp / f"b-{i}-rows.npy")).astype(np.int64, copy=False).tofile(out["rows"])
+            for name in ("src_ids", "src_len", "tgt_ids", "tgt_len", "rows"):
+                os.unlink(tmp / f"b-{i}-{name}.npy")
+        for name, (dt, size) in shapes.items():  # the header promised exactly what was written
+            wrote = out[name].tell() - header[name]
+            if wrote != size * np.dtype(dt).itemsize:
+                raise RuntimeError(f"train_{name}.npy: wrote {wrote} bytes of data, the header says "
+                                   f"{size} x {np.dtype(dt)}")
     counts["train"], tokens["train"] = n, tot
 
 
