@@ -308,9 +308,13 @@ def build_entry(cfg, inp: Inputs, key: str, tok_key: str, sets: dict, cache: Pat
             raise DataInputError(
                 f"valid_size={cfg.valid_size} ({n_valid}) + test_size={cfg.test_size} ({n_test}) leave no training "
                 f"rows out of {n_free} clean rows; lower them (floats are fractions)")
-        free = np.flatnonzero(~leak)
-        keys = group_keys(h_src[free], h_tgt[free], cfg.split_grouping)
-        labels[free] = assign(keys, n_test, n_valid, cfg.split_seed)
+        if leak.any():
+            free = np.flatnonzero(~leak)
+            keys = group_keys(h_src[free], h_tgt[free], cfg.split_grouping)
+            labels[free] = assign(keys, n_test, n_valid, cfg.split_seed)
+        else:  # no copies of the hashes (the split's memory peak)
+            keys = group_keys(h_src, h_tgt, cfg.split_grouping)
+            labels[:] = assign(keys, n_test, n_valid, cfg.split_seed)
         labels[leak] = -1  # removed: their source/target is in your valid/test files
         olap = _overlaps(cfg, evals, labels, h_src, h_tgt, n_test, n_valid)
         del keys

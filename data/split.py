@@ -52,14 +52,16 @@ def mix64(x: np.ndarray, seed: int) -> np.ndarray:
 def _dense(h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(order that sorts ``h``, per row the dense id of its value in sorted order, start of each id's run
     in that order): one sort."""
+    index = np.int32 if len(h) < 2**31 else np.int64  # half the memory of the index arrays (5 M rows: 250 MB)
     order = np.argsort(h, kind="stable")
     sh = h[order]
     new = np.empty(len(h), dtype=bool)
     new[0] = True
     np.not_equal(sh[1:], sh[:-1], out=new[1:])
-    ids = np.empty(len(h), dtype=np.int64)
-    ids[order] = np.cumsum(new) - 1
-    return order, ids, np.flatnonzero(new)
+    del sh
+    ids = np.empty(len(h), dtype=index)
+    ids[order] = np.cumsum(new, dtype=index) - 1
+    return order.astype(index), ids, np.flatnonzero(new)
 
 
 def sorted_unique(a: np.ndarray) -> np.ndarray:
@@ -99,7 +101,7 @@ def group_keys(h_src: np.ndarray, h_tgt: np.ndarray, grouping: str) -> np.ndarra
     by_s, s_id, s_starts = _dense(h_src)  # dense ids in hash order, and the rows sorted by them
     by_t, t_id, t_starts = _dense(np.asarray(h_tgt, dtype=np.uint64))
     src_keys = h_src[by_s][s_starts]
-    label = np.arange(len(src_keys), dtype=np.int64)  # per source id: the smallest source id linked to it
+    label = np.arange(len(src_keys), dtype=s_id.dtype)  # per source id: the smallest source id linked to it
     while True:
         row = label[s_id]
         row = np.minimum(row, np.minimum.reduceat(row[by_t], t_starts)[t_id])  # across shared targets
