@@ -148,3 +148,45 @@ def test_a_second_ctrl_c_aborts_at_once_with_exit_130(toy_bundle, tmp_path, monk
     out, err = capsys.readouterr()
     assert code == 130 and "aborted by a second Ctrl-C" in err and "Traceback" not in out + err
     assert out.count("SIGINT: stopping after this step") == 1
+
+
+def test_torchrun_under_a_group_sigterm_ranks_checkpoint_the_launcher_exits_nonzero(toy_bundle, tmp_path):
+    """What the README says of ``torchrun``: SIGTERM to the whole group (SLURM, ``timeout``) reaches the launcher
+    and both ranks; the ranks stop at one step with one checkpoint (rank 0 logs, once); the launcher exits
+    non-zero with its own message (torch's elastic agent, not fastmt's exit code); nothing is left running."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "train",
+           *train_argv(toy_bundle.cfg.cache_dir, tmp_path, "--epochs", "1000", "--eval.every", "1000",
+                       name="ddp")]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    run = tmp_path / "runs" / "ddp"
+    try:
+        deadline = time.monotonic() + 240
+        while not (run / "metrics.jsonl").is_file() or '"kind": "epoch"' not in (run / "metrics.jsonl").read_text():
+            if proc.poll() is not None:
+                pytest.fail(f"torchrun ended before the first epoch (exit {proc.returncode}):\n{proc.stdout.read()}")
+            assert time.monotonic() < deadline, "no epoch finished under torchrun"
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+        gone = time.monotonic() + 30
+        while True:  # the ranks and the launcher's helpers are all gone
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                break
+            assert time.monotonic() < gone, "processes of the torchrun group are still running"
+            time.sleep(0.1)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    assert proc.returncode != 0, out[-3000:]
+    assert out.count("SIGTERM: stopping after this step with a checkpoint") == 1, out[-3000:]
+    newest = step_checkpoints(run / "checkpoints")[-1]
+    step = load_checkpoint(newest)["position"]["step"]
+    assert f"stopped:     by SIGTERM at step {step}" in out and str(newest) in out, out[-3000:]
+    assert '"done"' not in (run / "metrics.jsonl").read_text()
