@@ -84,6 +84,7 @@ def _merge(batches):
                  num_target_tokens=sum(b.num_target_tokens for b in batches))
 
 
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")  # the test's capture
 def test_accumulation_equals_one_big_batch(toy_bundle, tmp_path):
     """k micro-batches of different sizes give the gradient (and the update) of their union."""
     grads, weights = {}, {}
