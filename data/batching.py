@@ -220,7 +220,8 @@ def _token_buckets(src_len, tgt_len, spec: BatchSpec, rng) -> list[np.ndarray]:
         return []
     perm = rng.permutation(n) if rng is not None else np.arange(n)
     h = hilbert_index(s_pad // m, t_pad // m)
-    order = perm[np.argsort(h[perm], kind="stable")]  # buckets in curve order, shuffled within each
+    hp = h[perm].astype(np.uint16) if int(h.max()) < 1 << 16 else h[perm]  # 16-bit keys: numpy's radix sort
+    order = perm[np.argsort(hp, kind="stable")]  # buckets in curve order, shuffled within each
 
     # The greedy cut, walked per run of equal padded (S, T) instead of per pair: within a run that does not
     # raise the batch maxima both close conditions grow monotonically with the batch size, so the next
@@ -292,9 +293,15 @@ def _pack(src_len, tgt_len, layout: PackLayout, rng, lookahead: int = PACK_LOOKA
 
 
 def hilbert_index(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Position of integer points (x, y) >= 0 along a Hilbert curve covering them (vectorised)."""
-    x, y = np.asarray(x, dtype=np.int64).copy(), np.asarray(y, dtype=np.int64).copy()
-    side = 1 << max(1, int(max(x.max(initial=0), y.max(initial=0))).bit_length())
+    """Position of integer points (x, y) >= 0 along a Hilbert curve covering them (vectorised). Many points in
+    a small box (padded lengths: at most 257 x 257 cells) are looked up in the curve computed once per cell."""
+    x, y = np.asarray(x, dtype=np.int64), np.asarray(y, dtype=np.int64)
+    mx, my = int(x.max(initial=0)), int(y.max(initial=0))
+    if x.size > 4 * (mx + 1) * (my + 1):
+        gx, gy = np.divmod(np.arange((mx + 1) * (my + 1), dtype=np.int64), my + 1)  # the box holds (mx, my)
+        return hilbert_index(gx, gy)[x * (my + 1) + y]
+    x, y = x.copy(), y.copy()
+    side = 1 << max(1, max(mx, my).bit_length())
     d = np.zeros_like(x)
     s = side >> 1
     while s > 0:

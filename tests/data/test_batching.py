@@ -219,6 +219,20 @@ def test_hilbert_index_is_a_unit_step_walk():
     assert steps.max() == 1
 
 
+def test_hilbert_index_of_many_points_in_a_small_box_is_the_per_point_curve():
+    """The looked-up path (many points, few cells: padded lengths) gives each point the index the direct
+    computation gives it alone, for boxes that are not square and not a power of two."""
+    rng = np.random.default_rng(1)
+    for mx, my in ((0, 0), (5, 37), (40, 3), (63, 64), (256, 256)):
+        x = rng.integers(0, mx + 1, 4 * (mx + 1) * (my + 1) + 50)
+        y = rng.integers(0, my + 1, len(x))
+        x[0], y[0] = mx, my  # the box's far corner: the direct path sizes the curve from it
+        fast = hilbert_index(x, y)
+        sample = rng.choice(len(x), 200)
+        direct = [int(hilbert_index(np.r_[x[i], mx], np.r_[y[i], my])[0]) for i in sample]
+        np.testing.assert_array_equal(fast[sample], direct)
+
+
 def _token_buckets_per_pair(src_len, tgt_len, spec, rng):
     """The greedy token-bucket cut as first written (one python step per pair): the reference."""
     from data.batching import hilbert_index
