@@ -72,10 +72,10 @@ def sorted_unique(a: np.ndarray) -> np.ndarray:
 
 def in_sorted(values: np.ndarray, sorted_unique: np.ndarray) -> np.ndarray:
     """``np.isin(values, sorted_unique)`` for a sorted unique array (a binary search per value)."""
-    values = np.asarray(values)
+    values, sorted_unique = np.asarray(values), np.asarray(sorted_unique)
     if len(sorted_unique) == 0:
         return np.zeros(len(values), dtype=bool)
-    if values.dtype == np.uint64 and len(values) > 64 * len(sorted_unique):
+    if values.dtype == sorted_unique.dtype == np.uint64 and len(values) > 64 * len(sorted_unique):
         # many values, few keys (train hashes against a held-out set): a table of the keys' low bits rules out
         # almost every value with one gather; only the rest is searched (1.2 M values, 1,000 keys: ~8x faster)
         bits = min(24, max(10, int(len(sorted_unique)).bit_length() + 6))
