@@ -41,6 +41,19 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
+def _running_in_group(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``."""
+    live = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            live.append(int(stat.parent.name))
+    return live
+
+
 def _run_until_workers(cmd: list[str], n_workers: int) -> subprocess.Popen:
     """Start ``cmd`` in its own session (its own process group) and wait until its DataLoader workers run."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
@@ -171,12 +184,8 @@ def test_torchrun_under_a_group_sigterm_ranks_checkpoint_the_launcher_exits_nonz
         os.killpg(proc.pid, signal.SIGTERM)
         out, _ = proc.communicate(timeout=120)
         gone = time.monotonic() + 30
-        while True:  # the ranks and the launcher's helpers are all gone
-            try:
-                os.killpg(proc.pid, 0)
-            except ProcessLookupError:
-                break
-            assert time.monotonic() < gone, "processes of the torchrun group are still running"
+        while _running_in_group(proc.pid):  # the ranks and the launcher's helpers are all gone (zombies count as gone)
+            assert time.monotonic() < gone, f"still running in the torchrun group: {_running_in_group(proc.pid)}"
             time.sleep(0.1)
     finally:
         try:
