@@ -1,0 +1,34 @@
+"""`python -m bench.data_scale` (issue 24) end to end at a small size: a generated corpus, a cold build and a
+warm start each in a fresh child, rows that say what they measured, the table and plot written where asked,
+and nothing written into the committed bench/results/."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_data_scale_measures_a_cold_and_a_warm_start(tmp_path):
+    results = ROOT / "bench" / "results"
+    before = {p.name: p.stat().st_mtime_ns for p in results.iterdir()}
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, "-m", "bench.data_scale", "--sizes", "0.005", "--work", str(tmp_path / "work"),
+                          "--out", str(out), "--warm-runs", "1", "--tag", "test"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    with (out / "data-scale-cpu.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["phase"], r["pairs"], r["corpus"], r["tag"]) for r in rows] == [
+        ("cold", "5000", "synthetic", "test"), ("warm", "5000", "synthetic", "test")]
+    cold, warm = rows
+    for r in rows:
+        assert float(r["build_s"]) > 0 and float(r["process_s"]) >= float(r["build_s"])
+        assert float(r["first_batch_s"]) > 0 and float(r["rss_tree_mb"]) > 0 and r["machine"]
+    assert float(cold["pairs_per_s_core"]) > 0 and warm["pairs_per_s_core"] == ""
+    assert "5,000" in (out / "data-scale-cpu.md").read_text()
+    assert (out / "data-scale-cpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {p.name: p.stat().st_mtime_ns for p in results.iterdir()} == before
