@@ -29,29 +29,25 @@ def train_command(cache: str, out: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "train", *train_argv(cache, out, *extra, name="sig")]
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
+def _processes() -> list[tuple[int, str, int, int]]:
+    """(pid, state, parent pid, process group) of every process, from /proc."""
+    out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
+            state, ppid, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
             continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
+        out.append((int(stat.parent.name), state, int(ppid), int(pgrp)))
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    return [p for p, _, ppid, _ in _processes() if ppid == pid]
 
 
 def _running_in_group(pgid: int) -> list[int]:
     """Live (not zombie) processes of process group ``pgid``."""
-    live = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            live.append(int(stat.parent.name))
-    return live
+    return [p for p, state, _, pgrp in _processes() if pgrp == pgid and state != "Z"]
 
 
 def _run_until_workers(cmd: list[str], n_workers: int) -> subprocess.Popen:
