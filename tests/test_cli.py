@@ -51,12 +51,27 @@ def _has_main(module: str) -> bool:
     return callable(getattr(importlib.import_module(module), "main", None))
 
 
+def test_every_benchmark_with_a_main_is_a_fastmt_bench_command():
+    listed = {module for module, _ in commands.BENCH.values()}
+    mains = {f"bench.{p.stem}" for p in (REPO / "bench").glob("*.py") if "\ndef main(" in p.read_text()}
+    assert mains and mains <= listed, sorted(mains - listed)
+
+
 @pytest.mark.parametrize("argv", [[name] for name in commands.COMMANDS if name != "bench"]
                          + [["bench", name] for name in commands.BENCH])
 def test_every_command_reaches_its_modules_main(argv, capsys):
     module = (commands.BENCH[argv[1]] if argv[0] == "bench" else commands.COMMANDS[argv[0]])[0]
-    if not _has_main(module):
-        pytest.skip(f"{module}.main(argv) is another engineer's, not in this branch yet")
+    if module == "bench.aot":  # compiles for a GPU: refuses to import under the Triton interpreter the tests set
+        import os
+        import subprocess
+        import sys
+
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        run = subprocess.run([sys.executable, "-m", "train.commands", *argv, "--help"], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0 and "usage:" in run.stdout, run.stderr[-2000:]
+        return
+    assert _has_main(module), f"{module} has no main(argv)"
     try:  # argparse's --help exits 0; a main() that returns its code returns 0
         code = commands.main([*argv, "--help"])
     except SystemExit as e:
