@@ -75,17 +75,13 @@ def main(argv: list[str] | None = None) -> int:
             print("aborted by a second Ctrl-C: the checkpoints written so far are intact; continue with --resume auto",
                   file=sys.stderr)
             return EXIT_ABORTED
-        except NonFiniteLossError as e:
-            if debug:
-                traceback.print_exc()
-            print(f"error: {e}", file=sys.stderr)
-            return EXIT_NONFINITE
-        # a mistake the message explains: bad setting or file, a busy or foreign run folder, a full disk
-        except (UserError, DataInputError, HubUnavailableError) as e:
+        # stopped on non-finite values (3), or a mistake the message explains (2): a bad setting or file, a busy
+        # or foreign run folder, a full or read-only disk; each class carries its exit code
+        except (NonFiniteLossError, UserError, DataInputError, HubUnavailableError) as e:
             if debug:
                 traceback.print_exc()
             print(f"error: {' '.join(str(e).split()) if not isinstance(e, DataInputError) else e}", file=sys.stderr)
-            return EXIT_USAGE
+            return getattr(e, "exit_code", EXIT_USAGE)
         finally:
             cleanup()
         if trainer.is_main:

@@ -49,7 +49,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-class CheckpointWriteError(OSError):
+class CheckpointWriteError(UserError, OSError):
     """A checkpoint could not be written (disk full, read-only, no permission, I/O error).
 
     The message is one line naming the file, the cause and the fix; ``path`` is the checkpoint,

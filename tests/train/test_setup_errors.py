@@ -79,3 +79,21 @@ def test_the_hub_unreachable_is_one_line_and_exit_2(tmp_path, capsys, monkeypatc
     assert code == EXIT_USAGE and err.startswith("error: could not load") and "--data-files" in err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_a_full_disk_during_training_is_one_line_and_exit_2(toy_bundle, tmp_path, monkeypatch, capsys):
+    """A checkpoint write that fails (here: ENOSPC from the write) ends the command as the exit codes promise:
+    one line naming the file, the cause and the fix, exit 2, no traceback."""
+    import errno
+
+    import train.checkpoint as ckpt
+
+    def no_space(obj, f, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt.torch, "save", no_space)
+    assert main(train_argv(toy_bundle.cfg.cache_dir, tmp_path, "--max-steps", "2")) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    line = next(x for x in err.splitlines() if x.startswith("error: "))
+    assert "cannot write checkpoint" in line and "no space left on device" in line and "Fix:" in line
