@@ -22,6 +22,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -97,12 +98,14 @@ class Trainer(EpochEnd):
         holds no checkpoint (the run failed or never trained) is removed."""
         if self.metrics is not None:
             self.metrics.close()
-        if self.lock is not None:
-            self.lock.release()
-            self.lock = None
-        if self._created:
-            self._created = False
-            discard_unused_run_folder(self.run_dir, self.log)
+        try:
+            if self._created:  # while the lock is held: no other run may take the folder as it goes
+                self._created = False
+                discard_unused_run_folder(self.run_dir, self.log)
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+                self.lock = None
 
     def __enter__(self) -> Trainer:
         return self
@@ -190,6 +193,7 @@ class Trainer(EpochEnd):
         self.first_step_seconds: float | None = None  # this process's first step: compile + CUDA-graph capture
         self._pending_rng = None
         self._stop_signal: str | None = None
+        self._stop_announced = False
         self.run_id, self.parent = plan.run_id, plan.parent
         best_value, schedule = None, None
         if ckpt is not None and plan.mode == "init":
@@ -340,14 +344,21 @@ class Trainer(EpochEnd):
         (a preemption drill: the run resumes exactly from it). Returns a summary dict (train/report.py
         prints it for people).
         """
-        self._stop_signal = None
+        self._stop_signal, self._stop_announced = None, False
 
-        def request_stop(name: str) -> None:
+        def request_stop(name: str) -> None:  # a signal handler
             if self._stop_signal is not None:  # already stopping (e.g. SIGTERM to the group, then again)
                 return
             self._stop_signal = name
-            self.log(f"\n{name}: stopping after this step with a checkpoint"
-                     + (" (Ctrl-C again to abort)" if name == "SIGINT" else ""))
+            # say it now, but not through print on a real stdout: a print the signal interrupted would be
+            # re-entered ("reentrant call" RuntimeError); os.write bypasses the buffer. A custom log (or a
+            # captured stdout) gets the line from the loop (`_signalled`), or here if stdout has no file.
+            if self.log is print:
+                self._stop_announced = True
+                try:
+                    os.write(sys.stdout.fileno(), self._stop_message(name).encode() + b"\n")
+                except (OSError, ValueError, AttributeError):  # captured or closed stdout
+                    print(self._stop_message(name))
 
         try:
             with stop_on_signals(request_stop):
@@ -413,7 +424,7 @@ class Trainer(EpochEnd):
                     stop_reason = "early_stop"
                     self.log(f"early stop: no new best BLEU in {self.cfg.eval.patience} evaluations "
                              f"(best {self.clock.best:.2f})")
-                if stop_reason is None and self._stop_signal is not None:  # the epoch's checkpoint is the stop
+                if stop_reason is None and self._signalled() is not None:  # the epoch's checkpoint is the stop
                     stop_reason = "interrupted"
             else:
                 path = self.save(metric=None)  # mid-epoch: the position lets a resume continue exactly
@@ -477,9 +488,22 @@ class Trainer(EpochEnd):
             return "max_steps"
         if run.max_wall_seconds is not None and self.clock.wall() >= run.max_wall_seconds:
             return "wall_budget"
-        if self._stop_signal is not None or (stop_after is not None and steps_this_call >= stop_after):
+        if self._signalled() is not None or (stop_after is not None and steps_this_call >= stop_after):
             return "interrupted"
         return None
+
+    def _signalled(self) -> str | None:
+        """The stop signal received, if any; announced once, from the loop."""
+        name = self._stop_signal
+        if name is not None and not self._stop_announced:
+            self._stop_announced = True
+            self.log(self._stop_message(name))
+        return name
+
+    @staticmethod
+    def _stop_message(name: str) -> str:
+        return f"\n{name}: stopping after this step with a checkpoint" + (
+            " (Ctrl-C again to abort)" if name == "SIGINT" else "")
 
     # ------------------------------------------------------------------------------------------
     # state, provenance, progress
