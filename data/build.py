@@ -50,6 +50,7 @@ from .split import (
     sorted_unique,
 )
 from .tokenizer import Tokenizer, train_spm
+from .workers import ignore_stop_signals
 
 _SPLIT_CODE = {"train": 0, "valid": 1, "test": 2}
 _LEN_CAP = 4096  # train length histograms (for the length hints) clip here
@@ -147,10 +148,11 @@ def _encode(job) -> dict:
 
 
 def _worker_init(parent: int) -> None:
-    """A build worker: leaves Ctrl-C to the main process (one KeyboardInterrupt there, no worker tracebacks),
+    """A build worker: leaves Ctrl-C, SIGTERM and SIGUSR1 to the main process (which stops the build as it stops a
+    run; no worker tracebacks, no worker killed mid-task by a signal to the whole group),
     dies with it (Linux: parent-death signal; a worker forked from a parent killed by -9 would otherwise
     live on), and drops its copies of the parent's lock fds."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ignore_stop_signals(0)
     C.forget_locks()
     try:
         import ctypes

@@ -337,3 +337,21 @@ def test_damaged_cache_entry_heals(tmp_path, target, how):
     assert len(warnings) == 1 and "\n" not in warnings[0], logs
     assert _arrays(healed) == want and _vocab(healed.tokenizer) == want_vocab
     assert build_data(cfg, **QUIET).split_record == healed.split_record  # and it stays healed
+
+
+def _worker_dispositions(_):
+    return [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)]
+
+
+def test_build_workers_leave_stop_signals_to_the_main_process():
+    """A signal to the whole group (SLURM, ``timeout``, Ctrl-C) reaches the build workers too: they ignore it,
+    as DataLoader workers do, so the main process stops the build (its tasks end, nothing dies mid-write)
+    instead of a worker dying and the build failing as "a worker died"."""
+    from data.build import _Runner
+
+    run = _Runner(2)
+    try:
+        got = run.map(_worker_dispositions, [0, 1])
+    finally:
+        run.close()
+    assert got == [[signal.SIG_IGN] * 3] * 2
