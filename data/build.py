@@ -377,6 +377,7 @@ def build_entry(cfg, inp: Inputs, key: str, tok_key: str, sets: dict, cache: Pat
                 "overlap": olap, "truncated": truncated,
                 "rows_before_length_filter": {"train": n_train_before, "valid": counts["valid"], "test": counts["test"]},
                 "sizes": dict(counts),
+                "asked": {"valid": n_valid, "test": n_test},  # rows the settings asked for (of the clean rows)
                 "spm_sample_pairs": None if tokenizer is not None else cfg.spm_sample_pairs,
             },
         }

@@ -19,7 +19,7 @@ from .sources import Chunk, SourceFile, hub_chunks, plan_chunks, training_files
 from .split import HELDOUT_MAX_GROUP
 from .tokenizer import Tokenizer, spm_settings
 
-CACHE_FORMAT = 2  # bump when the entry layout or the meaning of a key changes
+CACHE_FORMAT = 3  # bump when the entry layout or the meaning of a key changes
 SPLITS = ("train", "valid", "test")
 
 

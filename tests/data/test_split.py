@@ -232,3 +232,19 @@ def test_chunks_are_a_multiple_of_the_build_workers(tmp_path):
     small = tmp_path / "small.jsonl"
     small.write_text("{}\n")
     assert chunk_bytes([small], 2) == 1 << 20
+
+
+def test_a_fractional_held_out_size_is_compared_with_what_it_asked_of_the_clean_rows(tmp_path):
+    """valid_size / test_size as fractions are taken of the clean rows when the split is made; the shortfall
+    warning compares with that, not with a fraction of what is left after the train length filter (which hid
+    it: 280 of 360 rows train-only and over max_len left 80, "asking" for 20 test rows where 60 came)."""
+    long_tgt = " ".join(["parola"] * 120)  # over max_len 64: dropped from train by the length filter
+    rows = [{"id": str(i), "translation": {"en": "the same sentence", "it": f"{long_tgt} {i}" if i < 280 else f"la frase {i}"}}
+            for i in range(300)]  # one group of 300 rows (over the held-out limit): it trains
+    rows += [{"id": f"s{i}", "translation": {"en": f"sentence number {i}", "it": f"frase numero {i}"}} for i in range(60)]
+    logs: list[str] = []
+    b = build_data(cfg_for(tmp_path, [write_jsonl(tmp_path / "d.jsonl", rows)], valid_size=0.25, test_size=0.25),
+                   log=logs.append)
+    assert b.split_record["asked"] == {"valid": 90, "test": 90}
+    assert b.split_record["sizes"] == {"train": 20, "valid": 0, "test": 60}
+    assert any("warning: the test split has 60 rows where data.test_size=0.25 asked for 90" in m for m in logs), logs
