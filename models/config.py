@@ -42,8 +42,8 @@ def layer_schedule(sharing: str, layers: int, unique: int) -> list[int]:
 
 @dataclass
 class ModelConfig:
-    vocab_size: int  # joint source/target vocabulary (SentencePiece), incl. pad/unk/bos/eos
-    pad_id: int = 0  # padding token id (the data package's pad=0)
+    vocab_size: int  # joint source/target vocabulary, incl. pad/unk/bos/eos: a run takes its tokenizer's (set data.vocab_size)
+    pad_id: int = 0  # padding token id: a run takes its tokenizer's (0)
     d_model: int = 512  # residual stream width (shared by encoder and decoder: cross-attention needs it)
     n_heads: int = 8  # attention heads per layer; head dim = d_model // n_heads
     d_ff: int = 2048  # FFN hidden width

@@ -220,6 +220,13 @@ def field_names(cfg) -> list[str]:
     ]
 
 
+# fields a run takes from its tokenizer (train/loop.py): a flag for them would be accepted and then ignored
+SET_BY_THE_TOKENIZER = {
+    "model.vocab_size": "a run's vocabulary is its tokenizer's; give --data.vocab_size (fastmt model: --vocab N)",
+    "model.pad_id": "the tokenizer's padding id (0) is used",
+}
+
+
 def apply_overrides(cfg, overrides: Mapping[str, str | Sequence[str]]):
     """Return a new config with ``{"optim.lr": "3e-4", ...}`` applied; validates names, types and values.
 
@@ -239,6 +246,8 @@ def apply_overrides(cfg, overrides: Mapping[str, str | Sequence[str]]):
                 raise ValueError(f"unknown option --{key}{hint}")
             hint = did_you_mean(key, [k for k in infos if k.startswith(section + ".")], prefix="--")
             raise ValueError(f"unknown field --{key}{hint or f' (--help-fields {section} lists its fields)'}")
+        if key in SET_BY_THE_TOKENIZER:
+            raise ValueError(f"--{key} cannot be set: {SET_BY_THE_TOKENIZER[key]}")
         info = infos[key]
         texts = [text] if isinstance(text, str) else list(text)
         if len(texts) > 1 and not _is_str_tuple(info.type):

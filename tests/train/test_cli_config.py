@@ -288,3 +288,21 @@ def test_bad_config_files_fail_in_one_line_naming_the_key_and_file(text, expect,
     err = _error(["--preset", "tiny", "--config", str(path)], capsys)
     assert re.search(expect, err), err
     assert "no such file" in _error(["--preset", "tiny", "--config", str(tmp_path / "nope.json")], capsys)
+
+
+@pytest.mark.parametrize("key", ["model.vocab_size", "model.pad_id"])
+def test_fields_the_tokenizer_sets_are_refused_as_flags_not_ignored(key, capsys):
+    """A run overwrites these from its tokenizer: a flag for them used to be accepted and silently ignored
+    (``fastmt model tiny --model.vocab_size 5000`` printed the 8,000-piece model)."""
+    from models.__main__ import main as model_main
+    from train.__main__ import main as train_main
+
+    for main in (train_main, model_main):
+        argv = ["--preset", "tiny", f"--{key}", "5000", "--print-config"] if main is train_main else ["tiny", f"--{key}", "5000"]
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+        assert code == 2
+        err = capsys.readouterr().err
+        assert f"--{key} cannot be set" in err and "Traceback" not in err
