@@ -123,7 +123,8 @@ setup() {
         fi
     fi
     if ((${#DATA_FILES[@]})); then
-        export FASTMT_DATA_FILES="${DATA_FILES[*]}"
+        FASTMT_DATA_FILES=$(IFS=:; echo "${DATA_FILES[*]}")  # the OS path separator, as data/config.py reads it
+        export FASTMT_DATA_FILES
         log "data: FASTMT_DATA_FILES=$FASTMT_DATA_FILES ($(du -ch "${DATA_FILES[@]}" | tail -n 1 | cut -f1))"
     else
         log "WARNING: no .data/FILES: ladder, profile and training have no local data and no network"

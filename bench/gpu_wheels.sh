@@ -26,7 +26,7 @@
 #   DATASETS_SPEC      default datasets==5.2.0 (what the CPU machines run, shared/ENV.md)
 #   LION_SPEC          default lion-pytorch==0.2.5
 #   GPU_WHEELS_EXTRA   more distributions to carry, space-separated (resolved versions)
-#   FASTMT_DATA_FILES  data files to copy (whitespace- or comma-separated); default the stand-in
+#   FASTMT_DATA_FILES  data files to copy (':'-separated, as fastmt reads it); default the stand-in
 #                      corpus ../shared/data/opus_mt_testsets/en-it/train.jsonl
 #   GPU_AOT_PYTHON     a CPython 3.12 with the GPU image's torch 2.11 and triton 3.6 (plus einops, numpy<2.4,
 #                      sentencepiece, pytest, hypothesis): also compile our Triton kernels for sm_90 here
@@ -105,7 +105,7 @@ whl_kb=$(du -sk .whl | cut -f1)
 # -- 4. training data -------------------------------------------------------------------------------
 declare -a SRC=()
 if [[ -n ${FASTMT_DATA_FILES:-} ]]; then
-    read -r -a SRC <<<"${FASTMT_DATA_FILES//,/ }"
+    IFS=: read -r -a SRC <<<"$FASTMT_DATA_FILES"
 elif [[ -f $STANDIN ]]; then
     SRC=("$STANDIN")
 fi
