@@ -26,6 +26,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import date
 from pathlib import Path
@@ -153,16 +154,21 @@ def run_child(code: Path, corpus: Path, cache: Path, workers: int) -> dict:
     marker.unlink(missing_ok=True)
     env = {**os.environ, "PYTHONPATH": str(code)}
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(corpus), str(cache), str(marker), str(workers)],
-                            env=env, cwd=str(code), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak_rss = peak_pss = 0.0
-    n = 0
-    while proc.poll() is None and not marker.exists():
-        rss, pss = tree_memory(proc.pid, pss=n % 10 == 0)
-        peak_rss, peak_pss = max(peak_rss, rss), max(peak_pss, pss)
-        n += 1
-        time.sleep(0.02)
-    out, err = proc.communicate()
+    # output to files, not pipes: this loop does not read while it samples, and a child that wrote more than a
+    # pipe holds would block until the parent read
+    with tempfile.TemporaryFile("w+") as fout, tempfile.TemporaryFile("w+") as ferr:
+        proc = subprocess.Popen([sys.executable, "-c", CHILD, str(corpus), str(cache), str(marker), str(workers)],
+                                env=env, cwd=str(code), stdout=fout, stderr=ferr, text=True)
+        peak_rss = peak_pss = 0.0
+        n = 0
+        while proc.poll() is None and not marker.exists():
+            rss, pss = tree_memory(proc.pid, pss=n % 10 == 0)
+            peak_rss, peak_pss = max(peak_rss, rss), max(peak_pss, pss)
+            n += 1
+            time.sleep(0.02)
+        proc.wait()
+        fout.seek(0), ferr.seek(0)
+        out, err = fout.read(), ferr.read()
     wall = time.perf_counter() - t0
     marker.unlink(missing_ok=True)
     if proc.returncode != 0:
