@@ -105,7 +105,7 @@ def test_assignment_seeded_whole_groups_and_append_stability():
     after = assign(more, 100, 100, seed=5)[: len(keys)]
     linked = np.isin(keys, more[len(keys):])  # earlier rows an appended row joins: exempt (documented)
     assert not ((a == 0) & (after != 0) & ~linked).any()
-    assert (after[~linked] != a[~linked]).any() or True  # earlier held-out rows may move to train
+    # (the other way is allowed: an earlier held-out row may move to train when new groups fill the split first)
     big = np.array([7] * 40 + list(range(100, 160)), dtype=np.uint64)  # a 40-row group is never held out
     lab = assign(big, 10, 10, seed=0)
     assert (lab[:40] == 0).all() and (lab == 2).sum() == 10
