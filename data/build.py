@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from . import cache as C
-from .clean import MAX_EXAMPLES, CleanReport, DataInputError, Tally, clean_row
+from .clean import CleanReport, DataInputError, Tally, clean_row, length_examples, length_mask
 from .entry import CACHE_FORMAT, Entry, Inputs, build_workers, load_entry
 from .sources import plan_chunks, read_chunk, where
 from .split import (
@@ -118,18 +118,15 @@ def _encode(job) -> dict:
     ls = np.fromiter(map(len, ids_s), np.int64, len(src)) + 1  # incl. EOS / BOS
     lt = np.fromiter(map(len, ids_t), np.int64, len(tgt)) + 1
     train = np.flatnonzero(labels == 0)
-    too_long = (ls[train] > max_len) | (lt[train] > max_len)
-    lo, hi = np.minimum(ls[train], lt[train]), np.maximum(ls[train], lt[train])
-    bad_ratio = (hi > max_ratio * lo) & ~too_long
+    ok, dropped = length_mask(ls[train], lt[train], max_len, max_ratio)
     tally = Tally()
-    for reason, bad in (("too_long", too_long), ("length_ratio", bad_ratio)):
-        limit = f"max_len {max_len}" if reason == "too_long" else f"max_len_ratio {max_ratio:g}"
-        for k in train[bad][:MAX_EXAMPLES]:
-            tally.add(reason, pos[k], f"src {ls[k]} / tgt {lt[k]} tokens ({limit})")
-        tally.counts[reason] = int(bad.sum())
+    for k, reason, detail in length_examples(ls[train], lt[train], max_len, max_ratio):
+        tally.add(reason, pos[train[k]], detail)
+    tally.counts.update(dropped)  # every drop counted, the first MAX_EXAMPLES shown
+    hi = np.maximum(ls[train], lt[train])
     for k in np.flatnonzero(labels == -1):  # removed: in your valid/test files
         tally.add("in_eval_files", pos[k], f"source {src[k][:50]!r}")
-    keep = train[~(too_long | bad_ratio)]
+    keep = train[ok]
     part = {}
     part["src_ids"], part["src_len"] = _flat(ids_s, keep, dtype)
     part["tgt_ids"], part["tgt_len"] = _flat(ids_t, keep, dtype)
@@ -483,7 +480,7 @@ def _assemble_train(tmp: Path, encoded: list[dict], first, dtype: str, counts: d
         r = {"src": 0, "tgt": 0}
         for side in ("src", "tgt"):
             np.zeros(1, np.int64).tofile(out[f"{side}_off"])
-        for i, e in enumerate(encoded):
+        for i in range(len(encoded)):
             for side in ("src", "tgt"):
                 ids, lens = np.load(tmp / f"b-{i}-{side}_ids.npy"), np.load(tmp / f"b-{i}-{side}_len.npy")
                 ids.astype(dtype, copy=False).tofile(out[f"{side}_ids"])

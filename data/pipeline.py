@@ -63,30 +63,6 @@ class EncodedSplit:
     def __len__(self) -> int:
         return len(self.src_offsets) - 1
 
-    def select(self, keep: np.ndarray) -> EncodedSplit:
-        """Subset by a boolean mask, re-packing the token arrays (in memory)."""
-        idx = np.flatnonzero(keep)
-        src_ids, src_off = _gather(self.src_ids, self.src_offsets, idx)
-        tgt_ids, tgt_off = _gather(self.tgt_ids, self.tgt_offsets, idx)
-        return EncodedSplit(
-            None if self.src_text is None else [self.src_text[i] for i in idx],
-            None if self.tgt_text is None else [self.tgt_text[i] for i in idx],
-            src_ids,
-            src_off,
-            tgt_ids,
-            tgt_off,
-            np.asarray(self.rows)[idx],
-        )
-
-
-def _gather(flat: np.ndarray, offsets: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    offsets = np.asarray(offsets)
-    lens = offsets[idx + 1] - offsets[idx]
-    new_off = np.zeros(len(idx) + 1, dtype=np.int64)
-    np.cumsum(lens, out=new_off[1:])
-    pos = np.repeat(offsets[idx] - new_off[:-1], lens) + np.arange(int(new_off[-1]))
-    return np.asarray(flat)[pos], new_off
-
 
 class _IndexDataset:
     """Map-style dataset over a split: fetching a batch returns its indices; the collate does the work."""

@@ -82,15 +82,6 @@ class Tokenizer:
         tail = [EOS_ID] if add_eos else []
         return [np.asarray(x + tail, dtype=np.int32) for x in ids]
 
-    def encode_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Batch-encode to one concatenated int32 array plus int64 offsets (len n+1); no specials."""
-        ids = self.sp.encode(list(texts), out_type=int, num_threads=self.num_threads)
-        lens = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-        offsets = np.zeros(len(ids) + 1, dtype=np.int64)
-        np.cumsum(lens, out=offsets[1:])
-        flat = np.fromiter((t for x in ids for t in x), dtype=np.int32, count=int(offsets[-1]))
-        return flat, offsets
-
     def decode(self, ids: list) -> list[str]:
         """Decode each sequence up to its first EOS, dropping pad and BOS."""
         out = []

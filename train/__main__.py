@@ -23,7 +23,6 @@ from train.cli import resolve_config
 from train.errors import (
     EXIT_ABORTED,
     EXIT_INTERRUPTED,
-    EXIT_NONFINITE,
     EXIT_OK,
     EXIT_USAGE,
     UserError,

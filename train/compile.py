@@ -60,19 +60,6 @@ def compile_for_training(step_module: nn.Module, loss_module: nn.Module, *, scop
     return step_module
 
 
-def eager_regions():
-    """Run every torch.compile'd region eagerly inside the block (``torch.compiler.set_stance("force_eager")``).
-
-    Evaluation uses it: with ``compile_scope="blocks"`` the compiled block forwards would otherwise also serve
-    the validation loss (no grad) and the decoding encoder (inference mode, padded shapes), adding a dynamo
-    variant per grad mode and shape (13 graphs instead of 5 on the toy model, the encoder block at its
-    recompile limit), each an Inductor compile and a CUDA-graph recording inside the first evaluation. An
-    eager forward costs a few host milliseconds per validation batch instead."""
-    from models.decoding import eager_compiled_regions
-
-    return eager_compiled_regions()
-
-
 def compiled_graphs() -> int | None:
     """Graphs dynamo has compiled in this process (a diagnostics counter; None when unavailable)."""
     try:

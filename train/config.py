@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from data import DataConfig
 from models import ModelConfig, get_preset
-from train.overrides import apply_overrides, build_dataclass, field_names, require_finite, resolved_hints
+from train.overrides import apply_overrides, build_dataclass, require_finite, resolved_hints
 from train.rundir import validate_run_name
 
 Precision = Literal["bf16", "fp16", "fp32"]
@@ -399,7 +399,7 @@ def baseline() -> Config:
 PRESETS = {"tiny": tiny, "s18": s18, "s16": s16, "fast": fast, "baseline": baseline}
 
 
-__all__ = ["Config", "OptimConfig", "RunConfig", "EvalConfig", "PRESETS", "get_config", "apply_overrides", "field_names",
+__all__ = ["Config", "OptimConfig", "RunConfig", "EvalConfig", "PRESETS", "get_config", "apply_overrides",
            "load_config_file", "check_consistency"]
 
 

@@ -27,14 +27,14 @@ from train.loss import SummedCrossEntropy
 @torch.no_grad()
 def split_loss(model, bundle, split: str, device: torch.device, autocast) -> float:
     """Mean cross-entropy per real target token over ``split`` (no label smoothing, pad ignored)."""
-    from train.compile import eager_regions
+    from models.decoding import eager_compiled_regions
 
     was_training = model.training
     model.eval()
     loss = SummedCrossEntropy(model, bundle.tokenizer.pad_id, label_smoothing=0.0)
     total = torch.zeros((), dtype=torch.float64, device=device)
     n_tokens = 0
-    with eager_regions():  # compiled training regions run eagerly here: no variant for no-grad (train/compile.py)
+    with eager_compiled_regions():  # compiled training regions run eagerly: no variant for no-grad (models/decoding.py)
         for batch in bundle.loader(split, shuffle=False):
             b = batch.to(device, non_blocking=True)
             with autocast:

@@ -189,7 +189,6 @@ class Trainer(EpochEnd):
         self.split = WallSplit()  # setup / compile / eval / checkpoint seconds of the run
         self.shapes_seen: set[tuple[int, ...]] = set()
         self.history: list[dict[str, Any]] = []
-        self._last_grad_norm = None
         self.first_step_seconds: float | None = None  # this process's first step: compile + CUDA-graph capture
         self._pending_rng = None
         self._stop_signal: str | None = None
@@ -313,10 +312,9 @@ class Trainer(EpochEnd):
                                     scaler=self.scaler, ddp=self.ddp, on_batch=self._see_shape)
         except torch.OutOfMemoryError as e:
             raise torch.OutOfMemoryError(out_of_memory_advice(self.cfg)) from e
-        self._last_grad_norm = optimizer_step(self.optimizer, self.flat, self.scheduler, self.scaler, self.counters,
-                                              loss, grad_clip=self.cfg.optim.grad_clip,
-                                              guard=self.cfg.run.nonfinite_guard,
-                                              step_scheduler=self.step + 1 < self.total_steps)
+        optimizer_step(self.optimizer, self.flat, self.scheduler, self.scaler, self.counters, loss,
+                       grad_clip=self.cfg.optim.grad_clip, guard=self.cfg.run.nonfinite_guard,
+                       step_scheduler=self.step + 1 < self.total_steps)
         self.step += 1
         if t_first is not None:  # once per process: a sync to time compilation and capture honestly
             if self.device.type == "cuda":

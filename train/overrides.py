@@ -213,13 +213,6 @@ def _jsonable(v: Any) -> bool:
         return False
 
 
-def field_names(cfg) -> list[str]:
-    """All overridable ``section.field`` names."""
-    return [
-        f"{s.name}.{f.name}" for s in dataclasses.fields(cfg) for f in dataclasses.fields(getattr(cfg, s.name))
-    ]
-
-
 # fields a run takes from its tokenizer (train/loop.py): a flag for them would be accepted and then ignored
 SET_BY_THE_TOKENIZER = {
     "model.vocab_size": "a run's vocabulary is its tokenizer's; give --data.vocab_size (fastmt model: --vocab N)",

@@ -72,10 +72,6 @@ class RunPlan:
     def new_folder(self) -> bool:
         return self.mode in NEW_FOLDER_MODES
 
-    def release(self) -> None:
-        if self.lock is not None:
-            self.lock.release()
-
 
 def _home_run(path: Path) -> Path | None:
     """The run folder a checkpoint file lives in (``<run>/checkpoints/<file>``), if it is one."""
