@@ -463,8 +463,9 @@ class Trainer(EpochEnd):
     def _log_step(self, loss: torch.Tensor, bar, t_log: float, tok_log: int) -> str | None:
         """A logging step: read the loss and the counters (the host sync of the loop), report, decide."""
         now = time.perf_counter()
-        loss_value = float(loss)  # host sync: every log_every steps
-        in_row = float(self.counters.nonfinite_in_row)
+        c = self.counters  # one host sync every log_every steps: the loss and the device-side counters together
+        loss_value, in_row, skipped = torch.stack([loss.detach().float().reshape(()), c.nonfinite_in_row,
+                                                   c.skipped]).tolist()
         lr = self.scheduler.get_last_lr()[0]
         tps = (self.stats.real_tokens - tok_log) / max(now - t_log, 1e-9)
         pad = 1 - self.stats.real_tokens / max(self.stats.padded_tokens, 1)
@@ -472,7 +473,7 @@ class Trainer(EpochEnd):
             bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}", pad=f"{100 * pad:.1f}%")
         if self.metrics is not None:
             self.metrics.scalars({"loss": loss_value, "lr": lr, "tokens_per_second": tps, "padding_fraction": pad,
-                                  "skipped_steps": float(self.counters.skipped)}, self.step, prefix="train/")
+                                  "skipped_steps": skipped}, self.step, prefix="train/")
         guarded = self.cfg.run.nonfinite_guard or self.scaler.is_enabled()
         if not math.isfinite(loss_value) and not guarded:
             return "nonfinite_unguarded"

@@ -46,6 +46,16 @@ def test_training_steps_never_sync_the_host(toy_bundle, tmp_path, cuda_like_kern
     assert not counter.events, f"host syncs in a training step: {dict(counter.events)}"
 
 
+def test_a_logging_step_reads_the_host_once(toy_bundle, tmp_path):
+    """Every ``log_every`` steps the loop reads the loss and the device-side counters: one read-back, not one
+    per value (three before)."""
+    tr = tiny_trainer(toy_bundle, tmp_path)
+    loss = tr.train_step(first_batches(tr, 1))
+    with SyncCounter(aten=False) as counter:
+        assert tr._log_step(loss, None, 0.0, 0) is None
+    assert counter.host_reads() == 1, dict(counter.events)
+
+
 def test_the_counter_sees_a_sync():
     """The instrument itself: the old per-step guard (``bool(isfinite(loss))``) and a boolean mask count."""
     with SyncCounter() as counter:
