@@ -305,7 +305,8 @@ class Trainer(EpochEnd):
         """
         if not isinstance(batches, Sequence):
             batches = [batches]
-        self.model.train()
+        if not self.model.training:  # (a walk over every module: only after an evaluation)
+            self.model.train()
         t_first = time.perf_counter() if self.first_step_seconds is None else None
         try:
             loss = forward_backward(self.step_module, batches, device=self.device, autocast=self.autocast,

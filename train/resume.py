@@ -34,7 +34,7 @@ SAFE = {
     # where the data comes from: its content is compared through the tokenizer key
     "data": {"dataset", "dataset_config", "hf_split", "data_files", "src_lang", "tgt_lang", "toy_rows",
              "valid_size", "test_size", "split_seed", "vocab_size", "spm_model", "character_coverage",
-             "cache_dir", "num_workers", "pin_memory", "prefetch_factor", "spm_threads"},
+             "cache_dir", "num_workers", "pin_memory", "prefetch_factor", "spm_threads", "build_workers"},
     "model": {"dropout", "attn_backend", "norm", "checkpointing"},
     "optim": {"grad_clip", "label_smoothing"},
     "run": {"name", "out_dir", "max_wall_seconds", "device", "cpu_threads", "compile", "compile_scope",

@@ -168,3 +168,12 @@ def test_init_from_hands_the_checkpoints_tokenizer_to_build_data(toy_bundle, tmp
     cfg = tiny_config(tmp_path, name="tuned", data={"toy_rows": 1500})
     Trainer(cfg, init_from=src.run_dir / "checkpoints" / "best.pt", log=lambda *a: None).close()
     assert seen["key"] == toy_bundle.tokenizer.key
+
+
+def test_data_build_workers_is_a_safe_change():
+    """The cache entry is the same for any number of build processes (tests/data: worker-independent), so a
+    resume on a machine with another core count is not refused for it."""
+    from train.resume import classify
+
+    assert classify("data.build_workers", 8, 2, epoch_boundary=False) == "safe"
+    assert classify("data.num_workers", 2, 0, epoch_boundary=False) == "safe"
