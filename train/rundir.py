@@ -193,7 +193,11 @@ def claim_run_folder(out_dir: str | os.PathLike, name: str, run_id: str, *,
     k = 1
     while True:
         cand = out / (name if k == 1 else f"{name}-{k}")
-        validate_run_name(cand.name)
+        try:
+            validate_run_name(cand.name)
+        except ValueError as e:  # the name is taken and name-k is too long: a message, not a traceback
+            raise RunFolderError(f"{out / name} is taken and the next free name cannot be used ({e}); "
+                                 f"choose another --run.name") from None
         made = True
         try:
             cand.mkdir()

@@ -444,3 +444,14 @@ def test_move_aside_refuses_a_folder_that_is_not_a_run(tmp_path):
     with RunLock(tmp_path / "r") as lock, pytest.raises(RunFolderError, match="no fastmt run marker"):
         move_aside_previous_run(tmp_path / "r", lambda m: None, lock=lock)
     assert _tree(tmp_path / "r") == before and not list(tmp_path.glob("r.prev-*"))
+
+
+def test_a_taken_name_whose_next_name_is_too_long_is_one_line(tmp_path):
+    """A 199-character name that is taken: ``<name>-2`` would be 201 characters; the refusal is the run-folder
+    error (exit 2, one line), not a ValueError traceback."""
+    name = "a" * 199
+    first, lock = claim_run_folder(tmp_path / "runs", name, "id-a")
+    lock.release()
+    with pytest.raises(RunFolderError, match="choose another --run.name"):
+        claim_run_folder(tmp_path / "runs", name, "id-b")
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == [name]
