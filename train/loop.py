@@ -34,7 +34,7 @@ from torch import nn
 from train.checkpoint import CheckpointManager, check_tokenizer, load_checkpoint, rng_state, set_rng_state
 from train.compile import compile_for_training, configure_caches
 from train.config import Config
-from train.distributed import DistInfo, barrier, broadcast_object, init_distributed
+from train.distributed import DistInfo, all_reduce_max, barrier, broadcast_object, init_distributed
 from train.epoch_end import EpochEnd, NonFiniteLossError
 from train.errors import UserError
 from train.loss import SummedCrossEntropy
@@ -423,7 +423,8 @@ class Trainer(EpochEnd):
                     stop_reason = "early_stop"
                     self.log(f"early stop: no new best BLEU in {self.cfg.eval.patience} evaluations "
                              f"(best {self.clock.best:.2f})")
-                if stop_reason is None and self._signalled() is not None:  # the epoch's checkpoint is the stop
+                if stop_reason is None and self._agreed_stop(at_epoch_end=True)[1]:  # the epoch's checkpoint is
+                    self._signalled()                                                  # the stop
                     stop_reason = "interrupted"
             else:
                 path = self.save(metric=None)  # mid-epoch: the position lets a resume continue exactly
@@ -486,11 +487,31 @@ class Trainer(EpochEnd):
         run = self.cfg.run
         if run.max_steps is not None and self.step >= run.max_steps:
             return "max_steps"
-        if run.max_wall_seconds is not None and self.clock.wall() >= run.max_wall_seconds:
+        wall, signalled = self._agreed_stop(at_epoch_end=False)
+        if wall:
             return "wall_budget"
-        if self._signalled() is not None or (stop_after is not None and steps_this_call >= stop_after):
+        if signalled or (stop_after is not None and steps_this_call >= stop_after):
+            self._signalled()
             return "interrupted"
         return None
+
+    def _agreed_stop(self, *, at_epoch_end: bool) -> tuple[bool, bool]:
+        """(wall budget spent, stop signal received): this process's view, or under DDP every rank's combined,
+        so that all ranks stop at the same step (a rank stepping on alone would wait forever in its next
+        all-reduce). Ranks combine them at logging steps and epoch ends only: one small all-reduce there."""
+        run = self.cfg.run
+        wall = run.max_wall_seconds is not None and self.clock.wall() >= run.max_wall_seconds
+        signalled = self._stop_signal is not None
+        if self.dist.world_size == 1:
+            return wall, signalled
+        if not at_epoch_end and self.step % run.log_every:
+            return False, False
+        flags = torch.tensor([wall, signalled], dtype=torch.float32, device=self.device)
+        all_reduce_max(flags)
+        wall, signalled = (bool(x) for x in flags.tolist())
+        if signalled and self._stop_signal is None:
+            self._stop_signal = "a signal to another rank"
+        return wall, signalled
 
     def _signalled(self) -> str | None:
         """The stop signal received, if any; announced once, from the loop."""

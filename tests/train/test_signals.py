@@ -159,10 +159,32 @@ def test_a_second_ctrl_c_aborts_at_once_with_exit_130(toy_bundle, tmp_path, monk
     assert out.count("SIGINT: stopping after this step") == 1
 
 
-def test_torchrun_under_a_group_sigterm_ranks_checkpoint_the_launcher_exits_nonzero(toy_bundle, tmp_path):
+def _rank_pid(launcher: int, rank: int) -> int | None:
+    """The pid of ``rank`` among the launcher's descendants (the elastic agent may start them in their own
+    sessions), from its environment."""
+    procs = _processes()
+    family, grew = {launcher}, True
+    while grew:
+        more = {pid for pid, _, ppid, _ in procs if ppid in family} - family
+        family |= more
+        grew = bool(more)
+    for pid in sorted(family - {launcher}):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"LOCAL_RANK=" + str(rank).encode() in env:
+            return pid
+    return None
+
+
+@pytest.mark.parametrize("target", ["group", "rank-1"])
+def test_torchrun_under_a_group_sigterm_ranks_checkpoint_the_launcher_exits_nonzero(toy_bundle, tmp_path, target):
     """What the README says of ``torchrun``: SIGTERM to the whole group (SLURM, ``timeout``) reaches the launcher
     and both ranks; the ranks stop at one step with one checkpoint (rank 0 logs, once); the launcher exits
-    non-zero with its own message (torch's elastic agent, not fastmt's exit code); nothing is left running."""
+    non-zero with its own message (torch's elastic agent, not fastmt's exit code); nothing is left running.
+    ``rank-1``: only one rank gets the signal (a node-local preemption): the ranks agree at the next logging
+    step and stop together (a rank stopping alone left the other waiting in its next all-reduce)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "train",
            *train_argv(toy_bundle.cfg.cache_dir, tmp_path, "--epochs", "1000", "--eval.every", "1000",
                        name="ddp")]
@@ -177,7 +199,10 @@ def test_torchrun_under_a_group_sigterm_ranks_checkpoint_the_launcher_exits_nonz
                 pytest.fail(f"torchrun ended before the first epoch (exit {proc.returncode}):\n{proc.stdout.read()}")
             assert time.monotonic() < deadline, "no epoch finished under torchrun"
             time.sleep(0.1)
-        os.killpg(proc.pid, signal.SIGTERM)
+        if target == "group":
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            os.kill(_rank_pid(proc.pid, 1), signal.SIGTERM)
         out, _ = proc.communicate(timeout=120)
         gone = time.monotonic() + 30
         while _running_in_group(proc.pid):  # the ranks and the launcher's helpers are all gone (zombies count as gone)
@@ -190,8 +215,9 @@ def test_torchrun_under_a_group_sigterm_ranks_checkpoint_the_launcher_exits_nonz
             pass
         proc.wait()
     assert proc.returncode != 0, out[-3000:]
-    assert out.count("SIGTERM: stopping after this step with a checkpoint") == 1, out[-3000:]
+    by = "SIGTERM" if target == "group" else "a signal to another rank"  # what rank 0 (which logs) saw
+    assert out.count(f"{by}: stopping after this step with a checkpoint") == 1, out[-3000:]
     newest = step_checkpoints(run / "checkpoints")[-1]
     step = load_checkpoint(newest)["position"]["step"]
-    assert f"stopped:     by SIGTERM at step {step}" in out and str(newest) in out, out[-3000:]
+    assert f"stopped:     by {by} at step {step}" in out and str(newest) in out, out[-3000:]
     assert '"done"' not in (run / "metrics.jsonl").read_text()
