@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     with interrupt_setup():
         try:
             trainer = Trainer(cfg, resume=args.resume, init_from=getattr(args, "init_from", None))
-            summary = trainer.fit()
+            with trainer:  # also a stop between the setup and fit() releases (or removes) the run folder
+                summary = trainer.fit()
         except RunFinishedError as e:  # not a mistake: the run is done
             print(str(e))
             return EXIT_OK
