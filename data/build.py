@@ -290,11 +290,10 @@ def build_entry(cfg, inp: Inputs, key: str, tok_key: str, sets: dict, cache: Pat
         # ---- split
         labels = np.zeros(n, dtype=np.int8)
         leak = np.zeros(n, dtype=bool)
-        for es, et in evals.values():
-            e_src = np.fromiter((hash64(normalise(x)) for x in es), np.uint64, len(es))
+        eval_hashes = {s: (_text_hashes(es), _text_hashes(et)) for s, (es, et) in evals.items()}
+        for e_src, e_tgt in eval_hashes.values():
             leak |= in_sorted(h_src, sorted_unique(e_src))
             if cfg.split_grouping == "source_target":
-                e_tgt = np.fromiter((hash64(normalise(x)) for x in et), np.uint64, len(et))
                 leak |= in_sorted(h_tgt, sorted_unique(e_tgt))
         n_free = int((~leak).sum())
         if n == 0 or n_free == 0:
@@ -315,7 +314,7 @@ def build_entry(cfg, inp: Inputs, key: str, tok_key: str, sets: dict, cache: Pat
             keys = group_keys(h_src, h_tgt, cfg.split_grouping)
             labels[:] = assign(keys, n_test, n_valid, cfg.split_seed)
         labels[leak] = -1  # removed: their source/target is in your valid/test files
-        olap = _overlaps(cfg, evals, labels, h_src, h_tgt, n_test, n_valid)
+        olap = _overlaps(cfg, eval_hashes, labels, h_src, h_tgt, n_test, n_valid)
         del keys
         phase("split")
         # ---- tokenizer
@@ -435,7 +434,12 @@ def _tokenizer(cfg, cache: Path, tok_key: str, spm_set: dict, labels, h_pair, fi
         return tok
 
 
-def _overlaps(cfg, evals: dict, labels, h_src, h_tgt, n_test: int, n_valid: int) -> dict:
+def _text_hashes(texts: list[str]) -> np.ndarray:
+    """The 64-bit hashes of the normalised texts (the keys the split groups by)."""
+    return np.fromiter((hash64(normalise(x)) for x in texts), np.uint64, len(texts))
+
+
+def _overlaps(cfg, eval_hashes: dict, labels, h_src, h_tgt, n_test: int, n_valid: int) -> dict:
     """Valid/test rows whose normalised source/target occurs in train: "after" this split, and "before":
     the row-level split of 8c2d91d (same sizes and seed) for a split taken from the corpus, or the whole
     corpus (before the in_eval_files removal) for your own files."""
@@ -450,10 +454,8 @@ def _overlaps(cfg, evals: dict, labels, h_src, h_tgt, n_test: int, n_valid: int)
     row_level = row_level_split(len(labels), n_test, n_valid, cfg.split_seed)
     out = {"before": {}, "after": {}}
     for s, code in (("valid", 1), ("test", 2)):
-        if s in evals:
-            es, et = evals[s]
-            hs = np.fromiter((hash64(normalise(x)) for x in es), np.uint64, len(es))
-            ht = np.fromiter((hash64(normalise(x)) for x in et), np.uint64, len(et))
+        if s in eval_hashes:
+            hs, ht = eval_hashes[s]
             out["before"][s] = count(hs, ht, slice(None))
         else:
             hs, ht = h_src[labels == code], h_tgt[labels == code]

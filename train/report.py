@@ -27,13 +27,10 @@ def python_command() -> str:
 
 def translation_checkpoint(run_dir: Path) -> Path | None:
     """``best.pt`` if the run has one, else its newest step checkpoint (a run that never validated)."""
-    from train.checkpoint import step_checkpoints
+    from train.checkpoint import latest_checkpoint
 
     best = run_dir / "checkpoints" / "best.pt"
-    if best.is_file():
-        return best
-    steps = step_checkpoints(run_dir / "checkpoints")
-    return steps[-1] if steps else None
+    return best if best.is_file() else latest_checkpoint(run_dir / "checkpoints")
 
 
 def longer_flag(stop_reason: str, cfg, step: int) -> str:
