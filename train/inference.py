@@ -136,22 +136,15 @@ def autocast_for(device: torch.device, precision: str):
 def load_for_inference(ckpt_path: str | Path, device: str | torch.device = "cpu"):
     """(model in eval mode, tokenizer, checkpoint dict) from a training checkpoint; a file that is not one
     (missing, unreadable, without a tokenizer) raises ``UserError`` naming it."""
-    from data.tokenizer import Tokenizer
     from models import ModelConfig, Transformer
     from train.checkpoint import load_checkpoint
+    from train.preflight import tokenizer_of
 
     try:
         ckpt = load_checkpoint(ckpt_path)
     except (FileNotFoundError, RuntimeError) as e:
         raise UserError(f"--ckpt: {e}") from e
-    ref = ckpt.get("tokenizer") or {}
-    if ref.get("model_bytes"):
-        tok = Tokenizer(model_proto=ref["model_bytes"], key=ref.get("key", ""))
-    elif ref.get("model_file") and Path(ref["model_file"]).is_file():
-        tok = Tokenizer(ref["model_file"], key=ref.get("key", ""))
-    else:
-        raise UserError(f"{ckpt_path}: the checkpoint carries no tokenizer and its model file "
-                        f"{ref.get('model_file')!r} is gone; rebuild it with the run's data settings")
+    tok = tokenizer_of(ckpt, Path(ckpt_path))
     try:
         cfg = ModelConfig(**ckpt["config"]["model"])
     except (TypeError, ValueError, KeyError) as e:

@@ -89,4 +89,4 @@ def tokenizer_of(ckpt: dict[str, Any], path: Path):
     if ref.get("model_file") and Path(ref["model_file"]).is_file():
         return Tokenizer(ref["model_file"], key=ref.get("key", ""))
     raise UserError(f"{path}: the checkpoint carries no tokenizer and its model file {ref.get('model_file')!r} is "
-                    f"gone, so its weights cannot be reused")
+                    f"gone: nothing can read its token ids (give a checkpoint of a run that embedded its tokenizer)")
