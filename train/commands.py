@@ -32,6 +32,7 @@ BENCH: dict[str, tuple[str, str]] = {
     "peers": ("bench.peers", "the Hugging Face baseline (MarianMT) on fastmt's data (needs the peers extra)"),
     "vocab-sweep": ("bench.vocab_sweep", "vocabulary size and batching settings behind the data defaults"),
     "data-scale": ("bench.data_scale", "cold and warm start of the data layer on generated 0.02-5 M-pair corpora"),
+    "readme-figures": ("bench.readme_figures", "re-measure the README's CPU figures (split table, epoch planning)"),
     "aot": ("bench.aot", "compile units per runbook step; Triton kernels compiled ahead of time for sm_90"),
 }
 
