@@ -355,3 +355,15 @@ def test_build_workers_leave_stop_signals_to_the_main_process():
     finally:
         run.close()
     assert got == [[signal.SIG_IGN] * 3] * 2
+
+
+def test_changing_max_len_re_encodes_but_keeps_the_tokenizer(tmp_path):
+    """README: "Changing max_len or max_len_ratio re-encodes but keeps the tokenizer"."""
+    corpus = write_jsonl(tmp_path / "d.jsonl", make_rows(300))
+    logs_a, logs_b = [], []
+    a = build_data(cfg_for(tmp_path, [corpus], max_len=64), log=logs_a.append)
+    b = build_data(cfg_for(tmp_path, [corpus], max_len=48, max_len_ratio=2.5), log=logs_b.append)
+    assert a.split_record["cache"] != b.split_record["cache"]  # a second entry: re-encoded
+    assert a.split_record["tokenizer_key"] == b.split_record["tokenizer_key"]
+    assert any("trained SentencePiece" in m for m in logs_a)
+    assert not any("trained SentencePiece" in m for m in logs_b), logs_b

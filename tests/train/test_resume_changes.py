@@ -177,3 +177,19 @@ def test_data_build_workers_is_a_safe_change():
 
     assert classify("data.build_workers", 8, 2, epoch_boundary=False) == "safe"
     assert classify("data.num_workers", 2, 0, epoch_boundary=False) == "safe"
+
+
+def test_the_refused_and_epoch_boundary_kinds_the_readme_names():
+    """README / module doc: fp16 <-> another precision, eval.best_metric and the architecture are refused;
+    other precision changes are safe; batching settings are re-planned at an epoch boundary only."""
+    from train.resume import classify
+
+    assert classify("run.precision", "fp16", "bf16", epoch_boundary=True) == "refuse"
+    assert classify("run.precision", "fp32", "fp16", epoch_boundary=True) == "refuse"
+    assert classify("run.precision", "bf16", "fp32", epoch_boundary=False) == "safe"
+    assert classify("eval.best_metric", "bleu", "loss", epoch_boundary=True) == "refuse"
+    assert classify("eval.beam_size", 2, 4, epoch_boundary=False) == "safe"
+    assert classify("model.d_model", 64, 128, epoch_boundary=True) == "refuse"
+    for field_ in ("data.batching", "data.max_tokens", "data.max_len"):
+        assert classify(field_, 1, 2, epoch_boundary=True) == "replan"
+        assert classify(field_, 1, 2, epoch_boundary=False) == "refuse"
