@@ -236,14 +236,18 @@ def train_peer(cfg, recipe: PeerRecipe, *, run_dir: Path, device: torch.device, 
     """Train the baseline on ``cfg.data`` (or a built ``bundle``), logging fastmt-format rows to
     ``run_dir/metrics.jsonl``; ``clock()``: wall seconds of the run (default: since process start).
     Returns a summary (best BLEU, time to each BLEU threshold, epochs, steps, stop reason)."""
+    import uuid
+
     from train.metrics import MetricsLogger, plot_curves, provenance
-    from train.rundir import RunLock, done_record, move_aside_previous_run, validate_run_name
+    from train.rundir import claim_run_folder, done_record
 
     _require_transformers()
-    run_dir = Path(run_dir)
-    validate_run_name(run_dir.name)
-    with RunLock(run_dir) as lock:
-        move_aside_previous_run(run_dir, lambda m: log(f"[peers] {m}"), lock=lock)
+    asked = Path(run_dir)
+    # as fastmt's runs: a new folder with a marker, and the next free name when one is taken (nothing is moved)
+    run_dir, lock = claim_run_folder(asked.parent, asked.name, uuid.uuid4().hex)
+    if run_dir != asked:
+        log(f"[peers] {asked} holds an earlier run, so this run is {run_dir}")
+    try:
         if bundle is None:
             from data import build_data
 
@@ -256,7 +260,10 @@ def train_peer(cfg, recipe: PeerRecipe, *, run_dir: Path, device: torch.device, 
                                     **{k: summary.get(k) for k in ("best_bleu", "time_to_bleu", "wall_seconds")}))
         finally:
             metrics.close()
+    finally:
+        lock.release()
     plot_curves(metrics.path, run_dir / "curves.png")
+    summary["run_dir"] = str(run_dir)
     return summary
 
 
@@ -421,15 +428,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if device.type == "cpu":
         flush_denormals()
-    from train.rundir import free_run_name
-
-    name = free_run_name(args.out_dir, args.name)  # as fastmt's runs: an earlier run of the name is never moved
-    if name != args.name:
-        print(f"{Path(args.out_dir) / args.name} holds an earlier run, so this run is {Path(args.out_dir) / name}")
-    run_dir = Path(args.out_dir) / name
-    summary = train_peer(cfg, recipe, run_dir=run_dir, device=device)
+    summary = train_peer(cfg, recipe, run_dir=Path(args.out_dir) / args.name, device=device)  # takes a free name
     print("summary: " + json.dumps(summary, default=str))
-    print(f"run folder: {run_dir} (metrics.jsonl, provenance.json, curves.png)")
+    print(f"run folder: {summary['run_dir']} (metrics.jsonl, provenance.json, curves.png)")
     return 0
 
 

@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.train.runs_helpers import tree
+
 pytest.importorskip("transformers")
 
 from bench import peers as P  # noqa: E402
@@ -169,10 +171,12 @@ def test_wall_budget_stops_at_a_step_boundary_and_evaluates(toy, tmp_path):
     assert rows[1]["step"] == 2 and rows[1]["partial_epoch"] is True and math.isfinite(rows[1]["bleu"])
     assert summary["steps"] == 2 and summary["epochs_done"] == 1 and summary["stop_reason"] == "max_wall_seconds"
     assert rows[2]["stop_reason"] == "max_wall_seconds"
-    # a second run of the same name moves the first aside, as fastmt does
-    P.train_peer(cfg, dataclasses.replace(recipe, max_steps=1), run_dir=tmp_path / "hf", device=torch.device("cpu"),
-                 bundle=bundle, log=lambda *_: None)
-    assert len(list(tmp_path.glob("hf.prev-*"))) == 1
+    # a second run of the same name takes the next free name, as fastmt's runs do: the first is not moved
+    first = tree(tmp_path / "hf")
+    second = P.train_peer(cfg, dataclasses.replace(recipe, max_steps=1), run_dir=tmp_path / "hf",
+                          device=torch.device("cpu"), bundle=bundle, log=lambda *_: None)
+    assert summary["run_dir"] == str(tmp_path / "hf") and second["run_dir"] == str(tmp_path / "hf-2")
+    assert tree(tmp_path / "hf") == first and not list(tmp_path.glob("hf.prev-*"))
     with pytest.raises(ValueError, match="max_wall_seconds=0"):
         P.PeerRecipe(max_wall_seconds=0)
 
