@@ -45,7 +45,7 @@ help:  ## this list
 
 setup: $(RUNTIME)  ## create .venv with the runtime dependencies and the `fastmt` command
 
-setup-dev: $(DEV)  ## setup + the dev extra (pytest, hypothesis, ruff, transformers)
+setup-dev: $(DEV)  ## setup + the dev and export extras (pytest, hypothesis, ruff, transformers, ctranslate2)
 
 $(VENV)/.fastmt-runtime: pyproject.toml constraints-cpu.txt
 	@test -x $(VENV)/bin/python || $(BASE_PYTHON) -m venv $(VENV)
@@ -55,7 +55,7 @@ $(VENV)/.fastmt-runtime: pyproject.toml constraints-cpu.txt
 	@touch $@
 
 $(VENV)/.fastmt-dev: $(VENV)/.fastmt-runtime
-	$(VENV)/bin/pip install -q -e ".[dev]" -c constraints-cpu.txt
+	$(VENV)/bin/pip install -q -e ".[dev,export]" -c constraints-cpu.txt
 	@touch $@
 
 train: setup  ## train: CUDA -> the `fast` preset, CPU -> `tiny` (or ARGS="--preset P ...")
