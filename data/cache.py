@@ -17,6 +17,12 @@ place changes mtime/ctime (ctime cannot be set back by ``touch -r``), so it is a
 Healing. An entry that fails to load or validate (truncated, empty or garbage files, a missing part) is
 removed with a one-line warning and rebuilt. Files and folders are created with the modes the umask gives
 (0644/0755 under umask 022), so a cache shared between users stays readable.
+
+Safety (`data.files`): keys read from index and meta files must be the 20-hex-digit form `digest` writes (else
+the record is damaged: reported, never joined into a path); every removal and rename stays inside the cache;
+lock files are opened without following links; JSON records go through the one atomic writer. A cache the
+process cannot write (read-only mount, another user's) is read without any lock or write: a complete entry
+is used, a missing one fails in one line naming ``--data.cache_dir``.
 """
 
 from __future__ import annotations
@@ -27,37 +33,14 @@ import fcntl
 import hashlib
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 
+from . import files as F
+from .files import umask  # noqa: F401 - re-exported (the cache's modes follow it)
+
 TMP_PREFIX = ".tmp-"
 _HELD: set[int] = set()  # fds of the locks this process holds (forked build workers close their copies)
-
-
-def umask() -> int:
-    """The process umask, read without changing it (Linux: /proc/self/status; else set-and-restore)."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
-    except (OSError, StopIteration, ValueError):
-        mask = os.umask(0o022)
-        os.umask(mask)
-        return mask
-
-
-def honour_umask(path: Path) -> None:
-    """Give ``path`` (and, for a folder, everything in it) the mode a plain ``open``/``mkdir`` would have:
-    ``mkstemp``/``mkdtemp`` make 0600/0700, which would lock other users out of a shared cache."""
-    mask = umask()
-    path = Path(path)
-    if path.is_dir():
-        for root, _dirs, files in os.walk(path):
-            os.chmod(root, 0o777 & ~mask)
-            for f in files:
-                os.chmod(os.path.join(root, f), 0o666 & ~mask)
-    else:
-        os.chmod(path, 0o666 & ~mask)
 
 
 def digest(obj) -> str:
@@ -89,25 +72,65 @@ def mkdirs(path: Path) -> Path:
     return Path(path)
 
 
+def _open_lock(path: Path) -> int | None:
+    """The lock file's fd (made if missing, never through a link); None when the cache cannot be written
+    (read-only, another user's) and the file is missing: a reader then needs no lock (entries are published
+    by an atomic rename, so nothing half-built is ever visible)."""
+    try:
+        return F.open_nofollow(path, os.O_RDWR | os.O_CREAT, 0o666, "lock file")
+    except OSError as e:
+        if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+    try:
+        return F.open_nofollow(path, os.O_RDONLY, what="lock file")  # flock works on a read-only fd
+    except FileNotFoundError:
+        return None
+
+
+def writable(cache: Path) -> bool:
+    """Can this process create files in ``cache``? (read-only mounts and other users' folders cannot)"""
+    try:
+        return os.access(cache, os.W_OK | os.X_OK) and not os.statvfs(cache).f_flag & os.ST_RDONLY
+    except OSError:
+        return False
+
+
+def subfolder(cache: Path, name: str) -> Path:
+    """``<cache>/<name>`` made if missing; a link there is refused (fastmt never writes through one)."""
+    path = Path(cache) / name
+    F.refuse_link(path, "cache folder")
+    return mkdirs(path)
+
+
 @contextlib.contextmanager
 def locked(cache: Path, key: str, log=print, what: str = "this data"):
     """Hold ``locks/<key>.lock`` exclusively (flock; released when the process dies, even by kill -9).
-    Another holder is waited for, with one line naming its pid."""
-    path = mkdirs(Path(cache) / "locks") / f"{key}.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    Another holder is waited for, with one line naming its pid. In a cache this process cannot write, the
+    lock is taken shared on an existing file, or not at all (nothing is written)."""
+    folder = Path(cache) / "locks"
+    if writable(cache):
+        subfolder(cache, "locks")
+    path = folder / f"{F.check_key(key)}.lock"
+    fd = _open_lock(path) if folder.is_dir() else None
+    if fd is None:
+        yield
+        return
+    mine = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
+    kind = fcntl.LOCK_EX if mine else fcntl.LOCK_SH
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, kind | fcntl.LOCK_NB)
         except OSError as e:
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            holder = "".join(c for c in os.pread(fd, 32, 0).decode(errors="replace") if c.isdigit()) or "?"
             log(f"[data] waiting for process {holder}, which is building {what} ({path})")
             t0 = time.perf_counter()
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fcntl.flock(fd, kind)
             log(f"[data] done waiting ({time.perf_counter() - t0:.1f} s)")
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        if mine:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         _HELD.add(fd)
         yield
     finally:
@@ -127,9 +150,11 @@ def forget_locks() -> None:
 def _lock_is_free(cache: Path, key: str) -> bool:
     path = Path(cache) / "locks" / f"{key}.lock"
     try:
-        fd = os.open(path, os.O_RDWR)
+        fd = F.open_nofollow(path, os.O_RDONLY, what="lock file")
     except FileNotFoundError:
         return True
+    except OSError:  # a link or something odd planted as a lock: leave that temp entry alone
+        return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
@@ -165,8 +190,8 @@ def clean_stale_temps(cache: Path, log=print) -> int:
         if not e.name.startswith(TMP_PREFIX):
             continue
         key = e.name[len(TMP_PREFIX):].split("-", 1)[0]
-        if _lock_is_free(cache, key):
-            remove(Path(e.path))
+        if F.KEY_RE.match(key) and _lock_is_free(cache, key):
+            remove(Path(e.path), cache)
             removed.append(e.name)
     if removed:
         log(f"[data] removed {len(removed)} temp entr{'y' if len(removed) == 1 else 'ies'} of interrupted builds "
@@ -174,28 +199,25 @@ def clean_stale_temps(cache: Path, log=print) -> int:
     return len(removed)
 
 
-def remove(path: Path) -> None:
-    """Remove a file or folder of the cache (missing is fine)."""
+def remove(path: Path, cache: Path | None = None) -> None:
+    """Remove a file or folder of the cache (missing is fine), never outside ``cache`` (default: the path's
+    own folder) and never through a link (`data.files.remove_inside`)."""
     path = Path(path)
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+    F.remove_inside(path.parent if cache is None else cache, path)
 
 
-def discard(path: Path, why: str, log=print) -> None:
+def discard(path: Path, why: str, log=print, cache: Path | None = None) -> None:
     """Remove a cache entry that failed to load or validate, with one line saying which and why."""
     log(f"[data] warning: cache entry {path} is unusable ({why}); removing it and rebuilding")
-    remove(path)
+    remove(path, cache)
 
 
 def publish(tmp: Path, final: Path) -> bool:
     """Move a finished build folder into place atomically. If another process published ``final`` first, its
-    entry stays and ``tmp`` is removed. Returns True when ours was published."""
-    honour_umask(tmp)
+    entry stays and ``tmp`` is removed. Returns True when ours was published. (The folder and its files were
+    made with the umask's modes: ``mkdir``, ``np.save`` and `data.files.atomic_write` all honour it.)"""
     try:
-        os.rename(tmp, final)
+        F.rename_inside(tmp.parent, tmp, final)
         return True
     except OSError as e:
         if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not final.is_dir():
@@ -205,11 +227,11 @@ def publish(tmp: Path, final: Path) -> bool:
 
 
 def write_json(path: Path, obj) -> None:
-    """Write JSON atomically (temp file in the same folder, then rename), mode from the umask."""
+    """Write JSON atomically (`data.files.atomic_write`: a temp file ``.tmp-<stem>-<pid>-*`` in the same folder,
+    which `clean_stale_temps` recognises, then rename), mode from the umask, never through a link."""
     path = Path(path)
-    tmp = path.with_name(f"{TMP_PREFIX}{path.stem}-{os.getpid()}{path.suffix}")
-    tmp.write_text(json.dumps(obj, indent=1, ensure_ascii=False))
-    os.replace(tmp, path)
+    F.atomic_write(path, json.dumps(obj, indent=1, ensure_ascii=False),
+                   prefix=f"{TMP_PREFIX}{path.stem}-{os.getpid()}-", what="cache record")
 
 
 def read_json(path: Path):

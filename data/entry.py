@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from . import cache as C
+from .files import check_key
 from .sources import Chunk, SourceFile, hub_chunks, plan_chunks, training_files
 from .split import HELDOUT_MAX_GROUP
 from .tokenizer import Tokenizer, spm_settings
@@ -138,13 +139,14 @@ def _open(path: Path, shape: tuple, dtype: str) -> np.ndarray:
 
 def load_entry(cache: Path, key: str, log=print) -> Entry | None:
     """The entry ``corpus-<key>`` if it is there and valid; a broken one is removed with a warning (None)."""
-    path = Path(cache) / f"corpus-{key}"
+    path = Path(cache) / f"corpus-{check_key(key, 'corpus key')}"
     if not path.is_dir():
         return None
     try:
         meta = C.read_json(path / "meta.json")
         if meta.get("format") != CACHE_FORMAT or meta.get("key") != key:
-            raise ValueError(f"meta.json is for {meta.get('key')!r}, format {meta.get('format')!r}")
+            raise ValueError(f"meta.json is for {str(meta.get('key'))[:60]!r}, format {meta.get('format')!r}")
+        check_key(meta.get("tokenizer_key"), "meta.json's tokenizer_key")  # becomes spm-<key>/: checked here
         arrays, texts = {}, {}
         for s in SPLITS:
             n, tok = meta["counts"][s], meta["tokens"][s]
@@ -165,7 +167,7 @@ def load_entry(cache: Path, key: str, log=print) -> Entry | None:
                 texts[s] = (t["src"], t["tgt"])
         return Entry(path, meta, arrays, texts)
     except (OSError, ValueError, KeyError, TypeError, EOFError) as e:
-        C.discard(path, f"{type(e).__name__}: {str(e)[:120]}", log)
+        C.discard(path, f"{type(e).__name__}: {str(e)[:120]}", log, cache)
         return None
 
 

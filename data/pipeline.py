@@ -10,6 +10,7 @@ the others map its result. Nothing is tokenized after this: the loader's collate
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import numpy as np
 from . import build as B
 from . import cache as C
 from . import entry as E
+from . import files as F
 from .batching import BatchSpec, PackLayout, pack_layout_from_totals, plan_batches
 from .clean import CleanReport, DataInputError
 from .config import DataConfig
@@ -283,21 +285,32 @@ def _resolve(cfg: DataConfig, inp: E.Inputs, sets: dict, cache: Path, tokenizer:
     (a ``touch`` or a copy of known data), else built. Builders of one key take turns on its lock."""
     seen = inp.identity()
     ident = C.digest({"settings": sets, "inputs": seen})
-    index = C.mkdirs(cache / "index") / f"{ident}.json"
+    can_write = C.writable(cache)
+    index = (C.subfolder(cache, "index") if can_write else cache / "index") / f"{ident}.json"
 
     def indexed() -> E.Entry | None:
         if not index.is_file():
             return None
-        try:
-            key = C.read_json(index)["corpus"]
+        try:  # a key read from a file: only the hex form digest() writes becomes a path (else: damaged)
+            key = F.check_key(C.read_json(index)["corpus"], "the index's corpus key")
         except (OSError, ValueError, KeyError, TypeError) as e:
-            C.discard(index, f"{type(e).__name__}: {str(e)[:80]}", log)
+            C.discard(index, f"{type(e).__name__}: {str(e)[:80]}", log, cache)
             return None
         return E.load_entry(cache, key, log)
 
     entry = indexed()
     if entry is not None:
         log(f"[data] cache hit: {entry.path} (inputs unchanged on disk; tokenizer spm-{entry.meta['tokenizer_key']})")
+        return entry
+    if not can_write:  # a shared read-only cache: a content match is still used, nothing is built or recorded
+        key = C.digest({"settings": sets, "content": inp.content()})
+        entry = E.load_entry(cache, key, log)
+        if entry is None:
+            raise F.FileRefusedError(
+                f"the data cache --data.cache_dir {cache} cannot be written by this process (read-only, or another "
+                f"user's) and holds no entry for these data files and settings. Fix: give --data.cache_dir a "
+                f"writable folder (or ask its owner to build this entry)")
+        log(f"[data] cache hit (read-only cache, matched by content): {entry.path}")
         return entry
     with C.locked(cache, ident, log):
         entry = indexed()  # another process may have finished it while we waited
@@ -317,7 +330,7 @@ def _resolve(cfg: DataConfig, inp: E.Inputs, sets: dict, cache: Path, tokenizer:
         if inp.identity() != seen:  # a file changed while it was read: what was read is not what is there
             log(f"[data] warning: the data files changed while they were read; this run uses what was read, and "
                 f"the cache entry is dropped ({entry.path}): the next start reads them again")
-            C.remove(entry.path)  # this run's memory maps stay valid
+            C.remove(entry.path, cache)  # this run's memory maps stay valid
         else:
             C.write_json(index, {"corpus": key, "inputs": seen})
     return entry
@@ -327,10 +340,28 @@ def _tokenizer_of(entry: E.Entry, cfg: DataConfig, cache: Path, sets: dict, toke
     """The given tokenizer, or the entry's ``spm-<key>`` model (its settings.json checked against ours)."""
     if tokenizer is not None:
         return tokenizer
-    key = entry.meta["tokenizer_key"]
+    key = F.check_key(entry.meta["tokenizer_key"], "meta.json's tokenizer_key")
     if C.read_json(cache / f"spm-{key}" / "settings.json") != sets["tokenizer"]:
         raise ValueError("settings.json differs from the settings")
     return Tokenizer(cache / f"spm-{key}" / "spm.model", key, cfg.spm_threads or E.build_workers(cfg))
+
+
+@contextlib.contextmanager
+def _spm_write_errors(cache_dir: str):
+    """SentencePiece reports a failed write of its model as ``RuntimeError ... WriteLine`` / ``Write``: with
+    a full or read-only cache that is the file system's refusal, said in one line like an OSError."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "Write" not in str(e):
+            raise
+        import errno
+        import os
+
+        code = errno.ENOSPC if C.writable(Path(cache_dir)) else errno.EROFS
+        raise F.FileRefusedError(F.os_error_line(OSError(code, os.strerror(code)), "the data cache --data.cache_dir",
+                                                 cache_dir, "give --data.cache_dir a writable folder with room for "
+                                                 "the corpus")) from e
 
 
 def build_data(cfg: DataConfig, log=print, tokenizer: Tokenizer | None = None) -> DataBundle:
@@ -348,18 +379,23 @@ def build_data(cfg: DataConfig, log=print, tokenizer: Tokenizer | None = None) -
     t0 = time.perf_counter()
     if Path(cfg.cache_dir).exists() and not Path(cfg.cache_dir).is_dir():
         raise DataInputError(f"data.cache_dir={cfg.cache_dir} is not a folder; give a folder (it is created if missing)")
-    cache = C.mkdirs(Path(cfg.cache_dir))
-    C.clean_stale_temps(cache, log)
-    inp = E.inputs(cfg)
-    sets = E.settings(cfg, tokenizer)
-    entry = _resolve(cfg, inp, sets, cache, tokenizer, log)
-    try:
-        tok = _tokenizer_of(entry, cfg, cache, sets, tokenizer)
-    except (OSError, RuntimeError, ValueError, TypeError) as e:  # the model is gone or damaged: rebuild both
-        C.discard(cache / f"spm-{entry.meta['tokenizer_key']}", f"{type(e).__name__}: {str(e)[:80]}", log)
-        C.remove(entry.path)
+    # an OSError of the cache (read-only, full, permission denied, a name the file system refuses): one line
+    with F.explain_os_errors("the data cache --data.cache_dir", cfg.cache_dir,
+                             "give --data.cache_dir a writable folder with room for the corpus"), \
+            _spm_write_errors(cfg.cache_dir):
+        cache = C.mkdirs(Path(cfg.cache_dir))
+        if C.writable(cache):
+            C.clean_stale_temps(cache, log)
+        inp = E.inputs(cfg)
+        sets = E.settings(cfg, tokenizer)
         entry = _resolve(cfg, inp, sets, cache, tokenizer, log)
-        tok = _tokenizer_of(entry, cfg, cache, sets, tokenizer)
+        try:
+            tok = _tokenizer_of(entry, cfg, cache, sets, tokenizer)
+        except (OSError, RuntimeError, ValueError, TypeError) as e:  # the model is gone or damaged: rebuild both
+            C.discard(cache / f"spm-{entry.meta['tokenizer_key']}", f"{type(e).__name__}: {str(e)[:80]}", log, cache)
+            C.remove(entry.path, cache)
+            entry = _resolve(cfg, inp, sets, cache, tokenizer, log)
+            tok = _tokenizer_of(entry, cfg, cache, sets, tokenizer)
     meta = entry.meta
     report = CleanReport.from_dict(meta["report"])
     report.overlap, report.truncated = meta["record"]["overlap"], meta["record"]["truncated"]

@@ -10,10 +10,9 @@ from __future__ import annotations
 import json
 import os
 import random
-import tempfile
 from pathlib import Path
 
-from .cache import honour_umask
+from .files import atomic_write, refuse_link
 
 EN = (
     "the cat dog house red big small eats sees runs sleeps green tree water bread man woman child black "
@@ -37,29 +36,24 @@ def toy_rows(n: int, seed: int = 0):
         }
 
 
+def _write_rows(f, n: int, seed: int) -> None:
+    for row in toy_rows(n, seed):
+        f.write((json.dumps(row) + "\n").encode())
+
+
 def write_toy_corpus(path: str | os.PathLike, n: int = 1500, seed: int = 0) -> Path:
-    """Write ``n`` toy rows as JSON lines to ``path`` (parents created) and return it."""
+    """Write ``n`` toy rows as JSON lines to ``path`` (parents created) and return it (atomically, never
+    through a link: `data.files.atomic_write`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        for row in toy_rows(n, seed):
-            f.write(json.dumps(row) + "\n")
-    return path
+    return atomic_write(path, lambda f: _write_rows(f, n, seed), what="toy corpus")
 
 
 def toy_corpus(cache_dir: str | os.PathLike, n: int = 1500, seed: int = 0) -> Path:
     """``<cache_dir>/toy/toy-en-it-n<n>-s<seed>.jsonl``, written atomically the first time (safe when
-    several processes ask at once)."""
+    several processes ask at once; a link planted as ``toy/`` is refused)."""
     path = Path(cache_dir) / "toy" / f"toy-en-it-n{n}-s{seed}.jsonl"
     if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".toy-", suffix=".jsonl", dir=path.parent)
-        os.close(fd)
-        try:
-            write_toy_corpus(tmp, n, seed)
-            honour_umask(Path(tmp))  # mkstemp made it 0600; a shared cache must stay readable
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        refuse_link(path.parent, "cache folder")
+        write_toy_corpus(path, n, seed)
     return path
