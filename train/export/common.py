@@ -1,0 +1,219 @@
+"""What both export targets read from a fastmt checkpoint: the model (padded layout, eval mode, on the CPU), its
+tokenizer's pieces in id order, each applied layer's block (shared blocks unrolled), the position tables, and the
+model card; plus the one way an export directory is written (a temp folder beside OUT, renamed at the end).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from train.errors import UserError
+
+DECODING_FILE = "fastmt_decoding.json"  # fastmt's decoding settings, beside an exported model
+CONFIG_FILE = "fastmt_config.json"  # the training run's config (data languages, eval settings)
+EXTRA = "pip install -e '.[export]'"  # what installs ctranslate2, transformers and safetensors
+
+
+@dataclasses.dataclass
+class Source:
+    """A checkpoint loaded for export."""
+
+    path: Path
+    model: Any  # models.Transformer, padded layout, eval mode, CPU, fp32
+    tok: Any  # data.tokenizer.Tokenizer
+    ckpt: dict
+
+    @property
+    def cfg(self):
+        return self.model.cfg
+
+    @property
+    def config(self) -> dict:
+        return self.ckpt.get("config") or {}
+
+
+def load_source(path: str | Path) -> Source:
+    """The checkpoint at ``path`` as a padded-layout fp32 CPU model; a missing file or one that is not a fastmt
+    checkpoint raises ``UserError`` naming it (before anything is written)."""
+    from train.inference import load_for_inference
+
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--ckpt {str(path)!r}: no such file (a checkpoint, e.g. runs/<name>/checkpoints/best.pt)")
+    try:
+        model, tok, ckpt = load_for_inference(p, "cpu")
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - anything a foreign file makes the loader raise: one line, exit 2
+        raise UserError(f"--ckpt {path}: not a fastmt checkpoint ({type(e).__name__}: {e})") from None
+    if model.cfg.layout != "padded":  # the weights do not depend on the layout; decoding runs padded
+        from models import Transformer
+
+        padded = Transformer(dataclasses.replace(model.cfg, layout="padded"))
+        padded.load_state_dict(model.state_dict())
+        model = padded.eval()
+    return Source(p, model.float().eval(), tok, ckpt)
+
+
+def pieces(tok) -> list[str]:
+    """The tokenizer's pieces in id order (id k is line k of a vocabulary file)."""
+    return [tok.sp.id_to_piece(i) for i in range(tok.vocab_size)]
+
+
+def applied_blocks(stack) -> list:
+    """The block module run at each applied layer of a ``models.transformer.Stack`` (shared blocks repeat)."""
+    return [stack.blocks[i] for i in stack.schedule]
+
+
+def position_table(model, side: str) -> np.ndarray:
+    """(max_positions, d_model) float32: what position p adds on ``side`` ("src"/"tgt"): the learned table, or
+    fastmt's sinusoids (interleaved sin/cos pairs, position 0 first)."""
+    if model.cfg.positions == "learned":
+        table = getattr(model, f"{side}_pos").weight
+    else:
+        table = model.pos_table
+    return table.detach().float().cpu().numpy().copy()
+
+
+def arr(t: torch.Tensor) -> np.ndarray:
+    return t.detach().float().cpu().numpy().copy()
+
+
+def decoding_settings(src: Source) -> dict[str, Any]:
+    """fastmt's decoding of this checkpoint (its eval settings), as an export records it."""
+    from train.inference import _FALLBACK
+
+    ev = src.config.get("eval") or {}
+    get = lambda k: ev.get(k, _FALLBACK[k])
+    return {"beam_size": int(get("beam_size")), "length_penalty": float(get("length_penalty")),
+            "length_penalty_kind": "gnmt: logprob / ((5 + len) / 6) ** alpha, len counts the EOS",
+            "max_len_a": float(get("max_len_a")), "max_len_b": int(get("max_len_b")),
+            "max_length_rule": "generated tokens (EOS included) <= min(floor(a * source tokens + b), max_positions "
+                               "- 1), source tokens counting the source EOS, at least 1",
+            "max_positions": src.cfg.max_positions, "source_suffix": "</s>",
+            "decoder_start": "<s>", "suppressed_tokens": ["<pad>", "<s>"], "batch_size": int(get("batch_size"))}
+
+
+def length_limit(n_source: int, a: float, b: float, max_positions: int) -> int:
+    """fastmt's generated-token limit (EOS included) for a source of ``n_source`` tokens incl. its EOS
+    (models.decoding._length_limit: the same float arithmetic)."""
+    import math
+
+    return min(max(math.floor(n_source * a + b), 1), max_positions - 1)
+
+
+def source_ids(tok, sentences: list[str], max_positions: int) -> list[list[int]]:
+    """Encoder inputs without the EOS: each sentence's subwords cut to ``max_positions - 1`` (as fastmt)."""
+    return [list(map(int, ids[: max_positions - 1])) for ids in tok.encode(sentences)]
+
+
+# -- the model card --------------------------------------------------------------------------------------------
+def _test_record(src: Source) -> dict | None:
+    """The run's last ``test`` record (metrics.jsonl of ``<run>/checkpoints/<ckpt>``'s run folder), if any."""
+    run = src.path.resolve().parent.parent
+    try:
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return None
+    tests = []
+    for line in lines:
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(r, dict) and r.get("kind") == "test":
+            tests.append(r)
+    return tests[-1] if tests else None
+
+
+def model_card(src: Source, target: str, notes: list[str], argv: list[str]) -> str:
+    """A short README.md: the model, its data and split, the run's test BLEU/chrF with signatures, the command."""
+    cfg, data = src.cfg, src.config.get("data") or {}
+    files = data.get("data_files") or []
+    corpus = (f"local files {', '.join(Path(f).name for f in files)}" if files
+              else f"{data.get('dataset', '?')} ({data.get('dataset_config') or data.get('src_lang', '')})")
+    lines = [f"# fastmt translator ({data.get('src_lang', '?')} -> {data.get('tgt_lang', '?')}), {target} export", "",
+             f"- model: {cfg.enc_layers}+{cfg.dec_layers} layers (sharing {cfg.sharing}), d_model {cfg.d_model}, "
+             f"{cfg.n_heads} heads, d_ff {cfg.d_ff}, {cfg.activation}, positions {cfg.positions}, "
+             f"{'tied' if cfg.tie_embeddings else 'untied'} embeddings, ffn_norm {cfg.ffn_norm}, vocabulary "
+             f"{cfg.vocab_size} (SentencePiece)",
+             f"- data: {corpus}; split: {data.get('valid_size', '?')} valid / {data.get('test_size', '?')} test "
+             f"pairs held out (seed {data.get('split_seed', data.get('seed', '?'))})"]
+    test = _test_record(src)
+    if test and test.get("test_bleu") is not None:
+        dec = test.get("decoding") or {}
+        lines.append(f"- test: BLEU {test['test_bleu']:.2f}, chrF {test.get('test_chrf') or 0:.2f} on "
+                     f"{test.get('test_sentences')} sentences (fastmt, beam {dec.get('beam_size')}, GNMT alpha "
+                     f"{dec.get('length_penalty')}); BLEU|{test.get('test_bleu_signature')}; "
+                     f"chrF2|{test.get('test_chrf_signature')}")
+    else:
+        lines.append("- test: no test record in the run folder (score it: fastmt evaluate --ckpt THIS_DIR --src ...)")
+    lines.append(f"- checkpoint: {src.path.resolve()} (step {(src.ckpt.get('position') or {}).get('step', '?')})")
+    lines += [f"- {n}" for n in notes]
+    lines += ["", "Made by:", "", "    " + " ".join(shlex.quote(a) for a in ["fastmt", "export", *argv]), ""]
+    return "\n".join(lines)
+
+
+# -- writing the directory -------------------------------------------------------------------------------------
+def check_out(out: Path, force: bool) -> None:
+    """Refuse, before any work, an OUT that is a file, or a non-empty folder without ``--force``."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"OUT {out} is a file; give a folder path")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise UserError(f"OUT {out} exists and is not empty: pass --force to replace it, or another folder")
+    parent = out.resolve().parent
+    if not parent.is_dir():
+        raise UserError(f"OUT {out}: its parent folder {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"OUT {out}: {parent} is not writable")
+
+
+def write_dir(out: Path, build: Callable[[Path], None]) -> None:
+    """``build(tmp)`` in a temp folder beside ``out``, then ``out`` replaced by it: a reader never sees a half
+    export, and a failed build leaves ``out`` (and whatever was in it) as it was."""
+    out = out.resolve()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    old = None
+    try:
+        build(tmp)
+        os.chmod(tmp, 0o777 & ~_umask())
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.replace(out, old)
+        os.replace(tmp, out)
+    except OSError as e:
+        if old is not None and not out.exists():
+            os.replace(old, out)
+            old = None
+        raise UserError(f"cannot write {out}: {e.strerror or e}") from None
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def python_argv() -> list[str]:
+    return sys.argv[1:]

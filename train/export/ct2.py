@@ -1,0 +1,192 @@
+"""fastmt -> CTranslate2: a ``TransformerSpec`` filled from the model, and ``CT2Translator``, which decodes an
+exported directory with fastmt's decoding rules (what ``fastmt translate``/``evaluate`` and bench/inference.py use).
+
+The spec holds fastmt's model exactly: pre-LN with a final LayerNorm per stack (eps 1e-5), sqrt(d_model)
+embedding scale, bias-free linears (the spec's biases are omitted), fused QKV (self) and fused KV (cross) in
+fastmt's row order ([q; k; v], heads contiguous), tied or untied embeddings, shared blocks unrolled (``optimize``
+stores identical arrays once), and fastmt's own position table (interleaved sin/cos pairs from position 0, or the
+learned tables). It has no mid-FFN LayerNorm: ``ffn_norm`` models are refused.
+
+Decoding: CTranslate2's ``translate_batch`` defaults differ from fastmt's (beam 2, length penalty 1, max length
+256, PAD and BOS allowed). ``CT2Translator`` sets beam size, suppresses ``<pad>``/``<s>``, gives each sentence
+fastmt's length limit ``min(floor(a * source tokens + b), max_positions - 1)`` (sentences are decoded in groups of
+one limit: the option is per call) and, with a GNMT length penalty alpha > 0, which CTranslate2 lacks (it divides
+by len^alpha), rescores its ``beam_size`` finished hypotheses with GNMT's ((5 + len) / 6)^alpha. With alpha = 0
+(and greedy) the search is fastmt's (tests/export); with alpha > 0 the rescored n-best can differ from fastmt's
+search in a few sentences.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from train.errors import UserError
+from train.export.common import (
+    CONFIG_FILE,
+    DECODING_FILE,
+    Source,
+    applied_blocks,
+    arr,
+    decoding_settings,
+    length_limit,
+    pieces,
+    position_table,
+    source_ids,
+    write_json,
+)
+
+QUANTIZATIONS = ("int8", "int8_float16", "float16")
+EPS = 1e-5  # fastmt's LayerNorm epsilon (kernels.layernorm, nn.LayerNorm's default)
+
+
+def refuse_ffn_norm(src: Source) -> None:
+    if src.cfg.ffn_norm:
+        raise UserError(f"--to ct2: {src.path} has model.ffn_norm=true (a LayerNorm inside each FFN), which "
+                        f"CTranslate2's Transformer has no slot for; train an exportable model with --model.ffn_norm "
+                        f"false (or export it with --to hf, which ships a subclass for it)")
+
+
+def _ln(spec, norm) -> None:
+    spec.gamma, spec.beta = arr(norm.ln.weight), arr(norm.ln.bias)
+
+
+def _ffn(spec, block) -> None:
+    _ln(spec.layer_norm, block.norm_ffn)
+    spec.linear_0.weight = arr(block.ffn.w1.weight)
+    spec.linear_1.weight = arr(block.ffn.w2.weight)
+
+
+def build_spec(src: Source):
+    """The ``ctranslate2.specs.TransformerSpec`` of ``src`` (weights as float32 arrays, vocabulary registered)."""
+    from ctranslate2.specs import common_spec, transformer_spec
+
+    cfg, model = src.cfg, src.model
+    act = {"relu": common_spec.Activation.RELU, "gelu": common_spec.Activation.GELU,
+           "gelu_tanh": common_spec.Activation.GELUTanh}[cfg.activation]
+    spec = transformer_spec.TransformerSpec.from_config((cfg.enc_layers, cfg.dec_layers), cfg.n_heads,
+                                                        pre_norm=True, activation=act)
+    enc, dec = spec.encoder, spec.decoder
+    enc.embeddings[0].weight = arr(model.src_embed.weight)
+    enc.position_encodings.encodings = position_table(model, "src")
+    for layer, block in zip(enc.layer, applied_blocks(model.encoder)):
+        _ln(layer.self_attention.layer_norm, block.norm_attn)
+        layer.self_attention.linear[0].weight = arr(block.attn.qkv.weight)
+        layer.self_attention.linear[1].weight = arr(block.attn.out.weight)
+        _ffn(layer.ffn, block)
+    _ln(enc.layer_norm, model.encoder.final_norm)
+    dec.embeddings.weight = arr(model.tgt_embed.weight)
+    dec.position_encodings.encodings = position_table(model, "tgt")
+    for layer, block in zip(dec.layer, applied_blocks(model.decoder)):
+        _ln(layer.self_attention.layer_norm, block.norm_self)
+        layer.self_attention.linear[0].weight = arr(block.self_attn.qkv.weight)
+        layer.self_attention.linear[1].weight = arr(block.self_attn.out.weight)
+        _ln(layer.attention.layer_norm, block.norm_cross)
+        layer.attention.linear[0].weight = arr(block.cross_attn.q.weight)
+        layer.attention.linear[1].weight = arr(block.cross_attn.kv.weight)
+        layer.attention.linear[2].weight = arr(block.cross_attn.out.weight)
+        _ffn(layer.ffn, block)
+    _ln(dec.layer_norm, model.decoder.final_norm)
+    dec.projection.weight = arr(model.output_weight())
+    vocab = pieces(src.tok)
+    spec.register_source_vocabulary(vocab)
+    spec.register_target_vocabulary(vocab)
+    spec.config.add_source_eos = True  # fastmt's encoder input: subwords + </s>
+    spec.config.layer_norm_epsilon = EPS
+    return spec
+
+
+def write(src: Source, out: Path, quantization: str | None) -> None:
+    """Save the CTranslate2 model of ``src`` into the (empty, temp) folder ``out`` with its decoding settings."""
+    refuse_ffn_norm(src)
+    spec = build_spec(src)
+    spec.validate()
+    spec.optimize(quantization=quantization)
+    spec.save(str(out))
+    settings = decoding_settings(src)
+    settings["quantization"] = quantization or "float32"
+    settings["ctranslate2"] = {
+        "translate_batch": {"beam_size": settings["beam_size"], "length_penalty": 0.0,
+                            "suppress_sequences": [["<pad>"], ["<s>"]], "max_input_length": 0,
+                            "return_end_token": True},
+        "per_sentence": "max_decoding_length = the max length rule of the sentence; sentences of one limit "
+                        "together (fastmt.export.ct2.CT2Translator does this)",
+        "gnmt": "with length_penalty > 0: num_hypotheses = beam_size, return_scores, pick the best "
+                "score / ((5 + len) / 6) ** alpha (CTranslate2's own penalty divides by len ** alpha)"}
+    write_json(out / DECODING_FILE, settings)
+    write_json(out / CONFIG_FILE, src.config)
+    (out / "spm.model").write_bytes(src.tok.model_bytes())
+
+
+def is_ct2_dir(path: str | Path) -> bool:
+    """A folder that ``fastmt export --to ct2`` made (model.bin and fastmt's decoding settings)."""
+    p = Path(path)
+    return p.is_dir() and (p / "model.bin").is_file() and (p / DECODING_FILE).is_file()
+
+
+class CT2Translator:
+    """An exported CTranslate2 directory decoded with fastmt's rules: ``translate(sentences, ...) -> texts``,
+    ``score(sources, targets) -> per-token log-probs`` (targets scored with their EOS), ``settings``: the export's
+    decoding settings (the checkpoint's eval settings), ``config``: the run config recorded at export."""
+
+    def __init__(self, path: str | Path, device: str = "cpu", compute_type: str = "default", threads: int = 0):
+        import ctranslate2
+
+        from data.tokenizer import Tokenizer
+
+        path = Path(path)
+        if not is_ct2_dir(path):
+            raise UserError(f"{path}: not a CTranslate2 export of fastmt (no model.bin or {DECODING_FILE}); make "
+                            f"one with fastmt export --ckpt C --to ct2 {path}")
+        self.path = path
+        self.settings: dict[str, Any] = json.loads((path / DECODING_FILE).read_text())
+        self.config: dict[str, Any] = json.loads((path / CONFIG_FILE).read_text())
+        self.tok = Tokenizer(str(path / "spm.model"))
+        self.max_positions = int(self.settings["max_positions"])
+        self.translator = ctranslate2.Translator(str(path), device=device, compute_type=compute_type,
+                                                 intra_threads=threads)
+
+    def _pieces(self, ids: list[list[int]]) -> list[list[str]]:
+        return [[self.tok.sp.id_to_piece(i) for i in row] for row in ids]
+
+    def translate_ids(self, src: list[list[int]], *, beam_size: int, length_penalty: float, max_len_a: float,
+                      max_len_b: int, batch_size: int = 64) -> list[list[int]]:
+        """Token ids (no EOS) of each source's translation (source ids without EOS, at most max_positions - 1)."""
+        groups: dict[int, list[int]] = defaultdict(list)
+        for k, ids in enumerate(src):
+            groups[length_limit(len(ids) + 1, max_len_a, max_len_b, self.max_positions)].append(k)
+        out: list[list[int]] = [[] for _ in src]
+        nbest = beam_size if beam_size > 1 and length_penalty > 0 else 1
+        for limit, idx in groups.items():
+            results = self.translator.translate_batch(
+                self._pieces([src[k] for k in idx]), beam_size=beam_size, length_penalty=0.0, max_batch_size=batch_size,
+                max_decoding_length=limit, max_input_length=0, suppress_sequences=[["<pad>"], ["<s>"]],
+                return_end_token=True, return_scores=nbest > 1, num_hypotheses=nbest)
+            for k, r in zip(idx, results):
+                best = r.hypotheses[0] if nbest == 1 else _gnmt_best(r.hypotheses, r.scores, length_penalty)
+                out[k] = [self.tok.sp.piece_to_id(p) for p in best if p != "</s>"]
+        return out
+
+    def translate(self, sentences: list[str], *, beam_size: int, length_penalty: float, max_len_a: float,
+                  max_len_b: int, batch_size: int = 64) -> list[str]:
+        if not sentences:
+            return []
+        ids = self.translate_ids(source_ids(self.tok, sentences, self.max_positions), beam_size=beam_size,
+                                 length_penalty=length_penalty, max_len_a=max_len_a, max_len_b=max_len_b,
+                                 batch_size=batch_size)
+        return self.tok.sp.decode(ids)
+
+    def score(self, src: list[list[int]], tgt: list[list[int]]) -> list[list[float]]:
+        """Log-probs of each target token and its EOS given the source (ids without EOS)."""
+        results = self.translator.score_batch(self._pieces(src), self._pieces(tgt), max_input_length=0)
+        return [list(r.log_probs) for r in results]
+
+
+def _gnmt_best(hyps: list[list[str]], scores: list[float], alpha: float) -> list[str]:
+    """The hypothesis with the best GNMT-normalised score (``scores``: summed log-probs, EOS included)."""
+    def norm(k: int) -> float:
+        return scores[k] / ((5.0 + len(hyps[k])) / 6.0) ** alpha  # len counts the EOS when there is one
+
+    return hyps[max(range(len(hyps)), key=lambda k: (norm(k), -k))]
