@@ -364,7 +364,7 @@ def build_entry(cfg, inp: Inputs, key: str, tok_key: str, sets: dict, cache: Pat
             "length_hint": length_hint(hist, dropped) if n_train_before else "",
             "train_before_length_filter": n_train_before,
             "record": {
-                "source": inp.label, "fingerprint": fingerprint,
+                "source": inp.label, "paths": list(inp.paths), "fingerprint": fingerprint,
                 "split_digest": C.digest(hashlib.sha256(labels.tobytes()).hexdigest()),
                 "split_seed": cfg.split_seed, "valid_size": cfg.valid_size, "test_size": cfg.test_size,
                 "grouping": cfg.split_grouping, "normalisation": NORMALISATION, "heldout_max_group": HELDOUT_MAX_GROUP,
@@ -532,4 +532,38 @@ def _save_held(tmp: Path, s: str, held: dict, dtype: str, counts: dict, tokens: 
     np.save(tmp / f"{s}_rows.npy", np.asarray(held["rows"], dtype=np.int64))
     C.write_json(tmp / f"{s}_text.json", {"src": held["src"], "tgt": held["tgt"]})
     counts[s] = n
+
+
+def as_read_by(meta: dict, inp: Inputs) -> dict:
+    """``meta`` of an entry as this run read it. An entry is found by its content, so a run may reuse one that
+    another run built from files of the same bytes under other names (a copy, a move): its source, file lists
+    and the cleaning report's ``file:line`` examples then name *this* run's files, file i for file i (the
+    content hash covers the files in order, each with its size). The entry's own meta.json is left as built."""
+    rec = meta["record"]
+    old = rec.get("paths")
+    if old is None and rec.get("source", "").startswith("files:"):  # an entry built before "paths" was recorded
+        old = rec["source"][len("files:"):].split(",")
+    pairs = list(zip(old, inp.paths)) if old is not None and len(old) == len(inp.paths) else []
+    for s, files in inp.evals.items():
+        before = (rec.get("eval_files") or {}).get(s) or []
+        if len(before) == len(files):
+            pairs += zip(before, files)
+    renamed = {a: b for a, b in pairs if a != b}
+    if not renamed and rec.get("source") == inp.label:
+        return meta
+    olds = sorted(renamed, key=len, reverse=True)
+
+    def name(text: str) -> str:  # "path:line", "path[i]", "path row n": the path as this run gave it
+        for a in olds:
+            if text.startswith(a) and text[len(a):len(a) + 1] in (":", "[", " "):
+                return renamed[a] + text[len(a):]
+        return text
+
+    report = {**meta["report"], "examples": {k: [name(e) for e in v]
+                                             for k, v in (meta["report"].get("examples") or {}).items()}}
+    record = {**rec, "source": inp.label, "paths": list(inp.paths),
+              "eval_files": {s: list(f) for s, f in inp.evals.items()}}
+    if renamed:
+        record["cache_built_from"] = rec.get("source")  # the entry's builder read the same bytes under these names
+    return {**meta, "report": report, "record": record}
 

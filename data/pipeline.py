@@ -396,7 +396,7 @@ def build_data(cfg: DataConfig, log=print, tokenizer: Tokenizer | None = None) -
             C.remove(entry.path, cache)
             entry = _resolve(cfg, inp, sets, cache, tokenizer, log)
             tok = _tokenizer_of(entry, cfg, cache, sets, tokenizer)
-    meta = entry.meta
+    meta = B.as_read_by(entry.meta, inp)  # a reused entry: this run's file names, not its builder's
     report = CleanReport.from_dict(meta["report"])
     report.overlap, report.truncated = meta["record"]["overlap"], meta["record"]["truncated"]
     splits = {s: _split(entry, s) for s in SPLITS}

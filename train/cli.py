@@ -38,9 +38,24 @@ Examples:
 
 # shortcut flag -> the config field it sets (giving both is an error)
 SHORTCUTS = {"epochs": "run.epochs", "max_steps": "run.max_steps", "data_files": "data.data_files"}
+# One rule for repeated flags, as for repeated fields (``split_overrides``): a flag that takes one value, given
+# twice, is an error (argparse would keep the last silently); ``--data-files``, like ``--data.data_files``,
+# accumulates: every path of every occurrence, in order.
 
 DEFAULT_PROG = "python -m train"
 PROG = DEFAULT_PROG  # the parser's name; `fastmt train` / `fastmt stats` set theirs while they run
+
+
+class Once(argparse.Action):
+    """``store`` that refuses a second occurrence, naming both values."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        seen = namespace.__dict__.setdefault("_given", set())
+        if self.dest in seen:
+            parser.error(f"{option_string} given twice ({getattr(namespace, self.dest)!r}, then {values!r}): give it "
+                         f"once (a flag that takes one value, like a config field, is set once)")
+        seen.add(self.dest)
+        setattr(namespace, self.dest, values)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -53,18 +68,19 @@ class OneLineParser(argparse.ArgumentParser):
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = OneLineParser(prog=prog or PROG, description=DESCRIPTION, epilog=EPILOG, allow_abbrev=False,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", metavar="P", help=f"configuration preset: {', '.join(PRESETS)}")
+    p.add_argument("--preset", metavar="P", action=Once, help=f"configuration preset: {', '.join(PRESETS)}")
     p.add_argument("--auto", action="store_true",
                    help="CUDA: the fast preset (best measured time to BLEU); CPU: the tiny preset")
-    p.add_argument("--config", metavar="FILE",
+    p.add_argument("--config", metavar="FILE", action=Once,
                    help="JSON config as --print-config writes it (a run folder's config.json too); fields it "
                         "leaves out come from --preset; command-line fields override it")
-    p.add_argument("--epochs", type=int, help="shortcut for --run.epochs")
-    p.add_argument("--max-steps", type=int, help="shortcut for --run.max_steps (optimizer steps in total)")
-    p.add_argument("--data-files", nargs="+", metavar="F",
-                   help="local jsonl/parquet/tsv files instead of the Hub (each argument is one path)")
-    p.add_argument("--resume", metavar="PATH|auto", help="checkpoint to continue from; auto: newest of this run")
-    p.add_argument("--init-from", metavar="CKPT",
+    p.add_argument("--epochs", type=int, action=Once, help="shortcut for --run.epochs")
+    p.add_argument("--max-steps", type=int, action=Once, help="shortcut for --run.max_steps (optimizer steps in total)")
+    p.add_argument("--data-files", nargs="+", action="extend", metavar="F",
+                   help="local jsonl/parquet/tsv files instead of the Hub (each argument is one path; given twice: "
+                        "the paths of both)")
+    p.add_argument("--resume", metavar="PATH|auto", action=Once, help="checkpoint to continue from; auto: newest of this run")
+    p.add_argument("--init-from", metavar="CKPT", action=Once,
                    help="start a new run from this checkpoint's weights and tokenizer (fresh optimizer and schedule)")
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved config as JSON (a valid --config file) and exit")
@@ -145,6 +161,7 @@ def resolve_config(argv: list[str] | None = None, *, log=None, parser: argparse.
     log = log or _stderr
     parser = parser or build_parser()
     args, rest = parser.parse_known_args(argv)
+    vars(args).pop("_given", None)
     args.debug = bool(getattr(args, "debug", False)) or debug_enabled()
     overrides = split_overrides(rest, parser)
     if args.help_fields is not None:
@@ -172,6 +189,12 @@ def resolve_config(argv: list[str] | None = None, *, log=None, parser: argparse.
         cfg = apply_overrides(cfg, overrides)
     except (ValueError, TypeError) as e:
         _fail(parser, args, e)
+    from data.config import DATA_FILES_ENV, env_data_files
+
+    env = os.environ.get(DATA_FILES_ENV)
+    if env and not env_data_files() and not cfg.data.data_files and not cfg.data.is_toy():
+        parser.error(f"${DATA_FILES_ENV}={env!r} names no file (paths separated by {os.pathsep!r}): give paths, or "
+                     f"unset it to read the Hub dataset {cfg.data.dataset!r}")
     missing = [f for f in cfg.data.data_files if not Path(f).is_file()]
     if missing:
         odd = [f for f in missing if Path(f).exists()]  # a folder, a pipe, a device

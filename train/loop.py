@@ -6,7 +6,8 @@ benchmark ladder calls it). The step itself lives in train/step.py, the epoch an
 train/epoch_end.py, the objective (wall seconds to each BLEU threshold, early stopping) in
 train/objective.py, compilation in train/compile.py.
 
-Setup order: decide the run folder and what it continues (train/runplan.py; reads only) -> build and
+Setup order: decide the run folder and what it continues (train/runplan.py; reads only), and what it continues
+from: its checkpoint's tokenizer, data source and rank count (train/runsetup.py) -> build and
 check everything that can fail (data, model vs data, device, resume compatibility: train/preflight.py,
 train/resume.py) -> only then claim or lock the run folder and write into it.
 
@@ -19,7 +20,6 @@ A training step syncs nowhere else: the non-finite guard and fp16's GradScaler d
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -31,28 +31,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from train.checkpoint import CheckpointManager, check_tokenizer, load_checkpoint, rng_state, set_rng_state
+from train.checkpoint import CheckpointManager, check_tokenizer, rng_state, set_rng_state
 from train.compile import compile_for_training, configure_caches
 from train.config import Config
-from train.distributed import DistInfo, all_reduce_max, barrier, broadcast_object, init_distributed
+from train.distributed import DistInfo, all_reduce_max, barrier, init_distributed
 from train.epoch_end import EpochEnd, NonFiniteLossError
 from train.errors import UserError
 from train.loss import SummedCrossEntropy
-from train.metrics import MetricsLogger, write_provenance
+from train.metrics import write_provenance
 from train.objective import BleuClock, WallSplit, process_seconds
 from train.optim import build_optimizer, build_scheduler
 from train.preflight import build_data_checked, check_model_fits_data, tokenizer_of
-from train.report import longer_flag, next_commands
-from train.resume import ConfigChanges, apply_hyperparameters, compare_configs, refusal, replan_scheduler
-from train.rundir import (
-    claim_run_folder,
-    cut_metrics,
-    discard_unused_run_folder,
-    remove_stale_temp_files,
-    write_marker,
-    write_text_atomic,
-)
-from train.runplan import RunFinishedError, RunPlan, plan_run
+from train.report import longer_flag, next_commands, where_stopped
+from train.resume import ConfigChanges, apply_hyperparameters, replan_scheduler
+from train.rundir import discard_unused_run_folder
+from train.runplan import RunFinishedError
+from train.runsetup import RunSetup, check_same_data, data_record
 from train.signals import stop_on_signals
 from train.step import EpochStats, StepCounters, forward_backward, optimizer_step, out_of_memory_advice
 
@@ -67,7 +61,7 @@ def _quiet(*_args, **_kwargs):
     pass
 
 
-class Trainer(EpochEnd):
+class Trainer(RunSetup, EpochEnd):
     """Builds everything from a ``Config``: data, model, optimizer, schedule, scaler, logging, checkpoints.
 
     ``data`` may be passed in (a built ``DataBundle``) to share one across Trainers (benchmarks, tests).
@@ -124,16 +118,19 @@ class Trainer(EpochEnd):
         plan = self._plan(cfg, resume, init_from)
         self.lock = plan.lock
         ckpt = plan.ckpt
+        cfg, own_tokenizer = self._continued_config(cfg, plan)  # train/runsetup.py: from what the run recorded
         changes = self._check_changes(cfg, plan)
 
         torch.manual_seed(run.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
-        tokenizer = tokenizer_of(ckpt, plan.ckpt_path) if plan.mode == "init" else None
         if data is None:
+            tokenizer = tokenizer_of(ckpt, plan.ckpt_path) if own_tokenizer else None
             data = build_data_checked(cfg, log=self.log, tokenizer=tokenizer)
         self.data = data
         tok = data.tokenizer
         if ckpt is not None:
             check_tokenizer(ckpt, tok, plan.ckpt_path)
+            if not plan.weights_only:
+                check_same_data(ckpt, getattr(data, "split_record", None), plan.ckpt_path)
         # the tokenizer decides the vocabulary: the model config follows it
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tok.vocab_size,
                                                                  pad_id=tok.pad_id))
@@ -195,7 +192,7 @@ class Trainer(EpochEnd):
         self._stop_announced = False
         self.run_id, self.parent = plan.run_id, plan.parent
         best_value, schedule = None, None
-        if ckpt is not None and plan.mode == "init":
+        if ckpt is not None and plan.weights_only:
             self.model.load_state_dict(ckpt["model"])  # weights only: fresh optimizer, schedule and position
         elif ckpt is not None:
             best_value, schedule = self._load_state(ckpt, changes)
@@ -204,95 +201,6 @@ class Trainer(EpochEnd):
         self.ckpts = CheckpointManager(self.run_dir / "checkpoints", run.keep_last,
                                        mode="max" if cfg.eval.best_metric == "bleu" else "min", run_id=self.run_id)
         self.ckpts.best_value = best_value
-
-    def _plan(self, cfg: Config, resume, init_from) -> RunPlan:
-        """Rank 0 plans (train/runplan.py); under DDP the other ranks follow its decision."""
-        if self.is_main:
-            plan = plan_run(cfg, resume=resume, init_from=init_from, log=self.log)
-            if self.dist.distributed:
-                broadcast_object({"mode": plan.mode, "run_id": plan.run_id, "ckpt_path": plan.ckpt_path})
-            return plan
-        d = broadcast_object(None)
-        ckpt = load_checkpoint(d["ckpt_path"]) if d["ckpt_path"] is not None else None
-        return RunPlan(d["mode"], self.run_dir, d["run_id"], ckpt_path=d["ckpt_path"], ckpt=ckpt)
-
-    def _check_changes(self, cfg: Config, plan: RunPlan) -> ConfigChanges | None:
-        """Every config field against the checkpoint's; refuses what cannot be applied (train/resume.py)."""
-        ckpt = plan.ckpt
-        if ckpt is None:
-            return None
-        pos = ckpt["position"]
-        if plan.mode == "init":
-            arch = compare_configs(ckpt["config"], cfg.to_dict(), epoch_boundary=True, only={"model"})
-            if arch.refused:
-                raise refusal(arch, where=f"--init-from {plan.ckpt_path}", position=pos,
-                              how="Its weights need the checkpoint's model: use its run's preset and model.* settings")
-            return None
-        changes = compare_configs(ckpt["config"], cfg.to_dict(), epoch_boundary=pos.get("batch_index", 0) == 0)
-        if changes.refused:
-            if any(k.startswith("model.") for k in changes.refused):  # the weights need the checkpoint's model
-                how = ("Drop these flags (the run's settings are in its config.json); another architecture is a new "
-                       "run trained from scratch (without --resume)")
-            else:
-                how = ("Drop these flags (the run's settings are in its config.json), or start a new run from its "
-                       f"weights with a fresh optimizer: --init-from {plan.ckpt_path}")
-            raise refusal(changes, where=f"resuming from {plan.ckpt_path}", position=pos, how=how)
-        return changes
-
-    def _open_run_folder(self, plan: RunPlan, changes: ConfigChanges | None, schedule: dict | None) -> None:
-        """The first write of this run: claim a new folder (or mark, cut and clean the existing one), then
-        config.json, the metrics file and the records of where this run came from."""
-        asked = self.run_dir
-        if plan.new_folder:
-            self.run_dir, self.lock = claim_run_folder(asked.parent, asked.name, self.run_id, parent=self.parent)
-            self._created = True
-        else:
-            if plan.adopt:
-                write_marker(self.run_dir, self.run_id, adopted=True)
-            pos = plan.ckpt["position"] if plan.ckpt is not None else {"epoch": 0, "step": 0}
-            cut_metrics(self.run_dir / "metrics.jsonl", keep=pos, log=self.log)
-            remove_stale_temp_files(self.run_dir / "checkpoints", self.log)
-            remove_stale_temp_files(self.run_dir, self.log)
-        for note in plan.notes:
-            self.log(note)
-        if plan.mode == "fresh" and self.run_dir != asked:
-            self.log(f"{asked} holds an earlier run, so this run is {self.run_dir} (nothing was moved; to continue "
-                     f"{asked.name} instead: --resume auto --run.name {asked.name})")
-        elif plan.mode in ("branch", "init"):
-            p = self.parent
-            self.log(f"{'initialised from' if plan.mode == 'init' else 'continuing from'} {p['checkpoint']} (run "
-                     f"{p['run_id']}, step {p['step']}) in the new run folder {self.run_dir}")
-        run = dataclasses.replace(self.cfg.run, name=self.run_dir.name)
-        self.cfg = dataclasses.replace(self.cfg, run=run)
-        # the resolved config, as --print-config prints it: a valid --config input
-        write_text_atomic(self.run_dir / "config.json", json.dumps(self.cfg.to_dict(), indent=2, default=str) + "\n")
-        self.metrics = MetricsLogger(self.run_dir, tensorboard=run.tensorboard, enabled=True)
-        if plan.ckpt is None:
-            return
-        pos = plan.ckpt["position"]
-        origin = {"checkpoint": str(plan.ckpt_path), "step": pos["step"], "epoch": pos["epoch"]}
-        if plan.mode in ("branch", "init"):
-            self.metrics.log({"kind": plan.mode, **origin, "parent": self.parent})
-        if plan.mode == "branch":  # the lineage's epochs so far, so the curves show the whole run
-            for rec in plan.ckpt.get("history", []):
-                self.metrics.log({**rec, "inherited_from": self.parent["run_id"]})
-        if changes is not None and plan.mode != "init":
-            self.metrics.log({"kind": "resume", "mode": plan.mode, **origin, **changes.record(),
-                              "schedule": schedule})
-            self._log_changes(plan, changes, schedule)
-
-    def _log_changes(self, plan: RunPlan, changes: ConfigChanges, schedule: dict | None) -> None:
-        pos = plan.ckpt["position"]
-        self.log(f"resumed from {plan.ckpt_path}: epoch {pos['epoch']}, batch {pos['batch_index']}, step {pos['step']}")
-        show = lambda d: ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in sorted(d.items()))  # noqa: E731
-        if changes.safe:
-            self.log(f"resume: applied (checkpoint -> now): {show(changes.safe)}")
-        if schedule is not None:
-            self.log(f"resume: re-planned {show(changes.replan) or 'the schedule'}: {schedule['total_steps']} steps "
-                     f"in all (was {schedule['previous_total_steps']}), lr {schedule['lr']:.3g} at step {self.step}")
-            if self.step >= self.total_steps or self.epoch >= self.cfg.run.epochs:
-                self.log(f"resume: this plan ends at or before the checkpoint (step {self.step}, epoch {self.epoch}): "
-                         f"the run ends now, with its final evaluation")
 
     # ------------------------------------------------------------------------------------------
     # one optimizer step
@@ -435,15 +343,14 @@ class Trainer(EpochEnd):
                     f"to {path}" + (f"; the checkpoint before these steps is {before[0]}" if before else "")
                     + ". Lower --optim.lr, keep --optim.grad_clip, or use --run.precision bf16/fp32")
             if stop_reason is not None:
-                done = n_micro if epoch_done else self.batch_index
-                self.log(f"stopped ({stop_reason}) in epoch {epoch + 1}, after batch {done}/{n_micro}, "
-                         f"step {self.step}; checkpoint {path}")
+                self.log(f"stopped ({stop_reason}) {where_stopped(self.position())}; checkpoint {path}")
         return self._summary(stop_reason, path)
 
     def _summary(self, stop_reason: str | None, path: Path | None) -> dict[str, Any]:
         summary: dict[str, Any] = {
             "run_dir": str(self.run_dir), "run_id": self.run_id, "stop_reason": stop_reason or "done",
             "signal": self._stop_signal, "steps": self.step, "skipped_steps": self.skipped_steps,
+            "position": self.position(),  # one truth for the stop line, this summary and the resume line
             "epochs_done": self.epoch, "checkpoint": str(path) if path else None, "best_bleu": self.clock.best,
             "best_bleu_at": self.clock.best_at, "time_to_bleu": self.clock.reached, "test": None, "curves": None,
             # CUDA-graph decoding that fell back to eager (the epoch records say when and why)
@@ -539,6 +446,10 @@ class Trainer(EpochEnd):
     def _steps_in_epoch(self, epoch: int) -> int:
         return math.ceil(self._micro_batches_in_epoch(epoch) / self.cfg.optim.accum_steps)
 
+    def position(self) -> dict[str, int]:
+        """Where the run stands: the epoch in progress or next (0-based), its batches done, the steps taken."""
+        return {"epoch": self.epoch, "batch_index": self.batch_index, "step": self.step}
+
     def state_dict(self) -> dict[str, Any]:
         tok = self.data.tokenizer
         return {
@@ -548,11 +459,12 @@ class Trainer(EpochEnd):
             "scaler": self.scaler.state_dict(),
             "rng": rng_state(),
             "position": {"epoch": self.epoch, "batch_index": self.batch_index, "step": self.step,
-                         "total_steps": self.total_steps, "counters": self.counters.state_dict(),
+                         "total_steps": self.total_steps, "world_size": self.dist.world_size, "counters": self.counters.state_dict(),
                          "epoch_stats": self.stats.state_dict(), "best_value": self.ckpts.best_value,
                          "clock": self.clock.state_dict(self.clock.wall()), "split": self.split.state_dict()},
             "config": self.cfg.to_dict(),
             "tokenizer": {"model_file": tok.model_file, "key": tok.key, "model_bytes": tok.model_bytes()},
+            "data": data_record(getattr(self.data, "split_record", None)),  # what a resume checks it reads again
             "lineage": {"run_id": self.run_id, "parent": self.parent},
             "params": self.params,
             "history": self.history,

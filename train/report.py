@@ -61,6 +61,16 @@ def next_commands(run_dir: Path, *, stop_reason: str, longer: str) -> dict[str, 
     return out
 
 
+def where_stopped(pos: dict[str, Any]) -> str:
+    """Where a run stands, from its position (a checkpoint's ``position``: ``epoch`` = the 0-based epoch in
+    progress or next, ``batch_index`` = its micro-batches done, ``step``): the one wording of the stop line,
+    the summary and the resume line. ``"at step 56 (the end of epoch 2)"`` or ``"at step 30 (epoch 2, after
+    batch 10)"``; epochs counted from 1, as the epoch records count them."""
+    epoch, batch = int(pos.get("epoch", 0)), int(pos.get("batch_index", 0))
+    where = f"the end of epoch {epoch}" if batch == 0 and epoch > 0 else f"epoch {epoch + 1}, after batch {batch}"
+    return f"at step {pos.get('step', 0)} ({where})"
+
+
 def _seconds(s: float) -> str:
     return f"{s:.1f} s" if s < 600 else f"{s:.0f} s ({s / 3600:.2f} h)"
 
@@ -76,8 +86,9 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     lines = [f"run folder:  {run_dir}  ({', '.join(files)})"]
     reason = summary["stop_reason"]
     if reason == "interrupted":
-        lines.append(f"stopped:     by {summary.get('signal') or 'request'} at step {summary['steps']} (epoch "
-                     f"{summary['epochs_done'] + 1}); checkpoint {summary.get('checkpoint')}")
+        pos = summary.get("position") or {"epoch": summary["epochs_done"], "step": summary["steps"]}
+        lines.append(f"stopped:     by {summary.get('signal') or 'request'} {where_stopped(pos)}; checkpoint "
+                     f"{summary.get('checkpoint')}")
     else:
         lines.append(f"finished:    {reason} after {summary['epochs_done']} epoch(s), {summary['steps']} steps"
                      + (f" ({summary['skipped_steps']} skipped as non-finite)" if summary.get("skipped_steps") else ""))

@@ -14,6 +14,9 @@ command                plan
                        folder whose lineage records the run and step it branched from
 --init-from PATH       ``init``: a new folder, the checkpoint's weights and tokenizer, step 0, a fresh
                        optimizer and schedule
+--init-from PATH       the fine-tune's own folder when it exists (the same command continues it), as
+--resume auto          ``--resume auto``; its folder must record PATH as its origin. No folder yet:
+                       ``init``; a folder without a checkpoint: ``restart`` from PATH's weights
 =====================  ==========================================================================
 
 A name that holds anything but a fastmt run is refused (``RunFolderError``). Only ``plan_run`` reads the
@@ -66,6 +69,7 @@ class RunPlan:
     ckpt: dict[str, Any] | None = None  # that checkpoint, loaded on the CPU
     lock: RunLock | None = None  # held: the existing run folder (continue / extend / restart)
     adopt: bool = False  # a run folder of an earlier fastmt (no run.json): mark it before writing
+    weights_only: bool = False  # ckpt gives weights and tokenizer only (a fine-tune's start: --init-from)
     notes: list[str] = field(default_factory=list)  # what to tell the user once the run is set up
 
     @property
@@ -166,15 +170,17 @@ def plan_run(cfg, *, resume: str | os.PathLike | None = None, init_from: str | o
     ``UserError`` (``--resume`` with ``--init-from``).
     """
     target = Path(cfg.run.out_dir) / cfg.run.name
-    if resume is not None and init_from is not None:
-        raise UserError("give --resume (continue a run) or --init-from (a new run from a checkpoint's weights), "
-                        "not both")
+    if resume is not None and init_from is not None and str(resume) != "auto":
+        raise UserError("give --resume PATH (continue a run) or --init-from (a new run from a checkpoint's weights), "
+                        "not both (--init-from with --resume auto continues the fine-tune it started)")
     if init_from is not None:
         path = Path(init_from)
+        if resume is not None and check_usable(target) == "run":
+            return _continue_fine_tune(cfg, target, path, log)
         ckpt = read_checkpoint(path, "--init-from")
         check_usable(target)
         parent = _parent(ckpt, path, _source_run_id(ckpt, path), "init-from")
-        return RunPlan("init", target, new_run_id(), parent=parent, ckpt_path=path, ckpt=ckpt)
+        return RunPlan("init", target, new_run_id(), parent=parent, ckpt_path=path, ckpt=ckpt, weights_only=True)
     if resume is None:
         check_usable(target)
         return RunPlan("fresh", target, new_run_id())
@@ -191,6 +197,35 @@ def plan_run(cfg, *, resume: str | os.PathLike | None = None, init_from: str | o
             lock.release()
             raise
     return _plan_resume_path(cfg, Path(resume), target, log)
+
+
+def _same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return Path(a).resolve() == Path(b).resolve()
+
+
+def _continue_fine_tune(cfg, target: Path, init_from: Path, log: Callable[[str], Any]) -> RunPlan:
+    """``--init-from PATH --resume auto`` on an existing run folder: the fine-tune PATH started, continued as
+    ``--resume auto`` continues any run (its own checkpoints, tokenizer and data); one without a checkpoint yet
+    starts again from PATH's weights."""
+    origin = ((read_marker(target) or {}).get("parent") or {})
+    if origin.get("how") != "init-from" or not _same_file(origin.get("checkpoint", ""), init_from):
+        came = (f"it was initialised from {origin['checkpoint']}" if origin.get("how") == "init-from" else
+                "it was not started by --init-from")
+        raise UserError(f"--init-from {init_from} --resume auto: run {target} is not a fine-tune of {init_from} "
+                        f"({came}); drop --init-from to continue it, or give another --run.name for a new fine-tune")
+    lock = RunLock(target).acquire()
+    try:
+        plan = _in_place(cfg, target, lock, None, None, log)
+        if plan.ckpt is None:  # stopped before its first checkpoint: the fine-tune starts again from its origin
+            plan.ckpt_path, plan.ckpt = init_from, read_checkpoint(init_from, "--init-from")
+            plan.weights_only = True
+        return plan
+    except BaseException:
+        lock.release()
+        raise
 
 
 def _plan_resume_path(cfg, path: Path, target: Path, log: Callable[[str], Any]) -> RunPlan:

@@ -158,6 +158,38 @@ def check_writable(out: Path) -> None:
         raise UserError(f"cannot write {out}: {parent} is not writable; pass --out PATH")
 
 
+def _same(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.abspath(a) == os.path.abspath(b)
+
+
+def check_not_an_input(out: Path, args) -> None:
+    """The hypotheses and their record never replace what this command reads (a hypothesis file an earlier
+    evaluate wrote, given as ``--src`` or ``--ref`` and as ``--out``: it would be read, then overwritten)."""
+    inputs = [("--src", args.src), *(("--ref", r) for r in args.ref or []), ("--ckpt", args.ckpt)]
+    for written in (out, record_path(out)):
+        for flag, path in inputs:
+            if _same(written, path):
+                raise UserError(f"--out {out} would overwrite {flag} {path}, which this command reads: pass another "
+                                f"--out")
+
+
+def checkpoint_file(ckpt: str) -> str:
+    """``--ckpt``: a checkpoint file, or a run folder / its checkpoints folder (its ``best.pt``)."""
+    path = Path(ckpt)
+    if path.is_file():
+        return ckpt
+    if path.is_dir():
+        for best in (path / "checkpoints" / "best.pt", path / "best.pt"):
+            if best.is_file():
+                return str(best)
+        raise UserError(f"--ckpt {ckpt!r} is a folder without a best.pt (nor checkpoints/best.pt): give a checkpoint "
+                        f"file, e.g. {ckpt.rstrip('/')}/checkpoints/step-<N>.pt")
+    raise UserError(f"--ckpt {ckpt!r}: no such file (look under runs/<name>/checkpoints/)")
+
+
 def atomic_write(path: Path, text: str) -> None:
     """Write ``text`` to a temp file beside ``path``, then rename it there: a reader never sees half a file. A
     full or read-only disk raises ``UserError`` (the temp file removed, an older ``path`` left as it was)."""
@@ -195,11 +227,11 @@ def run(args) -> int:
     from train.evaluate import corpus_scores, overlong
     from train.inference import translate_lines
 
-    if not Path(args.ckpt).is_file():
-        raise UserError(f"--ckpt {args.ckpt!r}: no such file (look under runs/<name>/checkpoints/)")
+    args.ckpt = checkpoint_file(args.ckpt)
     to_stdout = args.out == "-"
     out = None if to_stdout else Path(args.out) if args.out else default_out(Path(args.ckpt), args.src)
     if out is not None:
+        check_not_an_input(out, args)
         check_writable(out)
     device = resolve_device(args.device)
     for path in [args.src, *(args.ref or [])]:

@@ -21,7 +21,6 @@ import select
 import sys
 from collections import deque
 from collections.abc import Iterator
-from pathlib import Path
 
 from train.errors import EXIT_OK, UserError
 from train.evaluate import overlong
@@ -150,9 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args) -> int:
     from train.inference import translate_lines
+    from train.score import checkpoint_file
 
-    if not Path(args.ckpt).is_file():
-        raise UserError(f"--ckpt {args.ckpt!r}: no such file (look under runs/<name>/checkpoints/)")
+    args.ckpt = checkpoint_file(args.ckpt)  # a file, or a run folder's best.pt
     device = resolve_device(args.device)
     model, tok, ckpt = load_for_inference(args.ckpt, device)
     configure_cpu(device, ckpt.get("config") or {})

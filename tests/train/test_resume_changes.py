@@ -137,8 +137,8 @@ def test_init_from_starts_a_new_run_from_the_weights_with_a_fresh_optimizer(toy_
     assert records(tr.run_dir)[0]["kind"] == "init" and tree(src.run_dir) == src_tree
     with pytest.raises(ResumeConfigError, match="model.d_ff 64 -> 128"):
         _init_from(toy_bundle, tmp_path, best, name="bad", model={"d_ff": 128})
-    with pytest.raises(UserError, match="not both"):
-        Trainer(tiny_config(tmp_path, name="bad"), data=toy_bundle, init_from=best, resume="auto")
+    with pytest.raises(UserError, match="not both"):  # (--init-from with --resume auto continues the fine-tune)
+        Trainer(tiny_config(tmp_path, name="bad"), data=toy_bundle, init_from=best, resume=str(best))
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["src", "tuned"]
 
 
