@@ -109,7 +109,7 @@ def write(src: Source, out: Path, quantization: str | None) -> None:
     settings["quantization"] = quantization or "float32"
     settings["ctranslate2"] = {
         "translate_batch": {"beam_size": settings["beam_size"], "length_penalty": 0.0,
-                            "suppress_sequences": [["<pad>"], ["<s>"]], "max_input_length": 0,
+                            "suppress_sequences": [["<pad>"], ["<s>"]], "max_input_length": 0, "min_decoding_length": 0,
                             "return_end_token": True},
         "per_sentence": "max_decoding_length = the max length rule of the sentence; sentences of one limit "
                         "together (fastmt.export.ct2.CT2Translator does this)",
@@ -162,7 +162,7 @@ class CT2Translator:
         for limit, idx in groups.items():
             results = self.translator.translate_batch(
                 self._pieces([src[k] for k in idx]), beam_size=beam_size, length_penalty=0.0, max_batch_size=batch_size,
-                max_decoding_length=limit, max_input_length=0, suppress_sequences=[["<pad>"], ["<s>"]],
+                max_decoding_length=limit, min_decoding_length=0, max_input_length=0, suppress_sequences=[["<pad>"], ["<s>"]],
                 return_end_token=True, return_scores=nbest > 1, num_hypotheses=nbest)
             for k, r in zip(idx, results):
                 best = r.hypotheses[0] if nbest == 1 else _gnmt_best(r.hypotheses, r.scores, length_penalty)
