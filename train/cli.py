@@ -202,12 +202,35 @@ def resolve_config(argv: list[str] | None = None, *, log=None, parser: argparse.
                      f"files; each --data-files argument is one path)" if not odd else
                      f"data files must be regular files: {', '.join(map(repr, odd))} "
                      f"{'is' if len(odd) == 1 else 'are'} not (a folder, a pipe or a device); give jsonl/parquet/tsv files")
+    data_file_notes(cfg.data, log)
     if machine:
         try:
             check_machine(cfg, preset, log)
         except ValueError as e:
             _fail(parser, args, e)
     return cfg, args
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.abspath(a) == os.path.abspath(b)
+
+
+def data_file_notes(d, log) -> None:
+    """Warn of data files that are allowed but rarely meant: a training file given twice (its rows then count
+    twice: an oversampling, kept as asked) and one file as both the validation and the test set (best.pt is then
+    chosen on the test set, so the test BLEU is no longer held out)."""
+    files = list(d.data_files)
+    twice = sorted({b for i, a in enumerate(files) for b in files[i + 1:] if _same_file(a, b)})
+    if twice:
+        log(f"warning: {', '.join(twice)} given more than once in data.data_files: its rows are read once per "
+            f"mention (an oversampling); give each file once unless that is meant")
+    both = sorted({v for v in d.valid_files for t in d.test_files if _same_file(v, t)})
+    if both:
+        log(f"warning: {', '.join(both)} is both data.valid_files and data.test_files: best.pt is chosen on the "
+            f"test set, so its test BLEU is not a held-out score; give a separate validation file")
 
 
 def _fail(parser: argparse.ArgumentParser, args: argparse.Namespace, e: Exception):

@@ -102,8 +102,9 @@ class RunConfig:
     # None: automatic dynamic (a dim seen changing turns symbolic: ~2 graphs for token buckets, whose
     # B, S and T all vary); False: one graph per (B, S, T), sensible only with fixed padding.
     compile_dynamic: bool | None = None
-    # persistent Inductor / Triton caches (a warm start compiles in seconds); "" leaves torch's defaults
-    cache_dir: str = ".cache"
+    # persistent Inductor / Triton caches (a warm start compiles in seconds); they hold code, so private: ""
+    # is $XDG_CACHE_HOME/fastmt/compile (else ~/.cache/fastmt/compile, mode 0700); a folder others can write is refused
+    cache_dir: str = ""
     log_every: int = 50  # host sync: the loss and the skipped-step counters are read every N optimizer steps
     nonfinite_guard: bool = True  # skip steps with a non-finite loss or gradient, decided on the device (no sync)
     max_nonfinite: int = 5  # stop (with a checkpoint) after this many non-finite steps in a row (checked at logs)
@@ -288,6 +289,10 @@ def load_config_file(path: str | Path, base: Config | None = None) -> Config:
         raise ValueError(f"{path}: nested too deeply to be a config (a config file is what --print-config "
                          f"writes)") from None
     if base is None and isinstance(d, dict):
+        for s in dataclasses.fields(Config):  # a section that is not an object: said as such, before what it lacks
+            if s.name in d and not isinstance(d[s.name], dict):
+                raise ValueError(f"{path}: {s.name} must be an object of fields, got {type(d[s.name]).__name__}: "
+                                 f"{d[s.name]!r}")
         missing = [f"{s.name}.{f.name}" for s in dataclasses.fields(Config)
                    for f in dataclasses.fields(resolved_hints(Config)[s.name])
                    if not isinstance(d.get(s.name), dict) or f.name not in d[s.name]]

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from train.checkpoint import atomic_save, average_last_epochs, load_checkpoint
-from train.distributed import barrier
+from train.checkpoint import atomic_save, average_last_epochs, load_checkpoint, rng_state
+from train.distributed import barrier, gather_object
 from train.errors import EXIT_NONFINITE
 from train.evaluate import DECODE_RECORD_KEYS, decoding_settings, record_fields
 from train.metrics import plot_curves
@@ -79,11 +79,16 @@ class EpochEnd:
         """Write this step's checkpoint (rank 0) after checking the weights are finite (unless ``checked``)."""
         if not checked and not self.weights_finite():
             raise self.nonfinite_weights_error()
+        # each rank's RNG (dropout draws as many numbers as its own batches hold): a DDP resume restores its own
+        rank_rng = gather_object(rng_state()) if self.dist.distributed else None
         if not self.is_main:
             barrier()
             return None
         t0 = time.perf_counter()
-        path = self.ckpts.save(self.state_dict(), self.step, metric)
+        state = self.state_dict()
+        if rank_rng is not None:
+            state["rank_rng"] = rank_rng
+        path = self.ckpts.save(state, self.step, metric)
         self.split.add("checkpoints", time.perf_counter() - t0)
         barrier()
         return path
@@ -223,7 +228,8 @@ class EpochEnd:
                "decode_fallbacks": r.get("decode_fallbacks"), "decode_eager_reason": r.get("decode_eager_reason")}
         self.log(f"test ({source}): loss {_fmt(r['loss'], '.4f')} BLEU {_fmt(r['bleu'], '.2f')} "
                  f"chrF {_fmt(r['chrf'], '.2f')} ({r['sentences']} sentences, {r.get('truncated_sources', 0)} cut to "
-                 f"the model's positions; beam {self.cfg.eval.beam_size}; BLEU|{r.get('bleu_signature')})")
+                 f"the model's positions; beam {self.cfg.eval.beam_size}"
+                 + (f"; BLEU|{r['bleu_signature']})" if r.get("bleu_signature") else ")"))
         self.metrics.log(rec)
         return rec
 

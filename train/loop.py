@@ -365,7 +365,8 @@ class Trainer(RunSetup, EpochEnd):
         if self.is_main:
             reason = summary["stop_reason"]
             summary["commands"] = next_commands(self.run_dir, stop_reason=reason,
-                                                longer=longer_flag(reason, self.cfg, self.step))
+                                                longer=longer_flag(reason, self.cfg, self.step),
+                                                world_size=self.dist.world_size)
         barrier()
         return summary
 
@@ -486,7 +487,8 @@ class Trainer(RunSetup, EpochEnd):
             self.clock.load_state_dict(pos["clock"])
         self.split.load_state_dict(pos.get("split", {}))
         self.history = list(ckpt.get("history", []))
-        self._pending_rng = ckpt["rng"]  # restored at the start of fit(), after the loader is built
+        ranks = ckpt.get("rank_rng") or []  # a DDP run's: each rank's own (the rank count is checked to match)
+        self._pending_rng = ranks[self.dist.rank] if len(ranks) == self.dist.world_size else ckpt["rng"]
         saved_total = pos.get("total_steps", ckpt["scheduler"].get("total_steps"))
         schedule = None
         if changes.replan or (saved_total is not None and saved_total != self.total_steps):

@@ -44,16 +44,27 @@ def longer_flag(stop_reason: str, cfg, step: int) -> str:
     return f"--epochs {2 * cfg.run.epochs}"
 
 
-def next_commands(run_dir: Path, *, stop_reason: str, longer: str) -> dict[str, str]:
+def launcher(world_size: int) -> str:
+    """How to start ``train`` with ``world_size`` ranks again: ``python -m train``, or for a DDP run torchrun with
+    the same rank count (a resume refuses another count: train/runsetup.py ``check_world_size``)."""
+    py = python_command()
+    if world_size <= 1:
+        return f"{py} -m train"
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    nodes = f"--nnodes {world_size // per_node} " if per_node != world_size else "--standalone "
+    return f"{py} -m torch.distributed.run {nodes}--nproc_per_node {per_node} -m train"
+
+
+def next_commands(run_dir: Path, *, stop_reason: str, longer: str, world_size: int = 1) -> dict[str, str]:
     """The translate / evaluate / continue commands for this run folder, ready to paste: an interrupted run
-    resumes; a finished one trains longer (``longer``: see ``longer_flag``)."""
+    resumes; a finished one trains longer (``longer``: see ``longer_flag``), with the run's rank count."""
     py, q = python_command(), shlex.quote
     out: dict[str, str] = {}
     ckpt = translation_checkpoint(run_dir)
     if ckpt is not None:
         out["translate"] = f'{py} -m train.translate --ckpt {q(str(ckpt))} "The cat sleeps."'
         out["evaluate"] = f"{py} -m train.evaluate --ckpt {q(str(ckpt))} --src SOURCE_FILE --ref REFERENCE_FILE"
-    resume = f"{py} -m train --config {q(str(run_dir / 'config.json'))} --resume auto"
+    resume = f"{launcher(world_size)} --config {q(str(run_dir / 'config.json'))} --resume auto"
     if stop_reason == "interrupted":
         out["resume"] = resume
     else:
