@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "evaluate": ("train.evaluate", "score a checkpoint (BLEU, chrF) on a split or on files"),
     "stats": ("train.stats", "the rows, lengths and batches a training config makes of a corpus (train's flags)"),
     "model": ("models.__main__", "parameters and FLOPs of the model a preset builds"),
+    "export": ("train.export.cli", "a checkpoint as a CTranslate2 model or a Hugging Face folder: --ckpt C --to ct2|hf OUT"),
     "bench": ("", "benchmarks: fastmt bench NAME --help (names below)"),
 }
 # fastmt bench NAME -> module
@@ -34,6 +35,7 @@ BENCH: dict[str, tuple[str, str]] = {
     "data-scale": ("bench.data_scale", "cold and warm start of the data layer on generated 0.02-5 M-pair corpora"),
     "readme-figures": ("bench.readme_figures", "re-measure the README's CPU figures (split table, epoch planning)"),
     "aot": ("bench.aot", "compile units per runbook step; Triton kernels compiled ahead of time for sm_90"),
+    "inference": ("bench.inference", "translation speed and BLEU: fastmt, CTranslate2 (float32, int8), HF generate"),
 }
 
 

@@ -178,8 +178,10 @@ def check_not_an_input(out: Path, args) -> None:
 
 def checkpoint_file(ckpt: str) -> str:
     """``--ckpt``: a checkpoint file, or a run folder / its checkpoints folder (its ``best.pt``)."""
+    from train.export.engine import is_ct2_dir
+
     path = Path(ckpt)
-    if path.is_file():
+    if path.is_file() or is_ct2_dir(path):  # a checkpoint, or a folder of fastmt export --to ct2
         return ckpt
     if path.is_dir():
         for best in (path / "checkpoints" / "best.pt", path / "best.pt"):
@@ -225,6 +227,7 @@ def sha256(path: str | Path) -> str:
 # -- the command -------------------------------------------------------------------------------------------
 def run(args) -> int:
     from train.evaluate import corpus_scores, overlong
+    from train.export.engine import checkpoint_file as exported_weights
     from train.inference import translate_lines
 
     args.ckpt = checkpoint_file(args.ckpt)
@@ -255,7 +258,7 @@ def run(args) -> int:
     seconds = time.perf_counter() - t0
     scores = corpus_scores(hyps, refs) if refs else {}
     record = {
-        "written_by": WRITER, "checkpoint": str(Path(args.ckpt).resolve()), "checkpoint_sha256": sha256(args.ckpt),
+        "written_by": WRITER, "checkpoint": str(Path(args.ckpt).resolve()), "checkpoint_sha256": sha256(exported_weights(args.ckpt)),
         "src": str(Path(args.src).resolve()), "src_sha256": sha256(args.src),
         "refs": [str(Path(r).resolve()) for r in args.ref or []], "refs_sha256": [sha256(r) for r in args.ref or []],
         "sentences": len(src), "truncated_sources": len(cut), "max_positions": limit,

@@ -1,8 +1,8 @@
 """``fastmt translate``/``evaluate`` on an exported CTranslate2 folder (``--engine ct2``, or detected when ``--ckpt``
 is one): the same protocol, the same signatures, decoded by CTranslate2 under fastmt's rules (``CT2Translator``).
 
-``load_model(args, device)`` returns what ``train.inference.load_for_inference`` returns for a checkpoint, a
-``(model, tokenizer, checkpoint dict)`` triple: here the model is a ``CT2Model`` (``.cfg.max_positions`` and
+``train.inference.load_for_inference`` calls ``load_ct2(path, device)`` for such a folder: it returns what it
+returns for a checkpoint, a ``(model, tokenizer, checkpoint dict)`` triple: here the model is a ``CT2Model`` (``.cfg.max_positions`` and
 ``translate_texts(sentences, decoding)``, which ``train.inference.translate_lines`` calls), the tokenizer the
 export's SentencePiece model, and the dict holds the run config recorded at export (its eval settings are the
 decoding defaults, as a checkpoint's are).
@@ -16,19 +16,23 @@ from types import SimpleNamespace
 from train.errors import UserError
 from train.export.common import EXTRA
 
-ENGINES = ("fastmt", "ct2")
+ENGINE_KEY = "_engine"  # marks the config of an exported model (train.inference.resolve_decoding checks --engine)
 
 
-def is_export(args) -> bool:
-    """Does ``args`` ask for the CTranslate2 engine (``--engine ct2``, or ``--ckpt`` an exported folder)?"""
-    from train.export.common import DECODING_FILE
+def check_engine(args, config: dict) -> None:
+    """``--engine`` agrees with what ``--ckpt`` is (a fastmt checkpoint, or a CTranslate2 export)."""
+    asked, loaded = getattr(args, "engine", None), config.get(ENGINE_KEY, "fastmt")
+    if asked is not None and asked != loaded:
+        raise UserError(f"--engine {asked}: --ckpt {args.ckpt} is a {'CTranslate2 export' if loaded == 'ct2' else 'fastmt checkpoint'}"
+                        f" ({loaded}); drop --engine or give " + ("a folder made by fastmt export --to ct2" if asked == "ct2"
+                                                                  else "a training checkpoint"))
 
-    engine = getattr(args, "engine", None)
-    if engine not in (None, *ENGINES):
-        raise UserError(f"--engine {engine!r}: choose fastmt or ct2")
-    p = Path(args.ckpt)
-    return engine == "ct2" or (engine is None and p.is_dir() and (p / DECODING_FILE).is_file()
-                               and (p / "model.bin").is_file())
+
+def is_ct2_dir(path) -> bool:
+    """A folder that ``fastmt export --to ct2`` made (model.bin and fastmt's decoding settings)."""
+    from train.export.ct2 import is_ct2_dir as check
+
+    return check(path)
 
 
 class CT2Model:
@@ -43,27 +47,17 @@ class CT2Model:
                                          max_len_a=d.max_len_a, max_len_b=d.max_len_b, batch_size=d.batch_size)
 
 
-def load_model(args, device):
-    """(model, tokenizer, checkpoint-like dict) of ``args.ckpt``: a fastmt checkpoint, or an exported CT2 folder."""
-    from train.inference import load_for_inference
-
-    if not is_export(args):
-        return load_for_inference(args.ckpt, device)
-    from train.export.ct2 import is_ct2_dir
-
-    if not is_ct2_dir(args.ckpt):
-        raise UserError(f"--engine ct2 --ckpt {args.ckpt}: not a folder made by fastmt export --to ct2 (no model.bin "
-                        f"and fastmt_decoding.json in it)")
-    try:
-        from train.export.ct2 import CT2Translator
-    except ImportError as e:  # pragma: no cover - the module imports ctranslate2 lazily
-        raise UserError(f"--engine ct2 needs ctranslate2 ({e}): {EXTRA}") from None
+def load_ct2(path, device):
+    """(CT2Model, tokenizer, {"config": the run config}) of an exported CTranslate2 folder on ``device``."""
     try:
         import ctranslate2  # noqa: F401
     except ImportError as e:
-        raise UserError(f"--engine ct2 needs ctranslate2, which does not import here ({e}): {EXTRA}") from None
-    translator = CT2Translator(args.ckpt, device="cuda" if device.type == "cuda" else "cpu")
-    return CT2Model(translator), translator.tok, {"config": translator.config}
+        raise UserError(f"{path} is a CTranslate2 model: decoding it needs ctranslate2, which does not import here "
+                        f"({e}): {EXTRA}") from None
+    from train.export.ct2 import CT2Translator
+
+    translator = CT2Translator(path, device="cuda" if device.type == "cuda" else "cpu")
+    return CT2Model(translator), translator.tok, {"config": {**translator.config, ENGINE_KEY: "ct2"}}
 
 
 def checkpoint_file(path: str | Path) -> Path:
