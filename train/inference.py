@@ -65,6 +65,8 @@ def add_decoding_options(p: argparse.ArgumentParser) -> None:
     for flag, (name, (section, key), _, metavar, text) in _OPTIONS.items():
         g.add_argument(flag, dest=name, metavar=metavar, help=f"{text} (default: the checkpoint's {section}.{key})")
     g.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N")
+    g.add_argument("--engine", choices=("fastmt", "ct2"), help="ct2: --ckpt is a folder made by fastmt export --to ct2, "
+                   "decoded by CTranslate2 under fastmt's rules (default: detected from --ckpt)")
 
 
 def _parse(flag: str, value: str, kind: type):
@@ -80,6 +82,9 @@ def _parse(flag: str, value: str, kind: type):
 def resolve_decoding(args: argparse.Namespace, config: dict[str, Any]) -> tuple[Decoding, list[str]]:
     """The ``Decoding`` of parsed flags over the checkpoint's ``config`` dict, and the flags that were given.
     Bad values raise ``UserError`` naming the flag and the value."""
+    from train.export.engine import check_engine
+
+    check_engine(args, config)
     values, given = {}, []
     for flag, (name, (section, key), kind, _, _) in _OPTIONS.items():
         raw = getattr(args, name)
@@ -138,8 +143,11 @@ def load_for_inference(ckpt_path: str | Path, device: str | torch.device = "cpu"
     (missing, unreadable, without a tokenizer) raises ``UserError`` naming it."""
     from models import ModelConfig, Transformer
     from train.checkpoint import load_checkpoint
+    from train.export.engine import is_ct2_dir, load_ct2
     from train.preflight import tokenizer_of
 
+    if is_ct2_dir(ckpt_path):  # an exported CTranslate2 folder (train/export/engine.py)
+        return load_ct2(ckpt_path, torch.device(device))
     try:
         ckpt = load_checkpoint(ckpt_path)
     except (FileNotFoundError, RuntimeError) as e:
@@ -165,10 +173,13 @@ def translate_lines(model, tok, lines: list[str | None], device: torch.device, d
     from train.evaluate import translate
 
     todo = [k for k, line in enumerate(lines) if line is not None and line.strip()]
-    hyps = translate(model, tok, [lines[k] for k in todo], device, beam_size=d.beam_size,
-                     batch_size=d.batch_size, max_len_ratio=d.max_len_a, max_len_extra=d.max_len_b,
-                     length_penalty=d.length_penalty, autocast=autocast_for(device, d.precision),
-                     cuda_graph=cuda_graph and device.type == "cuda")
+    if hasattr(model, "translate_texts"):  # an exported CTranslate2 model (train/export/engine.py)
+        hyps = model.translate_texts([lines[k] for k in todo], d)
+    else:
+        hyps = translate(model, tok, [lines[k] for k in todo], device, beam_size=d.beam_size,
+                         batch_size=d.batch_size, max_len_ratio=d.max_len_a, max_len_extra=d.max_len_b,
+                         length_penalty=d.length_penalty, autocast=autocast_for(device, d.precision),
+                         cuda_graph=cuda_graph and device.type == "cuda")
     out = [""] * len(lines)
     for k, h in zip(todo, hyps):
         out[k] = " ".join(h.splitlines())  # a decoded line break would shift every later line
