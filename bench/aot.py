@@ -12,13 +12,17 @@ Plans (``--plan``):
   train        the `fast` preset's first training step (its model, a packed batch of its shape, forward
                and backward through our kernels), every config the autotuner's pruner keeps: the
                Autotuner compiles each to time it
-  kernel-test  the CUDA grids of tests/kernels (``make kernel-test`` on a GPU) with the tests' policy:
-               the first fitting config (``FASTMT_AUTOTUNE=0``), every config where a test walks them
+  kernel-test  the runbook's kernel-test step (tests/kernels -m "not slow" on CUDA) with the step's policy
+               (``FASTMT_AUTOTUNE=0``: the first fitting config; every config where a test walks them,
+               every pruned one where a test autotunes): the CUDA grids and the other tests' launches, with
+               the tests' own case lists and input builders (LayerNorm weights in x's dtype, mixed residual
+               dtypes, Lion's sizes, gradient dtypes and lr kinds)
 
 Whether a GPU run hits the cache depends on Triton's cache key: the triton build (``triton_key()``
 hashes libtriton, so CPython 3.12's wheel for the GPU image's python), the ptxas version, the target and
-the options. ``--out`` writes ``AOT-KEYS.json`` with those; ``bench/gpu_run.sh`` compares them with the
-device's and counts hits. Run with the interpreter off: ``python -m bench.aot --plan train --out DIR``.
+the options, and the kernels' source (Triton hashes it with its line numbers). ``--out`` writes
+``AOT-KEYS.json`` with those, a hash of ``kernels/*.py`` and the git sha; ``--check`` (run by
+``bench/gpu_run.sh``'s setup) exits 1 naming every key that differs on this machine and tree. Run with the interpreter off: ``python -m bench.aot --plan train --out DIR``.
 A development tool of the runbook: its kernel-test plan reads the CUDA grids from tests/kernels, so it lives
 in bench/ (the top layer), not in kernels/.
 """
@@ -121,7 +125,7 @@ def compile_only(arch: int = 90, units: Units | None = None):
     units = units if units is not None else Units()
     if not getattr(triton.compiler.compile, "recording", False):
         triton.compiler.compile = _recording_compile(triton.compiler.compile)
-    real_run, real_usable = JITFunction.run, _utils.triton_usable
+    real_run = JITFunction.run
 
     def compile_not_launch(self, *args, grid, warmup, **kwargs):
         return real_run(self, *args, grid=grid, warmup=True, **kwargs)
@@ -131,15 +135,40 @@ def compile_only(arch: int = 90, units: Units | None = None):
     triton.knobs.compilation.listener = _listener
     driver.set_active(_CompileOnlyDriver(GPUTarget("cuda", arch, 32)))
     JITFunction.run = compile_not_launch
-    _utils.triton_usable = lambda t: True  # CPU tensors pass the launchers' device checks
     _RECORDING.append(units)
     try:
-        yield units
+        with rebound(_utils.triton_usable, lambda t: True):  # CPU tensors pass the launchers' device checks
+            yield units
     finally:
         _RECORDING.pop()
         driver._active = previous
         triton.knobs.compilation.listener = previous_listener
-        JITFunction.run, _utils.triton_usable = real_run, real_usable
+        JITFunction.run = real_run
+
+
+def kernel_modules() -> list:
+    """Every module of the ``kernels`` package, imported (so that each has bound what it imports)."""
+    import importlib
+    import pkgutil
+
+    import kernels
+
+    return [kernels] + [importlib.import_module(f"kernels.{m.name}") for m in pkgutil.iter_modules(kernels.__path__)]
+
+
+@contextlib.contextmanager
+def rebound(original, replacement):
+    """``replacement`` in place of ``original`` in every kernels module that binds it (``_utils`` and each
+    ``from kernels._utils import ...``), restored on exit: patching ``_utils`` alone worked only by the
+    order in which modules were imported."""
+    patched = [(m, name) for m in kernel_modules() for name, value in list(vars(m).items()) if value is original]
+    for m, name in patched:
+        setattr(m, name, replacement)
+    try:
+        yield patched
+    finally:
+        for m, name in patched:
+            setattr(m, name, original)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -246,19 +275,26 @@ def plan_kernel_test() -> None:
             finally:
                 for k, c in zip(kernels, saved):
                     k.configs = c
-        for case in tln.GPU_CASES:  # test_layernorm's test_gpu_grid (fast cases)
+        for case in tln.GPU_CASES:  # test_layernorm's test_gpu_grid (fast cases), its own inputs
             if any(m.name == "slow" for m in case.marks):
                 continue
             dtype, N, residual, bias, act = case.values
-            act = act or "none"
             rows = max(3, 2**17 // N) + 1
-            x = torch.empty(rows, N, dtype=dtype)
-            w, b = torch.empty(N, dtype=torch.float32), torch.empty(N, dtype=torch.float32)
-            y, s, stats = layer_norm_fwd(x, w, b if bias else None, x if residual else None, 1e-5, act)
-            layer_norm_bwd(x, x if residual else None, s if residual else x, w, b if bias else None, stats, act)
-        for n in (1, 1000, 4097, 2**20):  # test_lion's CUDA cases (sizes off every block)
-            p = torch.empty(n)
-            lion_step_triton(p, torch.empty(n), torch.empty(n), 1e-3, None, 0.9, 0.99, 0.1, None)
+            tln.run(*tln.make_inputs(rows, N, dtype, residual=residual, bias=bias, device="cpu", seed=N),
+                    act, "triton")
+        for x_dtype, r_dtype in ((torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+                                 (torch.float32, torch.bfloat16)):  # test_mixed_residual_dtype_matches_reference
+            x, r = torch.empty(37, 200, dtype=x_dtype), torch.empty(37, 200, dtype=r_dtype)
+            w, b = torch.empty(200), torch.empty(200)
+            y, s, stats = layer_norm_fwd(x, w, b, r, 1e-5, "gelu")
+            layer_norm_bwd(y, s, s, w, b, stats, "gelu")
+        for n in (1, 4, 1000, 1024, 1500, 2049, 3001):  # test_lion's sizes (off and on every block)
+            for grad_dtype in (torch.float32, torch.bfloat16, torch.float16):
+                for lr, lr_t in ((1e-3, None), (0.0, torch.tensor(1e-3))):
+                    for flag in (None, torch.tensor(0.0), torch.tensor(False)):
+                        p = torch.empty(n)
+                        lion_step_triton(p, torch.empty(n, dtype=grad_dtype), torch.empty(n), lr, lr_t,
+                                         0.9, 0.99, 0.1, flag)
     with _all_configs(True):  # test_gpu_autotuned_matches (both tilings): the autotuner times every pruned config
         padded("B2-H4-Tq300-Tk77", 64, torch.bfloat16, True, True)
         packed("decoder-causal", 64, torch.bfloat16, 3)
@@ -291,35 +327,54 @@ def _all_configs(enabled: bool):
         with _env(FASTMT_AUTOTUNE="0"):
             yield
         return
-    real = _utils.launch
-
     def every_config(kernel, grid, key, *args, **kwargs):
         for config in _utils.pruned_configs(kernel, args, kwargs):
             meta = config.all_kwargs()
             kernel.fn.run(*args, grid=grid(meta), warmup=True, **kwargs, **meta)
 
-    _utils.launch = every_config
-    for name in ("kernels.sequence_attention", "kernels.packed_attention", "kernels.layernorm"):
-        sys.modules[name].launch = every_config
-    try:
+    with rebound(_utils.launch, every_config):
         yield
-    finally:
-        _utils.launch = real
-        for name in ("kernels.sequence_attention", "kernels.packed_attention", "kernels.layernorm"):
-            sys.modules[name].launch = real
+
+
+def kernels_sha256() -> str:
+    """A hash of ``kernels/*.py`` (names and contents): Triton's key hashes each kernel's source and line
+    numbers, so any edit there turns every cached entry into a miss."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for path in sorted((Path(__file__).resolve().parents[1] / "kernels").glob("*.py")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def cache_keys(arch: int) -> dict:
-    """What decides whether a GPU run hits this cache: the triton build, ptxas, the target."""
+    """What decides whether a GPU run hits this cache: the triton build, ptxas, the target, the kernels'
+    source; and the commit the cache was built at (``train.metrics.git_sha``: git, else $FASTMT_GIT_SHA)."""
     import hashlib
 
     from triton.backends.compiler import GPUTarget as Target
     from triton.compiler import make_backend
     from triton.runtime.cache import triton_key
 
+    from train.metrics import git_sha
+
     return {"triton": triton.__version__, "triton_key_sha256": hashlib.sha256(triton_key().encode()).hexdigest(),
-            "backend": make_backend(Target("cuda", arch, 32)).hash(), "python": sys.version.split()[0],
-            "torch": torch.__version__, "arch": arch}
+            "backend": make_backend(Target("cuda", arch, 32)).hash(), "kernels_sha256": kernels_sha256(),
+            "git_sha": git_sha(), "python": sys.version.split()[0], "torch": torch.__version__, "arch": arch}
+
+
+CHECKED_KEYS = ("triton", "triton_key_sha256", "backend", "arch", "kernels_sha256", "git_sha")
+
+
+def check(built: dict, here: dict) -> tuple[int, str]:
+    """(exit status, one line): 0 when every key in ``CHECKED_KEYS`` matches, else 1 naming each difference."""
+    differ = [f"{k} {str(built.get(k))[:12]} here {str(here.get(k))[:12]}" for k in CHECKED_KEYS
+              if built.get(k) != here.get(k)]
+    if not differ:
+        return 0, "keys match (triton build, ptxas, target, kernels' source, commit): the steps should compile none of the carried kernels"
+    return 1, (f"KEYS DIFFER ({'; '.join(differ)}; built with python {built.get('python')}, this is "
+               f"{here.get('python')}): the cache is stale or foreign, every kernel compiles here; rebuild with "
+               f"`GPU_AOT=1 make gpu-wheels` at this commit")
 
 
 def main(argv=None) -> int:
@@ -337,12 +392,9 @@ def main(argv=None) -> int:
             print(f"no usable cache keys in {args.check} ({e.__class__.__name__}: {e}); rebuild with "
                   f"`GPU_AOT=1 make gpu-wheels`: every kernel compiles here")
             return 2
-        here = cache_keys(args.arch)
-        differ = [k for k in ("triton", "triton_key_sha256", "backend") if built.get(k) != here.get(k)]
-        print("keys match: the steps should compile none of the carried kernels" if not differ else
-              f"KEYS DIFFER ({', '.join(differ)}; built with python {built.get('python')}, this is "
-              f"{here['python']}): every kernel compiles here")
-        return 0
+        status, line = check(built, cache_keys(args.arch))
+        print(line)
+        return status
     if not args.plan:
         p.error("give --plan (or --check)")
     import tempfile

@@ -333,11 +333,17 @@ def write_spm_table(rows: list[dict], md: Path, source: Path) -> None:
     md.write_text("\n".join(lines) + "\n")
 
 
+def work_dir(work: Path | None) -> Path:
+    """``--work``, else a folder made for this run (``mkdtemp``: private, a name nobody could plant files at;
+    a fixed /tmp path let another user of the machine put a corpus or a cache there first)."""
+    return work if work is not None else Path(tempfile.mkdtemp(prefix="fastmt-data-scale-"))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.data_scale", description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default=",".join(map(str, SIZES_M)), help="corpus sizes in millions of pairs")
     p.add_argument("--from", dest="source", type=Path, help="repeat this jsonl corpus (else: synthetic)")
-    p.add_argument("--work", type=Path, default=Path("/tmp/fastmt-data-scale"), help="corpora and caches")
+    p.add_argument("--work", type=Path, help="corpora and caches (default: a new private temporary folder)")
     p.add_argument("--code", type=Path, default=REPO, help="checkout whose data/ is measured")
     p.add_argument("--tag", default="after", help="label of this code in the table (e.g. before / after)")
     p.add_argument("--workers", type=int, default=0, help="DataLoader workers of the first-batch measure")
@@ -347,6 +353,8 @@ def main(argv=None) -> int:
     p.add_argument("--spm-sample", metavar="K,K", help="instead: tokenizer statistics per spm_sample_pairs on --from")
     p.add_argument("--vocab", default="8000", help="--spm-sample: vocabulary sizes (comma-separated)")
     a = p.parse_args(argv)
+    a.work = work_dir(a.work)
+    print(f"[data_scale] work folder {a.work}", flush=True)
     if a.spm_sample:
         if a.source is None:
             p.error("--spm-sample needs --from FILE")

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ import torch
 from bench import cli
 from bench import harness as H
 from bench.quality import read_run
-from train.rundir import free_run_name
+from train.rundir import free_run_name, read_marker
 
 THRESHOLDS = (20.0, 28.0, 35.0, 37.0, 37.6)  # valid BLEU levels reported as "time to BLEU X"
 
@@ -77,23 +78,80 @@ def command(c: Contestant, *, budget_s: float, run_name: str, out_dir: Path, dat
 
 
 # -- Running one contestant ------------------------------------------------------------------------
+class Stopped(Exception):
+    """SIGTERM reached the frontier (the runbook step's time limit): the contestant in flight was killed."""
+
+
+def _raise_stopped(signum, _frame):
+    raise Stopped(f"signal {signum}")
+
+
+def kill_group(pgid: int, grace_s: float = 5.0) -> None:
+    """End a contestant's process group: TERM, then KILL after ``grace_s`` for whatever still runs (the
+    contestant's own children included: data workers, compile workers, a stray ``sleep``)."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 0.0)):
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except (ProcessLookupError, PermissionError):
+                return
+            time.sleep(0.05)
+
+
 def run_contestant(c: Contestant, cmd: list[str], log_path: Path, *, timeout_s: float,
                    log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run ``cmd`` (its own process group, output to ``log_path``); returns status, returncode, seconds."""
+    """Run ``cmd`` (its own process group, output to ``log_path``); returns status, returncode, seconds.
+
+    The group dies with the contestant's budget (``timeout_s``), with the contestant (what it left running),
+    and with this process: a SIGTERM here (``timeout`` ending the runbook's step) or Ctrl-C kills the group
+    and raises (``Stopped``, ``KeyboardInterrupt``), so nothing keeps training on the GPU after the step."""
     log(f"[frontier] {c.name}: {' '.join(cmd[1:])}")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_stopped) if main_thread else None
     t0 = time.perf_counter()
-    with open(log_path, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=H.REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout_s)
-            status = "ok" if rc == 0 else "error"
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            rc = proc.wait()
-            status = "timeout"
+    try:
+        with open(log_path, "w") as out:
+            proc = subprocess.Popen(cmd, cwd=H.REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
+            try:
+                rc = proc.wait(timeout=timeout_s)
+                status = "ok" if rc == 0 else "error"
+            except subprocess.TimeoutExpired:
+                kill_group(proc.pid, grace_s=0.0)
+                rc = proc.wait()
+                status = "timeout"
+            except BaseException:
+                kill_group(proc.pid)
+                proc.wait()
+                raise
+            finally:
+                kill_group(proc.pid, grace_s=0.0)  # whatever the contestant left behind in its group
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     return {"status": status, "returncode": rc, "run_seconds": time.perf_counter() - t0}
+
+
+def run_folders(work: Path, run_name: str) -> set[str]:
+    """The names under ``work`` a run asking for ``run_name`` may claim: it, or ``<run_name>-<n>``."""
+    if not work.is_dir():
+        return set()
+    return {p.name for p in work.iterdir() if p.is_dir()
+            and (p.name == run_name or (p.name.startswith(run_name + "-") and p.name[len(run_name) + 1:].isdigit()))}
+
+
+def claimed_run_dir(work: Path, run_name: str, before: set[str]) -> Path:
+    """The folder the contestant actually claimed: the one run folder (it carries fastmt's marker) that
+    appeared under ``work`` during its run; ``work/run_name`` (the name asked for) when there is none or
+    several (another writer beside it)."""
+    new = sorted(n for n in run_folders(work, run_name) - before if read_marker(work / n) is not None)
+    return work / new[0] if len(new) == 1 else work / run_name
 
 
 def _tail(path: Path, lines: int = 3, width: int = 240) -> str:
@@ -255,13 +313,15 @@ def run_frontier(names: Sequence[str | Contestant], *, budget_s: float, grace_s:
         run_name = free_run_name(work, f"{prefix}-{name}")  # the folder the run will claim (never moves one)
         cmd = command(c, budget_s=budget_s, run_name=run_name, out_dir=work, data_files=data_files,
                       smoke=smoke, cache_dir=cache)
-        run_dir, log_path = work / run_name, work / f"{prefix}-logs" / f"{name}.log"
+        log_path = work / f"{prefix}-logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        before = run_folders(work, run_name)
         try:
             result = run_contestant(c, cmd, log_path, timeout_s=budget_s + grace_s, log=log)
         except OSError as e:  # the command could not start at all
             result = {"status": "error", "returncode": None, "run_seconds": 0.0}
             log_path.write_text(f"{type(e).__name__}: {e}\n")
+        run_dir = claimed_run_dir(work, run_name, before)  # where it wrote, whatever name it was given
         new = contestant_rows(c, result, run_dir, log_path, budget_s=budget_s, cmd=cmd)
         for r in new:
             r.update(corpus=corpus, **prov)
@@ -327,8 +387,12 @@ def run_cli(a: argparse.Namespace, contestants: Sequence[str | Contestant], *, n
         return write_outputs(rows, prov, corpus, out, smoke=a.smoke, fresh=a.fresh, plot=plot, name=name,
                              markdown=markdown)
 
-    rows = run_frontier(contestants, budget_s=budget, grace_s=grace, data_files=files, work=work, smoke=a.smoke,
-                        on_row=lambda r: write(r, False), prefix=name)
+    try:
+        rows = run_frontier(contestants, budget_s=budget, grace_s=grace, data_files=files, work=work,
+                            smoke=a.smoke, on_row=lambda r: write(r, False), prefix=name)
+    except Stopped as e:  # the finished contestants' rows are written (on_row); the one in flight was killed
+        print(f"[{name}] stopped by {e}: the contestant in flight and its children were killed", flush=True)
+        return 128 + signal.SIGTERM
     paths = write(rows, plot)
     print(conclude(rows), flush=True)
     for kind, path in paths.items():

@@ -1,84 +1,271 @@
 #!/usr/bin/env bash
-# The GPU runbook: everything fastmt measures on a GPU, from one command on a bare device machine
-# (torch 2.11 + triton 3.6 in the image's python3, no network). See bench/README.md for the call.
+# The GPU runbook: everything fastmt measures on a GPU (H100 or H200), from one command on a bare device
+# machine (torch 2.11 + triton 3.6 in the image's python3, no network). See bench/README.md for the calls.
 #
-#   bash bench/gpu_run.sh [STEP|GROUP ...]     (no argument: call1)
+#   bash bench/gpu_run.sh [CALL|STEP ...]     (no argument: call1)
+#   bash bench/gpu_run.sh plan                every call's steps, limits and totals (start-up included)
+#   bash bench/gpu_run.sh show STEP           the step's command, one word per line (what a test collects)
+#   GPU_RUN_REHEARSAL=1 bash bench/gpu_run.sh call2   the rehearsal on a CPU machine: every step's command in
+#                                             its smoke form, the same $OUT layout (CI runs it)
 #
-# Groups, one device call each (<= 9 minutes), most important first:
-#   call1        kernel-test bench-kernels                  is the GPU path correct, do the kernels win
-#   call2        train quality profile                      `make train`'s run: time to BLEU, compile, GPU busy
-#   call3        frontier ladder                            the HF baseline, the seeds' recipe, s18, default
-#   sweep-adamw  sweep (the AdamW settings)                 the optimiser sweep on wall time to BLEU
-#   sweep-lion   sweep (the Lion settings)
+# Calls, one device call each (<= 9 minutes of command time), the evidence that matters first:
+#   call1   kernel-test bench-kernels          required: is the GPU path correct, do the kernels win
+#   call2   train quality profile              required: `make train` cold, its time to BLEU, GPU busy
+#   call3   frontier                           required: the HF baseline, the seeds' recipe, s18, default
+#   call4   ladder                             optional: the speedup ladder
+#   call5   sweep (AdamW settings)             optional (alias sweep-adamw)
+#   call6   sweep (Lion settings)              optional (alias sweep-lion)
+#   call7   inference kernel-test-slow         optional: export speed, the full (slow) CUDA test grids
 # Steps:
-#   kernel-test     pytest tests/kernels -m "gpu and not slow"  (the CUDA grids; the rest runs in CI, interpreted)
-#   bench-kernels   python3 -m bench.kernels --groups corpus,ln ...  (bench/results/kernels-<gpu>.*)
-#   train           python3 -m train --auto --run.name default-<RUN_ID> ...   (what `make train` runs)
-#   quality         python3 -m bench.quality --run runs/default-<RUN_ID>  (bench/results/quality-<gpu>.*)
-#   profile         python3 -m bench.profile ...                 (bench/results/profile-<gpu>/, warm compile)
-#   frontier        python3 -m bench.frontier --budget-s ...     (bench/results/frontier-<gpu>.*)
-#   ladder          python3 -m bench.ladder ...                  (bench/results/ladder-<gpu>.*)
-#   sweep           python3 -m bench.sweep --settings ...        (bench/results/sweep-<gpu>.*)
+#   kernel-test       pytest tests/kernels -m "not slow": every kernel test that is not a slow full grid,
+#                     on CUDA (Lion vs lion-pytorch, mixed-dtype LayerNorm, opcheck, the CUDA grids)
+#   kernel-test-slow  pytest tests/kernels -m slow: the full CUDA grids
+#   bench-kernels     python3 -m bench.kernels --groups corpus,ln      (bench/results/kernels-<gpu>.*)
+#   train             python3 -m train --auto --run.max_wall_seconds <limit - 60>   (`make train`'s run)
+#   quality           python3 -m bench.quality --run runs/default-<RUN_ID>  (bench/results/quality-<gpu>.*)
+#   profile           python3 -m bench.profile                         (bench/results/profile-<gpu>/)
+#   frontier          python3 -m bench.frontier --budget-s 75          (bench/results/frontier-<gpu>.*)
+#   ladder            python3 -m bench.ladder                          (bench/results/ladder-<gpu>.*)
+#   sweep             python3 -m bench.sweep --settings ...            (bench/results/sweep-<gpu>.*)
+#   inference         python3 -m bench.inference --out bench/results  (CTranslate2 / HF export speed)
 #
-# Setup (always): install the carried wheels (.whl/*.whl, from `make gpu-wheels`) offline into
-# /tmp/site and put it first on PYTHONPATH; export FASTMT_DATA_FILES from the carried .data/; set the
-# Hugging Face libraries offline; print nvidia-smi, versions and a check of the carried wheels'
-# requirements against the image; unpack .whl/triton-aot-sm90.tgz (our kernels compiled for sm_90 on a CPU
-# machine, `GPU_AOT=1 make gpu-wheels`) into TRITON_CACHE_DIR, say whether its cache key matches this
-# machine's, and after each step how many Triton kernels the step still compiled here.
+# Setup (always): a scratch folder from mktemp -d holds the wheels' install, the Triton and HF caches;
+# PYTHONPATH names only that install, and only when it succeeded. The carried wheels (.whl/*.whl, from
+# `make gpu-wheels`) install offline there; FASTMT_DATA_FILES comes from the carried .data/; the HF
+# libraries go offline; nvidia-smi, versions and a check of the wheels' requirements are logged;
+# .whl/triton-aot-sm90.tgz (`GPU_AOT=1 make gpu-wheels`) is unpacked into TRITON_CACHE_DIR and checked
+# against this machine and this tree (`bench.aot --check`); after each step, how many Triton kernels it
+# still compiled here.
 #
-# Each step runs under its own time limit with its own log, and the script goes on after a failure.
-# Limits fit one 10-minute device call: the whole script stops starting steps at GPU_RUN_DEADLINE_S
-# (default 570 s), each step gets min(its limit, what is left), and after every step the results
-# are packed again, so what finished comes back even if the call is cut short:
+# Each step runs under its own time limit and log, in its own process group, and the script goes on after
+# a failure. No step starts past GPU_RUN_DEADLINE_S (540 s); each gets min(its limit, what is left); after
+# every step the results are packed again, so what finished comes back even if the call is cut short:
 #   $OUT/results.tgz   bench/results/, this run's logs (runs/gpu_run/<id>/), runs/*/metrics.jsonl,
-#                      provenance.json and *.png; files over 2 MiB are left out if the tarball would
-#                      pass 15 MiB (the device returns 8 files of at most 16 MiB)
+#                      provenance.json and *.png (files over 2 MiB left out past 15 MiB)
 #   $OUT/summary.txt   setup facts, one line per step, the tail of every step's log
 # Without $OUT (by hand), both land in runs/gpu_run/.
 #
-# Environment: PYTHON (default python3); GPU_RUN_DEADLINE_S; LIMIT_<STEP> to change a step's limit
-# in seconds (LIMIT_KERNEL_TEST, LIMIT_BENCH_KERNELS, LIMIT_TRAIN, LIMIT_PROFILE, LIMIT_FRONTIER, LIMIT_LADDER,
-# LIMIT_SWEEP); BENCH_KERNELS_ARGS, TRAIN_ARGS, PROFILE_ARGS, FRONTIER_ARGS, LADDER_ARGS, SWEEP_ARGS,
-# KERNEL_TEST_ARGS: extra arguments; SWEEP_SETTINGS: the sweep's settings (comma-separated);
-# FASTMT_GIT_SHA: the commit, recorded in results when the copy on the machine has no .git.
+# Environment: PYTHON (default python3; .venv/bin/python in a rehearsal); GPU_RUN_DEADLINE_S;
+# LIMIT_<STEP> (seconds, e.g. LIMIT_BENCH_KERNELS); extra arguments, as shell words (quotes kept):
+# KERNEL_TEST_ARGS, BENCH_KERNELS_ARGS, TRAIN_ARGS, PROFILE_ARGS, FRONTIER_ARGS, LADDER_ARGS, SWEEP_ARGS,
+# INFERENCE_ARGS; SWEEP_SETTINGS, FRONTIER_BUDGET_S, SWEEP_BUDGET_S; FASTMT_GIT_SHA: the commit, recorded in
+# results when the copy on the machine has no .git.
 set -uo pipefail
 
-ALL_STEPS=(kernel-test bench-kernels train quality profile frontier ladder sweep)
-declare -A DEFAULT_LIMIT=([kernel-test]=240 [bench-kernels]=300 [train]=300 [quality]=30 [profile]=200
-                          [frontier]=420 [ladder]=120 [sweep]=540)
-declare -A STEP_GROUPS=([call1]="kernel-test bench-kernels" [call2]="train quality profile" [call3]="frontier ladder"
-                   [sweep-adamw]="sweep" [sweep-lion]="sweep")
-SWEEP_ADAMW=adamw-base,adamw-8e-4,adamw-3e-4,adamw-warm5,adamw-2k,adamw-8k
-SWEEP_LION=lion-1e-4,lion-1.5e-4,lion-7e-5,lion-wd0.3,lion-b0.95,lion-warm5
-DEADLINE_S=${GPU_RUN_DEADLINE_S:-570}
+ALL_STEPS=(kernel-test bench-kernels train quality profile frontier ladder sweep inference kernel-test-slow)
+declare -A DEFAULT_LIMIT=([kernel-test]=250 [bench-kernels]=220 [train]=310 [quality]=20 [profile]=150
+                          [frontier]=460 [ladder]=480 [sweep]=480 [inference]=240 [kernel-test-slow]=220)
+CALLS=(call1 call2 call3 call4 call5 call6 call7)
+REQUIRED_CALLS=3  # call1..call3 carry the evidence; the rest are optional
+declare -A STEP_GROUPS=([call1]="kernel-test bench-kernels" [call2]="train quality profile" [call3]="frontier"
+                        [call4]="ladder" [call5]="sweep" [call6]="sweep" [call7]="inference kernel-test-slow")
+declare -A CALL_WHAT=([call1]="kernel tests + kernel benchmarks" [call2]="make train cold, its time to BLEU, the profile"
+                      [call3]="the frontier with the HF baseline" [call4]="the speedup ladder"
+                      [call5]="the AdamW sweep" [call6]="the Lion sweep"
+                      [call7]="inference export speed, the slow CUDA grids")
+SWEEP_ADAMW=adamw-base,adamw-8e-4,adamw-3e-4,adamw-2k   # 4 x (75 s + 30 s grace) fits the sweep's 480 s
+SWEEP_LION=lion-1e-4,lion-1.5e-4,lion-7e-5,lion-wd0.3
+declare -A CALL_SWEEP=([call5]=$SWEEP_ADAMW [call6]=$SWEEP_LION)
+DEADLINE_S=${GPU_RUN_DEADLINE_S:-540}
+SETUP_S=40            # the setup's share of a call (pip install, unpacking, nvidia-smi, versions), planned
 PACK_RESERVE_S=20     # kept back from the last step for the final pack
+STARTUP_S=120         # a fresh machine's start and the transfers, per call (estimated; the plan counts it)
+TRAIN_RESERVE_S=60    # of the train step: the final evaluation, the test split, the `done` record, the plot
+PYTEST_RESERVE_S=40   # of a pytest step: the test in flight when its deadline passes, the summary, JUnit
 MAX_TGZ_BYTES=$((15 * 1024 * 1024))
 BIG_FILE_BYTES=$((2 * 1024 * 1024))
+REHEARSAL=${GPU_RUN_REHEARSAL:-0}
+[[ $REHEARSAL == 0 || $REHEARSAL == "" ]] && REHEARSAL=0
 
-usage() { sed -n '2,25p' "$0"; exit 2; }
+usage() { sed -n '2,30p' "$0"; exit 2; }
 
+cd "$(dirname "$0")/.." || exit 2
+ROOT=$PWD
+if [[ -n ${PYTHON:-} ]]; then PY=$PYTHON
+elif [[ $REHEARSAL != 0 && -x .venv/bin/python ]]; then PY=$ROOT/.venv/bin/python
+else PY=python3
+fi
+
+words() {  # words NAME VALUE: the shell words of VALUE (quotes kept, nothing expanded) into array NAME
+    local -n _into=$1
+    _into=()
+    [[ -n ${2// /} ]] || return 0
+    mapfile -t -d '' _into < <("$PY" -c 'import shlex, sys; sys.stdout.write("\0".join(shlex.split(sys.argv[1])))' "$2")
+}
+
+limit_of() {  # the step's limit in seconds: LIMIT_<STEP> or the default
+    local var=LIMIT_${1//-/_}
+    var=${var^^}
+    echo "${!var:-${DEFAULT_LIMIT[$1]}}"
+}
+
+# ---------------------------------------------------------------------------------------------
+# The plan: every call's steps, their limits and the totals (start-up included)
+# ---------------------------------------------------------------------------------------------
+print_plan() {
+    local call step n=0 command total running=0 required=0
+    echo "gpu_run plan: each call is one device call on a bare machine; command time = setup ${SETUP_S} s +"
+    echo "the steps' limits + pack ${PACK_RESERVE_S} s (the script stops starting steps at ${DEADLINE_S} s);"
+    echo "start-up ${STARTUP_S} s per call (machine start and transfers, estimated)"
+    for call in "${CALLS[@]}"; do
+        n=$((n + 1))
+        local kind=optional
+        ((n <= REQUIRED_CALLS)) && kind=required
+        echo
+        echo "$call ($kind): ${CALL_WHAT[$call]}"
+        printf '  %-18s %5d s\n' setup "$SETUP_S"
+        command=$((SETUP_S + PACK_RESERVE_S))
+        for step in ${STEP_GROUPS[$call]}; do
+            printf '  %-18s %5d s\n' "$step" "$(limit_of "$step")"
+            command=$((command + $(limit_of "$step")))
+        done
+        printf '  %-18s %5d s\n' pack "$PACK_RESERVE_S"
+        total=$((command + STARTUP_S))
+        running=$((running + total))
+        ((n <= REQUIRED_CALLS)) && required=$running
+        echo "  $call command ${command} s ($(minutes "$command") min), with start-up ${total} s ($(minutes "$total") min);" \
+             "running total ${running} s ($(minutes "$running") min)"
+    done
+    echo
+    echo "calls 1-${REQUIRED_CALLS} (required) total ${required} s ($(minutes "$required") min) with start-up," \
+         "of a session's ~45 min of device time"
+    echo "all calls total ${running} s ($(minutes "$running") min)"
+}
+
+minutes() { printf '%d.%d' $(($1 / 60)) $(($1 % 60 * 10 / 60)); }
+
+# ---------------------------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------------------------
 STEPS=()
-for arg in "$@"; do
+MODE=run
+SHOW_STEP=
+while (($#)); do
+    arg=$1
+    shift
     case $arg in
+        plan) MODE=plan ;;
+        show) MODE=show; SHOW_STEP=${1:-}; shift || true
+              [[ -n ${DEFAULT_LIMIT[$SHOW_STEP]+x} ]] || { echo "gpu_run: show: unknown step '$SHOW_STEP'" >&2; exit 2; } ;;
         all) STEPS+=("${ALL_STEPS[@]}") ;;
         -h | --help) usage ;;
         sweep-adamw) SWEEP_SETTINGS=${SWEEP_SETTINGS:-$SWEEP_ADAMW}; STEPS+=(sweep) ;;
         sweep-lion) SWEEP_SETTINGS=${SWEEP_SETTINGS:-$SWEEP_LION}; STEPS+=(sweep) ;;
-        call1 | call2 | call3) read -r -a group <<<"${STEP_GROUPS[$arg]}"; STEPS+=("${group[@]}") ;;
+        call[1-7])
+            [[ -n ${CALL_SWEEP[$arg]+x} ]] && SWEEP_SETTINGS=${SWEEP_SETTINGS:-${CALL_SWEEP[$arg]}}
+            read -r -a group <<<"${STEP_GROUPS[$arg]}"; STEPS+=("${group[@]}") ;;
         *) [[ -n ${DEFAULT_LIMIT[$arg]+x} ]] || { echo "gpu_run: unknown step '$arg'" >&2; usage; }
            STEPS+=("$arg") ;;
     esac
 done
+if [[ $MODE == plan ]]; then print_plan; exit 0; fi
 ((${#STEPS[@]})) || { read -r -a STEPS <<<"${STEP_GROUPS[call1]}"; }
 
-cd "$(dirname "$0")/.." || exit 2
-ROOT=$PWD
-PY=${PYTHON:-python3}
 RUN_ID=$(date -u +%Y%m%dT%H%M%SZ)
-LOGDIR=runs/gpu_run/$RUN_ID
-mkdir -p "$LOGDIR"
-SUMMARY=$LOGDIR/summary.txt
+DATA_FILES=()
+read_data_files() {  # DATA_FILES from the carried .data/FILES (absolute paths); warnings on stdout
+    DATA_FILES=()
+    [[ -f .data/FILES ]] || return 0
+    local f
+    while IFS= read -r f; do
+        [[ -n $f ]] || continue
+        if [[ -f .data/$f ]]; then DATA_FILES+=("$ROOT/.data/$f"); else echo "WARNING: .data/$f is listed but missing"; fi
+    done <.data/FILES
+}
+
+# ---------------------------------------------------------------------------------------------
+# Steps
+# ---------------------------------------------------------------------------------------------
+has_pytest_timeout() { "$PY" -c 'import pytest_timeout' >/dev/null 2>&1; }
+triton_entries() { find "${TRITON_CACHE_DIR:-/nonexistent}" -mindepth 1 -maxdepth 1 -type d 2>/dev/null | wc -l; }
+
+pytest_command() {  # pytest_command LIMIT JUNIT SELECTION-ARGS...: pytest that ends, with its summary, in time
+    local limit=$1 junit=$2
+    shift 2
+    # bench/pytest_stop.py: stop between tests at the deadline, and on SIGTERM stop as Ctrl-C does: the
+    # summary and the JUnit file are written either way. FASTMT_AUTOTUNE=0: the tests' (and bench.aot's) policy
+    CMD=(env FASTMT_AUTOTUNE=0 "$PY" -m pytest -q -p bench.pytest_stop
+         "--stop-after-s=$((limit > 2 * PYTEST_RESERVE_S ? limit - PYTEST_RESERVE_S : limit / 2))")
+    has_pytest_timeout && CMD+=(--timeout=120)  # a hung test fails alone
+    CMD+=(-rfE --durations=15 "--junitxml=$junit" "$@")
+}
+
+step_command() {  # fills CMD for step $1 given its time limit $2
+    local step=$1 limit=$2 extra=() smoke=() data_arg=() out_arg=()
+    ((${#DATA_FILES[@]})) && data_arg=(--data-files "${DATA_FILES[@]}")
+    if [[ $REHEARSAL != 0 ]]; then out_arg=(--out "$WORK/bench/results"); fi
+    case $step in
+        kernel-test)  # every kernel test but the slow full grids: on CUDA each one runs there
+            words extra "${KERNEL_TEST_ARGS:-}"
+            [[ $REHEARSAL != 0 ]] && smoke=(-k "validation or dispatch")
+            pytest_command "$limit" "$WORK/$LOGDIR/kernel-test.xml" tests/kernels -m "not slow" "${smoke[@]}" "${extra[@]}" ;;
+        kernel-test-slow)  # the full CUDA grids (every dtype x width x flag, every shape)
+            words extra "${KERNEL_TEST_ARGS:-}"
+            [[ $REHEARSAL != 0 ]] && smoke=(--collect-only)
+            pytest_command "$limit" "$WORK/$LOGDIR/kernel-test-slow.xml" tests/kernels -m slow "${smoke[@]}" "${extra[@]}" ;;
+        bench-kernels)
+            words extra "${BENCH_KERNELS_ARGS:-}"
+            [[ $REHEARSAL != 0 ]] && smoke=(--smoke --only layernorm "${out_arg[@]}")
+            # leave room for the worker's grace period and the writing of the outputs
+            local budget=$((limit > 150 ? limit - 75 : limit / 2))
+            CMD=("$PY" -m bench.kernels --groups corpus,ln --budget-s "$budget" "${data_arg[@]}" "${smoke[@]}" "${extra[@]}") ;;
+        train)  # what `make train` runs on CUDA, from a cold compile cache, ending in time for its test and plot
+            words extra "${TRAIN_ARGS:-}"
+            [[ $REHEARSAL != 0 ]] && smoke=(--run.out_dir "$WORK/runs" --data.dataset toy --data.toy_rows 300
+                                           --run.epochs 1)
+            CMD=("$PY" -m train --auto --run.name "default-$RUN_ID" --run.progress false
+                 --run.max_wall_seconds "$((limit > 2 * TRAIN_RESERVE_S ? limit - TRAIN_RESERVE_S : limit / 2))"
+                 "${data_arg[@]}" "${smoke[@]}" "${extra[@]}") ;;
+        quality)  # this invocation's own run (a run name is never reused)
+            CMD=("$PY" -m bench.quality --run "$WORK/runs/default-$RUN_ID" "${out_arg[@]}") ;;
+        profile)  # after `train`: its compile is the warm-cache compile
+            words extra "${PROFILE_ARGS:-}"
+            [[ $REHEARSAL != 0 ]] && smoke=(--smoke "${out_arg[@]}")
+            CMD=("$PY" -m bench.profile "${data_arg[@]}" "${smoke[@]}" "${extra[@]}") ;;
+        frontier)
+            words extra "${FRONTIER_ARGS:-}"
+            [[ $REHEARSAL != 0 ]] && smoke=(--smoke --budget-s 3 --work-dir "$WORK/runs" "${out_arg[@]}")
+            CMD=("$PY" -m bench.frontier --budget-s "${FRONTIER_BUDGET_S:-75}" --grace-s 25 "${data_arg[@]}"
+                 "${smoke[@]}" "${extra[@]}") ;;
+        ladder)
+            words extra "${LADDER_ARGS:-}"
+            [[ $REHEARSAL != 0 ]] && smoke=(--smoke "${out_arg[@]}")
+            CMD=("$PY" -m bench.ladder "${data_arg[@]}" --budget-s $((limit > 60 ? limit - 30 : limit / 2))
+                 --cap-s 30 --steps 10 --warmup 3 "${smoke[@]}" "${extra[@]}") ;;
+        sweep)  # the first evaluation (graph captures, decode tuning) must fit the grace
+            words extra "${SWEEP_ARGS:-}"
+            [[ $REHEARSAL != 0 ]] && smoke=(--smoke --budget-s 3 --work-dir "$WORK/runs" "${out_arg[@]}")
+            CMD=("$PY" -m bench.sweep --budget-s "${SWEEP_BUDGET_S:-75}" --grace-s 30
+                 --settings "${SWEEP_SETTINGS:-$SWEEP_ADAMW}" "${data_arg[@]}" "${smoke[@]}" "${extra[@]}") ;;
+        inference)
+            words extra "${INFERENCE_ARGS:-}"
+            CMD=("$PY" -m bench.inference --out "$WORK/bench/results" "${extra[@]}") ;;
+    esac
+}
+
+if [[ $MODE == show ]]; then  # the command as the step would run it (default limit, no setup)
+    WORK=$ROOT
+    LOGDIR=runs/gpu_run/$RUN_ID
+    read_data_files >/dev/null
+    step_command "$SHOW_STEP" "$(limit_of "$SHOW_STEP")"
+    printf '%s\n' "${CMD[@]}"
+    exit 0
+fi
+
+# ---------------------------------------------------------------------------------------------
+# Scratch space, logs, results
+# ---------------------------------------------------------------------------------------------
+SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/fastmt-gpu-run.XXXXXX") || { echo "gpu_run: mktemp -d failed" >&2; exit 2; }
+trap 'rm -rf "$SCRATCH"' EXIT
+if [[ $REHEARSAL != 0 ]]; then
+    WORK=$SCRATCH/work   # runs/ and bench/results/ of the rehearsal: the checkout stays as it is
+    mkdir -p "$WORK/bench/results" "$WORK/runs"
+else
+    WORK=$ROOT
+fi
+LOGDIR=runs/gpu_run/$RUN_ID   # relative to WORK
+mkdir -p "$WORK/$LOGDIR"
+SUMMARY=$WORK/$LOGDIR/summary.txt
 DEST=${OUT:-$ROOT/runs/gpu_run}
 mkdir -p "$DEST"
 declare -A STATUS=() SECS=()
@@ -90,42 +277,41 @@ left() { echo $((DEADLINE_S - SECONDS - PACK_RESERVE_S)); }
 # Setup
 # ---------------------------------------------------------------------------------------------
 setup() {
-    log "steps: ${STEPS[*]} | deadline ${DEADLINE_S}s | logs $LOGDIR | results -> $DEST"
+    log "steps: ${STEPS[*]} | deadline ${DEADLINE_S}s | logs $WORK/$LOGDIR | results -> $DEST" \
+        "$([[ $REHEARSAL != 0 ]] && echo "| REHEARSAL on $(uname -n): smoke forms, $PY")"
     export PYTHONUNBUFFERED=1 MPLBACKEND=Agg TOKENIZERS_PARALLELISM=false
     export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
-    export HF_HOME=${HF_HOME:-/tmp/hf-home}
-    local site=/tmp/site wheels=()
+    export HF_HOME=$SCRATCH/hf-home
+    [[ -n ${PYTHONPATH:-} ]] && log "PYTHONPATH=$PYTHONPATH from the environment is dropped (only this run's folders)"
+    unset PYTHONPATH
+    local site=$SCRATCH/site wheels=()
     shopt -s nullglob
     wheels=(.whl/*.whl)
     shopt -u nullglob
     if ((${#wheels[@]})); then
         if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-                --target "$site" "${wheels[@]}" >"$LOGDIR/setup-pip.log" 2>&1; then
-            log "installed ${#wheels[@]} carried wheels into $site: $(cd .whl && echo *.whl)"
+                --target "$site" "${wheels[@]}" >"$WORK/$LOGDIR/setup-pip.log" 2>&1; then
+            export PYTHONPATH=$site
+            log "installed ${#wheels[@]} carried wheels into $site (PYTHONPATH): $(cd .whl && echo *.whl)"
         else
-            log "WARNING: installing .whl/*.whl failed (setup-pip.log): $(tail -n 2 "$LOGDIR/setup-pip.log" | tr '\n' ' ')"
+            log "WARNING: installing .whl/*.whl failed (setup-pip.log; PYTHONPATH left unset): $(tail -n 2 "$WORK/$LOGDIR/setup-pip.log" | tr '\n' ' ')"
         fi
-        export PYTHONPATH=$site:$ROOT${PYTHONPATH:+:$PYTHONPATH}
     else
         log "WARNING: no .whl/*.whl: run 'make gpu-wheels' on a CPU machine and carry .whl (datasets, lion-pytorch are missing here)"
-        export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
     fi
 
-    DATA_FILES=()
-    if [[ -f .data/FILES ]]; then
-        local f
-        while IFS= read -r f; do
-            [[ -n $f ]] || continue
-            if [[ -f .data/$f ]]; then DATA_FILES+=("$ROOT/.data/$f"); else log "WARNING: .data/$f is listed but missing"; fi
-        done <.data/FILES
+    local warning
+    read_data_files >"$SCRATCH/data-warnings"
+    while IFS= read -r warning; do log "$warning"; done <"$SCRATCH/data-warnings"
+    if ((${#DATA_FILES[@]})); then
         if [[ -f .data/SHA256SUMS ]]; then
             (cd .data && sha256sum --quiet -c SHA256SUMS) >>"$SUMMARY" 2>&1 || log "WARNING: .data checksums differ"
         fi
-    fi
-    if ((${#DATA_FILES[@]})); then
         FASTMT_DATA_FILES=$(IFS=:; echo "${DATA_FILES[*]}")  # the OS path separator, as data/config.py reads it
         export FASTMT_DATA_FILES
         log "data: FASTMT_DATA_FILES=$FASTMT_DATA_FILES ($(du -ch "${DATA_FILES[@]}" | tail -n 1 | cut -f1))"
+    elif [[ $REHEARSAL != 0 ]]; then
+        log "data: none (rehearsal: the steps' smoke forms use the generated toy corpus)"
     else
         log "WARNING: no .data/FILES: ladder, profile and training have no local data and no network"
     fi
@@ -137,15 +323,16 @@ setup() {
     log "git: $FASTMT_GIT_SHA$(git status --porcelain --untracked-files=no 2>/dev/null | grep -q . && echo ' (uncommitted changes)')"
 
     # our Triton kernels compiled ahead of time for sm_90 (bench/aot.py): a warm cache if the keys match
-    export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+    export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$SCRATCH/triton-cache}
     mkdir -p "$TRITON_CACHE_DIR"
     if [[ -f .whl/triton-aot-sm90.tgz ]]; then
-        tar -xzf .whl/triton-aot-sm90.tgz -C "$TRITON_CACHE_DIR" 2>>"$LOGDIR/setup-aot.log"
+        tar -xzf .whl/triton-aot-sm90.tgz -C "$TRITON_CACHE_DIR" 2>>"$WORK/$LOGDIR/setup-aot.log"
         log "triton cache: $(triton_entries) kernels compiled ahead of time in $TRITON_CACHE_DIR;" \
             "$(env -u TRITON_INTERPRET "$PY" -m bench.aot --check "$TRITON_CACHE_DIR/AOT-KEYS.json" 2>&1 | tail -n 1)"
     else
         log "triton cache: no .whl/triton-aot-sm90.tgz (GPU_AOT=1 make gpu-wheels builds it): every kernel compiles here"
     fi
+    has_pytest_timeout || log "WARNING: pytest-timeout is missing: no per-test timeout (the steps' deadlines still hold)"
 
     {
         echo "---- nvidia-smi"
@@ -165,7 +352,7 @@ except Exception as e:  # noqa: BLE001
     print(f"torch/triton import failed: {e!r}")
 for name in ("numpy", "pyarrow", "pandas", "fsspec", "huggingface-hub", "xxhash", "dill", "multiprocess",
              "datasets", "lion-pytorch", "sentencepiece", "sacrebleu", "einops", "matplotlib", "pytest",
-             "pytest-timeout", "hypothesis"):
+             "pytest-timeout", "hypothesis", "transformers", "ctranslate2"):
     try:
         dist = md.distribution(name)
         print(f"  {name:<16} {dist.version:<12} {dist.locate_file('')}")
@@ -194,69 +381,19 @@ for name in ("datasets", "lion-pytorch", "dill", "multiprocess", "fsspec"):
         if req.specifier and not req.specifier.contains(have, prereleases=True):
             print(f"  REQUIREMENT MISMATCH: {name} needs {req}, found {req.name} {have}"); problems += 1
 print(f"carried wheels' requirements: {'all met' if not problems else f'{problems} problem(s)'}")
-for mod in ("datasets", "lion_pytorch"):
-    try:
-        __import__(mod)
-        print(f"import {mod}: ok")
-    except Exception as e:  # noqa: BLE001
-        print(f"import {mod}: FAILED {e!r}")
+import importlib.util
+for mod in ("datasets", "lion_pytorch"):  # found, not imported: lion_pytorch's triton path may call exit()
+    print(f"module {mod}: {'found' if importlib.util.find_spec(mod) else 'MISSING'}")
 EOF
-    } >"$LOGDIR/setup-env.log" 2>&1
-    cat "$LOGDIR/setup-env.log" >>"$SUMMARY"
-    grep -A1 -E "^name, driver_version" "$LOGDIR/setup-env.log" | sed 's/^/  /'
-    grep -E "^torch |^python |REQUIREMENT|requirements:|^import " "$LOGDIR/setup-env.log" | sed 's/^/  /'
-}
-
-# ---------------------------------------------------------------------------------------------
-# Steps
-# ---------------------------------------------------------------------------------------------
-has_flag() { grep -q -- "\"$2\"" "$1" 2>/dev/null; }   # does the module's source define this option?
-triton_entries() { find "${TRITON_CACHE_DIR:-/nonexistent}" -mindepth 1 -maxdepth 1 -type d 2>/dev/null | wc -l; }
-
-step_command() {  # fills CMD for step $1 given its time limit $2
-    local step=$1 limit=$2 extra=()
-    local data_arg=()
-    ((${#DATA_FILES[@]})) && data_arg=(--data-files "${DATA_FILES[@]}")
-    case $step in
-        kernel-test)  # the CUDA grids, whose compile units bench/aot.py's kernel-test plan counts; the
-            # interpreter runs the rest in CI. KERNEL_TEST_ARGS="-m 'not slow'" widens it to `make kernel-test`.
-            read -r -a extra <<<"${KERNEL_TEST_ARGS:-}"
-            CMD=("$PY" -m pytest -q tests/kernels -m "gpu and not slow" --timeout=600 -rfE --durations=15
-                 "--junitxml=$ROOT/$LOGDIR/kernel-test.xml" "${extra[@]}") ;;
-        bench-kernels)
-            read -r -a extra <<<"${BENCH_KERNELS_ARGS:-}"
-            # leave room for the worker's grace period and the writing of the outputs
-            local budget=$((limit > 150 ? limit - 75 : limit / 2))
-            CMD=("$PY" -m bench.kernels --groups corpus,ln --budget-s "$budget" "${data_arg[@]}" "${extra[@]}") ;;
-        train)  # what `make train` runs on CUDA, from a cold compile cache
-            read -r -a extra <<<"${TRAIN_ARGS:-}"
-            CMD=("$PY" -m train --auto --run.name "default-$RUN_ID" --run.progress false "${data_arg[@]}" "${extra[@]}") ;;
-        quality)
-            # this invocation's own run (a run name is never reused: a second call2 would get default-2)
-            CMD=("$PY" -m bench.quality --run "runs/default-$RUN_ID") ;;
-        profile)  # after `train`: its compile is the warm-cache compile
-            read -r -a extra <<<"${PROFILE_ARGS:-}"
-            CMD=("$PY" -m bench.profile "${data_arg[@]}" "${extra[@]}") ;;
-        frontier)
-            read -r -a extra <<<"${FRONTIER_ARGS:-}"
-            CMD=("$PY" -m bench.frontier --budget-s "${FRONTIER_BUDGET_S:-75}" --grace-s 25 "${data_arg[@]}"
-                 "${extra[@]}") ;;
-        ladder)
-            read -r -a extra <<<"${LADDER_ARGS:-}"
-            CMD=("$PY" -m bench.ladder "${data_arg[@]}" --budget-s $((limit > 60 ? limit - 30 : limit / 2))
-                 --cap-s 20 --steps 10 --warmup 3 "${extra[@]}") ;;
-        sweep)
-            read -r -a extra <<<"${SWEEP_ARGS:-}"
-            CMD=("$PY" -m bench.sweep --budget-s "${SWEEP_BUDGET_S:-75}" --grace-s 10
-                 --settings "${SWEEP_SETTINGS:-$SWEEP_ADAMW}" "${data_arg[@]}" "${extra[@]}") ;;
-    esac
+    } >"$WORK/$LOGDIR/setup-env.log" 2>&1
+    cat "$WORK/$LOGDIR/setup-env.log" >>"$SUMMARY"
+    grep -A1 -E "^name, driver_version" "$WORK/$LOGDIR/setup-env.log" | sed 's/^/  /'
+    grep -E "^torch |^python |REQUIREMENT|requirements:|^module " "$WORK/$LOGDIR/setup-env.log" | sed 's/^/  /'
 }
 
 run_step() {
-    local step=$1 var limit remaining rc t0
-    var=LIMIT_${step//-/_}
-    var=${var^^}
-    limit=${!var:-${DEFAULT_LIMIT[$step]}}
+    local step=$1 limit remaining rc t0
+    limit=$(limit_of "$step")
     remaining=$(left)
     if ((remaining < 30)); then
         STATUS[$step]="skipped (${remaining}s left before the deadline)"
@@ -270,7 +407,9 @@ run_step() {
     t0=$SECONDS
     local cached
     cached=$(triton_entries)
-    timeout --signal=TERM --kill-after=15 "$limit" "${CMD[@]}" >"$LOGDIR/$step.log" 2>&1
+    # TERM at the limit (pytest writes its summary, the frontier and sweep kill their contestants' process
+    # groups), KILL 15 s later; `timeout` signals its whole process group, the step's children included
+    timeout --signal=TERM --kill-after=15 "$limit" "${CMD[@]}" >"$WORK/$LOGDIR/$step.log" 2>&1 </dev/null
     rc=$?
     SECS[$step]=$((SECONDS - t0))
     log "$step compiled $(( $(triton_entries) - cached )) Triton kernels here (not in the cache; ours and Inductor's)"
@@ -280,33 +419,34 @@ run_step() {
         *) STATUS[$step]="FAILED (rc $rc)" ;;
     esac
     log "END $step: ${STATUS[$step]} in ${SECS[$step]}s -> $LOGDIR/$step.log"
-    tail -n 12 "$LOGDIR/$step.log" | sed 's/^/    /'
+    tail -n 12 "$WORK/$LOGDIR/$step.log" | sed 's/^/    /'
 }
 
 # ---------------------------------------------------------------------------------------------
 # Packing: one tarball + summary.txt (the device returns at most 8 files of 16 MiB)
 # ---------------------------------------------------------------------------------------------
 pack() {
-    local list=$LOGDIR/.pack-list tgz=$DEST/results.tgz size
+    local list=$SCRATCH/pack-list tgz=$DEST/results.tgz size
     {
+        cd "$WORK" || return
         find bench/results -type f 2>/dev/null
-        find "$LOGDIR" -type f ! -name '.pack-list' 2>/dev/null
+        find "$LOGDIR" -type f 2>/dev/null
         find runs -mindepth 2 -maxdepth 2 -type f \( -name metrics.jsonl -o -name provenance.json -o -name '*.png' \) \
             ! -path 'runs/gpu_run/*' 2>/dev/null
     } | sort -u >"$list"
-    tar -czf "$tgz.tmp" -T "$list" 2>>"$LOGDIR/pack.log"
+    tar -C "$WORK" -czf "$tgz.tmp" -T "$list" 2>>"$SCRATCH/pack.log"
     size=$(stat -c %s "$tgz.tmp" 2>/dev/null || echo 0)
     if ((size > MAX_TGZ_BYTES)); then
-        local kept=$LOGDIR/.pack-kept
+        local kept=$SCRATCH/pack-kept
         : >"$kept"
         while IFS= read -r f; do
-            if (($(stat -c %s "$f") > BIG_FILE_BYTES)); then
-                echo "left out of results.tgz (over $((BIG_FILE_BYTES / 1048576)) MiB): $f" >>"$LOGDIR/pack.log"
+            if (($(stat -c %s "$WORK/$f") > BIG_FILE_BYTES)); then
+                echo "left out of results.tgz (over $((BIG_FILE_BYTES / 1048576)) MiB): $f" >>"$SCRATCH/pack.log"
             else
                 echo "$f" >>"$kept"
             fi
         done <"$list"
-        tar -czf "$tgz.tmp" -T "$kept" 2>>"$LOGDIR/pack.log"
+        tar -C "$WORK" -czf "$tgz.tmp" -T "$kept" 2>>"$SCRATCH/pack.log"
         size=$(stat -c %s "$tgz.tmp" 2>/dev/null || echo 0)
     fi
     mv -f "$tgz.tmp" "$tgz"
@@ -318,19 +458,19 @@ finish() {
     {
         echo
         echo "==== steps"
-        for s in "${STEPS[@]}"; do printf '  %-14s %-40s %6ss\n' "$s" "${STATUS[$s]:-not run}" "${SECS[$s]:-0}"; done
+        for s in "${STEPS[@]}"; do printf '  %-16s %-40s %6ss\n' "$s" "${STATUS[$s]:-not run}" "${SECS[$s]:-0}"; done
         for s in "${STEPS[@]}"; do
-            [[ -f $LOGDIR/$s.log ]] || continue
+            [[ -f $WORK/$LOGDIR/$s.log ]] || continue
             echo
             echo "==== tail of $s.log"
-            if [[ $s == bench-kernels ]] && grep -q "== bench.kernels summary" "$LOGDIR/$s.log"; then
-                sed -n '/== bench.kernels summary/,$p' "$LOGDIR/$s.log" | tail -n 60
+            if [[ $s == bench-kernels ]] && grep -q "== bench.kernels summary" "$WORK/$LOGDIR/$s.log"; then
+                sed -n '/== bench.kernels summary/,$p' "$WORK/$LOGDIR/$s.log" | tail -n 60
             else
-                tail -n 30 "$LOGDIR/$s.log"
+                tail -n 30 "$WORK/$LOGDIR/$s.log"
             fi
         done
         echo
-        [[ -f $LOGDIR/pack.log ]] && cat "$LOGDIR/pack.log"
+        [[ -f $SCRATCH/pack.log ]] && cat "$SCRATCH/pack.log"
     } >>"$SUMMARY"
     pack
     echo "[gpu_run +${SECONDS}s] packed $DEST/results.tgz ($((PACKED_BYTES / 1024)) KB) and $DEST/summary.txt" | tee -a "$SUMMARY"
@@ -338,7 +478,6 @@ finish() {
     sed -n '/^==== steps/,$p' "$SUMMARY" | tail -n 120
 }
 
-DATA_FILES=()
 CMD=()
 PACKED_BYTES=0
 setup
