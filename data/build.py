@@ -161,6 +161,9 @@ def _worker_init(parent: int) -> None:
         os._exit(1)
 
 
+START_METHOD = "fork"  # of the build workers ("spawn" works too: a Hub dataset is loaded again in each worker)
+
+
 class _Runner:
     """Runs a task over jobs in input order: in this process (one worker or one job) or in forked workers."""
 
@@ -171,7 +174,8 @@ class _Runner:
         if self.workers <= 1 or len(jobs) <= 1:
             return [fn(j) for j in jobs]
         if self.pool is None:
-            ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
+            method = START_METHOD if START_METHOD in multiprocessing.get_all_start_methods() else None
+            ctx = multiprocessing.get_context(method)
             self.pool = cf.ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_worker_init,
                                                initargs=(os.getpid(),))
         try:

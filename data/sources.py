@@ -20,6 +20,7 @@ in the local cache (fails at once); otherwise a short TCP probe of the Hub endpo
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
 import os
 import re
@@ -370,8 +371,12 @@ def hub_dataset(name: str):
 def load_hub(
     dataset: str, config: str | None, split: str, probe_timeout: float = PROBE_TIMEOUT_S
 ) -> RawCorpus:
-    """Load a Hub dataset; raise `HubUnavailableError` quickly (seconds) when it cannot be had."""
-    if not _offline():
+    """Load a Hub dataset; raise `HubUnavailableError` quickly (seconds) when it cannot be had. A local folder
+    in the Hub's layout (``<dir>/<config>/*.parquet`` and a README.md whose ``configs:`` section names them,
+    as ``Helsinki-NLP/opus_books`` is laid out) goes through the same ``datasets.load_dataset`` call, without
+    the Hub probe; its mistakes (an unknown config, no such split) are `DataInputError`s naming the folder."""
+    local = Path(dataset).is_dir()
+    if not _offline() and not local:
         reason = probe_hub(probe_timeout)
         if reason is not None:
             raise HubUnavailableError(
@@ -380,16 +385,26 @@ def load_hub(
     import datasets
 
     t0 = time.perf_counter()
+    # a local folder is read again every time: datasets would serve its first Arrow copy of an edited folder
+    # (measured: datasets 5.2 offline, a parquet file rewritten with other rows, the old rows came back; with a
+    # forced reload its recorded split sizes refused the new ones)
+    again = {"download_mode": "force_redownload", "verification_mode": "no_checks"} if local else {}
     try:
-        ds = datasets.load_dataset(dataset, config, split=split)
+        ds = datasets.load_dataset(dataset, config, split=split, **again)
     except Exception as e:  # datasets raises ConnectionError / FileNotFoundError / ValueError offline
+        if local:
+            raise DataInputError(
+                f"--data.dataset {dataset} (a local folder): cannot load config {config!r}, split {split!r}: "
+                f"{type(e).__name__}: {str(e)[:300]}; give --data.dataset_config one of the folder's configs (its "
+                f"README.md `configs:` section) and --data.hf_split one of its splits") from e
         where = "offline mode and not in the local HF cache" if _offline() else "load failed"
         raise HubUnavailableError(
             f"could not load {dataset!r} (config {config!r}, split {split!r}; {where}, "
             f"after {time.perf_counter() - t0:.1f} s): {type(e).__name__}: {e}. {_fix_hint(dataset)}"
         ) from e
     if "translation" not in ds.column_names:
-        raise DataInputError(f"{dataset!r} has no 'translation' column (found {ds.column_names})")
+        raise DataInputError(f"{dataset!r} (config {config!r}, split {split!r}) has no 'translation' column (found "
+                             f"{ds.column_names}): rows must be {{\"translation\": {{\"<src>\": ..., \"<tgt>\": ...}}}}")
     name = f"hub:{dataset}/{config}/{split}"
     _HUB[name] = ds
     return RawCorpus(translation=[], source=name)
@@ -399,12 +414,26 @@ def hub_chunks(dataset: str, config: str | None, split: str) -> tuple[list[Sourc
     """Load the Hub dataset (memory-mapped Arrow in the HF cache) and cut it into chunks of `CHUNK_ROWS`
     rows; returns (files, chunks, datasets' fingerprint of it)."""
     name = f"hub:{dataset}/{config}/{split}"
-    if name not in _HUB:
+    if name not in _HUB or Path(dataset).is_dir():  # a local folder may have been edited since: load it again
         load_hub(dataset, config, split)
     ds = _HUB[name]
     n = len(ds)
     chunks = [Chunk(0, name, "hub", a, min(a + CHUNK_ROWS, n), a) for a in range(0, n, CHUNK_ROWS)]
-    return [SourceFile(name, "row", "hub")], chunks, str(getattr(ds, "_fingerprint", name))
+    fingerprint = str(getattr(ds, "_fingerprint", name))
+    if Path(dataset).is_dir():  # the folder's files as they are now (a warm start compares them)
+        fingerprint += ":" + folder_identity(Path(dataset))
+    return [SourceFile(name, "row", "hub")], chunks, fingerprint
+
+
+def folder_identity(folder: Path) -> str:
+    """sha256 of every file under ``folder`` (hidden ones aside): relative path, size, mtime in ns."""
+    h = hashlib.sha256()
+    for p in sorted(folder.rglob("*")):
+        rel = p.relative_to(folder)
+        if p.is_file() and not any(part.startswith(".") for part in rel.parts):
+            st = p.stat()
+            h.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:20]
 
 
 def training_files(cfg) -> tuple[tuple[str, ...], str]:

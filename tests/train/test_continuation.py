@@ -213,3 +213,146 @@ def test_a_ddp_run_stopped_by_sigterm_continues_with_its_printed_torchrun_comman
 
 def test_toy_flags_are_the_session_cache():
     assert "--data.dataset" in TOY_FLAGS  # no_toy() relies on it
+
+
+# ----------------------------------------------------------------------------------------------
+# the other rows of issue 30, one test each
+# ----------------------------------------------------------------------------------------------
+def test_a_resume_under_another_rank_count_is_refused_naming_both(parent, tmp_path, capsys, monkeypatch):
+    """Row 2 (refusal chosen): a checkpoint written by 2 ranks, resumed by one process, is refused in one line
+    naming 2 and 1, before anything is written (the DDP half is in the slow DDP test above)."""
+    argv = train_argv(parent["cache"], tmp_path, *SHORT, name="w")
+    assert run(argv, capsys, monkeypatch, stop_at=2)[0] == EXIT_INTERRUPTED
+    path = step_checkpoints(tmp_path / "runs" / "w" / "checkpoints")[-1]
+    ckpt = load_checkpoint(path)
+    ckpt["position"]["world_size"] = 2  # as a 2-rank run writes it
+    torch.save(ckpt, path)
+    before = {p: p.read_bytes() for p in (tmp_path / "runs" / "w").rglob("*") if p.is_file()}
+    code, out = run([*argv, "--resume", "auto"], capsys, monkeypatch)
+    assert code == 2 and "written by a run of 2 ranks, this run has 1" in out and "--nproc_per_node 2" in out
+    assert {p: p.read_bytes() for p in (tmp_path / "runs" / "w").rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize("flag, a, b", [("--preset", "tiny", "s18"), ("--epochs", "1", "2"), ("--max-steps", "3", "4"),
+                                        ("--config", "a.json", "b.json"), ("--resume", "auto", "x.pt"),
+                                        ("--init-from", "a.pt", "b.pt")])
+def test_a_flag_that_takes_one_value_given_twice_is_an_error(flag, a, b, capsys):
+    """Row 3: like a field given twice (argparse kept the last value silently)."""
+    with pytest.raises(SystemExit) as e:
+        from train.cli import resolve_config
+
+        resolve_config(["--preset", "tiny", flag, a, flag, b] if flag != "--preset" else [flag, a, flag, b],
+                       machine=False)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"{flag} given twice" in err and a in err and b in err
+
+
+def test_data_files_given_twice_accumulates_like_its_field(tmp_path, capsys):
+    """Row 3: --data-files a --data-files b trains on a and b (was: b alone), as --data.data_files does; a file
+    named twice is read twice, with a warning."""
+    from train.cli import resolve_config
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("{}\n"), b.write_text("{}\n")
+    for argv in (["--data-files", str(a), "--data-files", str(b)], ["--data.data_files", str(a),
+                                                                     "--data.data_files", str(b)]):
+        cfg, _ = resolve_config(["--preset", "tiny", *argv], machine=False)
+        assert cfg.data.data_files == (str(a), str(b))
+    capsys.readouterr()
+    cfg, _ = resolve_config(["--preset", "tiny", "--data-files", str(a), "--data-files", str(a)], machine=False)
+    assert cfg.data.data_files == (str(a), str(a)) and "given more than once" in capsys.readouterr().err
+
+
+def test_stats_reads_the_data_as_a_fine_tune_or_a_resume_would(parent, tmp_path, capsys):
+    """Row 5: ``stats --init-from CKPT`` encodes with the checkpoint's tokenizer (its vocabulary, not one trained
+    on these files); ``stats --resume auto`` works and reads the run's own data."""
+    from train.stats import main as stats
+
+    def vocab(*argv) -> int:
+        capsys.readouterr()
+        assert stats(["--preset", "tiny", "--data.cache_dir", parent["cache"], "--data.vocab_size", "330",
+                      "--data.num_workers", "0", "--data.valid_size", "60", "--data.test_size", "60", "--json",
+                      *argv]) == 0
+        return json.loads(capsys.readouterr().out)["vocab_size"]
+
+    ckpt_vocab = load_checkpoint(parent["best"])["config"]["model"]["vocab_size"]
+    assert vocab("--data-files", str(parent["other"])) <= 330 < ckpt_vocab
+    assert vocab("--data-files", str(parent["other"]), "--init-from", str(parent["best"])) == ckpt_vocab
+    runs = parent["best"].parents[2]
+    assert vocab("--run.out_dir", str(runs), "--run.name", "A", "--resume", "auto") == ckpt_vocab
+
+
+def test_a_reused_cache_entry_names_the_files_this_run_read(tmp_path):
+    """Row 6: an entry found by content (the same bytes under another name) reports and records this run's
+    file names: the cleaning report's examples and the split record (provenance.json's data split)."""
+    from data import build_data
+    from tests.utils import quiet, toy_data
+
+    rows = [json.dumps({"translation": {"en": f"the cat number {i} sleeps", "it": f"il gatto numero {i} dorme"}})
+            for i in range(400)]
+    first = tmp_path / "first.jsonl"
+    first.write_text("\n".join(rows[:10] + ["not json"] + rows[10:]) + "\n")
+    d = dict(valid_size=20, test_size=20, vocab_size=300)
+    b1 = build_data(toy_data(tmp_path, data_files=str(first), **d), log=quiet)
+    assert any("first.jsonl:11" in e for ex in b1.report.examples.values() for e in ex)
+    moved = tmp_path / "sub" / "moved.jsonl"
+    moved.parent.mkdir()
+    first.rename(moved)
+    b2 = build_data(toy_data(tmp_path, data_files=str(moved), **d), log=quiet)
+    assert b2.split_record["cache"] == b1.split_record["cache"]  # the same entry, reused by content
+    examples = [e for ex in b2.report.examples.values() for e in ex]
+    assert any(e.startswith(f"{moved}:11") for e in examples) and not any("first.jsonl" in e for e in examples)
+    assert b2.split_record["source"] == f"files:{moved}" and b2.split_record["paths"] == [str(moved)]
+    assert b2.split_record["cache_built_from"] == f"files:{first}"
+
+
+def test_evaluate_never_overwrites_what_it_reads(parent, tmp_path, capsys):
+    """Row 8: ``--src out/h.hyp --out out/h.hyp`` (h.hyp written by an earlier evaluate) is refused before
+    decoding, the file unchanged; ``--ckpt <run folder>`` takes its best.pt."""
+    from train.score import main as evaluate
+
+    src = tmp_path / "src.txt"
+    src.write_text("the cat sleeps\nthe dog eats\n")
+    hyp = tmp_path / "out" / "h.hyp"
+    run_dir = parent["best"].parents[1]
+    assert evaluate(["--ckpt", str(run_dir), "--src", str(src), "--out", str(hyp), "--beam", "1"]) == 0
+    before = hyp.read_bytes()
+    capsys.readouterr()
+    assert evaluate(["--ckpt", str(parent["best"]), "--src", str(hyp), "--out", str(hyp)]) == 2
+    assert "would overwrite --src" in capsys.readouterr().err and hyp.read_bytes() == before
+    assert evaluate(["--ckpt", str(parent["best"]), "--src", str(src), "--ref", str(hyp), "--out", str(hyp)]) == 2
+    assert hyp.read_bytes() == before
+
+
+def test_a_stop_at_an_epoch_end_is_said_the_same_way_everywhere(parent, tmp_path, capsys, monkeypatch):
+    """Row 9: the stop line, the summary and the resume line name one position (was: "epoch 2, after batch
+    28/28" beside "(epoch 3)", and a resume's 0-based "epoch 2")."""
+    argv = train_argv(parent["cache"], tmp_path, *SHORT, name="e")
+    code, out = run(argv, capsys, monkeypatch, stop_at=3)  # the last step of epoch 1
+    where = "at step 3 (the end of epoch 1)"
+    assert code == EXIT_INTERRUPTED and f"stopped (interrupted) {where}" in out and f"by SIGTERM {where}" in out
+    code, out = run(train_args(printed(out, "resume")), capsys, monkeypatch)
+    assert code == EXIT_OK and f": {where}" in out
+
+
+def test_fastmt_data_files_naming_no_path_is_an_error(monkeypatch, capsys):
+    """``FASTMT_DATA_FILES=:`` named no file and fell back to the Hub."""
+    from train.cli import resolve_config
+
+    monkeypatch.setenv("FASTMT_DATA_FILES", ":")
+    with pytest.raises(SystemExit):
+        resolve_config(["--preset", "tiny"], machine=False)
+    assert "names no file" in capsys.readouterr().err
+
+
+def test_init_from_records_the_tokenizer_settings_it_really_used(parent, tmp_path, capsys, monkeypatch):
+    """``--init-from`` with ``--data.vocab_size 2000``: the checkpoint's tokenizer is used, and config.json says
+    the vocabulary size that made it (was: 2000, a value nothing used)."""
+    argv = [*no_toy(train_argv(parent["cache"], tmp_path, "--max-steps", "1", name="v")), "--init-from",
+            str(parent["best"]), "--data-files", str(parent["other"])]
+    argv[argv.index("--data.vocab_size") + 1] = "2000"
+    code, out = run(argv, capsys, monkeypatch)
+    assert code == EXIT_OK, out[-2000:]
+    saved = load_checkpoint(parent["best"])["config"]["data"]["vocab_size"]
+    assert json.loads((tmp_path / "runs" / "v" / "config.json").read_text())["data"]["vocab_size"] == saved
+    assert "data.vocab_size=" in out
