@@ -2,6 +2,13 @@
 # (`make setup` is idempotent: seconds once done). The commands are also `.venv/bin/fastmt ...`.
 
 SHELL       := /bin/bash
+# every variable that holds a path or a user's value is single-quoted in the recipes (`q`), so a space, `;`, `$`
+# or a backtick in it is data, never shell syntax; ARGS alone is shell words (options for the command)
+q            = '$(subst ','\'',$(1))'
+qw           = $(foreach w,$(1),$(call q,$(w)))
+empty       :=
+space       := $(empty) $(empty)
+esc          = $(subst $(space),\$(space),$(1))
 VENV        ?= .venv
 SETUP       ?= venv
 BASE_PYTHON ?= $(shell command -v python3.11 || command -v python3)
@@ -18,8 +25,8 @@ RUNTIME     :=
 DEV         :=
 else
 PYTHON      := $(VENV)/bin/python
-RUNTIME     := $(VENV)/.fastmt-runtime
-DEV         := $(VENV)/.fastmt-dev
+RUNTIME     := $(call esc,$(VENV))/.fastmt-runtime
+DEV         := $(call esc,$(VENV))/.fastmt-dev
 endif
 
 # Local data: DATA_FILES (space-separated), else $FASTMT_DATA_FILES (read by fastmt itself: paths separated
@@ -30,7 +37,7 @@ STANDIN     ?= ../shared/data/opus_mt_testsets/en-it/train.jsonl
 DATA_FILES  ?= $(if $(FASTMT_DATA_FILES),,$(wildcard $(STANDIN)))
 DATA_FLAGS  := --data-files --data.data_files --data.dataset --config
 ARGS_DATA   := $(filter $(DATA_FLAGS) $(addsuffix =%,$(DATA_FLAGS)),$(ARGS))
-DATA_ARG    := $(if $(ARGS_DATA),,$(if $(DATA_FILES),--data-files $(DATA_FILES),))
+DATA_ARG    := $(if $(ARGS_DATA),,$(if $(DATA_FILES),--data-files $(call qw,$(DATA_FILES)),))
 # `make train` picks the preset by device (--auto) unless ARGS chooses one
 AUTO        := $(if $(filter --preset --preset=% --config --config=%,$(ARGS)),,--auto)
 
@@ -47,20 +54,20 @@ setup: $(RUNTIME)  ## create .venv with the runtime dependencies and the `fastmt
 
 setup-dev: $(DEV)  ## setup + the dev and export extras (pytest, hypothesis, ruff, transformers, ctranslate2)
 
-$(VENV)/.fastmt-runtime: pyproject.toml constraints-cpu.txt
-	@test -x $(VENV)/bin/python || $(BASE_PYTHON) -m venv $(VENV)
-	@$(VENV)/bin/python -c "import torch" 2>/dev/null || \
-		$(VENV)/bin/pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
-	$(VENV)/bin/pip install -q -e . -c constraints-cpu.txt
-	@touch $@
+$(call esc,$(VENV))/.fastmt-runtime: pyproject.toml constraints-cpu.txt
+	@test -x $(call q,$(VENV)/bin/python) || $(call q,$(BASE_PYTHON)) -m venv $(call q,$(VENV))
+	@$(call q,$(VENV)/bin/python) -c "import torch" 2>/dev/null || \
+		$(call q,$(VENV)/bin/pip) install -q $(if $(TORCH_INDEX),--index-url $(call q,$(TORCH_INDEX))) $(call q,$(TORCH_SPEC))
+	$(call q,$(VENV)/bin/pip) install -q -e . -c constraints-cpu.txt
+	@touch $(call q,$@)
 
-$(VENV)/.fastmt-dev: $(VENV)/.fastmt-runtime
-	$(VENV)/bin/pip install -q -e ".[dev,export]" -c constraints-cpu.txt
-	@touch $@
+$(call esc,$(VENV))/.fastmt-dev: $(call esc,$(VENV))/.fastmt-runtime
+	$(call q,$(VENV)/bin/pip) install -q -e ".[dev,export]" -c constraints-cpu.txt
+	@touch $(call q,$@)
 
 train: setup  ## train: CUDA -> the `fast` preset, CPU -> `tiny` (or ARGS="--preset P ...")
-	@$(if $(DATA_ARG),echo "make train: local data $(DATA_FILES)",)
-	PYTHONUNBUFFERED=1 $(PYTHON) -m train $(AUTO) $(DATA_ARG) $(ARGS)
+	@$(if $(DATA_ARG),echo "make train: local data "$(call qw,$(DATA_FILES)),)
+	PYTHONUNBUFFERED=1 $(call q,$(PYTHON)) -m train $(AUTO) $(DATA_ARG) $(ARGS)
 
 # CKPT and TEXT reach the command through the environment, unexpanded: make never reads `$`, and the shell
 # never runs backticks or splits the text
@@ -68,26 +75,26 @@ translate: export FASTMT_CKPT = $(value CKPT)
 translate: export FASTMT_TEXT = $(value TEXT)
 translate: setup  ## translate TEXT='...' (or lines on stdin) with CKPT=runs/<name>/checkpoints/best.pt
 	@test -n "$$FASTMT_CKPT" || { echo "make translate: set CKPT=runs/<name>/checkpoints/best.pt (and TEXT='...' or pipe lines on stdin)" >&2; exit 2; }
-	$(PYTHON) -m train.translate --ckpt "$$FASTMT_CKPT" $${FASTMT_TEXT:+"$$FASTMT_TEXT"} $(ARGS)
+	$(call q,$(PYTHON)) -m train.translate --ckpt "$$FASTMT_CKPT" $${FASTMT_TEXT:+"$$FASTMT_TEXT"} $(ARGS)
 
 stats: setup  ## what the data pipeline makes of the corpus under a preset (ARGS="--preset P ...")
-	$(PYTHON) -m train.stats $(AUTO) $(DATA_ARG) $(ARGS)
+	$(call q,$(PYTHON)) -m train.stats $(AUTO) $(DATA_ARG) $(ARGS)
 
 test: setup-dev  ## the CPU test suite (what CI runs, with .ci/readme-smoke.sh)
-	$(PYTHON) -m pytest -q -m "not slow and not gpu" --timeout=600 $(ARGS)
+	$(call q,$(PYTHON)) -m pytest -q -m "not slow and not gpu" --timeout=600 $(ARGS)
 
 kernel-test: setup-dev  ## Triton kernels: the interpreter on CPU, the full grid on CUDA
-	$(PYTHON) -m pytest -q tests/kernels -m "not slow" --timeout=1800 --durations=15 $(ARGS)
+	$(call q,$(PYTHON)) -m pytest -q tests/kernels -m "not slow" --timeout=1800 --durations=15 $(ARGS)
 
 bench: setup  ## kernel benchmarks, then the speedup ladder (a small smoke run on CPU)
-	PYTHONUNBUFFERED=1 $(PYTHON) -m bench.kernels $(ARGS)
-	PYTHONUNBUFFERED=1 $(PYTHON) -m bench.ladder $(DATA_ARG) $(ARGS)
+	PYTHONUNBUFFERED=1 $(call q,$(PYTHON)) -m bench.kernels $(ARGS)
+	PYTHONUNBUFFERED=1 $(call q,$(PYTHON)) -m bench.ladder $(DATA_ARG) $(ARGS)
 
 profile: setup  ## torch.profiler trace + graph-break / recompile report of the compiled step
-	PYTHONUNBUFFERED=1 $(PYTHON) -m bench.profile $(DATA_ARG) $(ARGS)
+	PYTHONUNBUFFERED=1 $(call q,$(PYTHON)) -m bench.profile $(DATA_ARG) $(ARGS)
 
 lint: setup-dev  ## ruff
-	$(PYTHON) -m ruff check .
+	$(call q,$(PYTHON)) -m ruff check .
 
 gpu-wheels: setup  ## download the wheels the GPU image lacks into .whl/ (CPU machine with PyPI)
 	bash bench/gpu_wheels.sh
@@ -100,16 +107,16 @@ TORCH_MIN       ?= 2.11.0
 VENV_MIN        ?= .venv-torch-min
 TORCH_MIN_TESTS ?= tests/kernels tests/models/test_decoding.py tests/train
 .PHONY: test-torch-min
-test-torch-min: $(VENV_MIN)/.fastmt-torch-$(TORCH_MIN)
-	$(VENV_MIN)/bin/python -c "import torch, triton; assert torch.__version__.split('+')[0] == '$(TORCH_MIN)', torch.__version__; print(f'test-torch-min: torch {torch.__version__}, triton {triton.__version__}')"
-	$(VENV_MIN)/bin/python -m pytest -q -m "not slow and not gpu" --timeout=900 -p no:cacheprovider $(TORCH_MIN_TESTS) $(ARGS)
+test-torch-min: $(call esc,$(VENV_MIN))/.fastmt-torch-$(TORCH_MIN)
+	FASTMT_TORCH_MIN=$(call q,$(TORCH_MIN)) $(call q,$(VENV_MIN)/bin/python) -c "import os, torch, triton; assert torch.__version__.split('+')[0] == os.environ['FASTMT_TORCH_MIN'], torch.__version__; print(f'test-torch-min: torch {torch.__version__}, triton {triton.__version__}')"
+	$(call q,$(VENV_MIN)/bin/python) -m pytest -q -m "not slow and not gpu" --timeout=900 -p no:cacheprovider $(call qw,$(TORCH_MIN_TESTS)) $(ARGS)
 
 # one stamp per torch version: TORCH_MIN=2.12.0 reinstalls torch in the same venv
-$(VENV_MIN)/.fastmt-torch-$(TORCH_MIN): pyproject.toml constraints-cpu.txt
-	@test -x $(VENV_MIN)/bin/python || $(BASE_PYTHON) -m venv $(VENV_MIN)
-	$(VENV_MIN)/bin/pip install -q "torch==$(TORCH_MIN)"
-	$(VENV_MIN)/bin/pip install -q -e ".[dev]" -c constraints-cpu.txt "torch==$(TORCH_MIN)"
-	@rm -f $(VENV_MIN)/.fastmt-torch-* && touch $@
+$(call esc,$(VENV_MIN))/.fastmt-torch-$(TORCH_MIN): pyproject.toml constraints-cpu.txt
+	@test -x $(call q,$(VENV_MIN)/bin/python) || $(call q,$(BASE_PYTHON)) -m venv $(call q,$(VENV_MIN))
+	$(call q,$(VENV_MIN)/bin/pip) install -q $(call q,torch==$(TORCH_MIN))
+	$(call q,$(VENV_MIN)/bin/pip) install -q -e ".[dev]" -c constraints-cpu.txt $(call q,torch==$(TORCH_MIN))
+	@rm -f $(call q,$(VENV_MIN))/.fastmt-torch-* && touch $(call q,$@)
 
 clean:  ## remove .venv, .venv-torch-min and the caches (never runs/)
-	rm -rf $(VENV) $(VENV_MIN) .cache .pytest_cache .ruff_cache
+	rm -rf $(call q,$(VENV)) $(call q,$(VENV_MIN)) .cache .pytest_cache .ruff_cache

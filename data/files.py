@@ -165,7 +165,8 @@ def atomic_write(path: str | os.PathLike, data: bytes | str | Callable[[IO[bytes
     refuse_link(path, what)
     fd, tmp = tempfile.mkstemp(prefix=prefix or f".{path.name}.tmp-{os.getpid()}-", dir=path.parent)
     try:
-        os.fchmod(fd, 0o666 & ~umask())
+        if stat.S_ISREG(os.fstat(fd).st_mode):  # (tests swap in /dev/full: never chmod a device)
+            os.fchmod(fd, 0o666 & ~umask())
         with os.fdopen(fd, "wb") as f:
             if callable(data):
                 data(f)
@@ -240,6 +241,6 @@ def explain_os_errors(what: str, path: str | os.PathLike, fix: str) -> Iterator[
     except FileRefusedError:
         raise
     except OSError as e:
-        if isinstance(e, DataInputError):  # a message already (e.g. data files not found)
+        if isinstance(e, DataInputError) or e.errno not in _CAUSES:  # a message already, or not the file system's
             raise
         raise FileRefusedError(os_error_line(e, what, path, fix)) from e

@@ -377,12 +377,13 @@ def build_data(cfg: DataConfig, log=print, tokenizer: Tokenizer | None = None) -
     if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
         raise TypeError(f"tokenizer must be a data.tokenizer.Tokenizer, got {type(tokenizer).__name__}")
     t0 = time.perf_counter()
-    if Path(cfg.cache_dir).exists() and not Path(cfg.cache_dir).is_dir():
-        raise DataInputError(f"data.cache_dir={cfg.cache_dir} is not a folder; give a folder (it is created if missing)")
     # an OSError of the cache (read-only, full, permission denied, a name the file system refuses): one line
     with F.explain_os_errors("the data cache --data.cache_dir", cfg.cache_dir,
                              "give --data.cache_dir a writable folder with room for the corpus"), \
             _spm_write_errors(cfg.cache_dir):
+        if Path(cfg.cache_dir).exists() and not Path(cfg.cache_dir).is_dir():
+            raise DataInputError(f"data.cache_dir={cfg.cache_dir} is not a folder; give a folder (it is created if "
+                                 f"missing)")
         cache = C.mkdirs(Path(cfg.cache_dir))
         if C.writable(cache):
             C.clean_stale_temps(cache, log)

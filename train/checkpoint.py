@@ -7,8 +7,15 @@ A checkpoint is one ``torch.save`` dict written by the Trainer:
 ``lineage`` (``run_id`` of the run that wrote it, ``parent``: the run and step that run branched from).
 Files are ``<run>/checkpoints/step-<step>.pt`` plus ``best.pt``; a reader never sees a partial file.
 A failed write (disk full, read-only) raises ``CheckpointWriteError`` in one line and keeps every
-earlier file; ``latest_loadable_checkpoint`` skips (and reports) a newest file that does not load, and
-considers only the run's own lineage, as keep-last pruning does.
+earlier file; ``latest_loadable_checkpoint`` skips (and reports, renaming nothing) a newest file that does
+not load, and considers only the run's own lineage, as keep-last pruning does.
+
+Loading is data, never code: every read is ``torch.load(weights_only=True)``. What fastmt writes needs no
+allowlist (RNG states are stored as tensors, ints and lists); `LEGACY_GLOBALS`, the one allowlist, admits
+the numpy array of the RNG state that checkpoints written before this change hold. A file that asks for
+any other Python object is refused in one line naming it and the type (``CheckpointUnsafeError``).
+A checkpoint carrying no lineage id is another run's file (never pruned, never resumed by ``auto``) unless
+its folder's marker says the run predates lineage ids (`unmarked_are_own`).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import errno
 import os
 import random
 import re
+import secrets
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -25,15 +33,34 @@ from typing import Any
 import numpy as np
 import torch
 
+from data.files import FileRefusedError, atomic_write, cause_of, remove_inside
 from train.errors import UserError
 
 _STEP_RE = re.compile(r"^step-(\d+)\.pt$")
 
 
+# The one allowlist of globals a checkpoint may name: numpy's array, as the RNG state of checkpoints written
+# before RNG states were stored as plain lists (fastmt <= 4f69878). (object, name) pairs: numpy 1 and 2 name
+# the reconstructor differently. An object-dtype array would still need globals outside this list.
+LEGACY_GLOBALS = [
+    (np._core.multiarray._reconstruct, "numpy._core.multiarray._reconstruct"),
+    (np._core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
+    np.ndarray, np.dtype, type(np.dtype(np.uint32)),
+]
+
+
+# errors of reading a file that say nothing about its content: the run stops with the cause (never falls back)
+NOT_CONTENT = {errno.EACCES, errno.EPERM, errno.EIO, errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.ESTALE,
+               errno.ETIMEDOUT, errno.ENOLINK, errno.EREMOTEIO}
+
+
 def rng_state() -> dict[str, Any]:
+    """The RNG states as plain data (a ``weights_only`` load reads them without any allowlist)."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": random.getstate(),  # (version, tuple of 625 ints, None)
+        "numpy": {"name": name, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
+                  "gauss": float(gauss)},
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -42,8 +69,12 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    npy = state["numpy"]
+    if isinstance(npy, dict):
+        npy = (npy["name"], np.asarray(npy["keys"], dtype=np.uint32), npy["pos"], npy["has_gauss"], npy["gauss"])
+    np.random.set_state(npy)
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -65,6 +96,15 @@ class CheckpointReadError(UserError, RuntimeError):
     """A checkpoint the user named does not load, or none of a run's checkpoints loads."""
 
 
+class CheckpointUnsafeError(CheckpointReadError):
+    """A checkpoint that asks for a Python object fastmt never writes (it would run code when unpickled)."""
+
+
+class CheckpointIOError(UserError, OSError):
+    """A checkpoint could not be read for a reason that is not its content (permission denied, I/O error,
+    out of memory): the run stops with the cause instead of falling back to an older checkpoint."""
+
+
 class CheckpointNotFoundError(UserError, FileNotFoundError):
     """A checkpoint the user named does not exist."""
 
@@ -79,20 +119,64 @@ def lineage_id(ckpt: dict[str, Any]) -> str | None:
     return lineage.get("run_id") if isinstance(lineage, dict) else None
 
 
-def file_lineage_id(path: str | os.PathLike) -> str | None | bool:
-    """``lineage_id`` of the checkpoint file at ``path``, read without loading its tensors (memory-mapped);
-    False when the file cannot be read."""
+def _torch_load(path: Path, map_location, mmap: bool = False) -> Any:
+    """``torch.load(weights_only=True)`` with the one allowlist (`LEGACY_GLOBALS`). A file that names any
+    other global raises ``CheckpointUnsafeError`` naming the file and the type; an ``OSError`` or an
+    allocation failure (not the file's content) raises ``CheckpointIOError``; anything else propagates."""
+    import pickle
+
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        with torch.serialization.safe_globals(LEGACY_GLOBALS):
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        if found is None:  # not a pickle that names code: damaged or not a checkpoint (the caller says so)
+            why = re.search(r"WeightsUnpickler error: (.*?)(?: Check the documentation|$)", " ".join(str(e).split()))
+            raise RuntimeError(f"not a torch checkpoint ({why.group(1) if why else 'unpickling failed'})") from None
+        raise CheckpointUnsafeError(
+            f"checkpoint {path} asks for the Python object {found.group(1)}, which no fastmt checkpoint holds: "
+            f"loading it could run code (a file made or changed by someone else?); it was not loaded. Use a "
+            f"checkpoint fastmt wrote") from None
+    except OSError as e:
+        if e.errno not in NOT_CONTENT:  # e.g. EINVAL seeking past the end of a truncated file: its content
+            raise
+        raise CheckpointIOError(f"cannot read checkpoint {path}: {cause_of(e, path)}; nothing was changed. "
+                                f"Fix the cause and run again") from e
+    except MemoryError as e:
+        raise CheckpointIOError(f"cannot read checkpoint {path}: out of memory; nothing was changed") from e
+    except RuntimeError as e:
+        if "can't allocate memory" in str(e) or "DefaultCPUAllocator" in str(e):
+            raise CheckpointIOError(f"cannot read checkpoint {path}: out of memory ({' '.join(str(e).split())[:120]})"
+                                    f"; nothing was changed") from e
+        raise
+
+
+def file_lineage_id(path: str | os.PathLike) -> str | None | bool:
+    """``lineage_id`` of the checkpoint file at ``path``, read without loading its tensors (memory-mapped,
+    ``weights_only``); False when the file cannot be read (or asks for code: never unpickled)."""
+    try:
+        ckpt = _torch_load(Path(path), "cpu", mmap=True)
     except Exception:  # noqa: BLE001 - unreadable: the caller leaves the file alone
         return False
     return lineage_id(ckpt) if isinstance(ckpt, dict) else False
 
 
-def same_lineage(ckpt_run_id: str | None | bool, run_id: str | None) -> bool:
-    """A checkpoint belongs to run ``run_id`` when it carries that id, or no id at all (written before
-    lineages existed, in a run folder an earlier fastmt made). ``run_id`` None: every readable file."""
-    return ckpt_run_id is not False and (run_id is None or ckpt_run_id in (None, run_id))
+def same_lineage(ckpt_run_id: str | None | bool, run_id: str | None, unmarked: bool = False) -> bool:
+    """A checkpoint belongs to run ``run_id`` when it carries that id; one with no id at all only when
+    ``unmarked`` (its folder's records show the run predates lineage ids: `unmarked_are_own`). ``run_id``
+    None: every readable file."""
+    if ckpt_run_id is False:
+        return False
+    return run_id is None or ckpt_run_id == run_id or (ckpt_run_id is None and unmarked)
+
+
+def unmarked_are_own(ckpt_dir: str | os.PathLike) -> bool:
+    """Do checkpoints without a lineage id in ``ckpt_dir`` belong to its run? Only in a run folder an earlier
+    fastmt made: no marker (run.json), or one written when such a folder was adopted."""
+    from train.rundir import read_marker
+
+    marker = read_marker(Path(ckpt_dir).parent)
+    return marker is None or bool(marker.get("adopted"))
 
 
 def _storage_bytes(obj: Any, seen: set[int] | None = None) -> int:
@@ -167,25 +251,19 @@ def _write_error(e: BaseException, path: Path, obj: Any) -> CheckpointWriteError
 
 
 def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
-    """``torch.save`` to a temp file in the same folder, fsync, then ``os.replace`` onto ``path``.
+    """``torch.save`` through `data.files.atomic_write` (a ``mkstemp`` file in the same folder, fsync,
+    ``os.replace``, folder fsync; a link at ``path`` is refused).
 
     A failed write (disk full, read-only, ...) raises ``CheckpointWriteError``; the temp file is
     removed and ``path`` keeps its old content.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        atomic_write(path, lambda f: torch.save(obj, f), what="checkpoint")  # temp removed on failure
+    except FileRefusedError:
+        raise
     except BaseException as e:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass  # e.g. the folder turned read-only: report the write error, not this
         err = _write_error(e, path, obj) if isinstance(e, Exception) else None
         if err is None:
             raise
@@ -194,14 +272,20 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """The checkpoint at ``path`` as data (``weights_only``: see the module docstring). Raises
+    ``FileNotFoundError``, ``CheckpointUnsafeError`` (it asks for code), ``CheckpointIOError`` (the OS could
+    not read it: not its content), or ``RuntimeError`` (truncated, not a fastmt checkpoint)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
     try:
-        # Our own files (they hold numpy RNG state and plain dicts), so full unpickling is intended.
-        ckpt = torch.load(path, map_location=map_location, weights_only=False)
+        ckpt = _torch_load(path, map_location)
+    except (CheckpointUnsafeError, CheckpointIOError):
+        raise
     except Exception as e:  # noqa: BLE001 - re-raised with the path and the likely cause
         raise RuntimeError(f"cannot read checkpoint {str(path)!r} (truncated or not a fastmt checkpoint): {e}") from e
+    if not isinstance(ckpt, dict):
+        raise RuntimeError(f"{str(path)!r} is not a fastmt training checkpoint: it holds a {type(ckpt).__name__}")
     missing = {"model", "config", "position"} - set(ckpt)
     if missing:
         raise RuntimeError(f"{str(path)!r} is not a fastmt training checkpoint: missing keys {sorted(missing)}")
@@ -218,6 +302,8 @@ def read_checkpoint(path: str | os.PathLike, what: str = "--resume") -> dict[str
                                       f"runs/<name>/checkpoints/step-<N>.pt and best.pt)")
     try:
         return load_checkpoint(path)
+    except (CheckpointUnsafeError, CheckpointIOError):
+        raise
     except RuntimeError as e:
         raise CheckpointReadError(f"{what} {path}: " + " ".join(str(e).split())[:400]) from e
 
@@ -240,40 +326,45 @@ def latest_loadable_checkpoint(ckpt_dir: str | os.PathLike, log: Callable[[str],
                                map_location: str | torch.device = "cpu", *, run_id: str | None = None,
                                ) -> tuple[Path | None, dict | None]:
     """The newest step checkpoint of run ``run_id`` that loads, as ``(path, checkpoint)``; ``(None, None)``
-    if the folder has none at all.
+    if the folder has none at all. Nothing is renamed, moved or deleted.
 
-    A newer one that does not load (truncated, not a fastmt checkpoint) is reported in one line (path,
-    size, error) and renamed ``<name>.unreadable`` — kept for inspection, out of keep-last pruning and
-    of later ``--resume auto`` — and the one before it is tried. A checkpoint of another lineage (another
-    run's file put here) is skipped and left in place. If checkpoints exist (``.unreadable`` ones set aside
-    earlier included) but none of this run loads, ``CheckpointReadError``, every time: resuming from
-    nothing would silently restart the run.
+    A newer one whose content does not load (truncated, not a fastmt checkpoint) is reported in one line
+    (path, size, cause) and the one before it is tried; it stays where it is (pruning never deletes a file it
+    cannot read). A file that asks for code (``CheckpointUnsafeError``) or that the OS cannot read (permission
+    denied, I/O error, out of memory: ``CheckpointIOError``) stops the search with that cause: falling back
+    would silently resume from an older point. Checkpoints of another lineage (and, unless the folder's run
+    predates lineage ids, files with none) are skipped, listed in one line. If checkpoints exist but none of
+    this run loads, ``CheckpointReadError``, every time: resuming from nothing would silently restart the run.
     """
     d = Path(ckpt_dir)
     ckpts = step_checkpoints(d)
+    unmarked = unmarked_are_own(d)
     bad, foreign = [], []
+    found: tuple[Path | None, dict | None] = (None, None)
     for path in reversed(ckpts):
         try:
             ckpt = load_checkpoint(path, map_location)
-        except (RuntimeError, OSError) as e:
+        except RuntimeError as e:
+            if isinstance(e, CheckpointUnsafeError):
+                raise
             size = path.stat().st_size if path.exists() else 0
-            aside = path.with_name(path.name + ".unreadable")
-            try:
-                path.rename(aside)
-            except OSError:
-                aside = path
-            log(f"checkpoint {path} ({size:,} bytes) does not load, skipped (now {aside.name}): "
+            log(f"checkpoint {path} ({size:,} bytes) does not load, skipped and left in place: "
                 + " ".join(str(e).split())[:300])
-            bad.append(aside)
+            bad.append(path)
             continue
-        if same_lineage(lineage_id(ckpt), run_id):
-            return path, ckpt
-        log(f"checkpoint {path} belongs to another run (run id {lineage_id(ckpt)}, this run is {run_id}): "
-            f"skipped and left in place")
-        foreign.append(path)
-    earlier = sorted(p for p in d.glob("step-*.pt.unreadable") if p not in bad) if d.is_dir() else []
+        if same_lineage(lineage_id(ckpt), run_id, unmarked):
+            found = (path, ckpt)
+            break
+        foreign.append((path, lineage_id(ckpt)))
+    if foreign:
+        log(f"--resume auto: {len(foreign)} checkpoint(s) in {d} belong to another run (this run is {run_id}), "
+            f"skipped and left in place: " + ", ".join(f"{p.name} (run id {rid})" for p, rid in foreign[:6])
+            + (", ..." if len(foreign) > 6 else ""))
+    if found[0] is not None:
+        return found
+    earlier = sorted(d.glob("step-*.pt.unreadable")) if d.is_dir() else []  # set aside by an earlier fastmt
     if bad or foreign or earlier:
-        every = [*bad, *earlier, *foreign]
+        every = [*bad, *earlier, *(p for p, _ in foreign)]
         names = ", ".join(p.name for p in every[:6]) + (", ..." if len(every) > 6 else "")
         raise CheckpointReadError(
             f"--resume auto: none of the {len(every)} checkpoint(s) in {d} loads as this run's ({names}); nothing "
@@ -287,8 +378,9 @@ class CheckpointManager:
     """Writes ``step-<n>.pt``, keeps the newest ``keep_last``, and maintains ``best.pt``.
 
     ``mode="max"`` (BLEU) or ``"min"`` (validation loss) decides what "best" means. ``run_id``: pruning
-    deletes only this run's checkpoints (``same_lineage``), never a file of another lineage or one it
-    cannot read; None prunes every ``step-*.pt``.
+    deletes only this run's checkpoints (``same_lineage``), never a file of another lineage, one without a
+    lineage id (unless the folder's run predates them), a link, or one it cannot read; None prunes every
+    readable ``step-*.pt``.
     """
 
     def __init__(self, ckpt_dir: str | os.PathLike, keep_last: int, mode: str = "max", run_id: str | None = None):
@@ -325,29 +417,31 @@ class CheckpointManager:
                                        path=e.path, cause=e.cause, code=e.errno) from e.__cause__
         self._lineage[path] = self.run_id
         for old in self.own_checkpoints()[: -self.keep_last]:
-            old.unlink()
+            remove_inside(self.dir, old)
             self._lineage.pop(old, None)
         return path
 
     def own_checkpoints(self) -> list[Path]:
         """This run's ``step-*.pt`` files, oldest first (other lineages' and unreadable files left out)."""
         files = step_checkpoints(self.dir)
-        if self.run_id is None:
-            return files
         for p in files:
             if p not in self._lineage:
                 self._lineage[p] = file_lineage_id(p)
-        return [p for p in files if same_lineage(self._lineage[p], self.run_id)]
+        unmarked = self.run_id is None or unmarked_are_own(self.dir)
+        return [p for p in files if not p.is_symlink() and same_lineage(self._lineage[p], self.run_id, unmarked)]
 
     def _write_best(self, path: Path, state: dict[str, Any]) -> None:
-        best_tmp = self.dir / f".best.pt.tmp-{os.getpid()}"
-        try:  # a hard link costs nothing; os.replace keeps best.pt atomic
-            best_tmp.unlink(missing_ok=True)
+        best = self.dir / "best.pt"
+        best_tmp = self.dir / f".best.pt.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        try:  # a hard link costs nothing; os.replace keeps best.pt atomic (a link at best.pt is replaced, the
+            # file it pointed to untouched; os.link never follows or overwrites an existing name)
             os.link(path, best_tmp)
-            os.replace(best_tmp, self.dir / "best.pt")
+            os.replace(best_tmp, best)
         except OSError:  # no hard links here (some network/FUSE file systems): write a copy
-            best_tmp.unlink(missing_ok=True)
-            atomic_save(state, self.dir / "best.pt")
+            remove_inside(self.dir, best_tmp)
+            if best.is_symlink():
+                remove_inside(self.dir, best)
+            atomic_save(state, best)
 
 
 def check_tokenizer(ckpt: dict[str, Any], tok, path) -> None:
@@ -390,9 +484,10 @@ def average_last_epochs(ckpt_dir: str | os.PathLike, k: int, log: Callable[[str]
     (mid-epoch ones, from interruptions, and other lineages' are left out; each file is read once); None,
     said in one line, when fewer are kept."""
     ends: dict[Path, dict[str, Any]] = {}
+    unmarked = run_id is None or unmarked_are_own(ckpt_dir)
     for p in reversed(step_checkpoints(ckpt_dir)):
         ckpt = load_checkpoint(p)
-        if ckpt["position"]["batch_index"] == 0 and same_lineage(lineage_id(ckpt), run_id):
+        if ckpt["position"]["batch_index"] == 0 and same_lineage(lineage_id(ckpt), run_id, unmarked):
             ends[p] = ckpt
             if len(ends) == k:
                 return average_checkpoints(sorted(ends), loaded=ends)

@@ -7,30 +7,71 @@ block) replays the same compiled code. Whole-model compilation (``"model"``) tra
 one graph: slower to compile, a little more fusion across block boundaries. With
 ``compile_mode="reduce-overhead"`` each compiled region replays as a CUDA graph.
 
-The Inductor FX-graph / AOTAutograd caches and Triton's kernel cache live under ``run.cache_dir``
-(default ``.cache/``), so a second run of the same configuration skips most of the compile.
+The Inductor FX-graph / AOTAutograd caches and Triton's kernel cache live under ``run.cache_dir``, so a
+second run of the same configuration skips most of the compile. These caches hold code (Inductor unpickles
+its FX graphs, Triton loads ``.so`` launchers), so they are private: the default is a per-user folder,
+``$XDG_CACHE_HOME/fastmt/compile`` (else ``~/.cache/fastmt/compile``), made with mode 0700; a folder given
+with ``--run.cache_dir`` must belong to this user and be writable by nobody else, or the run is refused in
+one line (`check_private`). Never the current folder: a copied project would carry code into the next run.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from train.errors import UserError
+
+
+class CacheDirError(UserError):
+    """A compile cache folder other users could write (or another user owns): code in it would run."""
+
+
+def default_cache_dir() -> Path:
+    """The per-user compile cache: ``$XDG_CACHE_HOME/fastmt/compile``, else ``~/.cache/fastmt/compile``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fastmt" / "compile"
+
+
+def check_private(path: Path, flag: str = "--run.cache_dir") -> Path:
+    """Make ``path`` (mode 0700) if missing and refuse (``CacheDirError``) a folder that another user owns or
+    that group/others may write: anything planted there would run in the next compiled run."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700, exist_ok=True)
+        st = path.stat()
+    except OSError as e:
+        raise CacheDirError(f"{flag} {path}: cannot use it as the compile cache ({e.strerror or e}); give a "
+                            f"writable folder of your own") from None
+    problem = None
+    if not stat.S_ISDIR(st.st_mode):
+        problem = "it is not a folder"
+    elif st.st_uid != os.geteuid():
+        problem = f"it belongs to user {st.st_uid}, not to you ({os.geteuid()})"
+    elif st.st_mode & 0o022:
+        problem = f"other users may write in it (mode {stat.filemode(st.st_mode)})"
+    if problem:
+        raise CacheDirError(f"{flag} {path}: {problem}; the compile caches hold code that the next compiled run "
+                            f"loads, so fastmt uses only a folder of yours that nobody else can write. Fix: "
+                            f"chmod go-w {path}, or give another {flag} (default: {default_cache_dir()})")
+    return path
+
 
 def configure_caches(cache_dir: str) -> dict[str, str]:
-    """Point Inductor's and Triton's on-disk caches at ``cache_dir`` (unless the environment already set
-    them) and switch the FX-graph and AOTAutograd caches on. Returns the directories in use."""
-    if not cache_dir:
-        return {}
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    """Point Inductor's and Triton's on-disk caches at ``cache_dir`` ("": `default_cache_dir`), checked
+    private (`check_private`), unless the environment already set them, and switch the FX-graph and
+    AOTAutograd caches on. Returns the directories in use."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir as torch_default
 
-    root = Path(cache_dir).resolve()
+    root = check_private(Path(cache_dir) if cache_dir else default_cache_dir()).resolve()
     # torch writes its default into the environment the first time it asks (importing dynamo does): that is
     # not a user's choice, so it is replaced; a directory the user exported is kept
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, os.path.abspath(default_cache_dir())):
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, os.path.abspath(torch_default())):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
     os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
     import torch._functorch.config as functorch_config

@@ -138,9 +138,45 @@ def autocast_for(device: torch.device, precision: str):
     return torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
 
 
+MAX_LAYERS = 1024  # per stack: far above any model fastmt trains; a larger count in a file is forged
+EXTRA_BUFFER_BYTES = 256 * 2**20  # memory a model may allocate beyond its stored tensors (position tables)
+
+
+def check_model_config(cfg, state: dict[str, Any], path) -> int:
+    """Refuse (``UserError``) a checkpoint whose model config does not describe exactly the tensors it stores,
+    before any memory is allocated: the model is built on the ``meta`` device (shapes only), its parameter
+    count and shapes compared with the file's. A few-KB file with a forged config (d_model 10^6) would
+    otherwise make ``translate`` allocate the model it describes. Returns the parameter count."""
+    from models import Transformer
+
+    layers = max(n for n in (cfg.enc_layers, cfg.dec_layers, cfg.enc_unique, cfg.dec_unique) if n is not None)
+    if layers > MAX_LAYERS:
+        raise UserError(f"{path}: its model config asks for {layers:,} layers (at most {MAX_LAYERS}): a damaged or "
+                        f"forged checkpoint; nothing was built")
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    stored = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
+    n_cfg, n_file = sum(math.prod(s) for s in expected.values()), sum(math.prod(s) for s in stored.values())
+    if expected != stored or len(stored) != len(state):
+        diff = sorted(set(expected) ^ set(stored)) or [k for k in expected if expected[k] != stored.get(k)]
+        first = diff[0] if diff else next(k for k in state if k not in stored)
+        raise UserError(f"{path}: its model config (d_model {cfg.d_model}, {cfg.enc_layers}+{cfg.dec_layers} layers, "
+                        f"vocab {cfg.vocab_size}) makes {n_cfg:,} parameters in {len(expected)} tensors, but the file "
+                        f"stores {n_file:,} in {len(state)} (first difference: {first!r}: config "
+                        f"{expected.get(first)}, file {stored.get(first, type(state.get(first)).__name__)}): a damaged "
+                        f"or forged checkpoint; nothing was built")
+    extra = sum(b.numel() * b.element_size() for k, b in model.named_buffers() if k not in expected)
+    if extra > EXTRA_BUFFER_BYTES:
+        raise UserError(f"{path}: its model config needs {extra / 2**20:,.0f} MB of tables beyond its stored weights "
+                        f"(max_positions {cfg.max_positions}): a damaged or forged checkpoint; nothing was built")
+    return n_cfg
+
+
 def load_for_inference(ckpt_path: str | Path, device: str | torch.device = "cpu"):
     """(model in eval mode, tokenizer, checkpoint dict) from a training checkpoint; a file that is not one
-    (missing, unreadable, without a tokenizer) raises ``UserError`` naming it."""
+    (missing, unreadable, without a tokenizer, asking for code, a config that disagrees with its tensors)
+    raises ``UserError`` naming it, before the model is allocated."""
     from models import ModelConfig, Transformer
     from train.checkpoint import load_checkpoint
     from train.export.engine import is_ct2_dir, load_ct2
@@ -150,6 +186,8 @@ def load_for_inference(ckpt_path: str | Path, device: str | torch.device = "cpu"
         return load_ct2(ckpt_path, torch.device(device))
     try:
         ckpt = load_checkpoint(ckpt_path)
+    except UserError:
+        raise
     except (FileNotFoundError, RuntimeError) as e:
         raise UserError(f"--ckpt: {e}") from e
     tok = tokenizer_of(ckpt, Path(ckpt_path))
@@ -160,6 +198,9 @@ def load_for_inference(ckpt_path: str | Path, device: str | torch.device = "cpu"
     if cfg.vocab_size != tok.vocab_size:
         raise UserError(f"{ckpt_path}: tokenizer mismatch: model vocab {cfg.vocab_size} != tokenizer vocab "
                         f"{tok.vocab_size} ({tok.model_file})")
+    if not isinstance(ckpt["model"], dict):
+        raise UserError(f"{ckpt_path}: its 'model' entry is a {type(ckpt['model']).__name__}, not a state dict")
+    check_model_config(cfg, ckpt["model"], ckpt_path)
     model = Transformer(cfg).to(device)
     model.load_state_dict(ckpt["model"])
     model.eval()
@@ -191,13 +232,15 @@ def run_command(run: Callable[[argparse.Namespace], int], args: argparse.Namespa
     """``run(args)`` under the inference commands' error policy: a ``UserError`` prints one line, ``error: ...``
     (its traceback too under ``--debug`` or ``FASTMT_DEBUG=1``), and returns its exit code; Ctrl-C returns 130
     (after printing ``interrupted``, if given)."""
+    from data.clean import DataInputError  # data.files.FileRefusedError: a refused path, in one line too
+
     try:
         return run(args)
-    except UserError as e:
+    except (UserError, DataInputError) as e:
         if getattr(args, "debug", False) or debug_enabled():
             traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
+        return getattr(e, "exit_code", 2)
     except KeyboardInterrupt:
         if interrupted:
             print(interrupted, file=sys.stderr)

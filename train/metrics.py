@@ -1,7 +1,11 @@
-"""Run records: provenance (config, git sha, versions, GPU), metrics.jsonl + TensorBoard, curves.png."""
+"""Run records: provenance (config, git sha, versions, GPU), metrics.jsonl + TensorBoard, curves.png.
+
+Every record is written without following a link (`data.files`): provenance and curves by the atomic writer,
+metrics.jsonl appended through an ``O_NOFOLLOW`` open."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -13,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from data.files import append_text, atomic_write
 
 
 def git_sha(repo: str | os.PathLike | None = None) -> str | None:
@@ -72,7 +78,7 @@ def write_provenance(run_dir: Path, config: dict[str, Any], split_record: Any, e
     rec = provenance(config, split_record, extra)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / ("provenance.json" if step == 0 else f"provenance-resume-step{step}.json")
-    path.write_text(json.dumps(rec, indent=2, default=str))
+    atomic_write(path, json.dumps(rec, indent=2, default=str), what="provenance record")
     log(f"provenance ({path}): git {rec['git_sha']}, torch {rec['torch']}, triton {rec['triton']}, cuda {rec['cuda']}, "
         f"gpu {rec['gpu']}, " + ", ".join(f"{k} {extra[k]}" for k in ("device", "world_size", "params", "compiled",
                                                                       "steps_per_epoch", "total_steps") if k in extra))
@@ -122,8 +128,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         line = json.dumps({k: _clean(v) for k, v in record.items()})
-        with open(self.path, "a") as f:
-            f.write(line + "\n")
+        append_text(self.path, line + "\n", "metrics file")  # never through a link planted as metrics.jsonl
 
     def close(self) -> None:
         if self.tb is not None:
@@ -180,6 +185,8 @@ def plot_curves(metrics_path: str | os.PathLike, out_png: str | os.PathLike) -> 
     fig.suptitle(Path(metrics_path).parent.name)
     fig.tight_layout()
     out_png = Path(out_png)
-    fig.savefig(out_png, dpi=100)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
+    atomic_write(out_png, buf.getvalue(), what="plot")
     return out_png

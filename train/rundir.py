@@ -20,19 +20,19 @@ import json
 import os
 import re
 import secrets
-import shutil
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from data.files import atomic_write, remove_inside, rename_inside
 from train.errors import UserError
 from train.runlock import _HELD, LOCK_NAME, RunLock, RunLockedError, _same_file
 
 MARKER_NAME = "run.json"  # the run marker: only folders holding it (or an earlier fastmt's runs) are written
 MAX_NAME_LEN = 200
-# temp files of atomic writes (train.checkpoint.atomic_save, cut_metrics): ".<file name>.tmp-<pid>"
-_TEMP_RE = re.compile(r"^\..+\.tmp-\d+$")
+# temp files of atomic writes (data.files.atomic_write): ".<file name>.tmp-<pid>-<random>" (".tmp-<pid>": older)
+_TEMP_RE = re.compile(r"^\..+\.tmp-\d+(-[0-9a-z_]+)?$")
 _GOOD_NAME = "a plain folder name such as 'en-it-tiny' or 'wmt14_s18.v2'"
 
 
@@ -84,14 +84,39 @@ def new_run_id() -> str:
 
 
 def read_marker(run_dir: str | os.PathLike) -> dict[str, Any] | None:
-    """The run marker ``<run_dir>/run.json`` if it is one fastmt wrote, else None."""
+    """The run marker ``<run_dir>/run.json`` if it is one fastmt wrote (a regular file, not a link), else None."""
+    path = Path(run_dir) / MARKER_NAME
+    if path.is_symlink():
+        return None
     try:
-        marker = json.loads((Path(run_dir) / MARKER_NAME).read_text())
+        marker = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(marker, dict) or marker.get("fastmt_run") != 1 or not isinstance(marker.get("run_id"), str):
         return None
     return marker
+
+
+def _damaged_marker(run_dir: Path) -> str | None:
+    """Why ``<run_dir>/run.json`` is there but no marker fastmt wrote (None: missing or fine)."""
+    path = run_dir / MARKER_NAME
+    if not path.exists() and not path.is_symlink():
+        return None
+    if read_marker(run_dir) is not None:
+        return None
+    if path.is_symlink():
+        return "it is a symbolic link"
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        return f"unreadable: {getattr(e, 'strerror', None) or e}"
+    if not text.strip():
+        return "empty"
+    try:
+        json.loads(text)
+    except ValueError:
+        return "not JSON"
+    return "not a fastmt run marker"
 
 
 def write_marker(run_dir: str | os.PathLike, run_id: str, *, parent: dict[str, Any] | None = None,
@@ -109,13 +134,9 @@ def write_marker(run_dir: str | os.PathLike, run_id: str, *, parent: dict[str, A
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """``path`` holds ``text`` or its old content, never a part (temp file + ``os.replace``)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """``path`` holds ``text`` or its old content, never a part (`data.files.atomic_write`; a link at
+    ``path`` is refused)."""
+    atomic_write(path, text, what="run record")
 
 
 def _legacy_run(run_dir: Path) -> bool:
@@ -130,14 +151,22 @@ def _legacy_run(run_dir: Path) -> bool:
 
 def folder_state(path: str | os.PathLike) -> str:
     """What ``path`` is: "missing"; "empty" (nothing in it, or only a run lock file); "run" (a fastmt run:
-    it holds ``run.json``, or is a run folder of an earlier fastmt); "other" (anything else). A link to a
+    it holds ``run.json``, or is a run folder of an earlier fastmt); "other" (anything else). A fastmt run
+    folder whose ``run.json`` is damaged (empty, not JSON, a link) raises ``RunFolderError``. A link to a
     folder is judged by that folder (fastmt never renames a run folder, so a link is safe to follow)."""
     path = Path(path)
     if not path.exists() and not path.is_symlink():
         return "missing"
     if not path.is_dir():  # a file, or a dangling link
         return "other"
-    if read_marker(path) is not None or _legacy_run(path):
+    if read_marker(path) is not None:
+        return "run"
+    if _legacy_run(path):  # a fastmt run's files: its run.json must be missing (an earlier fastmt), not damaged
+        why = _damaged_marker(path)
+        if why is not None:  # adopting it would silently rewrite run.json with a new id
+            raise RunFolderError(f"the run marker {path / MARKER_NAME} is damaged ({why}): fastmt cannot tell which "
+                                 f"run {path} holds and changes nothing in it. Fix: restore run.json from a copy, or "
+                                 f"continue from one of its checkpoints with --resume PATH under another --run.name")
         return "run"
     if all(p.name == LOCK_NAME for p in path.iterdir()):
         return "empty"
@@ -250,15 +279,9 @@ def discard_unused_run_folder(run_dir: str | os.PathLike, log: Callable[[str], A
                 or _TEMP_RE.match(p.name)):
             return False
     for p in run_dir.iterdir():
-        if p.name == "tensorboard":
-            shutil.rmtree(p)
-        elif p.name == "checkpoints":
-            for q in p.iterdir():
-                q.unlink()
-            p.rmdir()
-        elif p.name != LOCK_NAME:
-            p.unlink()
-    (run_dir / LOCK_NAME).unlink(missing_ok=True)
+        if p.name != LOCK_NAME:
+            remove_inside(run_dir, p)  # a link is removed itself; tensorboard/ and checkpoints/ are real folders
+    remove_inside(run_dir, run_dir / LOCK_NAME)
     if marker.get("made_folder", True) and not run_dir.is_symlink():
         run_dir.rmdir()
         log(f"removed the run folder {run_dir}: the run ended before writing a checkpoint")
@@ -287,7 +310,7 @@ def move_aside_previous_run(run_dir: str | os.PathLike, log: Callable[[str], Any
     n = 1
     while target.exists():
         target, n = run_dir.with_name(f"{run_dir.name}.prev-{stamp}-{n}"), n + 1
-    run_dir.rename(target)
+    rename_inside(run_dir.parent, run_dir, target)
     log(f"{run_dir} held an earlier run: moved to {target}")
     moved_fd, lock._fd = lock._fd, None
     _HELD.discard(lock)
@@ -314,7 +337,7 @@ def remove_stale_temp_files(directory: str | os.PathLike, log: Callable[[str], A
     sizes = []
     for p in stale:
         sizes.append(p.lstat().st_size)
-        p.unlink()
+        remove_inside(d, p)
     if stale:
         log(f"removed {len(stale)} temp file(s) left by interrupted saves in {d}: "
             + ", ".join(f"{p.name} ({s / 2**20:.1f} MB)" for p, s in zip(stale, sizes)))
@@ -345,14 +368,6 @@ def _parse_record(raw: bytes) -> dict[str, Any] | None:
     except (UnicodeDecodeError, ValueError):
         return None
     return rec if isinstance(rec, dict) else None
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def cut_metrics(metrics_path: str | os.PathLike, *,
@@ -404,16 +419,7 @@ def cut_metrics(metrics_path: str | os.PathLike, *,
         f.writelines(cut)
         f.flush()
         os.fsync(f.fileno())
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.writelines(kept)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
+    atomic_write(path, b"".join(kept), what="metrics file")
     bad = ""
     if unreadable:
         shown = ", ".join(map(str, unreadable[:5])) + (", ..." if len(unreadable) > 5 else "")

@@ -17,6 +17,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from data.files import open_nofollow
 from train.errors import UserError
 
 LOCK_NAME = ".lock"
@@ -81,7 +82,8 @@ class RunLock:
 
     ``acquire()`` creates the folder if needed and fails at once with ``RunLockedError`` naming the
     holder (PID, host, start time, command line) when another open of the file holds it — another
-    process, or this one through a second ``RunLock``. The file holds the holder's PID, host, start
+    process, or this one through a second ``RunLock``. A link (or anything but a regular file) at ``.lock`` is
+    refused in one line (``data.files.FileRefusedError``), never followed. The file holds the holder's PID, host, start
     time and argv as JSON; ``release()`` removes it. Use as a context manager or acquire/release.
     Forked children do not keep it (their copy is closed at fork), so it ends with this process.
     """
@@ -100,7 +102,7 @@ class RunLock:
             raise RuntimeError(f"{self.path} is already locked by this RunLock")
         for _ in range(10):
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = open_nofollow(self.path, os.O_RDWR | os.O_CREAT, 0o644, "run lock")  # a planted link: refused
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:

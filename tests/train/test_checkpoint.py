@@ -7,6 +7,7 @@ import os
 import pickle
 import random
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -80,9 +81,8 @@ def test_corrupt_newest_checkpoint_is_reported_and_the_previous_one_used(tmp_pat
     assert path.name == "step-00000002.pt" and ckpt["position"]["step"] == 2
     assert torch.equal(ckpt["model"]["w"], _state(2)["model"]["w"])
     assert len(logs) == 1 and str(newest) in logs[0] and f"{size:,} bytes" in logs[0] and "does not load" in logs[0]
-    # set aside, not deleted: out of the step-*.pt series, so pruning and the next resume ignore it
-    assert (tmp_path / "step-00000003.pt.unreadable").stat().st_size == size
-    assert latest_checkpoint(tmp_path).name == "step-00000002.pt"
+    # left in place (refusing changes nothing): pruning never deletes a file it cannot read
+    assert newest.stat().st_size == size and "left in place" in logs[0]
 
 
 def test_no_checkpoint_loads_is_an_error_and_no_checkpoint_is_none(tmp_path):
@@ -112,10 +112,19 @@ def _assert_nothing_lost(tmp_path, m, before):
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
-def test_real_disk_full_says_so_and_keeps_the_previous_checkpoint(tmp_path):
+def test_real_disk_full_says_so_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     m, before = _manager_with_one_checkpoint(tmp_path)
-    # the temp file is a link to /dev/full: every write fails with the kernel's real ENOSPC
-    os.symlink("/dev/full", tmp_path / f".step-00000002.pt.tmp-{os.getpid()}")
+    # the temp file's fd is /dev/full: every write fails with the kernel's real ENOSPC
+    real = tempfile.mkstemp
+
+    def full_mkstemp(*args, **kwargs):
+        fd, name = real(*args, **kwargs)
+        full = os.open("/dev/full", os.O_WRONLY)
+        os.dup2(full, fd)
+        os.close(full)
+        return fd, name
+
+    monkeypatch.setattr("data.files.tempfile.mkstemp", full_mkstemp)
     with pytest.raises(CheckpointWriteError) as e:
         m.save(_state(2), 2, metric=5.0)
     msg = str(e.value)
@@ -174,10 +183,10 @@ def test_fsync_failure_is_translated(tmp_path, monkeypatch, code, cause):
 def test_read_only_file_system_is_translated(tmp_path, monkeypatch):
     m, before = _manager_with_one_checkpoint(tmp_path)
 
-    def read_only_open(*args, **kwargs):
-        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(args[0]))
+    def read_only_mkstemp(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(kwargs.get("dir")))
 
-    monkeypatch.setattr(ck, "open", read_only_open, raising=False)
+    monkeypatch.setattr("data.files.tempfile.mkstemp", read_only_mkstemp)
     with pytest.raises(CheckpointWriteError, match=r"step-00000002\.pt: read-only file system \(/") as e:
         m.save(_state(2), 2, metric=5.0)
     assert "remount it read-write" in str(e.value)
@@ -238,7 +247,7 @@ def test_pruning_keeps_other_lineages_and_unreadable_files(tmp_path):
     assert [p.name for p in m.own_checkpoints()] == ["step-00000005.pt"]
     legacy = CheckpointManager(tmp_path, keep_last=1)  # no run id: every readable step file (older runs)
     legacy.save(_run_state(6, None), 6)
-    assert [p.name for p in step_checkpoints(tmp_path)] == ["step-00000006.pt"]
+    assert [p.name for p in step_checkpoints(tmp_path)] == ["step-00000002.pt", "step-00000006.pt"]
 
 
 def test_latest_loadable_skips_other_lineages_and_refuses_when_none_is_the_runs(tmp_path):
@@ -246,9 +255,9 @@ def test_latest_loadable_skips_other_lineages_and_refuses_when_none_is_the_runs(
     torch.save(_run_state(2, "other"), tmp_path / "step-00000002.pt")
     logs = []
     path, ckpt = latest_loadable_checkpoint(tmp_path, logs.append, run_id="mine")
-    assert path.name == "step-00000001.pt" and "belongs to another run" in logs[0]
+    assert path.name == "step-00000001.pt" and "belong to another run" in logs[0] and len(logs) == 1
     assert (tmp_path / "step-00000002.pt").is_file()  # left in place
     (tmp_path / "step-00000001.pt").write_bytes(b"x")
-    for _ in range(2):  # every time: the first call set the unreadable one aside, the second still refuses
+    for _ in range(2):  # every time, and nothing renamed
         with pytest.raises(CheckpointReadError, match="none of the 2 checkpoint"):
             latest_loadable_checkpoint(tmp_path, lambda m: None, run_id="mine")

@@ -111,7 +111,7 @@ def test_pruning_and_auto_resume_see_only_the_runs_own_lineage(toy_bundle, tmp_p
     logs = []
     b = tiny_trainer(toy_bundle, tmp_path, resume="auto", log=logs.append, epochs=3, max_batches_per_epoch=2,
                      keep_last=1)
-    assert b.step == 2 and any("belongs to another run" in str(m) for m in logs)
+    assert b.step == 2 and sum("belong to another run" in str(m) for m in logs) == 1
     b.fit()
     assert foreign.is_file() and _lineage(foreign) == other.run_id
     assert [p.name for p in step_checkpoints(b.run_dir / "checkpoints")] == ["step-00000006.pt", foreign.name]
@@ -127,7 +127,7 @@ def test_auto_resume_with_no_loadable_checkpoint_refuses_every_time(toy_bundle, 
         with pytest.raises(CheckpointReadError, match="none of the 2 checkpoint"):
             tiny_trainer(toy_bundle, tmp_path, resume="auto", epochs=2, max_batches_per_epoch=2)
         names = sorted(p.name for p in (a.run_dir / "checkpoints").iterdir() if p.name.startswith("step-"))
-        assert names == ["step-00000002.pt.unreadable", "step-00000003.pt.unreadable"], attempt
+        assert names == ["step-00000002.pt", "step-00000003.pt"], attempt  # refusing renames nothing
         assert sorted(p.name for p in a.run_dir.parent.iterdir()) == ["t"]
 
 
