@@ -66,9 +66,9 @@ def configure_caches(cache_dir: str) -> dict[str, str]:
     """Point Inductor's and Triton's on-disk caches at ``cache_dir`` ("": `default_cache_dir`), checked
     private (`check_private`), unless the environment already set them, and switch the FX-graph and
     AOTAutograd caches on. Returns the directories in use."""
+    root = check_private(Path(cache_dir) if cache_dir else default_cache_dir()).resolve()
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir as torch_default
 
-    root = check_private(Path(cache_dir) if cache_dir else default_cache_dir()).resolve()
     # torch writes its default into the environment the first time it asks (importing dynamo does): that is
     # not a user's choice, so it is replaced; a directory the user exported is kept
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, os.path.abspath(torch_default())):
