@@ -211,7 +211,8 @@ step_command() {  # fills CMD for step $1 given its time limit $2
             CMD=("$PY" -m bench.kernels --groups corpus,ln --budget-s "$budget" "${data_arg[@]}" "${smoke[@]}" "${extra[@]}") ;;
         train)  # what `make train` runs on CUDA, from a cold compile cache, ending in time for its test and plot
             words extra "${TRAIN_ARGS:-}"
-            [[ $REHEARSAL != 0 ]] && smoke=(--run.out_dir "$WORK/runs" --data.dataset toy --data.toy_rows 300
+            [[ $REHEARSAL != 0 ]] && smoke=(--run.out_dir "$WORK/runs" --data.dataset toy --data.toy_rows 1200
+                                           --data.valid_size 100 --data.test_size 100
                                            --run.epochs 1)
             CMD=("$PY" -m train --auto --run.name "default-$RUN_ID" --run.progress false
                  --run.max_wall_seconds "$((limit > 2 * TRAIN_RESERVE_S ? limit - TRAIN_RESERVE_S : limit / 2))"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepare the payload a bare GPU device machine needs (run on a CPU machine with PyPI access):
 #   .whl/   the wheels the GPU image lacks, for its Python 3.12 on x86_64 (installed offline there
-#           by bench/gpu_run.sh: pip --no-index --no-deps --target /tmp/site)
+#           by bench/gpu_run.sh: pip --no-index --no-deps --target <its mktemp -d scratch folder>)
 #   .data/  the training data (no network there), listed in .data/FILES, checksums in .data/SHA256SUMS
 # Both folders are git-ignored and travel with the device call as `carry: [".whl", ".data"]`.
 #
@@ -30,7 +30,7 @@
 #                      corpus ../shared/data/opus_mt_testsets/en-it/train.jsonl
 #   GPU_AOT_PYTHON     a CPython 3.12 with the GPU image's torch 2.11 and triton 3.6 (plus einops, numpy<2.4,
 #                      sentencepiece, pytest, hypothesis): also compile our Triton kernels for sm_90 here
-#                      (bench/aot.py: the runbook's kernel-test grid and the `fast` preset's first step) into
+#                      (bench/aot.py: the runbook's kernel-test step and the `fast` preset's first step) into
 #                      .whl/triton-aot-sm90.tgz, which bench/gpu_run.sh unpacks into TRITON_CACHE_DIR. Python
 #                      3.12 because Triton's cache key hashes libtriton, which differs per CPython build.
 #                      GPU_AOT=1 builds such an interpreter in .cache/aot-py312 with python3.12 (~5 GB, minutes).
