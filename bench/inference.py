@@ -15,6 +15,7 @@ translates the whole set once. With no ``--ckpt`` it first trains a small model 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -150,6 +151,11 @@ def measure(args, ckpt: Path, src: list[str], ref: list[str], work: Path, device
 
     dirs = {"ct2-float32": work / "ct2", "ct2-int8": work / "ct2-int8", "hf": work / "hf"}
     engines = [e for e in args.engines.split(",") if e in ENGINES and (device == "cuda" or e != "fastmt-cuda-graph")]
+    for prefix, module in (("ct2", "ctranslate2"), ("hf", "transformers")):
+        if any(e.startswith(prefix) for e in engines) and importlib.util.find_spec(module) is None:
+            print(f"bench.inference: {module} is not installed here (pip install -e '.[export]'): the {prefix} "
+                  f"engines are skipped", flush=True)
+            engines = [e for e in engines if not e.startswith(prefix)]
     for name, extra in (("ct2-float32", ["--to", "ct2"]), ("ct2-int8", ["--to", "ct2", "--quantization", "int8"]),
                         ("hf", ["--to", "hf"])):
         if any(e.startswith(name.split("-")[0]) for e in engines) and export(

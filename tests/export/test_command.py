@@ -42,15 +42,24 @@ def test_bad_input_refused_before_writing(trained, tmp_path, capsys):
 
 
 def test_existing_out_needs_force(trained, tmp_path, capsys):
+    """A folder of the user's files is never replaced (not even with --force), nor one holding the checkpoint; an
+    earlier export is replaced with --force only, whole, with no temp folder left."""
     out = tmp_path / "out"
     out.mkdir()
     (out / "mine.txt").write_text("keep me")
-    _refused(capsys, ["--ckpt", str(trained.ckpt), "--to", "ct2", str(out)], "--force")
+    for force in ([], ["--force"]):
+        _refused(capsys, ["--ckpt", str(trained.ckpt), "--to", "ct2", *force, str(out)], "did not write")
     assert [p.name for p in out.iterdir()] == ["mine.txt"]
-    assert export(["--ckpt", str(trained.ckpt), "--to", "ct2", "--force", str(out)]) == 0
-    assert (out / "model.bin").is_file() and not (out / "mine.txt").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temp folder left beside it
-    card = (out / "README.md").read_text()
+    _refused(capsys, ["--ckpt", str(trained.ckpt), "--to", "ct2", "--force", str(trained.ckpt.parent)], "holds the checkpoint")
+    assert trained.ckpt.is_file()
+    out2 = tmp_path / "out2"
+    assert export(["--ckpt", str(trained.ckpt), "--to", "hf", str(out2)]) == 0
+    _refused(capsys, ["--ckpt", str(out2), "--to", "ct2", str(tmp_path / "out3")], "out2")
+    _refused(capsys, ["--ckpt", str(trained.ckpt), "--to", "ct2", str(out2)], "--force")
+    assert export(["--ckpt", str(trained.ckpt), "--to", "ct2", "--force", str(out2)]) == 0
+    assert (out2 / "model.bin").is_file() and not (out2 / "model.safetensors").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "out2"]  # no temp folder left beside them
+    card = (out2 / "README.md").read_text()
     assert "fastmt export --ckpt" in card and "ffn_norm False" in card
 
 

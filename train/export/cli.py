@@ -10,8 +10,9 @@ A ``model.ffn_norm`` model is refused (CTranslate2 has no mid-FFN LayerNorm; tra
 and, for ``ffn_norm`` models, ``modeling_fastmt.py`` (load with ``trust_remote_code=True``).
 
 Both folders hold a README.md model card (data, split, the run's test BLEU/chrF with their signatures, this
-command). OUT is built in a temp folder beside it and renamed at the end; an existing non-empty OUT is refused
-unless ``--force``. Needs the export extra: ``pip install -e '.[export]'``.
+command). OUT is built in a temp folder beside it and renamed at the end; an existing non-empty OUT is refused unless
+it holds an earlier export and ``--force`` is given (a folder of other files is never replaced, nor one holding the
+checkpoint). ``--ckpt`` may be a run folder (its best.pt). Needs the export extra: ``pip install -e '.[export]'``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt", required=True, help="a training checkpoint, e.g. runs/<name>/checkpoints/best.pt")
     p.add_argument("--to", required=True, metavar="TARGET", help="ct2 (CTranslate2) or hf (Hugging Face)")
     p.add_argument("--quantization", metavar="Q", help="ct2 only: int8, int8_float16 or float16 (default float32)")
-    p.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+    p.add_argument("--force", action="store_true", help="replace an earlier export in OUT")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error too")
     p.add_argument("out", metavar="OUT", help="the folder to write")
     return p
@@ -65,7 +66,7 @@ def check_args(args) -> None:
 def run(args, argv: list[str]) -> int:
     check_args(args)
     out = Path(args.out)
-    check_out(out, args.force)
+    check_out(out, args.force, args.ckpt)
     require_extra(args.to)
     src = load_source(args.ckpt)
     notes: list[str] = []

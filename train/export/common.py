@@ -48,10 +48,11 @@ def load_source(path: str | Path) -> Source:
     """The checkpoint at ``path`` as a padded-layout fp32 CPU model; a missing file or one that is not a fastmt
     checkpoint raises ``UserError`` naming it (before anything is written)."""
     from train.inference import load_for_inference
+    from train.score import checkpoint_file
 
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"--ckpt {str(path)!r}: no such file (a checkpoint, e.g. runs/<name>/checkpoints/best.pt)")
+    p = Path(checkpoint_file(str(path)))  # a file, or a run folder's best.pt; else one line naming it
+    if p.is_dir():
+        raise UserError(f"--ckpt {path}: a folder fastmt export made; export the training checkpoint it came from")
     try:
         model, tok, ckpt = load_for_inference(p, "cpu")
     except UserError:
@@ -167,12 +168,19 @@ def model_card(src: Source, target: str, notes: list[str], argv: list[str]) -> s
 
 
 # -- writing the directory -------------------------------------------------------------------------------------
-def check_out(out: Path, force: bool) -> None:
-    """Refuse, before any work, an OUT that is a file, or a non-empty folder without ``--force``."""
+def check_out(out: Path, force: bool, ckpt: str | Path) -> None:
+    """Refuse, before any work, an OUT that is a file, that holds the checkpoint, or a non-empty folder without
+    ``--force``; ``--force`` replaces only a folder an earlier export wrote (it holds fastmt_decoding.json)."""
     if out.exists() and not out.is_dir():
         raise UserError(f"OUT {out} is a file; give a folder path")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise UserError(f"OUT {out} exists and is not empty: pass --force to replace it, or another folder")
+    if Path(ckpt).exists() and out.resolve() in (Path(ckpt).resolve(), *Path(ckpt).resolve().parents):
+        raise UserError(f"OUT {out} holds the checkpoint {ckpt}: give a folder outside it")
+    if out.is_dir() and any(out.iterdir()):
+        if not (out / DECODING_FILE).is_file():
+            raise UserError(f"OUT {out} exists and holds files fastmt export did not write (no {DECODING_FILE}): "
+                            f"give another folder, or empty it yourself")
+        if not force:
+            raise UserError(f"OUT {out} holds an earlier export: pass --force to replace it, or another folder")
     parent = out.resolve().parent
     if not parent.is_dir():
         raise UserError(f"OUT {out}: its parent folder {parent} does not exist")
