@@ -36,6 +36,7 @@ import numpy as np
 from . import cache as C
 from .clean import CleanReport, DataInputError, Tally, clean_row, length_examples, length_mask
 from .entry import CACHE_FORMAT, Entry, Inputs, build_workers, load_entry
+from .files import open_own
 from .sources import plan_chunks, read_chunk, where
 from .split import (
     HELDOUT_MAX_GROUP,
@@ -84,7 +85,7 @@ def _scan(job) -> dict:
 def _sample(job) -> tuple[list[str], list[str]]:
     """The sampled rows (local indices) of one chunk's cleaned texts."""
     i, tmp, local = job
-    with open(Path(tmp) / f"a-{i}.pkl", "rb") as f:
+    with open_own(Path(tmp) / f"a-{i}.pkl") as f:  # unpickled: only a file this user wrote
         src, tgt, _ = pickle.load(f)
     return [src[k] for k in local], [tgt[k] for k in local]
 
@@ -109,7 +110,7 @@ def _encode(job) -> dict:
     """Pass B on one chunk: encode; train rows length-filtered into part files; valid/test rows returned
     whole (texts) with token arrays cut to ``max_len``."""
     i, tmp, labels, model_file, max_len, max_ratio, dtype = job
-    with open(Path(tmp) / f"a-{i}.pkl", "rb") as f:
+    with open_own(Path(tmp) / f"a-{i}.pkl") as f:  # unpickled: only a file this user wrote
         src, tgt, pos = pickle.load(f)
     os.unlink(Path(tmp) / f"a-{i}.pkl")
     sp = _worker_tokenizer(model_file).sp

@@ -124,6 +124,17 @@ def open_nofollow(path: str | os.PathLike, flags: int, mode: int = 0o666, what: 
     return fd
 
 
+def open_own(path: str | os.PathLike) -> IO[bytes]:
+    """``open(path, "rb")`` of a file this process's user wrote (a build's own scratch file, e.g. a pickle it
+    reads back): a link, or a file another user made (swapped into a shared cache), is refused."""
+    fd = open_nofollow(path, os.O_RDONLY, what="scratch file")
+    if os.fstat(fd).st_uid != os.geteuid():
+        os.close(fd)
+        raise FileRefusedError(f"scratch file {path} belongs to another user: fastmt reads back only what it wrote; "
+                               f"is someone else writing in this cache?")
+    return os.fdopen(fd, "rb")
+
+
 def append_text(path: str | os.PathLike, text: str, what: str = "log") -> None:
     """Append ``text`` to ``path`` (created with the umask's mode), never through a link."""
     fd = open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666, what)

@@ -26,7 +26,6 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -193,27 +192,16 @@ def checkpoint_file(ckpt: str) -> str:
 
 
 def atomic_write(path: Path, text: str) -> None:
-    """Write ``text`` to a temp file beside ``path``, then rename it there: a reader never sees half a file. A
-    full or read-only disk raises ``UserError`` (the temp file removed, an older ``path`` left as it was)."""
-    tmp = None
+    """Write ``text`` through `data.files.atomic_write` (temp file beside ``path``, fsync, rename; never through a
+    link): a reader never sees half a file. A full or read-only disk raises ``UserError`` (the temp file removed,
+    an older ``path`` left as it was)."""
+    from data.files import atomic_write as write
+
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
+        write(path, text, what="output")
     except OSError as e:
         raise UserError(f"cannot write {path}: {e.strerror or e}; pass another --out") from None
-    finally:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def sha256(path: str | Path) -> str:
