@@ -32,3 +32,16 @@ def test_data_scale_measures_a_cold_and_a_warm_start(tmp_path):
     assert "5,000" in (out / "data-scale-cpu.md").read_text()
     assert (out / "data-scale-cpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert {p.name: p.stat().st_mtime_ns for p in results.iterdir()} == before
+
+
+def test_the_default_work_folder_is_made_for_each_run():
+    """No fixed /tmp path (another user of the machine could plant corpora or caches there first)."""
+    from bench.data_scale import work_dir
+
+    first, second = work_dir(None), work_dir(None)
+    try:
+        assert first != second and first.is_dir() and (first.stat().st_mode & 0o777) == 0o700
+        assert first.name.startswith("fastmt-data-scale-") and first != Path("/tmp/fastmt-data-scale")
+    finally:
+        first.rmdir()
+        second.rmdir()

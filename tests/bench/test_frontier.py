@@ -144,3 +144,22 @@ def test_smoke_frontier(tmp_path):
         else:  # fastmt without the wall budget: an error row that names it, and the frontier went on
             assert by[name][0]["status"] == "error" and "max_wall_seconds" in by[name][0]["error"]
     assert (out / "frontier-cpu.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_rows_come_from_the_folder_the_contestant_claimed(tmp_path):
+    """The frontier reads the run folder the child actually claimed (a marked folder that appeared during its
+    run), not the name it guessed beforehand: a writer beside it may have taken that name first."""
+    from train.rundir import write_marker
+
+    work = tmp_path / "runs"
+    (work / "frontier-s18").mkdir(parents=True)  # taken before the run (another writer)
+    before = FR.run_folders(work, "frontier-s18")
+    claimed = work / "frontier-s18-2"
+    claimed.mkdir()
+    write_marker(claimed, "run-1")
+    (work / "frontier-s18-x").mkdir()  # not a name the run could claim
+    assert FR.claimed_run_dir(work, "frontier-s18", before) == claimed
+    assert FR.claimed_run_dir(work, "frontier-s18", before | {"frontier-s18-2"}) == work / "frontier-s18"  # none new
+    unmarked = work / "frontier-s18-3"
+    unmarked.mkdir()  # a folder without fastmt's marker is not a run
+    assert FR.claimed_run_dir(work, "frontier-s18", before) == claimed
