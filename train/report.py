@@ -51,7 +51,8 @@ def launcher(world_size: int) -> str:
     if world_size <= 1:
         return f"{py} -m train"
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    nodes = f"--nnodes {world_size // per_node} " if per_node != world_size else "--standalone "
+    nodes = (f"--nnodes {world_size // per_node} RENDEZVOUS_FLAGS " if per_node != world_size  # your cluster's
+             else "--standalone ")
     return f"{py} -m torch.distributed.run {nodes}--nproc_per_node {per_node} -m train"
 
 
