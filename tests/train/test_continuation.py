@@ -356,3 +356,12 @@ def test_init_from_records_the_tokenizer_settings_it_really_used(parent, tmp_pat
     saved = load_checkpoint(parent["best"])["config"]["data"]["vocab_size"]
     assert json.loads((tmp_path / "runs" / "v" / "config.json").read_text())["data"]["vocab_size"] == saved
     assert "data.vocab_size=" in out
+
+
+def test_a_run_without_held_out_rows_prints_no_empty_signature(parent, tmp_path, capsys, monkeypatch):
+    """A run with no validation and no test rows said "BLEU|None" in its test line."""
+    argv = train_argv(parent["cache"], tmp_path, "--max-steps", "2", "--eval.test_at_end", "true", name="nv")
+    for flag in ("--data.valid_size", "--data.test_size"):
+        argv[argv.index(flag) + 1] = "0"
+    code, out = run(argv, capsys, monkeypatch)
+    assert code == EXIT_OK and "loss n/a BLEU n/a" in out and "BLEU|None" not in out, out[-2000:]
