@@ -7,6 +7,7 @@ exactly as the Hub dataset does. The tests build their folder themselves."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 
 import numpy as np
 import pyarrow as pa
@@ -74,7 +75,8 @@ def arrays(bundle) -> dict[str, np.ndarray]:
 def test_a_hub_layout_folder_builds_through_load_dataset_with_workers(tmp_path, hf_cache, monkeypatch,
                                                                       start_method):
     """Build workers (forked: the parent's loaded dataset; spawned: ``hub_dataset`` loads it again) read the
-    chunks; the same arrays either way, then a DataLoader with 2 worker processes yields its batches."""
+    chunks; the same arrays either way, and a DataLoader with 2 worker processes (started the same way)
+    yields every batch of the plan."""
     import data.build as B
 
     monkeypatch.setattr(B, "START_METHOD", start_method)
@@ -84,7 +86,12 @@ def test_a_hub_layout_folder_builds_through_load_dataset_with_workers(tmp_path, 
     assert bundle.split_record["source"] == f"hub:{folder}/en-it/train"
     assert sum(bundle.split_record["sizes"].values()) + bundle.report.rows - bundle.report.kept == 900
     assert any("4 chunks with 2 processes" in line for line in logs), logs
-    batches = list(bundle.loader("train", epoch=0))
+    before = multiprocessing.get_start_method()
+    multiprocessing.set_start_method(start_method, force=True)  # the DataLoader's workers: started this way too
+    try:
+        batches = list(bundle.loader("train", epoch=0))
+    finally:
+        multiprocessing.set_start_method(before, force=True)
     assert len(batches) == bundle.num_batches("train") > 1
     assert sum(int((b.tgt_out != 0).sum()) for b in batches) > 0
     # the other start method, another cache: the very same arrays

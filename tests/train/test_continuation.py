@@ -152,12 +152,14 @@ def test_an_interrupted_fine_tune_continues_with_the_same_command_and_resume_aut
     code, out = run([*cut, "--resume", "auto"], capsys, monkeypatch)
     assert code == EXIT_OK, out[-3000:]
     assert_same_weights(tmp_path / "runs" / "ref", tmp_path / "runs" / "ft")
+    code, more = run(train_args(printed(out, "train longer")), capsys, monkeypatch)  # its other printed hint
+    assert code == EXIT_OK and "extending the finished run" in more, more[-3000:]
     from train.rundir import read_marker
 
     marker = read_marker(tmp_path / "runs" / "ft")  # the lineage is kept: still the child of A's best.pt
     assert marker["parent"]["how"] == "init-from" and marker["parent"]["checkpoint"] == str(parent["best"])
     # a resume that names no data (no --data-files, no --init-from) continues on the fine-tune's own files
-    longer = [*no_toy(train_argv(parent["cache"], tmp_path, "--epochs", "3", *SHORT[2:], name="ft")), "--resume", "auto"]
+    longer = [*no_toy(train_argv(parent["cache"], tmp_path, "--epochs", "5", *SHORT[2:], name="ft")), "--resume", "auto"]
     code, out = run(longer, capsys, monkeypatch)
     assert code == EXIT_OK, out[-3000:]
     assert f"data.data_files=('{parent['other']}',)" in out and "extending the finished run" in out
