@@ -19,14 +19,21 @@ ARGS        ?=
 CKPT        ?=
 TEXT        ?=
 
+# a value given on the command line or in the environment is used as it is: make never expands a `$` in it
+raw          = $(if $(filter command line environment,$(origin $(1))),$(value $(1)),$($(1)))
+VENV_       := $(call raw,VENV)
+VENV_MIN_    = $(call raw,VENV_MIN)
+# make exports command-line and environment variables to the recipes, expanding them to do so: not these
+unexport VENV VENV_MIN PYTHON DATA_FILES CKPT TEXT
+
 ifeq ($(SETUP),none)
 PYTHON      ?= python3
 RUNTIME     :=
 DEV         :=
 else
-PYTHON      := $(VENV)/bin/python
-RUNTIME     := $(call esc,$(VENV))/.fastmt-runtime
-DEV         := $(call esc,$(VENV))/.fastmt-dev
+PYTHON      := $(VENV_)/bin/python
+RUNTIME     := $(call esc,$(VENV_))/.fastmt-runtime
+DEV         := $(call esc,$(VENV_))/.fastmt-dev
 endif
 
 # Local data: DATA_FILES (space-separated), else $FASTMT_DATA_FILES (read by fastmt itself: paths separated
@@ -37,7 +44,9 @@ STANDIN     ?= ../shared/data/opus_mt_testsets/en-it/train.jsonl
 DATA_FILES  ?= $(if $(FASTMT_DATA_FILES),,$(wildcard $(STANDIN)))
 DATA_FLAGS  := --data-files --data.data_files --data.dataset --config
 ARGS_DATA   := $(filter $(DATA_FLAGS) $(addsuffix =%,$(DATA_FLAGS)),$(ARGS))
-DATA_ARG    := $(if $(ARGS_DATA),,$(if $(DATA_FILES),--data-files $(call qw,$(DATA_FILES)),))
+PYTHON_     := $(call raw,PYTHON)
+DATA_FILES_ := $(call raw,DATA_FILES)
+DATA_ARG    := $(if $(ARGS_DATA),,$(if $(DATA_FILES_),--data-files $(call qw,$(DATA_FILES_)),))
 # `make train` picks the preset by device (--auto) unless ARGS chooses one
 AUTO        := $(if $(filter --preset --preset=% --config --config=%,$(ARGS)),,--auto)
 
@@ -54,20 +63,20 @@ setup: $(RUNTIME)  ## create .venv with the runtime dependencies and the `fastmt
 
 setup-dev: $(DEV)  ## setup + the dev and export extras (pytest, hypothesis, ruff, transformers, ctranslate2)
 
-$(call esc,$(VENV))/.fastmt-runtime: pyproject.toml constraints-cpu.txt
-	@test -x $(call q,$(VENV)/bin/python) || $(call q,$(BASE_PYTHON)) -m venv $(call q,$(VENV))
-	@$(call q,$(VENV)/bin/python) -c "import torch" 2>/dev/null || \
-		$(call q,$(VENV)/bin/pip) install -q $(if $(TORCH_INDEX),--index-url $(call q,$(TORCH_INDEX))) $(call q,$(TORCH_SPEC))
-	$(call q,$(VENV)/bin/pip) install -q -e . -c constraints-cpu.txt
+$(call esc,$(VENV_))/.fastmt-runtime: pyproject.toml constraints-cpu.txt
+	@test -x $(call q,$(VENV_)/bin/python) || $(call q,$(BASE_PYTHON)) -m venv $(call q,$(VENV_))
+	@$(call q,$(VENV_)/bin/python) -c "import torch" 2>/dev/null || \
+		$(call q,$(VENV_)/bin/pip) install -q $(if $(TORCH_INDEX),--index-url $(call q,$(TORCH_INDEX))) $(call q,$(TORCH_SPEC))
+	$(call q,$(VENV_)/bin/pip) install -q -e . -c constraints-cpu.txt
 	@touch $(call q,$@)
 
-$(call esc,$(VENV))/.fastmt-dev: $(call esc,$(VENV))/.fastmt-runtime
-	$(call q,$(VENV)/bin/pip) install -q -e ".[dev,export]" -c constraints-cpu.txt
+$(call esc,$(VENV_))/.fastmt-dev: $(call esc,$(VENV_))/.fastmt-runtime
+	$(call q,$(VENV_)/bin/pip) install -q -e ".[dev,export]" -c constraints-cpu.txt
 	@touch $(call q,$@)
 
 train: setup  ## train: CUDA -> the `fast` preset, CPU -> `tiny` (or ARGS="--preset P ...")
-	@$(if $(DATA_ARG),echo "make train: local data "$(call qw,$(DATA_FILES)),)
-	PYTHONUNBUFFERED=1 $(call q,$(PYTHON)) -m train $(AUTO) $(DATA_ARG) $(ARGS)
+	@$(if $(DATA_ARG),echo "make train: local data "$(call qw,$(DATA_FILES_)),)
+	PYTHONUNBUFFERED=1 $(call q,$(PYTHON_)) -m train $(AUTO) $(DATA_ARG) $(ARGS)
 
 # CKPT and TEXT reach the command through the environment, unexpanded: make never reads `$`, and the shell
 # never runs backticks or splits the text
@@ -75,26 +84,26 @@ translate: export FASTMT_CKPT = $(value CKPT)
 translate: export FASTMT_TEXT = $(value TEXT)
 translate: setup  ## translate TEXT='...' (or lines on stdin) with CKPT=runs/<name>/checkpoints/best.pt
 	@test -n "$$FASTMT_CKPT" || { echo "make translate: set CKPT=runs/<name>/checkpoints/best.pt (and TEXT='...' or pipe lines on stdin)" >&2; exit 2; }
-	$(call q,$(PYTHON)) -m train.translate --ckpt "$$FASTMT_CKPT" $${FASTMT_TEXT:+"$$FASTMT_TEXT"} $(ARGS)
+	$(call q,$(PYTHON_)) -m train.translate --ckpt "$$FASTMT_CKPT" $${FASTMT_TEXT:+"$$FASTMT_TEXT"} $(ARGS)
 
 stats: setup  ## what the data pipeline makes of the corpus under a preset (ARGS="--preset P ...")
-	$(call q,$(PYTHON)) -m train.stats $(AUTO) $(DATA_ARG) $(ARGS)
+	$(call q,$(PYTHON_)) -m train.stats $(AUTO) $(DATA_ARG) $(ARGS)
 
 test: setup-dev  ## the CPU test suite (what CI runs, with .ci/readme-smoke.sh)
-	$(call q,$(PYTHON)) -m pytest -q -m "not slow and not gpu" --timeout=600 $(ARGS)
+	$(call q,$(PYTHON_)) -m pytest -q -m "not slow and not gpu" --timeout=600 $(ARGS)
 
 kernel-test: setup-dev  ## Triton kernels: the interpreter on CPU, the full grid on CUDA
-	$(call q,$(PYTHON)) -m pytest -q tests/kernels -m "not slow" --timeout=1800 --durations=15 $(ARGS)
+	$(call q,$(PYTHON_)) -m pytest -q tests/kernels -m "not slow" --timeout=1800 --durations=15 $(ARGS)
 
 bench: setup  ## kernel benchmarks, then the speedup ladder (a small smoke run on CPU)
-	PYTHONUNBUFFERED=1 $(call q,$(PYTHON)) -m bench.kernels $(ARGS)
-	PYTHONUNBUFFERED=1 $(call q,$(PYTHON)) -m bench.ladder $(DATA_ARG) $(ARGS)
+	PYTHONUNBUFFERED=1 $(call q,$(PYTHON_)) -m bench.kernels $(ARGS)
+	PYTHONUNBUFFERED=1 $(call q,$(PYTHON_)) -m bench.ladder $(DATA_ARG) $(ARGS)
 
 profile: setup  ## torch.profiler trace + graph-break / recompile report of the compiled step
-	PYTHONUNBUFFERED=1 $(call q,$(PYTHON)) -m bench.profile $(DATA_ARG) $(ARGS)
+	PYTHONUNBUFFERED=1 $(call q,$(PYTHON_)) -m bench.profile $(DATA_ARG) $(ARGS)
 
 lint: setup-dev  ## ruff
-	$(call q,$(PYTHON)) -m ruff check .
+	$(call q,$(PYTHON_)) -m ruff check .
 
 gpu-wheels: setup  ## download the wheels the GPU image lacks into .whl/ (CPU machine with PyPI)
 	bash bench/gpu_wheels.sh
@@ -107,16 +116,16 @@ TORCH_MIN       ?= 2.11.0
 VENV_MIN        ?= .venv-torch-min
 TORCH_MIN_TESTS ?= tests/kernels tests/models/test_decoding.py tests/train
 .PHONY: test-torch-min
-test-torch-min: $(call esc,$(VENV_MIN))/.fastmt-torch-$(TORCH_MIN)
-	FASTMT_TORCH_MIN=$(call q,$(TORCH_MIN)) $(call q,$(VENV_MIN)/bin/python) -c "import os, torch, triton; assert torch.__version__.split('+')[0] == os.environ['FASTMT_TORCH_MIN'], torch.__version__; print(f'test-torch-min: torch {torch.__version__}, triton {triton.__version__}')"
-	$(call q,$(VENV_MIN)/bin/python) -m pytest -q -m "not slow and not gpu" --timeout=900 -p no:cacheprovider $(call qw,$(TORCH_MIN_TESTS)) $(ARGS)
+test-torch-min: $(call esc,$(VENV_MIN_))/.fastmt-torch-$(TORCH_MIN)
+	FASTMT_TORCH_MIN=$(call q,$(TORCH_MIN)) $(call q,$(VENV_MIN_)/bin/python) -c "import os, torch, triton; assert torch.__version__.split('+')[0] == os.environ['FASTMT_TORCH_MIN'], torch.__version__; print(f'test-torch-min: torch {torch.__version__}, triton {triton.__version__}')"
+	$(call q,$(VENV_MIN_)/bin/python) -m pytest -q -m "not slow and not gpu" --timeout=900 -p no:cacheprovider $(call qw,$(TORCH_MIN_TESTS)) $(ARGS)
 
 # one stamp per torch version: TORCH_MIN=2.12.0 reinstalls torch in the same venv
-$(call esc,$(VENV_MIN))/.fastmt-torch-$(TORCH_MIN): pyproject.toml constraints-cpu.txt
-	@test -x $(call q,$(VENV_MIN)/bin/python) || $(call q,$(BASE_PYTHON)) -m venv $(call q,$(VENV_MIN))
-	$(call q,$(VENV_MIN)/bin/pip) install -q $(call q,torch==$(TORCH_MIN))
-	$(call q,$(VENV_MIN)/bin/pip) install -q -e ".[dev]" -c constraints-cpu.txt $(call q,torch==$(TORCH_MIN))
-	@rm -f $(call q,$(VENV_MIN))/.fastmt-torch-* && touch $(call q,$@)
+$(call esc,$(VENV_MIN_))/.fastmt-torch-$(TORCH_MIN): pyproject.toml constraints-cpu.txt
+	@test -x $(call q,$(VENV_MIN_)/bin/python) || $(call q,$(BASE_PYTHON)) -m venv $(call q,$(VENV_MIN_))
+	$(call q,$(VENV_MIN_)/bin/pip) install -q $(call q,torch==$(TORCH_MIN))
+	$(call q,$(VENV_MIN_)/bin/pip) install -q -e ".[dev]" -c constraints-cpu.txt $(call q,torch==$(TORCH_MIN))
+	@rm -f $(call q,$(VENV_MIN_))/.fastmt-torch-* && touch $(call q,$@)
 
 clean:  ## remove .venv, .venv-torch-min and the caches (never runs/)
-	rm -rf $(call q,$(VENV)) $(call q,$(VENV_MIN)) .cache .pytest_cache .ruff_cache
+	rm -rf $(call q,$(VENV_)) $(call q,$(VENV_MIN_)) .cache .pytest_cache .ruff_cache

@@ -26,6 +26,7 @@ import random
 import re
 import secrets
 import shutil
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -151,9 +152,19 @@ def _torch_load(path: Path, map_location, mmap: bool = False) -> Any:
         raise
 
 
+def _regular(path: Path) -> bool:
+    """Is ``path`` a regular file (links followed)? Opening a FIFO planted as ``step-*.pt`` would block."""
+    try:
+        return stat.S_ISREG(path.stat().st_mode)
+    except OSError:
+        return False
+
+
 def file_lineage_id(path: str | os.PathLike) -> str | None | bool:
     """``lineage_id`` of the checkpoint file at ``path``, read without loading its tensors (memory-mapped,
     ``weights_only``); False when the file cannot be read (or asks for code: never unpickled)."""
+    if not _regular(Path(path)):  # a FIFO would block the open; a folder or device is no checkpoint
+        return False
     try:
         ckpt = _torch_load(Path(path), "cpu", mmap=True)
     except Exception:  # noqa: BLE001 - unreadable: the caller leaves the file alone
@@ -278,6 +289,8 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    if not _regular(path):
+        raise RuntimeError(f"{str(path)!r} is not a regular file (a FIFO, device or folder): not a checkpoint")
     try:
         ckpt = _torch_load(path, map_location)
     except (CheckpointUnsafeError, CheckpointIOError):
@@ -343,11 +356,13 @@ def latest_loadable_checkpoint(ckpt_dir: str | os.PathLike, log: Callable[[str],
     found: tuple[Path | None, dict | None] = (None, None)
     for path in reversed(ckpts):
         try:
+            if not _regular(path):
+                raise RuntimeError("not a regular file (a FIFO, device, folder or dangling link)")
             ckpt = load_checkpoint(path, map_location)
         except RuntimeError as e:
             if isinstance(e, CheckpointUnsafeError):
                 raise
-            size = path.stat().st_size if path.exists() else 0
+            size = path.stat().st_size if _regular(path) else 0
             log(f"checkpoint {path} ({size:,} bytes) does not load, skipped and left in place: "
                 + " ".join(str(e).split())[:300])
             bad.append(path)

@@ -55,6 +55,12 @@ def check_private(path: Path, flag: str = "--run.cache_dir") -> Path:
         problem = f"it belongs to user {st.st_uid}, not to you ({os.geteuid()})"
     elif st.st_mode & 0o022:
         problem = f"other users may write in it (mode {stat.filemode(st.st_mode)})"
+    else:  # a folder above it that others may write without the sticky bit lets them swap this one out
+        for up in path.resolve().parents:
+            m = up.stat().st_mode
+            if m & 0o002 and not m & stat.S_ISVTX:
+                problem = f"{up}, a folder above it, lets other users replace it (mode {stat.filemode(m)})"
+                break
     if problem:
         raise CacheDirError(f"{flag} {path}: {problem}; the compile caches hold code that the next compiled run "
                             f"loads, so fastmt uses only a folder of yours that nobody else can write. Fix: "

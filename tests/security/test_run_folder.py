@@ -165,6 +165,8 @@ def test_row9_a_semicolon_in_data_files_or_python_runs_nothing(tmp_path):
     r = _make(sandbox, "train", "SETUP=none", "PYTHON=true", f"DATA_FILES=a.jsonl;touch {pwned}")
     assert r.returncode == 0, r.stderr
     r = _make(sandbox, "stats", "SETUP=none", f"PYTHON=true;touch {pwned};true", "DATA_FILES=a.jsonl")
-    assert not pwned.exists()
+    r = _make(sandbox, "train", "SETUP=none", "PYTHON=true", f"DATA_FILES=$(shell touch {pwned})")  # make syntax
+    r = _make(sandbox, "clean", f"VENV={sandbox}/$(shell touch {pwned})", f"VENV_MIN={sandbox}/none")
+    assert r.returncode == 0 and not pwned.exists()
     dry = _make(sandbox, "-n", "train", "SETUP=none", "PYTHON=/opt/my python/bin/python", "DATA_FILES=a;b c")
     assert "'/opt/my python/bin/python' -m train" in dry.stdout and "--data-files 'a;b' 'c'" in dry.stdout
