@@ -364,12 +364,12 @@ def hub_dataset(name: str):
     """The Hub dataset a chunk names (loaded by `load_hub` in this or the parent process)."""
     if name not in _HUB:  # a worker that was not forked from the loader: load it again (local HF cache)
         dataset, config, split = name.removeprefix("hub:").rsplit("/", 2)
-        load_hub(dataset, None if config == "None" else config, split)
+        load_hub(dataset, None if config == "None" else config, split, again=False)  # the parent's fresh copy
     return _HUB[name]
 
 
 def load_hub(
-    dataset: str, config: str | None, split: str, probe_timeout: float = PROBE_TIMEOUT_S
+    dataset: str, config: str | None, split: str, probe_timeout: float = PROBE_TIMEOUT_S, *, again: bool = True
 ) -> RawCorpus:
     """Load a Hub dataset; raise `HubUnavailableError` quickly (seconds) when it cannot be had. A local folder
     in the Hub's layout (``<dir>/<config>/*.parquet`` and a README.md whose ``configs:`` section names them,
@@ -388,9 +388,10 @@ def load_hub(
     # a local folder is read again every time: datasets would serve its first Arrow copy of an edited folder
     # (measured: datasets 5.2 offline, a parquet file rewritten with other rows, the old rows came back; with a
     # forced reload its recorded split sizes refused the new ones)
-    again = {"download_mode": "force_redownload", "verification_mode": "no_checks"} if local else {}
+    # (``again=False``: a build worker, which reads the copy its parent has just made)
+    fresh = {"download_mode": "force_redownload", "verification_mode": "no_checks"} if local and again else {}
     try:
-        ds = datasets.load_dataset(dataset, config, split=split, **again)
+        ds = datasets.load_dataset(dataset, config, split=split, **fresh)
     except Exception as e:  # datasets raises ConnectionError / FileNotFoundError / ValueError offline
         if local:
             raise DataInputError(
