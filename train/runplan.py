@@ -206,12 +206,24 @@ def _same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
         return Path(a).resolve() == Path(b).resolve()
 
 
+def _same_origin(origin: dict[str, Any], path: Path) -> bool:
+    """``path`` is the checkpoint a fine-tune recorded as its origin: the same file, or (moved, copied, named
+    from another folder) a checkpoint of the same run at the same step."""
+    if _same_file(origin.get("checkpoint", ""), path):
+        return True
+    if not path.is_file():
+        return False
+    ckpt = read_checkpoint(path, "--init-from")
+    return (origin.get("run_id") is not None and _source_run_id(ckpt, path) == origin["run_id"]
+            and ckpt["position"]["step"] == origin.get("step"))
+
+
 def _continue_fine_tune(cfg, target: Path, init_from: Path, log: Callable[[str], Any]) -> RunPlan:
     """``--init-from PATH --resume auto`` on an existing run folder: the fine-tune PATH started, continued as
     ``--resume auto`` continues any run (its own checkpoints, tokenizer and data); one without a checkpoint yet
     starts again from PATH's weights."""
     origin = ((read_marker(target) or {}).get("parent") or {})
-    if origin.get("how") != "init-from" or not _same_file(origin.get("checkpoint", ""), init_from):
+    if origin.get("how") != "init-from" or not _same_origin(origin, init_from):
         came = (f"it was initialised from {origin['checkpoint']}" if origin.get("how") == "init-from" else
                 "it was not started by --init-from")
         raise UserError(f"--init-from {init_from} --resume auto: run {target} is not a fine-tune of {init_from} "

@@ -171,6 +171,15 @@ def test_a_fine_tune_resume_auto_refuses_a_folder_of_another_origin(parent, tmp_
     code, out = run([*no_toy(argv), "--data-files", str(parent["other"]), "--init-from", str(parent["best"]),
                      "--resume", "auto"], capsys, monkeypatch)
     assert code == 2 and "is not a fine-tune of" in out and "it was not started by --init-from" in out
+    # a copy of the origin (the same run, the same step) names the same origin: the fine-tune continues
+    ft = start_argv("init-from", parent, tmp_path, "ft", capsys)
+    assert run(ft, capsys, monkeypatch, stop_at=2)[0] == EXIT_INTERRUPTED
+    import shutil
+
+    copy = shutil.copy(parent["best"], tmp_path / "copy.pt")
+    code, out = run([*ft[:ft.index("--init-from") + 1], str(copy), *ft[ft.index("--init-from") + 2:], "--resume",
+                     "auto"], capsys, monkeypatch)
+    assert code == EXIT_OK and "resumed from" in out, out[-2000:]
 
 
 @pytest.mark.slow
