@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # -- the model and the test set ----------------------------------------------------------------------------
-def train_small(work: Path, data_files: list[str], steps: int, device: str) -> tuple[Path, list[str], list[str]]:
+def train_small(work: Path, data_files: list[str], steps: int, device: str,
+                threads: int) -> tuple[Path, list[str], list[str]]:
     """A tiny-shape model trained ``steps`` steps (ffn_norm off) and its test split (sources, references)."""
     import dataclasses
 
@@ -68,7 +69,7 @@ def train_small(work: Path, data_files: list[str], steps: int, device: str) -> t
         cfg, data=data, model=dataclasses.replace(cfg.model, ffn_norm=False),
         run=dataclasses.replace(cfg.run, name="inference", out_dir=str(work / "runs"), epochs=1000, max_steps=steps,
                                 max_batches_per_epoch=None, progress=False, tensorboard=False, plot=False,
-                                device=device),
+                                device=device, cpu_threads=threads or None),
         eval=dataclasses.replace(cfg.eval, every=10**6, test_at_end=False, num_samples=0))
     trainer = Trainer(cfg, log=lambda *a: None)
     trainer.fit()
@@ -220,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             ckpt, note = Path(args.ckpt), f"{args.ckpt}"
             src, ref = test_pairs(ckpt, files)
         else:
-            ckpt, src, ref = train_small(work, files, args.train_steps, device)
+            ckpt, src, ref = train_small(work, files, args.train_steps, device, args.threads)
             note = f"`tiny` shape with model.ffn_norm false, trained here for {args.train_steps} steps"
         src, ref = src[: args.sentences], ref[: args.sentences]
         rows = measure(args, ckpt, src, ref, work, device)
