@@ -111,6 +111,15 @@ def check_same_data(ckpt: dict[str, Any], split_record: dict[str, Any] | None, p
         f"that names no data takes its config's), or start a new run from its weights: --init-from {path}")
 
 
+def uses_own_tokenizer(ckpt: dict[str, Any], *, weights_only: bool) -> bool:
+    """Whether a run continued from ``ckpt`` encodes with the checkpoint's tokenizer: always for a fine-tune's
+    start and for a checkpoint that records its data (compared by ``check_same_data``); an older fastmt's
+    checkpoint only when its run was a fine-tune (its tokenizer cannot be rebuilt from the data), else the
+    tokenizer is rebuilt and its key compared (``check_tokenizer``)."""
+    parent = ((ckpt.get("lineage") or {}).get("parent") or {})
+    return weights_only or bool(ckpt.get("data")) or parent.get("how") == "init-from"
+
+
 def check_world_size(ckpt: dict[str, Any], world_size: int, path) -> None:
     """The checkpoint's run was planned for its number of DDP ranks: another count is refused (the schedule's
     step count, the lr at this step and the data order all depend on the global batch)."""
@@ -149,8 +158,7 @@ class RunSetup:
         ckpt = plan.ckpt
         if ckpt is None:
             return cfg, False
-        own = plan.weights_only or bool(ckpt.get("data")) or (
-            ((ckpt.get("lineage") or {}).get("parent") or {}).get("how") == "init-from")
+        own = uses_own_tokenizer(ckpt, weights_only=plan.weights_only)
         saved = ckpt.get("config") or {}
         if not plan.weights_only:
             check_world_size(ckpt, self.dist.world_size, plan.ckpt_path)

@@ -58,7 +58,7 @@ def continued_data(cfg, args, log):
     from train.checkpoint import latest_loadable_checkpoint, read_checkpoint
     from train.preflight import tokenizer_of
     from train.rundir import check_usable, read_marker
-    from train.runsetup import files_as_recorded, inherit_source
+    from train.runsetup import files_as_recorded, inherit_source, uses_own_tokenizer
 
     cfg = files_as_recorded(cfg, lambda *_: None)
     if args.init_from is not None and args.resume is None:
@@ -83,8 +83,7 @@ def continued_data(cfg, args, log):
     else:
         path, how = Path(args.resume), "resume"
         ckpt = read_checkpoint(path)
-    own = how == "init" or bool(ckpt.get("data")) or (
-        ((ckpt.get("lineage") or {}).get("parent") or {}).get("how") == "init-from")
+    own = uses_own_tokenizer(ckpt, weights_only=how == "init")
     cfg = inherit_source(cfg, ckpt.get("config") or {}, source=how == "resume", tokenizer=own, log=log)
     log(f"tokenizer: that of {path}" if own else f"tokenizer: rebuilt from the data and compared with {path}'s "
         f"(a checkpoint of an earlier fastmt, as training does)")
