@@ -376,3 +376,19 @@ def test_a_run_without_held_out_rows_prints_no_empty_signature(parent, tmp_path,
         argv[argv.index(flag) + 1] = "0"
     code, out = run(argv, capsys, monkeypatch)
     assert code == EXIT_OK and "loss n/a BLEU n/a" in out and "BLEU|None" not in out, out[-2000:]
+
+
+def test_config_and_data_file_mistakes_of_the_smaller_items(tmp_path, capsys):
+    """``"optim": 5`` in a config says the section must be an object (was: "no value for optim.name"); one file
+    as both validation and test set passes with a warning (best.pt would be chosen on the test set)."""
+    from train.cli import resolve_config
+
+    bad = tmp_path / "c.json"
+    bad.write_text('{"optim": 5}')
+    with pytest.raises(SystemExit):
+        resolve_config(["--config", str(bad)], machine=False)
+    assert "optim must be an object of fields, got int: 5" in capsys.readouterr().err
+    f = tmp_path / "held.jsonl"
+    f.write_text("{}\n")
+    resolve_config(["--preset", "tiny", "--data.valid_files", str(f), "--data.test_files", str(f)], machine=False)
+    assert "is both data.valid_files and data.test_files" in capsys.readouterr().err
