@@ -113,6 +113,8 @@ def open_nofollow(path: str | os.PathLike, flags: int, mode: int = 0o666, what: 
     except OSError as e:
         if e.errno == errno.ELOOP or (e.errno == errno.EEXIST and Path(path).is_symlink()):
             refuse_link(path, what)
+        if e.errno == errno.ENXIO:  # a FIFO without a reader (or a socket) planted there
+            raise FileRefusedError(f"{what} {path} is not a regular file: remove it") from None
         raise
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -136,9 +138,12 @@ def open_own(path: str | os.PathLike) -> IO[bytes]:
 
 
 def append_text(path: str | os.PathLike, text: str, what: str = "log") -> None:
-    """Append ``text`` to ``path`` (created with the umask's mode), never through a link."""
+    """Append ``text`` to ``path`` (created with the umask's mode), never through a symbolic or hard link."""
     fd = open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666, what)
     try:
+        if os.fstat(fd).st_nlink > 1:  # a hard link to someone's file (fastmt's own logs never have one)
+            raise FileRefusedError(f"{what} {path} has other hard links: fastmt appends only to a file of its own; "
+                                   f"remove it")
         os.write(fd, text.encode())
     finally:
         os.close(fd)

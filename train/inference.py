@@ -190,7 +190,11 @@ def load_for_inference(ckpt_path: str | Path, device: str | torch.device = "cpu"
         raise
     except (FileNotFoundError, RuntimeError) as e:
         raise UserError(f"--ckpt: {e}") from e
-    tok = tokenizer_of(ckpt, Path(ckpt_path))
+    try:
+        tok = tokenizer_of(ckpt, Path(ckpt_path))
+    except (RuntimeError, OSError, TypeError, ValueError) as e:  # SentencePiece's parse error of a damaged model
+        raise UserError(f"{ckpt_path}: its tokenizer does not load ({' '.join(str(e).split())[:160]}): a damaged "
+                        f"or forged checkpoint") from e
     try:
         cfg = ModelConfig(**ckpt["config"]["model"])
     except (TypeError, ValueError, KeyError) as e:

@@ -257,3 +257,21 @@ def test_a_checkpoint_of_the_previous_format_resumes_and_translates(tmp_path):
     assert tr.step == 6 and [r["epoch"] for r in records(run, "epoch")] == [1, 2]
     new = step_checkpoints(run / "checkpoints")[-1]
     assert isinstance(load_checkpoint(new)["rng"]["numpy"], dict)  # written in the new, plain format
+
+
+def test_a_fifo_planted_as_a_checkpoint_never_blocks_pruning_or_resume(tmp_path):
+    ckpts = _run_folder(tmp_path)
+    torch.save(_state(1, "mine"), ckpts / "step-00000001.pt")
+    os.mkfifo(ckpts / "step-00000009.pt")  # opening it for reading would wait forever for a writer
+    CheckpointManager(ckpts, keep_last=1, run_id="mine").save(_state(2, "mine"), 2)
+    path, _ = latest_loadable_checkpoint(ckpts, lambda m: None, run_id="mine")
+    assert path.name == "step-00000002.pt" and (ckpts / "step-00000009.pt").exists()
+
+
+def test_a_damaged_tokenizer_in_a_checkpoint_is_one_line(tmp_path):
+    ckpt = torch.load(LEGACY_CKPT, weights_only=False)
+    ckpt["tokenizer"] = {"model_bytes": b"\x00 not a sentencepiece model", "key": "x"}
+    torch.save(ckpt, tmp_path / "bad.pt")
+    r = subprocess.run([sys.executable, "-m", "train.translate", "--ckpt", str(tmp_path / "bad.pt"), "hi"], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "tokenizer does not load" in r.stderr and "Traceback" not in r.stderr

@@ -170,3 +170,20 @@ def test_row9_a_semicolon_in_data_files_or_python_runs_nothing(tmp_path):
     assert r.returncode == 0 and not pwned.exists()
     dry = _make(sandbox, "-n", "train", "SETUP=none", "PYTHON=/opt/my python/bin/python", "DATA_FILES=a;b c")
     assert "'/opt/my python/bin/python' -m train" in dry.stdout and "--data-files 'a;b' 'c'" in dry.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# probes beyond the table: FIFOs and hard links planted as records
+# ----------------------------------------------------------------------------------------------
+def test_a_fifo_or_hard_link_planted_as_metrics_is_refused_without_hanging(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    os.mkfifo(run / "metrics.jsonl")
+    with pytest.raises(FileRefusedError, match="not a regular file"):
+        MetricsLogger(run, tensorboard=False).log({"kind": "epoch"})
+    (run / "metrics.jsonl").unlink()
+    v = victim(tmp_path)
+    os.link(v, run / "metrics.jsonl")
+    with pytest.raises(FileRefusedError, match="hard links"):
+        MetricsLogger(run, tensorboard=False).log({"kind": "epoch"})
+    assert v.read_text() == "precious\n"
