@@ -167,3 +167,42 @@ def test_issue30_a_cache_path_the_os_refuses_is_one_line(tmp_path, where):
     with pytest.raises(FileRefusedError) as e:
         build_data(_cfg(tmp_path, cache_dir=str(cache)), log=_quiet)
     assert "--data.cache_dir" in str(e.value) and "\n" not in str(e.value)
+
+
+_READER = """
+import sys
+from data import build_data
+from data.config import toy
+cfg = toy(cache_dir=sys.argv[1], data_files=(sys.argv[2],), vocab_size=300, valid_size=20, test_size=20)
+try:
+    print("OK", len(build_data(cfg, log=lambda *a: None).splits["train"]))
+except Exception as e:
+    print(type(e).__name__, " ".join(str(e).split()))
+"""
+
+
+def test_row7_another_user_reads_a_shared_cache_it_cannot_write(tmp_path):
+    """The cache belongs to root (0755); uid 65534 reads it after the data file was touched (an index miss,
+    a content match): no lock file is created, nothing written, the entry used."""
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv to run the reader as another uid")
+    from data.config import toy
+    from data.toy import write_toy_corpus
+
+    corpus = write_toy_corpus(tmp_path / "corpus.jsonl", 300)
+    cache = tmp_path / "cache"
+    cfg = toy(cache_dir=str(cache), data_files=(str(corpus),), vocab_size=300, valid_size=20, test_size=20)
+    n = len(build_data(cfg, log=_quiet).splits["train"])
+    os.utime(corpus)  # a touch: the identity index misses, the content still matches
+    for p in [tmp_path, *tmp_path.rglob("*")]:
+        p.chmod((p.stat().st_mode | 0o055) & ~0o022 if p.is_dir() else (p.stat().st_mode | 0o044) & ~0o022)
+    for p in tmp_path.parents:  # pytest's base folders are 0700
+        if str(p).startswith("/tmp/pytest-of-"):
+            p.chmod(p.stat().st_mode | 0o055)
+    before = sorted(str(p) for p in cache.rglob("*"))
+    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", _READER,
+                        str(cache), str(corpus)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    if "Permission denied" in r.stderr and not r.stdout:
+        pytest.skip(f"uid 65534 cannot run the interpreter here: {r.stderr[-200:]}")
+    assert r.stdout.strip() == f"OK {n}", r.stdout + r.stderr[-2000:]
+    assert sorted(str(p) for p in cache.rglob("*")) == before
