@@ -140,9 +140,28 @@ def run_child(job_file: str) -> None:
     tokens = sum(len(ids) + 1 for ids in tok.encode(hyps))  # generated tokens, EOS included
     Path(job["result"]).write_text(json.dumps({
         "hyps": hyps, "seconds": seconds, "tokens": tokens,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mb": peak_rss_mb(),
         "peak_cuda_mb": torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" and
         not engine.startswith("ct2") else None}))
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (VmHWM: its own, unlike ru_maxrss, which Linux carries over from the
+    parent across fork and exec)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
 
 
 # -- the parent ---------------------------------------------------------------------------------------------
@@ -191,8 +210,8 @@ def markdown(rows: list[dict], args, n: int, corpus: str, device: str, ckpt_note
     base = next((r for r in rows if r["engine"] == "fastmt"), rows[0])
     lines = [f"# Inference speed, side by side ({'GPU' if device == 'cuda' else 'CPU'})", "",
              f"`python -m bench.inference {' '.join(sys.argv[1:])}`", "",
-             provenance_markdown(prov, None), f"- machine: {os.cpu_count()} CPU cores visible; threads per engine: "
-             f"{args.threads or 'all'}", f"- model: {ckpt_note}", f"- test set: {n} sentences of {corpus}",
+             provenance_markdown(prov, None), f"- machine: {cpu_name()}, {os.cpu_count()} cores visible (shared: load "
+             f"average {os.getloadavg()[0]:.1f} at the end); threads per engine: {args.threads or 'all'}", f"- model: {ckpt_note}", f"- test set: {n} sentences of {corpus}",
              f"- decoding (every engine): beam {args.beam}, GNMT alpha {args.length_penalty:g} (CTranslate2 and HF: "
              f"n-best rescored with GNMT), max length 1.5 x source + 10 per sentence, batch {args.batch_size}",
              f"- BLEU signature: {rows[0]['signature']}", "",
