@@ -235,5 +235,8 @@ def write_json(path: Path, obj) -> None:
 
 
 def read_json(path: Path):
-    """Parsed JSON, or raises ValueError/OSError (the caller heals)."""
-    return json.loads(Path(path).read_text())
+    """Parsed JSON, or raises ValueError/OSError (the caller heals). Only a regular file, never through a link: a
+    FIFO or ``/dev/zero`` planted in a shared cache would hang the read or fill the memory."""
+    fd = F.open_nofollow(path, os.O_RDONLY, what="cache record")
+    with os.fdopen(fd, "rb") as f:
+        return json.loads(f.read().decode())

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from . import cache as C
-from .files import check_key
+from .files import check_key, check_regular
 from .sources import Chunk, SourceFile, hub_chunks, plan_chunks, training_files
 from .split import HELDOUT_MAX_GROUP
 from .tokenizer import Tokenizer, spm_settings
@@ -131,6 +131,7 @@ _ARRAYS = ("src_ids", "src_off", "tgt_ids", "tgt_off", "rows")
 
 
 def _open(path: Path, shape: tuple, dtype: str) -> np.ndarray:
+    check_regular(path, "cache array")  # a FIFO planted here would block np.load
     a = np.load(path, mmap_mode="r") if shape[0] else np.load(path)  # an empty array cannot be mapped
     if a.shape != shape or a.dtype != np.dtype(dtype):
         raise ValueError(f"{path.name} holds {a.dtype}{a.shape}, expected {dtype}{shape}")

@@ -105,6 +105,18 @@ def refuse_link(path: str | os.PathLike, what: str = "file") -> None:
                                f"through a link, which someone else may have planted; remove the link")
 
 
+def check_regular(path: str | os.PathLike, what: str = "file") -> Path:
+    """``path`` if it is a regular file itself (not a link, FIFO, device or folder), else `FileRefusedError`:
+    for readers that open by name (numpy, SentencePiece), which a planted FIFO would block."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return Path(path)  # the reader says it is missing
+    if not stat.S_ISREG(mode):
+        raise FileRefusedError(f"{what} {path} is not a regular file (a link, FIFO, device or folder): remove it")
+    return Path(path)
+
+
 def open_nofollow(path: str | os.PathLike, flags: int, mode: int = 0o666, what: str = "file") -> int:
     """``os.open`` that never follows a link at ``path`` and only opens a regular file: a link is refused in
     one line (`FileRefusedError`); other ``OSError``s propagate. Returns the fd."""

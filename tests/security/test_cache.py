@@ -206,3 +206,20 @@ def test_row7_another_user_reads_a_shared_cache_it_cannot_write(tmp_path):
         pytest.skip(f"uid 65534 cannot run the interpreter here: {r.stderr[-200:]}")
     assert r.stdout.strip() == f"OK {n}", r.stdout + r.stderr[-2000:]
     assert sorted(str(p) for p in cache.rglob("*")) == before
+
+
+@pytest.mark.parametrize("name", ["meta.json", "train_src_ids.npy", "valid_text.json"])
+def test_a_fifo_or_device_link_planted_in_an_entry_is_healed_without_hanging(built, name):
+    """A reader of a FIFO waits forever for a writer, one of /dev/zero fills the memory: both are refused by
+    name and the entry is rebuilt."""
+    cfg, bundle = built
+    (entry,) = Path(cfg.cache_dir).glob("corpus-*")
+    (entry / name).unlink()
+    if name.endswith(".json") and name.startswith("valid"):
+        (entry / name).symlink_to("/dev/zero")
+    else:
+        os.mkfifo(entry / name)
+    logs = []
+    again = build_data(cfg, log=logs.append)
+    assert len(again.splits["train"]) == len(bundle.splits["train"])
+    assert any("unusable (FileRefusedError" in m for m in logs)
