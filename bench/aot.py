@@ -16,7 +16,9 @@ Plans (``--plan``):
                (``FASTMT_AUTOTUNE=0``: the first fitting config; every config where a test walks them,
                every pruned one where a test autotunes): the CUDA grids and the other tests' launches, with
                the tests' own case lists and input builders (LayerNorm weights in x's dtype, mixed residual
-               dtypes, Lion's sizes, gradient dtypes and lr kinds)
+               dtypes, Lion's sizes, gradient dtypes and lr kinds), then the step's selection itself
+               (``KERNEL_TEST_SELECTION``) run by pytest in this process on CPU tensors: every launch of
+               every test not marked ``gpu`` compiles what the GPU run will request
 
 Whether a GPU run hits the cache depends on Triton's cache key: the triton build (``triton_key()``
 hashes libtriton, so CPython 3.12's wheel for the GPU image's python), the ptxas version, the target and
@@ -298,6 +300,54 @@ def plan_kernel_test() -> None:
     with _all_configs(True):  # test_gpu_autotuned_matches (both tilings): the autotuner times every pruned config
         padded("B2-H4-Tq300-Tk77", 64, torch.bfloat16, True, True)
         packed("decoder-causal", 64, torch.bfloat16, 3)
+    with _env(FASTMT_AUTOTUNE="0", TRITON_INTERPRET="0"):
+        run_selected_tests()
+
+
+# the runbook's kernel-test selection (bench/gpu_run.sh; tests/bench/test_gpu_run.py checks they agree)
+KERNEL_TEST_SELECTION = ("tests/kernels", "-m", "not slow")
+
+
+class _TestsAsPlan:
+    """pytest plugin: the kernel-test step's tests themselves, run on CPU tensors under ``compile_only`` so
+    that every launch compiles what the GPU run will request. Skips are lifted (the interpreter's
+    "needs CUDA or TRITON_INTERPRET=1": here the kernels compile for the GPU); outcomes mean nothing (the
+    outputs are never computed). Left out: tests marked ``gpu`` (their tensors are made on "cuda": the
+    grids above stand for them), tests that start a subprocess or torch.compile (same launches, minutes
+    of CPU work)."""
+
+    def __init__(self):
+        self.ran = 0
+
+    def pytest_collection_modifyitems(self, items):
+        import inspect
+
+        kept = []
+        for item in items:
+            try:
+                source = inspect.getsource(item.function)
+            except (OSError, TypeError, AttributeError):
+                source = ""
+            if item.get_closest_marker("gpu") is not None or "subprocess" in source or "torch.compile" in source:
+                continue
+            for node in item.listchain():
+                node.own_markers[:] = [m for m in node.own_markers if m.name not in ("skip", "skipif")]
+            kept.append(item)
+        items[:] = kept
+
+    def pytest_runtest_logreport(self, report):
+        self.ran += report.when == "call"
+
+
+def run_selected_tests() -> None:
+    """Run the runbook's kernel-test selection in this process (inside ``compile_only``)."""
+    import pytest
+
+    plugin = _TestsAsPlan()
+    pytest.main([*KERNEL_TEST_SELECTION, "-q", "--tb=no", "-rN", "--no-header", "-p", "no:cacheprovider",
+                 "-o", "addopts=", "-W", "ignore"], plugins=[plugin])
+    print(f"kernel-test: {plugin.ran} tests of the selection replayed for their launches (their outcomes mean "
+          f"nothing here: no kernel ran)", flush=True)
 
 
 PLANS = {"train": plan_train, "kernel-test": plan_kernel_test}

@@ -159,6 +159,11 @@ while (($#)); do
     esac
 done
 if [[ $MODE == plan ]]; then print_plan; exit 0; fi
+for var in KERNEL_TEST_ARGS BENCH_KERNELS_ARGS TRAIN_ARGS PROFILE_ARGS FRONTIER_ARGS LADDER_ARGS SWEEP_ARGS INFERENCE_ARGS; do
+    # before anything runs: a value the shell could not split (an open quote) would otherwise lose its words
+    "$PY" -c 'import shlex, sys; shlex.split(sys.argv[1])' "${!var:-}" 2>/dev/null \
+        || { echo "gpu_run: $var=${!var} is not valid shell words (an unclosed quote?): fix its quoting" >&2; exit 2; }
+done
 ((${#STEPS[@]})) || { read -r -a STEPS <<<"${STEP_GROUPS[call1]}"; }
 
 RUN_ID=$(date -u +%Y%m%dT%H%M%SZ)
@@ -240,7 +245,8 @@ step_command() {  # fills CMD for step $1 given its time limit $2
                  --settings "${SWEEP_SETTINGS:-$SWEEP_ADAMW}" "${data_arg[@]}" "${smoke[@]}" "${extra[@]}") ;;
         inference)
             words extra "${INFERENCE_ARGS:-}"
-            CMD=("$PY" -m bench.inference --out "$WORK/bench/results" "${extra[@]}") ;;
+            [[ $REHEARSAL != 0 ]] && smoke=(--sentences 16 --train-steps 20)
+            CMD=("$PY" -m bench.inference --out "$WORK/bench/results" "${smoke[@]}" "${extra[@]}") ;;
     esac
 }
 

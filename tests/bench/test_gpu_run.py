@@ -144,6 +144,19 @@ def test_kernel_test_step_selects_every_kernel_test_that_would_use_the_gpu(tmp_p
     assert rc == 0 and not sorted(gpu & slow - {n for n, _, _ in step_slow})
 
 
+def test_the_aot_plan_replays_the_kernel_test_steps_selection():
+    """bench/aot.py's kernel-test plan runs the step's tests themselves (under its compile-only driver): the
+    selection it runs is the one the step runs."""
+    import ast
+
+    tree = ast.parse((ROOT / "bench" / "aot.py").read_text())
+    [selection] = [ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                   and any(getattr(t, "id", "") == "KERNEL_TEST_SELECTION" for t in n.targets)]
+    words = show("kernel-test")
+    assert any(tuple(words[i:i + len(selection)]) == selection for i in range(len(words))), (selection, words)
+    assert "FASTMT_AUTOTUNE=0" in words  # the plan's autotune setting
+
+
 # ----------------------------------------------------------------------------------------------
 # Pass-through variables keep quoted words
 # ----------------------------------------------------------------------------------------------
@@ -154,7 +167,16 @@ def test_kernel_test_step_selects_every_kernel_test_that_would_use_the_gpu(tmp_p
 def test_pass_through_arguments_keep_quoted_words(var, step):
     words = show(step, **{var: """-m 'not slow' -k "a b" --x '$HOME' `id`"""})
     assert words[-7:] == ["-m", "not slow", "-k", "a b", "--x", "$HOME", "`id`"]
-    assert show(step, **{var: ""}) == show(step)
+    def stable(words):  # the run's time stamp (JUnit path, run name) aside
+        return [re.sub(r"\d{8}T\d{6}Z", "<RUN_ID>", w) for w in words]
+
+    assert stable(show(step, **{var: ""})) == stable(show(step))
+
+
+def test_an_unclosed_quote_is_refused_before_anything_runs():
+    out = subprocess.run(["bash", str(SCRIPT), "show", "train"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHON": sys.executable, "TRAIN_ARGS": "--run.name 'x"})
+    assert out.returncode == 2 and "TRAIN_ARGS=--run.name 'x is not valid shell words" in out.stderr, out.stderr
 
 
 def test_kernel_test_args_not_slow_is_a_valid_pytest_selection(tmp_path):
