@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 
-from data.files import append_text, atomic_write
+from data.files import append_text, atomic_write, explain_os_errors
+
+_FIX = "free space or permissions there, or give --run.out_dir a writable folder"
 
 
 def git_sha(repo: str | os.PathLike | None = None) -> str | None:
@@ -78,7 +80,8 @@ def write_provenance(run_dir: Path, config: dict[str, Any], split_record: Any, e
     rec = provenance(config, split_record, extra)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / ("provenance.json" if step == 0 else f"provenance-resume-step{step}.json")
-    atomic_write(path, json.dumps(rec, indent=2, default=str), what="provenance record")
+    with explain_os_errors("the run folder", run_dir, _FIX):  # a full or read-only disk: one line, exit 2
+        atomic_write(path, json.dumps(rec, indent=2, default=str), what="provenance record")
     log(f"provenance ({path}): git {rec['git_sha']}, torch {rec['torch']}, triton {rec['triton']}, cuda {rec['cuda']}, "
         f"gpu {rec['gpu']}, " + ", ".join(f"{k} {extra[k]}" for k in ("device", "world_size", "params", "compiled",
                                                                       "steps_per_epoch", "total_steps") if k in extra))
@@ -128,7 +131,8 @@ class MetricsLogger:
         if not self.enabled:
             return
         line = json.dumps({k: _clean(v) for k, v in record.items()})
-        append_text(self.path, line + "\n", "metrics file")  # never through a link planted as metrics.jsonl
+        with explain_os_errors("the run folder", self.run_dir, _FIX):
+            append_text(self.path, line + "\n", "metrics file")  # never through a link planted as metrics.jsonl
 
     def close(self) -> None:
         if self.tb is not None:

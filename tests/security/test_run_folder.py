@@ -187,3 +187,13 @@ def test_a_fifo_or_hard_link_planted_as_metrics_is_refused_without_hanging(tmp_p
     with pytest.raises(FileRefusedError, match="hard links"):
         MetricsLogger(run, tensorboard=False).log({"kind": "epoch"})
     assert v.read_text() == "precious\n"
+
+
+def test_a_run_folder_turned_read_only_is_one_line(tmp_path, tmpfs):
+    fs = tmpfs("1m")
+    m = MetricsLogger(fs.path / "run", tensorboard=False)
+    m.log({"kind": "epoch", "epoch": 1})
+    fs.read_only()
+    with pytest.raises(FileRefusedError) as e:
+        m.log({"kind": "epoch", "epoch": 2})
+    assert "read-only" in str(e.value) and "--run.out_dir" in str(e.value) and "\n" not in str(e.value)
