@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from data.toy import toy_corpus
-from tests.train.runs_helpers import TOY_FLAGS, train_argv
+from tests.train.runs_helpers import train_argv
 from train.__main__ import main
 from train.checkpoint import load_checkpoint, step_checkpoints
 from train.errors import EXIT_INTERRUPTED, EXIT_OK
@@ -220,10 +220,6 @@ def test_a_ddp_run_stopped_by_sigterm_continues_with_its_printed_torchrun_comman
     one = subprocess.run([sys.executable, "-m", "train", *train_argv(parent["cache"], tmp_path, *longer, name="cut")],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert one.returncode == 2 and "a run of 2 ranks, this run has 1" in one.stderr, one.stderr[-2000:]
-
-
-def test_toy_flags_are_the_session_cache():
-    assert "--data.dataset" in TOY_FLAGS  # no_toy() relies on it
 
 
 # ----------------------------------------------------------------------------------------------
