@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -130,8 +132,9 @@ def write(src: Source, out: Path) -> None:
     vocab = out / "fastmt_vocab.json"
     vocab.write_text(json.dumps({p: i for i, p in enumerate(pieces(src.tok))}, ensure_ascii=False))
     data = src.config.get("data") or {}
-    tok = MarianTokenizer(str(spm), str(spm), str(vocab), source_lang=data.get("src_lang"),
-                          target_lang=data.get("tgt_lang"), model_max_length=src.cfg.max_positions)
+    with quiet_marian():
+        tok = MarianTokenizer(str(spm), str(spm), str(vocab), source_lang=data.get("src_lang"),
+                              target_lang=data.get("tgt_lang"), model_max_length=src.cfg.max_positions)
     tok.save_pretrained(str(out))
     spm.unlink()
     vocab.unlink()
@@ -142,6 +145,15 @@ def write(src: Source, out: Path) -> None:
         "do_sample": False})
     write_json(out / DECODING_FILE, settings)
     write_json(out / CONFIG_FILE, src.config)
+
+
+@contextmanager
+def quiet_marian():
+    """MarianTokenizer without its "pip install sacremoses" warning: fastmt's ids come from SentencePiece alone
+    (sacremoses would add a punctuation normaliser fastmt does not have)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Recommended: pip install sacremoses")
+        yield
 
 
 def is_hf_dir(path: str | Path) -> bool:
@@ -162,7 +174,8 @@ class HFTranslator:
         self.device = torch.device(device)
         self.model = AutoModelForSeq2SeqLM.from_pretrained(str(self.path), trust_remote_code=True).to(self.device)
         self.model.eval()
-        self.tokenizer = MarianTokenizer.from_pretrained(str(self.path))
+        with quiet_marian():
+            self.tokenizer = MarianTokenizer.from_pretrained(str(self.path))
         self.sp = self.tokenizer.spm_source
 
     def _batch(self, rows: list[list[int]], suffix: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
