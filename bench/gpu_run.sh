@@ -146,7 +146,8 @@ while (($#)); do
     case $arg in
         plan) MODE=plan ;;
         show) MODE=show; SHOW_STEP=${1:-}; shift || true
-              [[ -n ${DEFAULT_LIMIT[$SHOW_STEP]+x} ]] || { echo "gpu_run: show: unknown step '$SHOW_STEP'" >&2; exit 2; } ;;
+              [[ -n $SHOW_STEP && -n ${DEFAULT_LIMIT[$SHOW_STEP]+x} ]] \
+                  || { echo "gpu_run: show STEP: one of ${ALL_STEPS[*]} (got '$SHOW_STEP')" >&2; exit 2; } ;;
         all) STEPS+=("${ALL_STEPS[@]}") ;;
         -h | --help) usage ;;
         sweep-adamw) SWEEP_SETTINGS=${SWEEP_SETTINGS:-$SWEEP_ADAMW}; STEPS+=(sweep) ;;

@@ -386,6 +386,29 @@ def test_a_contestant_past_its_budget_dies_with_its_children(tmp_path):
                 os.kill(p, signal.SIGKILL)
 
 
+LEAVER = """
+import subprocess, sys
+child = subprocess.Popen(["sleep", "600"])  # left running when the contestant exits
+open(sys.argv[1], "w").write(f"{child.pid}")
+"""
+
+
+def test_what_a_contestant_leaves_running_dies_when_it_exits(tmp_path):
+    from bench import frontier as F
+
+    (tmp_path / "leaver.py").write_text(LEAVER)
+    pid_file = tmp_path / "pid"
+    result = F.run_contestant(F.Contestant("leaver", "leaver", "x", ()),
+                              [sys.executable, str(tmp_path / "leaver.py"), str(pid_file)], tmp_path / "log",
+                              timeout_s=60, log=lambda s: None)
+    pid = int(pid_file.read_text())
+    try:
+        assert result["status"] == "ok" and _all_gone([pid])
+    finally:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 # ----------------------------------------------------------------------------------------------
 # Lion's tests without lion-pytorch (a bare GPU image)
 # ----------------------------------------------------------------------------------------------
