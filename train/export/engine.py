@@ -54,9 +54,17 @@ def load_ct2(path, device):
     except ImportError as e:
         raise UserError(f"{path} is a CTranslate2 model: decoding it needs ctranslate2, which does not import here "
                         f"({e}): {EXTRA}") from None
+    import json
+
+    from train.export.common import CONFIG_FILE
     from train.export.ct2 import CT2Translator
 
-    translator = CT2Translator(path, device="cuda" if device.type == "cuda" else "cpu")
+    try:  # the run's run.cpu_threads, as train.inference.configure_cpu sets them for fastmt's own decoding
+        threads = (json.loads((Path(path) / CONFIG_FILE).read_text()).get("run") or {}).get("cpu_threads") or 0
+    except (OSError, ValueError, AttributeError):
+        threads = 0
+    translator = CT2Translator(path, device="cuda" if device.type == "cuda" else "cpu",
+                               threads=threads if isinstance(threads, int) else 0)
     return CT2Model(translator), translator.tok, {"config": {**translator.config, ENGINE_KEY: "ct2"}}
 
 
