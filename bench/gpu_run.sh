@@ -17,8 +17,9 @@
 #   call6   sweep (Lion settings)              optional (alias sweep-lion)
 #   call7   inference kernel-test-slow         optional: export speed, the full (slow) CUDA test grids
 # Steps:
-#   kernel-test       pytest tests/kernels -m "not slow": every kernel test that is not a slow full grid,
-#                     on CUDA (Lion vs lion-pytorch, mixed-dtype LayerNorm, opcheck, the CUDA grids)
+#   kernel-test       pytest tests/kernels/*.py -m "not slow": every kernel test that is not a slow full grid,
+#                     on CUDA (Lion vs lion-pytorch, mixed-dtype LayerNorm, opcheck, the CUDA grids), the
+#                     files in the order training meets them
 #   kernel-test-slow  pytest tests/kernels -m slow: the full CUDA grids
 #   bench-kernels     python3 -m bench.kernels --groups corpus,ln      (bench/results/kernels-<gpu>.*)
 #   train             python3 -m train --auto --run.max_wall_seconds <limit - 60>   (`make train`'s run)
@@ -185,6 +186,18 @@ read_data_files() {  # DATA_FILES from the carried .data/FILES (absolute paths);
 has_pytest_timeout() { "$PY" -c 'import pytest_timeout' >/dev/null 2>&1; }
 triton_entries() { find "${TRITON_CACHE_DIR:-/nonexistent}" -mindepth 1 -maxdepth 1 -type d 2>/dev/null | wc -l; }
 
+# the kernel-test files in the order of what a training run meets first (a step cut at its deadline has run
+# these): Lion and LayerNorm, the packed attention of the `fast` preset, the padded one, the dispatcher, the
+# launcher, the rounding rule, the sm_90a code generation (CPU work); any other file after them
+KERNEL_TEST_ORDER=(test_lion.py test_layernorm.py test_packed_attention.py test_sequence_attention.py test_attention.py
+                   test_launch.py test_lowp_emulation.py test_lion_codegen.py test_layernorm_codegen.py
+                   test_attention_codegen.py)
+kernel_test_files() {
+    local f seen=" ${KERNEL_TEST_ORDER[*]} "
+    for f in "${KERNEL_TEST_ORDER[@]}"; do [[ -f tests/kernels/$f ]] && echo "tests/kernels/$f"; done
+    for f in tests/kernels/test_*.py; do [[ $seen == *" ${f##*/} "* ]] || echo "$f"; done
+}
+
 pytest_command() {  # pytest_command LIMIT JUNIT SELECTION-ARGS...: pytest that ends, with its summary, in time
     local limit=$1 junit=$2
     shift 2
@@ -197,14 +210,15 @@ pytest_command() {  # pytest_command LIMIT JUNIT SELECTION-ARGS...: pytest that 
 }
 
 step_command() {  # fills CMD for step $1 given its time limit $2
-    local step=$1 limit=$2 extra=() smoke=() data_arg=() out_arg=()
+    local step=$1 limit=$2 extra=() smoke=() data_arg=() out_arg=() files=()
     ((${#DATA_FILES[@]})) && data_arg=(--data-files "${DATA_FILES[@]}")
     if [[ $REHEARSAL != 0 ]]; then out_arg=(--out "$WORK/bench/results"); fi
     case $step in
         kernel-test)  # every kernel test but the slow full grids: on CUDA each one runs there
             words extra "${KERNEL_TEST_ARGS:-}"
             [[ $REHEARSAL != 0 ]] && smoke=(-k "validation or dispatch")
-            pytest_command "$limit" "$WORK/$LOGDIR/kernel-test.xml" tests/kernels -m "not slow" "${smoke[@]}" "${extra[@]}" ;;
+            mapfile -t files < <(kernel_test_files)
+            pytest_command "$limit" "$WORK/$LOGDIR/kernel-test.xml" "${files[@]}" -m "not slow" "${smoke[@]}" "${extra[@]}" ;;
         kernel-test-slow)  # the full CUDA grids (every dtype x width x flag, every shape)
             words extra "${KERNEL_TEST_ARGS:-}"
             [[ $REHEARSAL != 0 ]] && smoke=(--collect-only)

@@ -144,17 +144,23 @@ def test_kernel_test_step_selects_every_kernel_test_that_would_use_the_gpu(tmp_p
     assert rc == 0 and not sorted(gpu & slow - {n for n, _, _ in step_slow})
 
 
-def test_the_aot_plan_replays_the_kernel_test_steps_selection():
+def test_the_aot_plan_replays_the_kernel_test_steps_selection(tmp_path):
     """bench/aot.py's kernel-test plan runs the step's tests themselves (under its compile-only driver): the
-    selection it runs is the one the step runs."""
+    tests it selects are the ones the step selects, with the step's autotune setting."""
     import ast
 
     tree = ast.parse((ROOT / "bench" / "aot.py").read_text())
     [selection] = [ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
                    and any(getattr(t, "id", "") == "KERNEL_TEST_SELECTION" for t in n.targets)]
     words = show("kernel-test")
-    assert any(tuple(words[i:i + len(selection)]) == selection for i in range(len(words))), (selection, words)
+    rc_plan, plan = collect(list(selection))
+    rc_step, step = collect(pytest_args(words, tmp_path / "k.xml"))
+    assert rc_plan == rc_step == 0 and {n for n, _, _ in plan} == {n for n, _, _ in step}
     assert "FASTMT_AUTOTUNE=0" in words  # the plan's autotune setting
+    # the step runs the files most important to training first (a step cut at its deadline has run them)
+    files = [w for w in words if w.startswith("tests/kernels/")]
+    assert files[:2] == ["tests/kernels/test_lion.py", "tests/kernels/test_layernorm.py"]
+    assert sorted(files) == sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "kernels").glob("test_*.py"))
 
 
 # ----------------------------------------------------------------------------------------------
