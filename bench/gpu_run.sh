@@ -198,6 +198,13 @@ kernel_test_files() {
     for f in tests/kernels/test_*.py; do [[ $seen == *" ${f##*/} "* ]] || echo "$f"; done
 }
 
+mentions() {  # mentions FLAG WORD...: is FLAG among the words (as FLAG or FLAG=VALUE)?
+    local flag=$1 w
+    shift
+    for w in "$@"; do [[ $w == "$flag" || $w == "$flag="* ]] && return 0; done
+    return 1
+}
+
 pytest_command() {  # pytest_command LIMIT JUNIT SELECTION-ARGS...: pytest that ends, with its summary, in time
     local limit=$1 junit=$2
     shift 2
@@ -234,9 +241,14 @@ step_command() {  # fills CMD for step $1 given its time limit $2
             [[ $REHEARSAL != 0 ]] && smoke=(--run.out_dir "$WORK/runs" --data.dataset toy --data.toy_rows 1200
                                            --data.valid_size 100 --data.test_size 100
                                            --run.epochs 1)
-            CMD=("$PY" -m train --auto --run.name "default-$RUN_ID" --run.progress false
-                 --run.max_wall_seconds "$((limit > 2 * TRAIN_RESERVE_S ? limit - TRAIN_RESERVE_S : limit / 2))"
-                 "${data_arg[@]}" "${smoke[@]}" "${extra[@]}") ;;
+            # fastmt refuses a flag given twice: TRAIN_ARGS's own --run.max_wall_seconds, --preset, data... win
+            local own=()
+            mentions --preset "${extra[@]}" || mentions --config "${extra[@]}" || own+=(--auto)
+            mentions --run.progress "${extra[@]}" || own+=(--run.progress false)
+            mentions --run.max_wall_seconds "${extra[@]}" \
+                || own+=(--run.max_wall_seconds "$((limit > 2 * TRAIN_RESERVE_S ? limit - TRAIN_RESERVE_S : limit / 2))")
+            mentions --data-files "${extra[@]}" || mentions --data.dataset "${extra[@]}" || own+=("${data_arg[@]}")
+            CMD=("$PY" -m train "${own[@]}" --run.name "default-$RUN_ID" "${smoke[@]}" "${extra[@]}") ;;
         quality)  # this invocation's own run (a run name is never reused)
             CMD=("$PY" -m bench.quality --run "$WORK/runs/default-$RUN_ID" "${out_arg[@]}") ;;
         profile)  # after `train`: its compile is the warm-cache compile

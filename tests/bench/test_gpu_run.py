@@ -179,6 +179,17 @@ def test_pass_through_arguments_keep_quoted_words(var, step):
     assert stable(show(step, **{var: ""})) == stable(show(step))
 
 
+def test_train_args_replace_the_steps_own_flags_which_fastmt_refuses_twice():
+    words = show("train", TRAIN_ARGS="--preset s18 --run.max_wall_seconds=100 --data.dataset toy")
+    assert "--auto" not in words and "--run.max_wall_seconds" not in words and "--data-files" not in words
+    assert words.count("--run.max_wall_seconds=100") == 1 and words[-4:] == [
+        "--preset", "s18", "--run.max_wall_seconds=100", "--data.dataset", "toy"][-4:]
+    plain = show("train")
+    assert "--auto" in plain and plain.count("--run.max_wall_seconds") == 1
+    budget = int(plain[plain.index("--run.max_wall_seconds") + 1])
+    assert 0 < budget <= int(parse_plan(gpu_run("plan"))["call2"]["steps"]["train"]) - 60  # time for test, plot
+
+
 def test_an_unclosed_quote_is_refused_before_anything_runs():
     out = subprocess.run(["bash", str(SCRIPT), "show", "train"], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHON": sys.executable, "TRAIN_ARGS": "--run.name 'x"})
