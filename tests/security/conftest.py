@@ -46,6 +46,18 @@ def tmpfs(tmp_path):
         m.unmount()
 
 
+@pytest.fixture
+def shared_tmp():
+    """A scratch folder another uid can traverse (mode 0755 up to /tmp): pytest keeps its own base folder 0700
+    and re-applies that whenever a pytest starts on the machine, so tests run as another uid cannot use it."""
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="fastmt-security-", dir="/tmp"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def victim(tmp_path: Path, text: str = "precious\n") -> Path:
     """A file of the user's that an attack tries to overwrite, truncate or delete."""
     p = tmp_path / "victim.txt"

@@ -181,7 +181,7 @@ except Exception as e:
 """
 
 
-def test_row7_another_user_reads_a_shared_cache_it_cannot_write(tmp_path):
+def test_row7_another_user_reads_a_shared_cache_it_cannot_write(shared_tmp):
     """The cache belongs to root (0755); uid 65534 reads it after the data file was touched (an index miss,
     a content match): no lock file is created, nothing written, the entry used."""
     if os.geteuid() != 0 or not shutil.which("setpriv"):
@@ -189,16 +189,13 @@ def test_row7_another_user_reads_a_shared_cache_it_cannot_write(tmp_path):
     from data.config import toy
     from data.toy import write_toy_corpus
 
-    corpus = write_toy_corpus(tmp_path / "corpus.jsonl", 300)
-    cache = tmp_path / "cache"
+    corpus = write_toy_corpus(shared_tmp / "corpus.jsonl", 300)
+    cache = shared_tmp / "cache"
     cfg = toy(cache_dir=str(cache), data_files=(str(corpus),), vocab_size=300, valid_size=20, test_size=20)
     n = len(build_data(cfg, log=_quiet).splits["train"])
     os.utime(corpus)  # a touch: the identity index misses, the content still matches
-    for p in [tmp_path, *tmp_path.rglob("*")]:
-        p.chmod((p.stat().st_mode | 0o055) & ~0o022 if p.is_dir() else (p.stat().st_mode | 0o044) & ~0o022)
-    for p in tmp_path.parents:  # pytest's base folders are 0700
-        if str(p).startswith("/tmp/pytest-of-"):
-            p.chmod(p.stat().st_mode | 0o055)
+    for p in shared_tmp.rglob("*"):
+        p.chmod(0o755 if p.is_dir() else 0o644)
     before = sorted(str(p) for p in cache.rglob("*"))
     r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", _READER,
                         str(cache), str(corpus)], cwd=REPO, capture_output=True, text=True, timeout=300)
