@@ -22,10 +22,10 @@ Limits of the Triton kernels: N <= 8192 (a row lives in registers; BLOCK_N = nex
 masked). ``backend="auto"`` sends wider rows and other dtypes to the reference; "triton" raises.
 Not supported by the kernels: RMSNorm, dropout, elementwise_affine=False (pass ones), fp64.
 
-Layout of this file (every kernel file follows it): reference -> autotuning space -> Triton kernels
-``_layer_norm_fwd_kernel`` / ``_bwd_kernel`` -> launchers ``layer_norm_fwd`` / ``_bwd`` -> custom ops
-``fastmt::layer_norm_fwd`` / ``_bwd`` (torch.compile) and the eager autograd.Function -> public
-``layer_norm`` -> ``LayerNorm`` module.
+Layout of this file (every kernel file follows it): reference -> Triton kernels ``_layer_norm_fwd_kernel``
+/ ``_bwd_kernel`` (their autotuning space, the tiles kept per width: kernels/layernorm_tiles.py) ->
+launchers ``layer_norm_fwd`` / ``_bwd`` -> custom ops ``fastmt::layer_norm_fwd`` / ``_bwd`` (torch.compile)
+and the eager autograd.Function -> public ``layer_norm`` -> ``LayerNorm`` module.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ import triton.language as tl
 from torch import nn
 
 from kernels import NORM_BACKENDS
-from kernels._utils import autotune, empty, launch, poison_enabled, resolve_backend, triton_usable
+from kernels._utils import empty, launch, poison_enabled, resolve_backend, triton_usable
+from kernels.layernorm_tiles import BWD_TILES, FWD_TILES, block_n, layer_norm_autotune
 
 ACTIVATIONS = (None, "gelu", "gelu_tanh")
 MAX_TRITON_N = 8192  # widest row the kernels hold in registers
@@ -85,53 +86,6 @@ def layer_norm_reference(
 
 
 # ----------------------------------------------------------------------------------------------
-# Autotuning space (CUDA only; the interpreter gets one config: >1 fails there)
-# ----------------------------------------------------------------------------------------------
-# A program normalises a ROWS x BLOCK_N tile. Small widths need several rows per program to keep
-# enough bytes in flight; wide rows need more warps. For each width the pruner keeps at most four
-# tiles: two tile sizes x two loads per thread, so a first call on a new key times <= 4 configs.
-# The backward holds ~3x more live values per element than the forward: smaller tiles, fewer
-# elements per thread. Every kept tile gives each thread >= 8 contiguous elements (16-byte bf16 loads).
-_FWD_TILES = dict(tiles=(4096, 8192), per_thread=(16, 32))
-_BWD_TILES = dict(tiles=(2048, 4096), per_thread=(8, 16))
-_MAX_ROWS, _MAX_WARPS = 256, 16
-
-
-def _block_n(N: int) -> int:
-    return 1 << (N - 1).bit_length()  # next power of two >= N (plain int math: cheap on the hot path)
-
-
-def _tile_grid() -> list[triton.Config]:
-    """Every (ROWS, num_warps) pair the pruner may pick from."""
-    return [triton.Config({"ROWS": 1 << r}, num_warps=1 << w) for r in range(9) for w in range(5)]
-
-
-def width_tiles(N: int, tiles: tuple[int, ...], per_thread: tuple[int, ...]) -> list[tuple[int, int]]:
-    """(ROWS, num_warps) for width N: tiles of ~``tiles`` elements, ~``per_thread`` elements per thread."""
-    block_n = _block_n(N)
-    kept = []
-    for tile in tiles:
-        rows = min(max(tile // block_n, 1), _MAX_ROWS)
-        for elems in per_thread:
-            warps = min(max(rows * block_n // (32 * elems), 1), _MAX_WARPS)
-            if (rows, warps) not in kept:
-                kept.append((rows, warps))
-    return kept
-
-
-def _tile_pruner(tiles: tuple[int, ...], per_thread: tuple[int, ...]):
-    def prune(configs, named_args, **kwargs):
-        wanted = width_tiles(named_args["N"], tiles, per_thread)
-        return [c for c in configs if (c.kwargs["ROWS"], c.num_warps) in wanted]
-    return prune
-
-
-def _layer_norm_autotune(interpret_rows: int, key: list[str], limits: dict):
-    return autotune(_tile_grid(), key, interpret_config=triton.Config({"ROWS": interpret_rows}, num_warps=4),
-                    prune=_tile_pruner(**limits))
-
-
-# ----------------------------------------------------------------------------------------------
 # Triton kernels
 # ----------------------------------------------------------------------------------------------
 @triton.jit
@@ -162,7 +116,7 @@ def _activation_grad(z, ACTIVATION: tl.constexpr):
         return tl.sigmoid(2.0 * u) + 2.0 * z * du * tl.sigmoid(2.0 * u) * tl.sigmoid(-2.0 * u)
 
 
-@_layer_norm_autotune(16, key=["N", "HAS_RESIDUAL"], limits=_FWD_TILES)
+@layer_norm_autotune(16, key=["N", "HAS_RESIDUAL"], limits=FWD_TILES)
 @triton.jit(do_not_specialize=["M"])  # the row count bounds a mask along rows: one compile for every M
 def _layer_norm_fwd_kernel(
     X_ptr,  # (M, N) input rows, row stride stride_x_row, last stride 1
@@ -215,7 +169,7 @@ def _layer_norm_fwd_kernel(
     tl.store(Y_ptr + rows64[:, None] * stride_y_row + cols[None, :], y.to(Y_ptr.dtype.element_ty), mask=mask)
 
 
-@_layer_norm_autotune(8, key=["N", "HAS_DS"], limits=_BWD_TILES)
+@layer_norm_autotune(8, key=["N", "HAS_DS"], limits=BWD_TILES)
 @triton.jit(do_not_specialize=["M", "rows_per_program"])  # row counts (and the GPU's SM count through G)
 def _layer_norm_bwd_kernel(
     DY_ptr,  # (M, N) upstream gradient of y
@@ -360,7 +314,7 @@ def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         _layer_norm_fwd_kernel, lambda meta: ((M + meta["ROWS"] - 1) // meta["ROWS"],), key,
         x2, r2, weight, bias if bias is not None else weight, y, s if residual is not None else y, stats,
         stride_x, stride_r, N, N, M, N, eps,
-        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, ACTIVATION=act, BLOCK_N=_block_n(N),
+        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, ACTIVATION=act, BLOCK_N=block_n(N),
     )
     return y, s, stats
 
@@ -390,7 +344,7 @@ def layer_norm_bwd(dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, w
         _layer_norm_bwd_kernel, lambda meta: (G,), key,
         dy2, ds2, s2, weight, bias if bias is not None else weight, stats, dx, partial,
         stride_dy, stride_ds, stride_s, N, M, N, (M + G - 1) // G,
-        HAS_DS=ds is not None, HAS_BIAS=bias is not None, ACTIVATION=act, BLOCK_N=_block_n(N),
+        HAS_DS=ds is not None, HAS_BIAS=bias is not None, ACTIVATION=act, BLOCK_N=block_n(N),
     )
     return dx, partial.sum(1)  # one fixed-order reduction over the G partial rows: deterministic
 

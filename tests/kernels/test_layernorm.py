@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import kernels.layernorm as ln
+import kernels.layernorm_tiles as tiles
 from kernels._utils import interpreting
 from kernels.layernorm import ACTIVATIONS, LayerNorm, layer_norm, layer_norm_reference
 
@@ -391,9 +392,9 @@ WIDTHS = [1, 2, 7, 16, 64, 100, 512, 1000, 1024, 2048, 4096, 5000, 8192]
 
 @pytest.mark.parametrize("which", ["fwd", "bwd"])
 def test_tile_pruner_keeps_at_most_four_tiles_for_every_width(which):
-    limits = ln._FWD_TILES if which == "fwd" else ln._BWD_TILES
-    prune = ln._tile_pruner(**limits)
-    grid = ln._tile_grid()
+    limits = tiles.FWD_TILES if which == "fwd" else tiles.BWD_TILES
+    prune = tiles.tile_pruner(**limits)
+    grid = tiles.tile_grid()
     for N in WIDTHS:
         kept = prune(grid, {"N": N})
         assert 1 <= len(kept) <= 4, (N, kept)
@@ -428,6 +429,7 @@ _AUTOTUNE_PROBE = textwrap.dedent(
     Autotuner._bench = fake_bench
     JITFunction.run = fake_run
     import kernels.layernorm as ln
+    import kernels.layernorm_tiles as tiles
     from kernels import _utils
     assert not _utils.interpreting()
     ln.triton_usable = lambda t: True  # CPU tensors past the device check
@@ -444,12 +446,12 @@ _AUTOTUNE_PROBE = textwrap.dedent(
         timed.clear(), launched.clear()
         call(rows, N)
         rounds.append({"timed": list(timed), "launched": list(launched)})
-    kept = {k: ln._tile_pruner(**t)(ln._tile_grid(), {"N": 1000})
-            for k, t in (("fwd", ln._FWD_TILES), ("bwd", ln._BWD_TILES))}
+    kept = {k: tiles.tile_pruner(**t)(tiles.tile_grid(), {"N": 1000})
+            for k, t in (("fwd", tiles.FWD_TILES), ("bwd", tiles.BWD_TILES))}
     untimed = {k: [c[0].kwargs["ROWS"], c[0].num_warps] for k, c in kept.items()}  # the first config kept
     print(json.dumps({"rounds": rounds, "log": [dict(e, key=repr(e["key"])) for e in _utils.TUNING_LOG],
-                      "wanted": {k: [ln.width_tiles(N, **t) for N in (512, 64)]
-                                 for k, t in (("fwd", ln._FWD_TILES), ("bwd", ln._BWD_TILES))},
+                      "wanted": {k: [tiles.width_tiles(N, **t) for N in (512, 64)]
+                                 for k, t in (("fwd", tiles.FWD_TILES), ("bwd", tiles.BWD_TILES))},
                       "untimed": untimed}))
     """
 )
