@@ -37,7 +37,7 @@ from . import cache as C
 from .clean import CleanReport, DataInputError, Tally, clean_row, length_examples, length_mask
 from .entry import CACHE_FORMAT, Entry, Inputs, build_workers, load_entry
 from .files import open_own
-from .sources import plan_chunks, read_chunk, where
+from .sources import read_chunk, read_local, where
 from .split import (
     HELDOUT_MAX_GROUP,
     NORMALISATION,
@@ -194,15 +194,12 @@ class _Runner:
 # Your own valid/test files: read whole and strictly
 # ----------------------------------------------------------------------------------------------
 def read_eval_files(files: tuple[str, ...], split: str, src_lang: str, tgt_lang: str) -> tuple[list[str], list[str]]:
-    """Every row of ``files`` in order (ends stripped; empty sides kept). A row that cannot be read is a
-    `DataInputError` naming file:line: an evaluation set is used whole or not at all."""
-    src_files, chunks = plan_chunks(files, name=f"data.{split}_files")
+    """Every row of ``files`` in order (ends stripped; empty sides kept), read by `data.sources.read_local` as
+    `load_local` reads. A row that cannot be read is a `DataInputError` naming file:line: an evaluation set is
+    used whole or not at all."""
+    src_files, chunks = read_local(files, src_lang, tgt_lang, name=f"data.{split}_files")
     src, tgt, bad, nbad = [], [], [], 0
-    lines_before = [0] * len(src_files)
-    for c in chunks:
-        f = src_files[c.file]
-        base = lines_before[c.file] + 1 if f.unit == "line" else c.base
-        rows = read_chunk(c, src_lang, tgt_lang)
+    for _, f, base, rows in chunks:
         for reason, pos, detail in rows.rejects.examples:
             bad.append(f"{where(f, base + pos)}: {reason}: {detail}")
         nbad += rows.rejects.total
@@ -214,8 +211,6 @@ def read_eval_files(files: tuple[str, ...], split: str, src_lang: str, tgt_lang:
                 continue
             src.append(got[0])
             tgt.append(got[1])
-        lines_before[c.file] += rows.read
-        f.read += rows.read
     empty = [f.path for f in src_files if f.read == 0]
     if empty:
         raise DataInputError(f"data.{split}_files: {empty[0]} is empty; give a file with {split} pairs")

@@ -229,24 +229,37 @@ def read_chunk(chunk: Chunk, src_lang: str, tgt_lang: str) -> ChunkRows:
     return out
 
 
+def read_local(files: tuple[str, ...], src_lang: str, tgt_lang: str, *, name: str = "data files"):
+    """The one in-process reader of local files: ``(files, rows)`` where ``files`` are the `SourceFile` s (each
+    one's ``read`` filled in as its chunks are read) and ``rows`` yields, chunk by chunk in input order,
+    ``(chunk, file, base, ChunkRows)`` with ``base + position`` a row's line / row number in its file.
+    `load_local` keeps rows the way a training corpus does; `data.build.read_eval_files` strictly."""
+    src_files, chunks = plan_chunks(tuple(files), name=name)
+
+    def rows():
+        lines_before = [0] * len(src_files)
+        for c in chunks:
+            f = src_files[c.file]
+            got = read_chunk(c, src_lang, tgt_lang)
+            yield c, f, lines_before[c.file] + 1 if f.unit == "line" else c.base, got
+            lines_before[c.file] += got.read
+            f.read += got.read
+
+    return src_files, rows()
+
+
 def load_local(files: tuple[str, ...], src_lang: str, tgt_lang: str) -> RawCorpus:
     """Read local files in order into memory (small inputs, tests); rows that cannot be parsed are counted
     in ``report``, never raised. `data.build` streams large corpora chunk by chunk instead."""
-    src_files, chunks = plan_chunks(tuple(files))
+    src_files, chunks = read_local(files, src_lang, tgt_lang)
     raw = RawCorpus(translation=[], source="files:" + ",".join(files), files=src_files)
-    lines_before = [0] * len(src_files)
-    for c in chunks:
-        f = src_files[c.file]
+    for c, f, base, rows in chunks:
         if c.lo == 0:  # the file's first chunk
             f.start = len(raw.translation)
-        rows = read_chunk(c, src_lang, tgt_lang)
-        base = lines_before[c.file] + 1 if f.unit == "line" else c.base
         raw.report.rows += rows.rejects.total
         raw.report.merge(rows.rejects, lambda pos, f=f, base=base: where(f, base + pos))
         raw.translation += rows.translation
         raw.positions += [base + p for p in rows.positions]
-        lines_before[c.file] += rows.read
-        f.read += rows.read
     return raw
 
 
