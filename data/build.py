@@ -370,9 +370,7 @@ def build_entry(cfg, inp: Inputs, key: str, tok_key: str, sets: dict, cache: Pat
                 "grouping": cfg.split_grouping, "normalisation": NORMALISATION, "heldout_max_group": HELDOUT_MAX_GROUP,
                 "eval_files": {s: list(f) for s, f in inp.evals.items()},
                 "removed_for_eval_files": int(leak.sum()),
-                "overlap": olap, "truncated": truncated,
-                "rows_before_length_filter": {"train": n_train_before, "valid": counts["valid"], "test": counts["test"]},
-                "sizes": dict(counts),
+                "overlap": olap, "truncated": truncated,  # then "rows_before_length_filter" and "sizes", derived
                 "asked": {"valid": n_valid, "test": n_test},  # rows the settings asked for (of the clean rows)
                 "spm_sample_pairs": None if tokenizer is not None else cfg.spm_sample_pairs,
             },

@@ -20,7 +20,9 @@ from .sources import Chunk, SourceFile, hub_chunks, plan_chunks, training_files
 from .split import HELDOUT_MAX_GROUP
 from .tokenizer import Tokenizer, spm_settings
 
-CACHE_FORMAT = 3  # bump when the entry layout or the meaning of a key changes
+CACHE_FORMAT = 4  # bump when the entry layout or the meaning of a key changes
+# 4: meta.json holds each count once: the record's "sizes" and "rows_before_length_filter" (copies of "counts"
+#    and "train_before_length_filter") are derived on load (`split_record`)
 SPLITS = ("train", "valid", "test")
 
 
@@ -128,6 +130,20 @@ class Entry:
 
 
 _ARRAYS = ("src_ids", "src_off", "tgt_ids", "tgt_off", "rows")
+
+
+def split_record(meta: dict) -> dict:
+    """An entry's split record as a run reports it: meta.json's ``record`` with the two values meta.json holds
+    once elsewhere put back in their place (before ``"asked"``): ``rows_before_length_filter`` (train: the
+    ``train_before_length_filter`` count; valid/test are never length-filtered: their ``counts``) and
+    ``sizes`` (the ``counts``)."""
+    rec, counts = meta["record"], meta["counts"]
+    derived = {"rows_before_length_filter": {"train": meta["train_before_length_filter"], "valid": counts["valid"],
+                                             "test": counts["test"]},
+               "sizes": dict(counts)}
+    keys = list(rec)
+    at = keys.index("asked") if "asked" in keys else len(keys)
+    return {**{k: rec[k] for k in keys[:at]}, **derived, **{k: rec[k] for k in keys[at:]}}
 
 
 def _open(path: Path, shape: tuple, dtype: str) -> np.ndarray:

@@ -400,9 +400,10 @@ def build_data(cfg: DataConfig, log=print, tokenizer: Tokenizer | None = None) -
             tok = _tokenizer_of(entry, cfg, cache, sets, tokenizer)
     meta = B.as_read_by(entry.meta, inp)  # a reused entry: this run's file names, not its builder's
     report = CleanReport.from_dict(meta["report"])
-    report.overlap, report.truncated = meta["record"]["overlap"], meta["record"]["truncated"]
+    split_record = {**E.split_record(meta), "tokenizer_key": tok.key, "vocab_size": tok.vocab_size,
+                    "cache": str(entry.path)}
+    report.overlap, report.truncated = split_record["overlap"], split_record["truncated"]
     splits = {s: _split(entry, s) for s in SPLITS}
-    split_record = {**meta["record"], "tokenizer_key": tok.key, "vocab_size": tok.vocab_size, "cache": str(entry.path)}
     if any(report.dropped.values()):
         log(
             f"[data] warning: {report.rows - report.kept:,} of {report.rows:,} input rows dropped "
