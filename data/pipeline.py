@@ -121,6 +121,8 @@ class DataBundle:
         self._layout, self._layout_key = None, None  # packed layout, memoised on (max_tokens, max_len)
         self._loaders: dict[tuple, object] = {}  # persistent DataLoaders (worker processes kept across epochs)
         self._plans: dict[tuple, list[np.ndarray]] = {}  # the last `PLANS_KEPT` plans, oldest first
+        self._ahead: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # packed plans counted, not yet loaded
+        self._taken: set[tuple] = set()  # plans handed to a loader
         self._counts: dict[tuple, int] = {}  # batch counts of the EPOCH_FREE_COUNT modes, planned once
 
     def pack_layout(self) -> PackLayout:
@@ -158,7 +160,8 @@ class DataBundle:
         shuffle = split == "train" if shuffle is None else shuffle
         key = (split, spec, self.cfg.seed, epoch, shuffle, rank, world_size)
         if key not in self._plans:
-            self._plans[key] = plan_batches(
+            ahead = self._ahead.pop(key, None)
+            self._plans[key] = _unpack_plan(*ahead) if ahead is not None else plan_batches(
                 sp.src_lengths,
                 sp.tgt_lengths,
                 spec,
@@ -169,7 +172,10 @@ class DataBundle:
                 world_size=world_size,
             )
             while len(self._plans) > PLANS_KEPT:
-                self._plans.pop(next(iter(self._plans)))
+                old = next(iter(self._plans))
+                batches = self._plans.pop(old)
+                if old[1].mode not in EPOCH_FREE_COUNT and old not in self._taken:
+                    self._ahead[old] = _pack_plan(batches)  # counted ahead (the schedule): loaded later
         return self._plans[key]
 
     def num_batches(
@@ -182,6 +188,15 @@ class DataBundle:
         if key not in self._counts:  # the same for every epoch: planned once (the schedule counts all epochs)
             self._counts[key] = len(self.plan(split, epoch=epoch, batching=batching, rank=rank, world_size=world_size))
         return self._counts[key]
+
+    def _took(self, split: str, epoch: int, batching: str | None, rank: int, world_size: int,
+              shuffle: bool | None) -> None:
+        """A loader took this plan: it is not kept ahead again, nor are this split's plans of earlier epochs
+        (a run goes forward; a resumed run counted the epochs it had already trained)."""
+        shuffle = split == "train" if shuffle is None else shuffle
+        self._taken.add((split, self.spec(batching), self.cfg.seed, epoch, shuffle, rank, world_size))
+        for k in [k for k in self._ahead if k[0] == split and k[3] < epoch]:
+            del self._ahead[k]
 
     def collator(self, split: str, batching: str | None = None):
         from .collate import Collator, PackedCollator
@@ -234,6 +249,7 @@ class DataBundle:
         batches = self.plan(
             split, epoch=epoch, batching=batching, rank=rank, world_size=world_size, shuffle=shuffle
         )
+        self._took(split, epoch, batching, rank, world_size, shuffle)
         if not 0 <= start_batch <= len(batches):
             raise ValueError(
                 f"start_batch={start_batch} outside [0, {len(batches)}] for {split} epoch {epoch}"
@@ -265,6 +281,21 @@ class DataBundle:
         return (
             f"DataBundle(splits={sizes}, vocab={self.tokenizer.vocab_size}, batching={self.cfg.batching!r})"
         )
+
+
+def _pack_plan(batches: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """A plan kept ahead compactly: its indices back to back (int32 below 2**31 pairs: ~4 bytes a pair) and
+    each batch's end. Packed plans of every epoch are counted before training (the schedule's length) and
+    would otherwise be planned again when their epoch comes (the `PLANS_KEPT` most recent are kept whole)."""
+    flat = np.concatenate(batches) if batches else np.zeros(0, np.int64)
+    small = len(flat) == 0 or int(flat.max()) < 2**31
+    ends = np.cumsum([len(b) for b in batches], dtype=np.int64)
+    return flat.astype(np.int32) if small else flat, ends
+
+
+def _unpack_plan(flat: np.ndarray, ends: np.ndarray) -> list[np.ndarray]:
+    """`_pack_plan` undone: the same int64 batches."""
+    return np.split(flat.astype(np.int64), ends[:-1]) if len(ends) else []
 
 
 def _split(entry: E.Entry, s: str) -> EncodedSplit:
