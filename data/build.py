@@ -26,7 +26,6 @@ import hashlib
 import itertools
 import multiprocessing
 import os
-import pickle
 import signal
 import time
 from pathlib import Path
@@ -61,7 +60,7 @@ _LEN_CAP = 4096  # train length histograms (for the length hints) clip here
 # Worker tasks (module level: they run in forked processes)
 # ----------------------------------------------------------------------------------------------
 def _scan(job) -> dict:
-    """Pass A on one chunk: parse, clean, hash; cleaned texts + positions to ``tmp/a-<i>.pkl``."""
+    """Pass A on one chunk: parse, clean, hash; cleaned texts + positions to ``tmp/a-<i>.*`` (`_save_texts`)."""
     i, chunk, src_lang, tgt_lang, tmp = job
     rows = read_chunk(chunk, src_lang, tgt_lang)
     tally, src, tgt, pos = rows.rejects, [], [], []
@@ -77,17 +76,44 @@ def _scan(job) -> dict:
     h_src = np.fromiter((hash64(normalise(s)) for s in src), np.uint64, n)
     h_tgt = np.fromiter((hash64(normalise(t)) for t in tgt), np.uint64, n)
     h_pair = np.fromiter((hash64(f"{s}\t{t}") for s, t in zip(src, tgt)), np.uint64, n)
-    with open(Path(tmp) / f"a-{i}.pkl", "wb") as f:
-        pickle.dump((src, tgt, pos), f, protocol=pickle.HIGHEST_PROTOCOL)
+    _save_texts(Path(tmp), i, src, tgt, pos)
     return {"read": rows.read, "tally": tally, "h_src": h_src, "h_tgt": h_tgt, "h_pair": h_pair}
+
+
+def _save_texts(tmp: Path, i: int, src: list[str], tgt: list[str], pos: list[int]) -> None:
+    """A chunk's cleaned texts as UTF-8 back to back (``a-<i>.txt``: every source, then every target) with the
+    (2n+1,) byte offsets of each text and the rows' positions: the tokenizer's sample decodes only its rows,
+    pass B decodes each text once."""
+    enc = [x.encode() for x in src] + [x.encode() for x in tgt]
+    off = np.zeros(len(enc) + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, enc), np.int64, len(enc)), out=off[1:])
+    with open(tmp / f"a-{i}.txt", "wb") as f:
+        f.write(b"".join(enc))
+    np.save(tmp / f"a-{i}-off.npy", off)
+    np.save(tmp / f"a-{i}-pos.npy", np.asarray(pos, dtype=np.int64))
+
+
+def _load_texts(tmp: Path, i: int, rows=None) -> tuple[list[str], list[str]]:
+    """(sources, targets) of chunk i's rows ``rows`` (local indices; None: all), from `_save_texts`' files
+    (read back only when this user wrote them)."""
+    with open_own(tmp / f"a-{i}-off.npy") as f:
+        off = np.load(f)
+    n = (len(off) - 1) // 2
+    with open_own(tmp / f"a-{i}.txt") as f:
+        blob = f.read()
+    if rows is None:
+        o = off.tolist()
+        texts = [blob[a:b].decode() for a, b in zip(o[:-1], o[1:])]
+        return texts[:n], texts[n:]
+    rows = np.asarray(rows, dtype=np.int64)
+    side = [[blob[a:b].decode() for a, b in zip(off[r].tolist(), off[r + 1].tolist())] for r in (rows, n + rows)]
+    return side[0], side[1]
 
 
 def _sample(job) -> tuple[list[str], list[str]]:
     """The sampled rows (local indices) of one chunk's cleaned texts."""
     i, tmp, local = job
-    with open_own(Path(tmp) / f"a-{i}.pkl") as f:  # unpickled: only a file this user wrote
-        src, tgt, _ = pickle.load(f)
-    return [src[k] for k in local], [tgt[k] for k in local]
+    return _load_texts(Path(tmp), i, local)
 
 
 _TOKENIZERS: dict[str, Tokenizer] = {}  # per worker process: loaded once per model file
@@ -110,9 +136,11 @@ def _encode(job) -> dict:
     """Pass B on one chunk: encode; train rows length-filtered into part files; valid/test rows returned
     whole (texts) with token arrays cut to ``max_len``."""
     i, tmp, labels, model_file, max_len, max_ratio, dtype = job
-    with open_own(Path(tmp) / f"a-{i}.pkl") as f:  # unpickled: only a file this user wrote
-        src, tgt, pos = pickle.load(f)
-    os.unlink(Path(tmp) / f"a-{i}.pkl")
+    src, tgt = _load_texts(Path(tmp), i)
+    with open_own(Path(tmp) / f"a-{i}-pos.npy") as f:
+        pos = np.load(f).tolist()
+    for name in (f"a-{i}.txt", f"a-{i}-off.npy", f"a-{i}-pos.npy"):
+        os.unlink(Path(tmp) / name)
     sp = _worker_tokenizer(model_file).sp
     ids_s = sp.encode(src, out_type=int, num_threads=1)
     ids_t = sp.encode(tgt, out_type=int, num_threads=1)

@@ -1,0 +1,31 @@
+"""The cold build reads each chunk's cleaned texts back once (pass B); the tokenizer's sample reads only its rows."""
+
+import pickle
+
+import data.build as B
+import data.sources
+from data import build_data
+from tests.data.helpers import cfg_for, make_rows, write_jsonl
+
+
+def test_each_chunk_decoded_once_and_the_sample_reads_only_its_rows(tmp_path, monkeypatch):
+    files = write_jsonl(tmp_path / "d.jsonl", make_rows(600))
+    monkeypatch.setattr(data.sources, "CHUNK_BYTES", 4096)  # ~20 chunks
+    monkeypatch.setattr(pickle, "load", lambda *a, **k: (_ for _ in ()).throw(AssertionError("unpickled")))
+    reads, real = [], B._load_texts
+
+    def counted(tmp, i, rows=None):
+        reads.append((i, None if rows is None else len(rows)))
+        return real(tmp, i, rows)
+
+    monkeypatch.setattr(B, "_load_texts", counted)
+    logs = []
+    b = build_data(cfg_for(tmp_path, files, build_workers=1, spm_sample_pairs=150, vocab_size=350), log=logs.append)
+    whole = [i for i, n in reads if n is None]
+    chunks = len(whole)
+    assert chunks > 5 and sorted(whole) == list(range(chunks))  # pass B: every chunk once
+    assert sum(n for _, n in reads if n is not None) == 150  # the sample: its 150 pairs, no more
+    assert any("sample of 150 train pairs" in line for line in logs)
+    assert not list(tmp_path.rglob("a-*"))  # the scratch files are gone
+    valid = b.splits["valid"]
+    assert b.tokenizer.decode([valid.src_ids[valid.src_offsets[0]:valid.src_offsets[1]].tolist()])[0] == valid.src_text[0]
