@@ -399,14 +399,14 @@ def kernels_sha256() -> str:
 
 def cache_keys(arch: int) -> dict:
     """What decides whether a GPU run hits this cache: the triton build, ptxas, the target, the kernels'
-    source; and the commit the cache was built at (``train.metrics.git_sha``: git, else $FASTMT_GIT_SHA)."""
+    source; and the commit the cache was built at (``train.runs.metrics.git_sha``: git, else $FASTMT_GIT_SHA)."""
     import hashlib
 
     from triton.backends.compiler import GPUTarget as Target
     from triton.compiler import make_backend
     from triton.runtime.cache import triton_key
 
-    from train.metrics import git_sha
+    from train.runs.metrics import git_sha
 
     return {"triton": triton.__version__, "triton_key_sha256": hashlib.sha256(triton_key().encode()).hexdigest(),
             "backend": make_backend(Target("cuda", arch, 32)).hash(), "kernels_sha256": kernels_sha256(),

@@ -26,7 +26,7 @@ import torch
 from bench import cli
 from bench import harness as H
 from bench.quality import read_run
-from train.rundir import free_run_name, read_marker
+from train.runs.folder import free_run_name, read_marker
 
 THRESHOLDS = (20.0, 28.0, 35.0, 37.0, 37.6)  # valid BLEU levels reported as "time to BLEU X"
 

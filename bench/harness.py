@@ -240,8 +240,8 @@ def _nvidia_driver() -> str:
 
 def provenance(device: torch.device | str) -> Row:
     """Columns every result row carries: when, where, with what. Versions and the git sha are the
-    training runs' own (``train.metrics``), so a result and a run name a checkout the same way."""
-    from train.metrics import environment, git_sha
+    training runs' own (``train.runs.metrics``), so a result and a run name a checkout the same way."""
+    from train.runs.metrics import environment, git_sha
 
     device = torch.device(device)
     cuda = device.type == "cuda"

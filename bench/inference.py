@@ -60,7 +60,7 @@ def train_small(work: Path, data_files: list[str], steps: int, device: str,
     from data.config import toy
     from train.config import tiny
     from train.loop import Trainer
-    from train.report import translation_checkpoint
+    from train.runs.report import translation_checkpoint
 
     cfg = tiny()
     data = toy(cache_dir=str(work / "cache"), toy_rows=6000) if not data_files else dataclasses.replace(
@@ -78,8 +78,8 @@ def train_small(work: Path, data_files: list[str], steps: int, device: str,
 
 
 def test_pairs(ckpt: Path, data_files: list[str] | None) -> tuple[list[str], list[str]]:
-    from train.export.common import load_source
-    from train.score import read_pairs
+    from train.cli.evaluate import read_pairs
+    from train.cli.export import load_source
 
     data = load_source(ckpt).config.get("data") or {}
     if data_files:
@@ -98,8 +98,8 @@ def run_child(job_file: str) -> None:
     flush_denormals()
     src = job["src"]
     if engine.startswith("fastmt"):
-        from train.evaluate import translate
-        from train.export.common import load_source
+        from train.cli.export import load_source
+        from train.evaluation.decode import translate
 
         s = load_source(job["ckpt"])
         model = s.model.to(device)
@@ -166,8 +166,8 @@ def cpu_name() -> str:
 
 # -- the parent ---------------------------------------------------------------------------------------------
 def measure(args, ckpt: Path, src: list[str], ref: list[str], work: Path, device: str) -> list[dict]:
-    from train.evaluate import corpus_scores
-    from train.export.cli import main as export
+    from train.cli.export import main as export
+    from train.evaluation.scores import corpus_scores
 
     dirs = {"ct2-float32": work / "ct2", "ct2-int8": work / "ct2-int8", "hf": work / "hf"}
     engines = [e for e in args.engines.split(",") if e in ENGINES and (device == "cuda" or e != "fastmt-cuda-graph")]

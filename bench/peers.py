@@ -3,7 +3,7 @@ fastmt is.
 
 ``transformers.MarianMTModel`` at the preset's size with fastmt's tokenizer, the ``Seq2SeqTrainer`` recipe
 (``PeerRecipe``) as a plain loop, rows in fastmt's ``metrics.jsonl`` format so bench/frontier.py reads both
-alike. Validation and test go through fastmt's own scoring (``train.evaluate.score_split``): the same sentences
+alike. Validation and test go through fastmt's own scoring (``train.evaluation.scores.score_split``): the same sentences
 (validation's first ``eval.max_sentences``, the test split whole), sources cut to the model's positions the same
 way, the same beam size and length limit, sacreBLEU with its signatures; only the search is ``generate``'s,
 whose length penalty divides by ``len ** alpha`` where fastmt's GNMT penalty divides by ``((5 + len) / 6) ** alpha``.
@@ -27,7 +27,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from train.evaluate import decoding_settings, encode_sources, record_fields, score_split, sentence_limit
+from train.evaluation.decode import encode_sources
+from train.evaluation.scores import decoding_settings, record_fields, score_split, sentence_limit
 from train.objective import BleuClock, process_seconds
 
 NAME = "hf-marian"
@@ -174,7 +175,7 @@ def _length_limit_processor(limits: torch.Tensor, eos_id: int):
 @torch.no_grad()
 def translate(model, tok, sources: list[np.ndarray], device: torch.device, *, beam_size: int, batch_size: int,
               max_len_ratio: float, max_len_extra: int, length_penalty: float = 1.0) -> list[str]:
-    """Beam search with ``generate`` over encoded sources (``train.evaluate.encode_sources``), longest first;
+    """Beam search with ``generate`` over encoded sources (``train.evaluation.decode.encode_sources``), longest first;
     at most floor(a * len(src) + b) tokens each; ``length_penalty``: HF's alpha (scores / len ** alpha)."""
     from transformers import GenerationConfig
 
@@ -206,7 +207,7 @@ def translate(model, tok, sources: list[np.ndarray], device: torch.device, *, be
 
 def scores(model, bundle, split: str, device: torch.device, ev, max_positions: int, *,
            decode: str = "beam") -> dict[str, Any]:
-    """fastmt's scoring of ``split`` (``train.evaluate.score_split`` under the ``EvalConfig`` ``ev``: validation's
+    """fastmt's scoring of ``split`` (``train.evaluation.scores.score_split`` under the ``EvalConfig`` ``ev``: validation's
     first ``ev.max_sentences``, the test split whole, BLEU/chrF with signatures, cut sources counted) of this
     model's ``generate`` translations; ``decode="greedy"``: beam size 1."""
     tok = bundle.tokenizer
@@ -238,8 +239,8 @@ def train_peer(cfg, recipe: PeerRecipe, *, run_dir: Path, device: torch.device, 
     Returns a summary (best BLEU, time to each BLEU threshold, epochs, steps, stop reason)."""
     import uuid
 
-    from train.metrics import MetricsLogger, plot_curves, provenance
-    from train.rundir import claim_run_folder, done_record
+    from train.runs.folder import claim_run_folder, done_record
+    from train.runs.metrics import MetricsLogger, plot_curves, provenance
 
     _require_transformers()
     asked = Path(run_dir)
@@ -401,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from train.cli import split_overrides
+    from train.cli.flags import split_overrides
     from train.config import apply_overrides, get_config
 
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")

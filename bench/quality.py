@@ -29,7 +29,7 @@ def read_run(run: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None, di
 
     Every epoch record has ``wall_seconds`` (since the run's process started); older runs without it get
     the running sum of epoch and evaluation seconds, marked ``wall_from_epochs`` (start-up left out)."""
-    from train.metrics import read_metrics
+    from train.runs.metrics import read_metrics
 
     metrics, prov_path = run / "metrics.jsonl", run / "provenance.json"
     if not metrics.is_file():

@@ -8,7 +8,7 @@ Public API (imported lazily: ``import models`` loads neither torch nor the kerne
 - ``count_params(model)``, ``flops_per_token(cfg, src_len, tgt_len)``
 - ``models.decoding.greedy_decode`` / ``models.decoding.beam_search``
 
-``python -m models PRESET [--vocab N] [--json]`` prints a preset's parameter and FLOP counts.
+``fastmt model PRESET [--vocab N] [--json]`` (train/cli/model.py) prints a preset's parameter and FLOP counts.
 """
 
 from importlib import import_module

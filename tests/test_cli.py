@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from train import commands
-from train.cli import resolve_config
+from train.cli import commands
+from train.cli.flags import resolve_config
 from train.config import PRESETS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,7 +31,7 @@ HAS_MAKE = shutil.which("make") is not None
 # ---------------------------------------------------------------------------------------------
 def test_the_console_script_is_declared():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    assert project["scripts"] == {"fastmt": "train.commands:main"}
+    assert project["scripts"] == {"fastmt": "train.cli.commands:main"}
     assert project["license"] == {"text": "MIT"}
     assert (REPO / "LICENSE").read_text().startswith("MIT License")
 
@@ -81,12 +81,12 @@ def test_every_command_reaches_its_modules_main(argv, capsys):
 
 
 def test_fastmt_train_is_python_m_train(capsys):
-    from train.__main__ import main as train_main
+    from train.cli.train import main as train_main
 
     argv = ["--preset", "s16", "--optim.lr", "2e-4", "--print-config"]
     assert commands.main(["train", *argv]) == 0
     via_fastmt = capsys.readouterr().out
-    from train import cli
+    from train.cli import flags as cli
 
     assert cli.PROG == "python -m train"  # the name `fastmt train` used is not left behind
     assert train_main(argv) == 0
@@ -132,7 +132,7 @@ def test_model_reports_what_a_run_of_the_preset_builds(capsys):
     import torch
 
     from models import Transformer, count_params
-    from models.__main__ import main as model_main
+    from train.cli.model import main as model_main
     from train.config import get_config
 
     cfg = get_config("tiny")

@@ -1,17 +1,17 @@
 """fastmt training: configs and presets, the compiled training loop, evaluation, checkpoints, translation.
 
-Entry points: ``python -m train --preset P [--section.field value ...]`` (or ``--auto``),
-``python -m train.translate --ckpt C "text"`` and ``python -m train.evaluate --ckpt C --src F --ref R``.
-Modules (imported on use; this package imports nothing):
+Three wings, each file one job and the path telling which (docs/ARCHITECTURE.md):
 
-- ``train.config``      ``Config`` (data/model/optim/run sections), presets ``tiny s18 s16 fast baseline``
-- ``train.overrides``   typed ``--section.field`` overrides for nested dataclasses
-- ``train.loop``        ``Trainer(cfg)``: ``.fit()`` and ``.train_step(batch)`` (used by bench.ladder)
-- ``train.optim``       no-decay parameter groups, Lion/AdamW/Adam, OneCycle / inverse-sqrt schedules
-- ``train.evaluate``    validation loss, beam-search sacreBLEU/chrF, ``translate``, the scoring protocol
-- ``train.checkpoint``  atomic save, keep-last-K + best, RNG state
-- ``train.metrics``     provenance, metrics.jsonl + TensorBoard, curves.png
-- ``train.distributed`` torchrun/DDP setup (NCCL on CUDA, gloo on CPU)
+- the engine, here at the top level: ``config`` (+ ``overrides``, ``fields``: each field's type, choices and help),
+  ``loop`` (``Trainer``), ``step``, ``optim``, ``loss``, ``compile``, ``distributed``, ``epoch_end``, ``objective``,
+  ``preflight``, ``errors``, and ``evaluation/`` (the library: decoding, BLEU/chrF scoring, loading a checkpoint);
+- ``train.runs``: a run folder from claim to prune (folder, lock, plan, start, resume, checkpoint, metrics, report,
+  signals);
+- ``train.cli``: every command and flag (``fastmt``, train, translate, evaluate, stats, model, export), on top:
+  nothing in the engine or the run wing imports it. ``python -m train``, ``train.translate``, ``train.evaluate``,
+  ``train.stats`` and ``train.commands`` are thin entries into it.
+
+This package imports nothing on import.
 """
 
 

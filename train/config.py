@@ -25,7 +25,7 @@ from typing import Any, Literal
 from data import DataConfig
 from models import ModelConfig, get_preset
 from train.overrides import apply_overrides, build_dataclass, require_finite, resolved_hints
-from train.rundir import validate_run_name
+from train.runs.folder import validate_run_name
 
 Precision = Literal["bf16", "fp16", "fp32"]
 

@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-from train.checkpoint import atomic_save, average_last_epochs, load_checkpoint, rng_state
 from train.distributed import barrier, gather_object
 from train.errors import EXIT_NONFINITE
-from train.evaluate import DECODE_RECORD_KEYS, decoding_settings, record_fields
-from train.metrics import plot_curves
-from train.rundir import done_record
+from train.evaluation.scores import DECODE_RECORD_KEYS, decoding_settings, record_fields
+from train.runs.checkpoint import atomic_save, average_last_epochs, load_checkpoint, rng_state
+from train.runs.folder import done_record
+from train.runs.metrics import plot_curves
 from train.step import EpochStats
 
 
@@ -173,7 +173,7 @@ class EpochEnd:
         return record["bleu"] if ev.best_metric == "bleu" else record["valid_loss"]
 
     def _eval_split(self, split: str, decode: str, loss: bool = True) -> dict[str, Any]:
-        from train.evaluate import evaluate_split
+        from train.evaluation.scores import evaluate_split
 
         t0 = time.perf_counter()
         try:
@@ -220,7 +220,7 @@ class EpochEnd:
             state = load_checkpoint(best, map_location=self.device)
             self.model.load_state_dict(state["model"])
             source = f"best.pt (epoch {state['position']['epoch']})"
-        r = self._eval_split("test", "beam")  # the whole test split (train.evaluate.sentence_limit)
+        r = self._eval_split("test", "beam")  # the whole test split (train.evaluation.scores.sentence_limit)
         rec = {"kind": "test", "epoch": self.epoch, "weights": source, "test_loss": r["loss"],
                "test_bleu": r["bleu"], "test_chrf": r["chrf"], "test_sentences": r["sentences"],
                **record_fields(r, "test_"), "decoding": decoding_settings(self.cfg.eval, "beam"),

@@ -31,23 +31,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from train.checkpoint import CheckpointManager, check_tokenizer, rng_state, set_rng_state
 from train.compile import compile_for_training, configure_caches
 from train.config import Config
 from train.distributed import DistInfo, all_reduce_max, barrier, init_distributed
 from train.epoch_end import EpochEnd, NonFiniteLossError
 from train.errors import UserError
 from train.loss import SummedCrossEntropy
-from train.metrics import write_provenance
 from train.objective import BleuClock, WallSplit, process_seconds
 from train.optim import build_optimizer, build_scheduler
 from train.preflight import build_data_checked, check_model_fits_data, tokenizer_of
-from train.report import longer_flag, next_commands, where_stopped
-from train.resume import ConfigChanges, apply_hyperparameters, replan_scheduler
-from train.rundir import discard_unused_run_folder
-from train.runplan import RunFinishedError
-from train.runsetup import RunSetup, check_same_data, data_record
-from train.signals import stop_on_signals
+from train.runs.checkpoint import CheckpointManager, check_tokenizer, rng_state, set_rng_state
+from train.runs.folder import discard_unused_run_folder
+from train.runs.metrics import write_provenance
+from train.runs.plan import RunFinishedError
+from train.runs.report import longer_flag, next_commands, where_stopped
+from train.runs.resume import ConfigChanges, apply_hyperparameters, replan_scheduler
+from train.runs.signals import stop_on_signals
+from train.runs.start import RunSetup, check_same_data, data_record
 from train.step import EpochStats, StepCounters, forward_backward, optimizer_step, out_of_memory_advice
 
 __all__ = ["Trainer", "NonFiniteLossError", "RunFinishedError"]

@@ -8,7 +8,7 @@ line naming the value and the fix (``UserError``, exit 2).
   sequence a training or validation batch can hold;
 - ``tokenizer_of``: a checkpoint's own tokenizer (``--init-from``).
 Device availability is checked by ``train.distributed.resolve_device``, the resume compatibility by
-``train.resume`` and ``train.checkpoint.check_tokenizer``.
+``train.runs.resume`` and ``train.runs.checkpoint.check_tokenizer``.
 """
 
 from __future__ import annotations

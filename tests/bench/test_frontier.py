@@ -94,7 +94,7 @@ def test_run_contestant_kills_past_its_limit(tmp_path):
 def test_seeds_recipe_is_the_s18_preset_with_the_seeds_settings(tmp_path):
     """The seeds' contestant, parsed by fastmt's own CLI: fp16 (GradScaler), dynamic padding of 32 sentences,
     Lion 1e-4 OneCycle, eager -- and s18's model."""
-    from train.cli import resolve_config
+    from train.cli.flags import resolve_config
     from train.config import RunConfig, get_config
 
     cmd = FR.command(FR.CONTESTANTS["seeds"], budget_s=90, run_name="frontier-seeds", out_dir=tmp_path,
@@ -149,7 +149,7 @@ def test_smoke_frontier(tmp_path):
 def test_rows_come_from_the_folder_the_contestant_claimed(tmp_path):
     """The frontier reads the run folder the child actually claimed (a marked folder that appeared during its
     run), not the name it guessed beforehand: a writer beside it may have taken that name first."""
-    from train.rundir import write_marker
+    from train.runs.folder import write_marker
 
     work = tmp_path / "runs"
     (work / "frontier-s18").mkdir(parents=True)  # taken before the run (another writer)

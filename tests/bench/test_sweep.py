@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench import sweep as S
-from train.cli import resolve_config
+from train.cli.flags import resolve_config
 
 
 def test_every_setting_is_a_valid_command_line():

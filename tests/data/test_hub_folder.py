@@ -133,7 +133,7 @@ def test_a_folder_without_a_translation_column_is_one_error(tmp_path, hf_cache):
 
 def test_the_cli_trains_on_a_hub_layout_folder(tmp_path, hf_cache, capsys):
     """``--data.dataset DIR --data.dataset_config en-it``, the flags of the README, through ``python -m train``."""
-    from train.__main__ import main
+    from train.cli.train import main
 
     folder = hub_folder(tmp_path, toy_rows(600))
     code = main(["--preset", "tiny", "--data.dataset", str(folder), "--data.dataset_config", "en-it",

@@ -386,7 +386,7 @@ def test_stats_cli_json(corpus, capsys):
     """``fastmt stats`` (train/stats.py) takes training's flags; ``python -m data.stats`` points at it."""
     tmp, files, _, _ = corpus
     from data.stats import main as old_main
-    from train.stats import main
+    from train.cli.stats import main
 
     assert old_main([]) == 2 and "fastmt stats" in capsys.readouterr().err
     flags = ["--preset", "tiny", "--data-files", files, "--data.cache_dir", str(tmp / "cache"), "--data.vocab_size",

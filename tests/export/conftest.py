@@ -26,7 +26,7 @@ class Trained:
 
 @pytest.fixture(scope="session")
 def trained(toy_bundle, tmp_path_factory) -> Trained:
-    from train.report import translation_checkpoint
+    from train.runs.report import translation_checkpoint
 
     tmp = tmp_path_factory.mktemp("export")
     with torch_threads(1):
@@ -41,7 +41,7 @@ def variant_checkpoint(base: Path, out: Path, seed: int = 0, **model) -> Path:
     """``base``'s checkpoint (tokenizer, config) with the model changed by ``model`` fields and random weights:
     each LayerNorm's gain and bias perturbed and the embeddings scaled up, so the logits vary by position/token."""
     from models import ModelConfig, Transformer
-    from train.checkpoint import load_checkpoint
+    from train.runs.checkpoint import load_checkpoint
 
     ckpt = load_checkpoint(base)
     fields = {**ckpt["config"]["model"], **model}

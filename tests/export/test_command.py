@@ -13,8 +13,9 @@ import torch
 from tests.export.conftest import BASE_MODEL, TRAIN, variant_checkpoint
 from tests.export.helpers import fastmt_logprobs, max_diff
 from tests.utils import quiet, tiny_config, torch_threads
-from train.export.cli import main as export
-from train.export.common import load_source, source_ids
+from train.cli.export import load_source
+from train.cli.export import main as export
+from train.export.common import source_ids
 from train.loop import Trainer
 
 
@@ -90,7 +91,7 @@ def test_continued_runs_export(trained, toy_bundle, tmp_path, how):
     else:
         cfg = tiny_config(tmp_path, name="tuned", model=BASE_MODEL, **{**TRAIN, "max_steps": 8})
         kwargs = {"init_from": trained.ckpt}
-    from train.report import translation_checkpoint
+    from train.runs.report import translation_checkpoint
 
     with torch_threads(1):
         Trainer(cfg, data=toy_bundle, log=quiet, **kwargs).fit()
@@ -106,8 +107,8 @@ def test_continued_runs_export(trained, toy_bundle, tmp_path, how):
 
 
 def test_evaluate_and_translate_the_ct2_folder(trained, tmp_path, capsys):
-    from train.score import main as evaluate
-    from train.translate import main as translate
+    from train.cli.evaluate import main as evaluate
+    from train.cli.translate import main as translate
 
     out = tmp_path / "ct2"
     assert export(["--ckpt", str(trained.ckpt), "--to", "ct2", str(out)]) == 0

@@ -10,8 +10,9 @@ import pytest
 from tests.export.conftest import variant_checkpoint
 from tests.export.helpers import fastmt_decode, fastmt_logprobs, max_diff
 from tests.utils import torch_threads
-from train.export.cli import main as export
-from train.export.common import load_source, source_ids
+from train.cli.export import load_source
+from train.cli.export import main as export
+from train.export.common import source_ids
 
 
 def _export(ckpt, out, to, *extra) -> None:

@@ -11,9 +11,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from models import ModelConfig, Transformer, count_params, flops_per_token, get_preset
 from models import flops as F
-from models.__main__ import main as cli_main
 from models.config import layer_schedule
 from tests.utils import make_batch, model_inputs, small_cfg
+from train.cli.model import main as cli_main
 
 
 @pytest.mark.parametrize("kw, match", [

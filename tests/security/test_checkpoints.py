@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.security.conftest import FIXTURES
-from train.checkpoint import (
+from train.runs.checkpoint import (
     CheckpointIOError,
     CheckpointManager,
     CheckpointUnsafeError,
@@ -26,7 +26,7 @@ from train.checkpoint import (
     read_checkpoint,
     step_checkpoints,
 )
-from train.rundir import write_marker
+from train.runs.folder import write_marker
 
 REPO = Path(__file__).resolve().parents[2]
 LEGACY = FIXTURES / "legacy-run"
@@ -184,7 +184,7 @@ def test_row6_a_file_this_user_cannot_read_stops_the_resume(shared_tmp):
     for p in shared_tmp.rglob("*"):
         p.chmod(0o755 if p.is_dir() else 0o644)
     (ckpts / "step-00000002.pt").chmod(0o600)
-    probe = ("import sys; from train.checkpoint import latest_loadable_checkpoint as f\n"
+    probe = ("import sys; from train.runs.checkpoint import latest_loadable_checkpoint as f\n"
              "try:\n    print(f(sys.argv[1], lambda m: None, run_id='mine')[0])\n"
              "except Exception as e:\n    print(type(e).__name__, e)\n")
     r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", probe,
@@ -235,7 +235,8 @@ def _legacy_config(tmp_path: Path, **changes):
 
 def test_a_checkpoint_of_the_previous_format_resumes_and_translates(tmp_path):
     from tests.utils import records
-    from train.inference import Decoding, load_for_inference, translate_lines
+    from train.evaluation.decode import Decoding, translate_lines
+    from train.evaluation.load import load_for_inference
     from train.loop import Trainer
 
     run = tmp_path / "runs" / "legacy"

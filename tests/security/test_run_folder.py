@@ -14,10 +14,10 @@ import pytest
 
 from data.files import FileRefusedError
 from tests.security.conftest import FIXTURES, victim
-from train.checkpoint import atomic_save
-from train.metrics import MetricsLogger, plot_curves, write_provenance
-from train.rundir import write_marker, write_text_atomic
-from train.runlock import RunLock
+from train.runs.checkpoint import atomic_save
+from train.runs.folder import write_marker, write_text_atomic
+from train.runs.lock import RunLock
+from train.runs.metrics import MetricsLogger, plot_curves, write_provenance
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -82,8 +82,8 @@ def test_row3_a_symlinked_checkpoint_is_refused_in_one_line(tmp_path):
 @pytest.mark.parametrize("content", [b"", b"{not json", b"\xff\xfe"], ids=["empty", "not-json", "not-utf8"])
 def test_a_damaged_run_marker_is_refused_and_left_as_it_is(tmp_path, content):
     from tests.security.test_checkpoints import _legacy_config
-    from train.rundir import RunFolderError
-    from train.runplan import plan_run
+    from train.runs.folder import RunFolderError
+    from train.runs.plan import plan_run
 
     run = tmp_path / "runs" / "legacy"
     shutil.copytree(FIXTURES / "legacy-run", run)

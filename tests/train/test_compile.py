@@ -105,7 +105,8 @@ def test_evaluation_and_decoding_add_no_compiled_variant(toy_bundle, tmp_path):
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     from models.transformer import DecoderBlock, EncoderBlock
-    from train.evaluate import evaluate_split, translate
+    from train.evaluation.decode import translate
+    from train.evaluation.scores import evaluate_split
 
     compiles = _COMPILES
     compiles.clear()

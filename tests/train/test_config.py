@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from train.__main__ import main
-from train.cli import resolve_config
+from train.cli.flags import resolve_config
+from train.cli.train import main
 from train.config import PRESETS, Config, OptimConfig, RunConfig, apply_overrides, get_config
 
 

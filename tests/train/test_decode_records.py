@@ -9,7 +9,7 @@ import pytest
 
 from tests.models.test_decoding import fake_cuda_graphs  # noqa: F401 - the fixture
 from tests.utils import records, tiny_trainer
-from train import evaluate
+from train.evaluation import scores as evaluate
 
 
 @pytest.fixture

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from tests.utils import records, tiny_trainer
-from train.checkpoint import step_checkpoints
-from train.translate import main as translate_main
+from train.cli.translate import main as translate_main
+from train.runs.checkpoint import step_checkpoints
 
 REQUIRED = {"epoch", "train_loss", "train_loss_last_batch", "valid_loss", "bleu", "chrf", "epoch_seconds",
             "tokens_per_second", "padding_fraction", "mfu", "peak_memory_gb", "lr"}

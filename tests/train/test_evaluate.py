@@ -1,4 +1,4 @@
-"""train.evaluate's decoding: fixed-shape batches return each sentence's own translation, greedy and beam,
+"""train.evaluation.decode: fixed-shape batches return each sentence's own translation, greedy and beam,
 in the input order; the decoders (and their buffers) are kept between evaluations; BLEU/chrF report
 what decoding cost."""
 
@@ -11,8 +11,9 @@ import torch
 from models import Transformer
 from models.decoding import DecodeStats, beam_search, greedy_decode
 from tests.utils import BOS, EOS, PAD, UNK, assert_same_hypotheses, build, build_eos
-from train import evaluate
-from train.evaluate import bleu_chrf, translate
+from train.evaluation import decode, scores
+from train.evaluation.decode import translate
+from train.evaluation.scores import bleu_chrf
 
 CPU = torch.device("cpu")
 
@@ -74,14 +75,14 @@ def test_decoders_kept_between_calls():
     model, tok = eos_model(1), IdTokenizer()
     texts = sentences(13, seed=2)
     first = translate(model, tok, texts, CPU, beam_size=2, batch_size=4, fixed_shapes=True)
-    (decoder,) = evaluate._decoders[model].values()
+    (decoder,) = decode._decoders[model].values()
     shapes = set(decoder._runs)  # keys (batch shape, autocast dtype, device)
     assert {shape for shape, _, _ in shapes} <= {(4, 8), (4, 12), (4, 16), (4, 24)}  # 2..21 tokens, 4 rows
     assert translate(model, tok, texts, CPU, beam_size=2, batch_size=4, fixed_shapes=True) == first
-    assert set(decoder._runs) == shapes and len(evaluate._decoders[model]) == 1
+    assert set(decoder._runs) == shapes and len(decode._decoders[model]) == 1
     assert translate(model, tok, texts[:3], CPU, beam_size=2, batch_size=4, fixed_shapes=True) == first[:3]
     assert translate(model, tok, texts, CPU, beam_size=2, batch_size=4) == first  # natural shapes (CPU default)
-    assert len(evaluate._decoders[model]) == 1  # ... with a decoder of their own
+    assert len(decode._decoders[model]) == 1  # ... with a decoder of their own
 
 
 def test_translate_rejects_bad_settings():
@@ -125,8 +126,8 @@ def test_validation_is_capped_and_the_test_split_is_scored_whole(toy_bundle):
     model = build(seed=3, vocab_size=tok.vocab_size, max_positions=64)
     ev = EvalConfig(max_sentences=10, beam_size=2, batch_size=16)
     auto = torch.autocast("cpu", enabled=False)
-    valid = evaluate.evaluate_split(model, toy_bundle, "valid", CPU, ev, autocast=auto, decode="beam", loss=False)
-    test = evaluate.evaluate_split(model, toy_bundle, "test", CPU, ev, autocast=auto, decode="beam", loss=False)
+    valid = scores.evaluate_split(model, toy_bundle, "valid", CPU, ev, autocast=auto, decode="beam", loss=False)
+    test = scores.evaluate_split(model, toy_bundle, "test", CPU, ev, autocast=auto, decode="beam", loss=False)
     sp = toy_bundle.splits["test"]
     assert valid["sentences"] == 10 and len(sp) > 10 and test["sentences"] == len(sp)
     hyps, bleu, chrf = _hyps_and_bleu(model, tok, list(sp.src_text), list(sp.tgt_text), beam_size=2, batch_size=16)

@@ -12,10 +12,10 @@ import torch
 
 from tests.train.runs_helpers import train_argv
 from tests.utils import tiny_trainer
-from train.__main__ import main
-from train.checkpoint import load_checkpoint
+from train.cli.train import main
 from train.epoch_end import NonFiniteLossError
 from train.errors import EXIT_NONFINITE
+from train.runs.checkpoint import load_checkpoint
 
 # a constant lr of 3e38: the first AdamW update (|step| ~ lr) takes the weights past float32's 3.4e38
 OVERFLOW = {"lr": 3e38, "schedule": "constant"}

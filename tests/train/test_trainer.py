@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tests.utils import assert_close_by_name, first_batches, params, quiet, records, tiny_config, tiny_trainer
-from train.checkpoint import load_checkpoint, step_checkpoints
 from train.loop import NonFiniteLossError, Trainer
+from train.runs.checkpoint import load_checkpoint, step_checkpoints
 
 
 def _infinite_losses(trainer):

@@ -1,7 +1,8 @@
-"""``python -m train.export``: the same as ``fastmt export``."""
+"""``python -m train.export``: the same as ``fastmt export`` (the command lives in train/cli/export.py)."""
 
 import sys
 
-from train.export.cli import main
+from train.cli.export import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())

@@ -44,28 +44,6 @@ class Source:
         return self.ckpt.get("config") or {}
 
 
-def load_source(path: str | Path) -> Source:
-    """The checkpoint at ``path`` as a padded-layout fp32 CPU model; a missing file or one that is not a fastmt
-    checkpoint raises ``UserError`` naming it (before anything is written)."""
-    from train.inference import load_for_inference
-    from train.score import checkpoint_file
-
-    p = Path(checkpoint_file(str(path)))  # a file, or a run folder's best.pt; else one line naming it
-    if p.is_dir():
-        raise UserError(f"--ckpt {path}: a folder fastmt export made; export the training checkpoint it came from")
-    try:
-        model, tok, ckpt = load_for_inference(p, "cpu")
-    except UserError:
-        raise
-    except Exception as e:  # noqa: BLE001 - anything a foreign file makes the loader raise: one line, exit 2
-        raise UserError(f"--ckpt {path}: not a fastmt checkpoint ({type(e).__name__}: {e})") from None
-    if model.cfg.layout != "padded":  # the weights do not depend on the layout; decoding runs padded
-        from models import Transformer
-
-        padded = Transformer(dataclasses.replace(model.cfg, layout="padded"))
-        padded.load_state_dict(model.state_dict())
-        model = padded.eval()
-    return Source(p, model.float().eval(), tok, ckpt)
 
 
 def pieces(tok) -> list[str]:
@@ -94,10 +72,10 @@ def arr(t: torch.Tensor) -> np.ndarray:
 
 def decoding_settings(src: Source) -> dict[str, Any]:
     """fastmt's decoding of this checkpoint (its eval settings), as an export records it."""
-    from train.inference import _FALLBACK
+    from train.evaluation.decode import DECODING_DEFAULTS
 
     ev = src.config.get("eval") or {}
-    get = lambda k: ev.get(k, _FALLBACK[k])
+    get = lambda k: ev.get(k, DECODING_DEFAULTS[k])
     return {"beam_size": int(get("beam_size")), "length_penalty": float(get("length_penalty")),
             "length_penalty_kind": "gnmt: logprob / ((5 + len) / 6) ** alpha, len counts the EOS",
             "max_len_a": float(get("max_len_a")), "max_len_b": int(get("max_len_b")),

@@ -1,9 +1,9 @@
 """``fastmt translate``/``evaluate`` on an exported CTranslate2 folder (``--engine ct2``, or detected when ``--ckpt``
 is one): the same protocol, the same signatures, decoded by CTranslate2 under fastmt's rules (``CT2Translator``).
 
-``train.inference.load_for_inference`` calls ``load_ct2(path, device)`` for such a folder: it returns what it
+``train.evaluation.load.load_for_inference`` calls ``load_ct2(path, device)`` for such a folder: it returns what it
 returns for a checkpoint, a ``(model, tokenizer, checkpoint dict)`` triple: here the model is a ``CT2Model`` (``.cfg.max_positions`` and
-``translate_texts(sentences, decoding)``, which ``train.inference.translate_lines`` calls), the tokenizer the
+``translate_texts(sentences, decoding)``, which ``train.evaluation.decode.translate_lines`` calls), the tokenizer the
 export's SentencePiece model, and the dict holds the run config recorded at export (its eval settings are the
 decoding defaults, as a checkpoint's are).
 """
@@ -16,7 +16,7 @@ from types import SimpleNamespace
 from train.errors import UserError
 from train.export.common import EXTRA
 
-ENGINE_KEY = "_engine"  # marks the config of an exported model (train.inference.resolve_decoding checks --engine)
+ENGINE_KEY = "_engine"  # marks the config of an exported model (train.cli.decoding.resolve_decoding checks --engine)
 
 
 def check_engine(args, config: dict) -> None:
@@ -59,7 +59,7 @@ def load_ct2(path, device):
     from train.export.common import CONFIG_FILE
     from train.export.ct2 import CT2Translator
 
-    try:  # the run's run.cpu_threads, as train.inference.configure_cpu sets them for fastmt's own decoding
+    try:  # the run's run.cpu_threads, as train.evaluation.decode.configure_cpu sets them for fastmt's own decoding
         threads = (json.loads((Path(path) / CONFIG_FILE).read_text()).get("run") or {}).get("cpu_threads") or 0
     except (OSError, ValueError, AttributeError):
         threads = 0

@@ -1,0 +1,107 @@
+"""What ``fastmt translate``, ``evaluate`` and ``export`` share on the command line: the decoding flags (each
+defaults to the checkpoint's own setting, ``train.evaluation.decode.Decoding``), ``--device``, and the commands'
+error policy (``run_command``: a ``UserError`` is one line and exit 2, Ctrl-C 130).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from train.errors import EXIT_ABORTED, UserError, debug_enabled
+from train.evaluation.decode import DECODING_DEFAULTS, PRECISIONS, Decoding
+
+# flag -> (Decoding field, the checkpoint's config key it defaults to, type, metavar, help)
+_OPTIONS = {
+    "--beam": ("beam_size", ("eval", "beam_size"), int, "N", "beam size, 1 = greedy"),
+    "--length-penalty": ("length_penalty", ("eval", "length_penalty"), float, "X", "GNMT length penalty alpha"),
+    "--max-len-a": ("max_len_a", ("eval", "max_len_a"), float, "A", "decoding length limit: A x source tokens + B"),
+    "--max-len-b": ("max_len_b", ("eval", "max_len_b"), int, "B", "see --max-len-a"),
+    "--batch-size": ("batch_size", ("eval", "batch_size"), int, "N", "sentences per decoding batch"),
+    "--precision": ("precision", ("run", "precision"), str, "P", "autocast while decoding: fp32, bf16 or fp16"),
+}
+
+
+def add_decoding_options(p: argparse.ArgumentParser) -> None:
+    """The decoding flags and ``--device``; none has a parser default (None = the checkpoint's value)."""
+    g = p.add_argument_group("decoding (default: the checkpoint's eval settings, what its final test used)")
+    for flag, (name, (section, key), _, metavar, text) in _OPTIONS.items():
+        g.add_argument(flag, dest=name, metavar=metavar, help=f"{text} (default: the checkpoint's {section}.{key})")
+    g.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N")
+    g.add_argument("--engine", choices=("fastmt", "ct2"), help="ct2: --ckpt is a folder made by fastmt export --to ct2, "
+                   "decoded by CTranslate2 under fastmt's rules (default: detected from --ckpt)")
+
+
+def _parse(flag: str, value: str, kind: type):
+    try:
+        v = kind(value)
+    except ValueError:
+        raise UserError(f"{flag} {value!r}: not {'an integer' if kind is int else 'a number'}") from None
+    if kind is float and not math.isfinite(v):
+        raise UserError(f"{flag} {value}: must be a finite number")
+    return v
+
+
+def resolve_decoding(args: argparse.Namespace, config: dict[str, Any]) -> tuple[Decoding, list[str]]:
+    """The ``Decoding`` of parsed flags over the checkpoint's ``config`` dict, and the flags that were given.
+    Bad values raise ``UserError`` naming the flag and the value."""
+    from train.export.engine import check_engine
+
+    check_engine(args, config)
+    values, given = {}, []
+    for flag, (name, (section, key), kind, _, _) in _OPTIONS.items():
+        raw = getattr(args, name)
+        if raw is None:
+            values[name] = (config.get(section) or {}).get(key, DECODING_DEFAULTS[name])
+        else:
+            given.append(flag)
+            values[name] = _parse(flag, raw, kind) if kind is not str else raw
+    d = Decoding(**values)
+    for flag, ok, rule in (("--beam", d.beam_size >= 1, ">= 1"), ("--batch-size", d.batch_size >= 1, ">= 1"),
+                           ("--length-penalty", d.length_penalty >= 0, ">= 0"),
+                           ("--max-len-a", d.max_len_a >= 0, ">= 0"), ("--max-len-b", d.max_len_b >= 0, ">= 0"),
+                           ("--precision", d.precision in PRECISIONS, f"one of {', '.join(PRECISIONS)}")):
+        if not ok:
+            raise UserError(f"{flag} {getattr(d, _OPTIONS[flag][0])}: must be {rule}")
+    return d, given
+
+
+def resolve_device(name: str) -> torch.device:
+    """``--device``: auto | cpu | cuda | cuda:N, refused in one line when CUDA is not there."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"--device {name!r}: use auto, cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise UserError(f"--device {name!r}: use auto, cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {name}: no CUDA device here; use --device cpu")
+    return device
+
+
+def run_command(run: Callable[[argparse.Namespace], int], args: argparse.Namespace, *,
+                interrupted: str | None = None) -> int:
+    """``run(args)`` under the inference commands' error policy: a ``UserError`` prints one line, ``error: ...``
+    (its traceback too under ``--debug`` or ``FASTMT_DEBUG=1``), and returns its exit code; Ctrl-C returns 130
+    (after printing ``interrupted``, if given)."""
+    from data.clean import DataInputError  # data.files.FileRefusedError: a refused path, in one line too
+
+    try:
+        return run(args)
+    except (UserError, DataInputError) as e:
+        if getattr(args, "debug", False) or debug_enabled():
+            traceback.print_exc()
+        print(f"error: {e}", file=sys.stderr)
+        return getattr(e, "exit_code", 2)
+    except KeyboardInterrupt:
+        if interrupted:
+            print(interrupted, file=sys.stderr)
+        return EXIT_ABORTED

@@ -1,0 +1,285 @@
+"""``python -m train.evaluate --ckpt CKPT --src FILE [--ref FILE ...]``: translate a test set with a checkpoint
+and score it with sacreBLEU (BLEU, chrF and their signatures).
+
+Input: ``--src`` holds one source sentence per line and each ``--ref`` one reference per line (line k answers
+line k; several ``--ref`` files give several references per sentence). Or ``--src`` is a file of pairs in a
+training format (``.jsonl``/``.json``/``.parquet``/``.tsv``, as ``--data-files`` reads them), which holds the
+references too. Every line is scored: nothing is filtered or sub-sampled. A source longer than the model's
+positions is cut to fit and counted; a blank source line gets a blank hypothesis. A line that is not UTF-8,
+a row of a pairs file that is not a usable pair, or files whose line counts differ stop the command before
+it decodes anything (exit 2), naming the file and line.
+
+Decoding: every option defaults to the checkpoint's own settings (train/inference.py), what the training
+run's final test used: ``evaluate`` of a run's ``best.pt`` on its test split gives the run's test BLEU.
+
+Output: the scores and signatures on stdout; the hypotheses, one per line, in ``--out`` (default
+``<run folder>/eval/<src file name>.<checkpoint name>.hyp`` when the checkpoint lies in ``<run>/checkpoints/``,
+else ``eval/`` beside the checkpoint; ``-``: stdout, the scores then go to stderr), and beside them
+``<out>.json``: scores, signatures, decoding settings, counts, and the checkpoint and input files with their
+sha256. An existing ``--out`` is replaced only when its ``.json`` record says this command wrote it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from train.cli.decoding import add_decoding_options, resolve_decoding, resolve_device, run_command
+from train.errors import EXIT_OK, UserError
+from train.evaluation.decode import configure_cpu
+from train.evaluation.load import load_for_inference
+
+PAIR_FORMATS = (".jsonl", ".json", ".parquet", ".tsv")  # data.sources' formats: both sides in one file
+WRITER = "python -m train.evaluate"  # the mark of this command's records (what it may overwrite)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m train.evaluate", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    p.add_argument("--ckpt", required=True, help="a training checkpoint, e.g. runs/<name>/checkpoints/best.pt")
+    p.add_argument("--src", required=True, metavar="FILE",
+                   help=f"sources, one per line; or pairs ({', '.join(PAIR_FORMATS)}) holding the references too")
+    p.add_argument("--ref", nargs="+", action="extend", metavar="FILE", help="references, one per line (several files: several "
+                                                            "references per sentence); none: translate only")
+    p.add_argument("--out", metavar="HYPS", help="where the hypotheses go (default: see below; -: stdout)")
+    add_decoding_options(p)
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error too")
+    return p
+
+
+# -- reading the test set ----------------------------------------------------------------------------------
+def read_lines(path: str) -> list[str]:
+    """The lines of a UTF-8 text file as given (a final newline ends the last line; a trailing CR and a
+    leading BOM are dropped); a byte that is not UTF-8 raises ``UserError`` naming the line."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror or e}") from None
+    data = data.removeprefix(b"\xef\xbb\xbf")
+    raw = data.split(b"\n")
+    if raw and raw[-1] == b"":
+        raw.pop()
+    lines = []
+    for n, line in enumerate(raw, 1):
+        try:
+            lines.append(line.removesuffix(b"\r").decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise UserError(f"{path}:{n}: byte 0x{line[e.start]:02x} (byte {e.start + 1} of the line) is not "
+                            f"UTF-8; a test set is scored whole, so fix the line or convert the file "
+                            f"(e.g. iconv -f latin1 -t utf-8 IN > OUT)") from None
+    return lines
+
+
+def read_pairs(path: str, src_lang: str, tgt_lang: str) -> tuple[list[str], list[str]]:
+    """(sources, references) of a pairs file in a training format, every row kept: a row that is not a usable
+    pair raises ``UserError`` with the reader's reasons and file:line examples (blank lines are not rows)."""
+    from data.clean import CleanReport, DataInputError, clean_text
+    from data.sources import load_local
+
+    try:
+        raw = load_local((path,), src_lang, tgt_lang)
+    except DataInputError as e:
+        raise UserError(str(e)) from None
+    report: CleanReport = raw.report
+    src, tgt, _ = clean_text(raw.translation, src_lang, tgt_lang, report, raw.where)
+    bad = {k: v for k, v in report.dropped.items() if v and k != "blank_line"}
+    if bad:
+        examples = "; ".join(e for k in bad for e in report.examples.get(k, [])[:2])
+        raise UserError(f"{path}: {sum(bad.values())} row(s) are not usable {src_lang}-{tgt_lang} pairs "
+                        f"({', '.join(f'{k} {v}' for k, v in bad.items())}; e.g. {examples}); a test set is "
+                        f"scored whole, so fix or remove them")
+    if not src:
+        raise UserError(f"{path}: no {src_lang}-{tgt_lang} pairs in it")
+    return src, tgt
+
+
+def read_test_set(args, config: dict) -> tuple[list[str], list[list[str]]]:
+    """(sources, reference sets) from ``--src`` and ``--ref``; checked whole before anything is decoded."""
+    data = config.get("data") or {}
+    if Path(args.src).suffix.lower() in PAIR_FORMATS:
+        if args.ref:
+            raise UserError(f"--src {args.src} is a pairs file (it holds the references): drop --ref, or give "
+                            f"the sources as a plain text file")
+        src, ref = read_pairs(args.src, data.get("src_lang", "en"), data.get("tgt_lang", "it"))
+        return src, [ref]
+    src = read_lines(args.src)
+    refs = [read_lines(r) for r in args.ref or []]
+    for path, ref in zip(args.ref or [], refs):
+        if len(ref) != len(src):
+            raise UserError(f"--ref {path} has {len(ref):,} lines but --src {args.src} has {len(src):,}: line k of "
+                            f"each must be the same sentence")
+    if not src:
+        raise UserError(f"--src {args.src} is empty: nothing to translate")
+    return src, refs
+
+
+# -- where the output goes ---------------------------------------------------------------------------------
+def default_out(ckpt: Path, src: str) -> Path:
+    """``<run>/eval/<src name>.<ckpt stem>.hyp`` for ``<run>/checkpoints/<ckpt>``, else ``eval/`` beside it."""
+    ckpt = ckpt.resolve()
+    home = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
+    return home / "eval" / f"{Path(src).name}.{ckpt.stem}.hyp"
+
+
+def record_path(out: Path) -> Path:
+    return out.with_name(out.name + ".json")
+
+
+def check_writable(out: Path) -> None:
+    """Refuse, before decoding, an output that exists and is not this command's, or a folder not writable."""
+    if out.is_dir():
+        raise UserError(f"--out {out} is a folder; give a file path")
+    if out.exists():
+        try:
+            mine = json.loads(record_path(out).read_text()).get("written_by") == WRITER
+        except (OSError, ValueError, AttributeError):
+            mine = False
+        if not mine:
+            raise UserError(f"{out} exists and was not written by {WRITER} (no {record_path(out).name} record of "
+                            f"it): pass another --out, or move it away")
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(f"cannot write {out}: {parent} is a file, not a folder; pass --out PATH")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write {out}: {parent} is not writable; pass --out PATH")
+
+
+def _same(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.abspath(a) == os.path.abspath(b)
+
+
+def check_not_an_input(out: Path, args) -> None:
+    """The hypotheses and their record never replace what this command reads (a hypothesis file an earlier
+    evaluate wrote, given as ``--src`` or ``--ref`` and as ``--out``: it would be read, then overwritten)."""
+    inputs = [("--src", args.src), *(("--ref", r) for r in args.ref or []), ("--ckpt", args.ckpt)]
+    for written in (out, record_path(out)):
+        for flag, path in inputs:
+            if _same(written, path):
+                raise UserError(f"--out {out} would overwrite {flag} {path}, which this command reads: pass another "
+                                f"--out")
+
+
+def checkpoint_file(ckpt: str) -> str:
+    """``--ckpt``: a checkpoint file, or a run folder / its checkpoints folder (its ``best.pt``)."""
+    from train.export.engine import is_ct2_dir
+
+    path = Path(ckpt)
+    if path.is_file() or is_ct2_dir(path):  # a checkpoint, or a folder of fastmt export --to ct2
+        return ckpt
+    if path.is_dir():
+        for best in (path / "checkpoints" / "best.pt", path / "best.pt"):
+            if best.is_file():
+                return str(best)
+        raise UserError(f"--ckpt {ckpt!r} is a folder without a best.pt (nor checkpoints/best.pt): give a checkpoint "
+                        f"file, e.g. {ckpt.rstrip('/')}/checkpoints/step-<N>.pt")
+    raise UserError(f"--ckpt {ckpt!r}: no such file (look under runs/<name>/checkpoints/)")
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write ``text`` through `data.files.atomic_write` (temp file beside ``path``, fsync, rename; never through a
+    link): a reader never sees half a file. A full or read-only disk raises ``UserError`` (the temp file removed,
+    an older ``path`` left as it was)."""
+    from data.files import atomic_write as write
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(path, text, what="output")
+    except OSError as e:
+        raise UserError(f"cannot write {path}: {e.strerror or e}; pass another --out") from None
+
+
+def sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# -- the command -------------------------------------------------------------------------------------------
+def run(args) -> int:
+    from train.evaluation.decode import overlong, translate_lines
+    from train.evaluation.scores import corpus_scores
+    from train.export.engine import checkpoint_file as exported_weights
+
+    args.ckpt = checkpoint_file(args.ckpt)
+    to_stdout = args.out == "-"
+    out = None if to_stdout else Path(args.out) if args.out else default_out(Path(args.ckpt), args.src)
+    if out is not None:
+        check_not_an_input(out, args)
+        check_writable(out)
+    device = resolve_device(args.device)
+    for path in [args.src, *(args.ref or [])]:
+        if not Path(path).is_file():
+            raise UserError(f"no such file: {path}")
+    model, tok, ckpt = load_for_inference(args.ckpt, device)
+    config = ckpt.get("config") or {}
+    configure_cpu(device, config)
+    decoding, given = resolve_decoding(args, config)
+    src, refs = read_test_set(args, config)
+    report = sys.stderr if to_stdout else sys.stdout
+    limit = model.cfg.max_positions
+    cut = overlong(tok, src, limit)
+    if cut:
+        lines = ", ".join(str(i + 1) for i, _ in cut[:10]) + (", ..." if len(cut) > 10 else "")
+        print(f"note: {len(cut):,} of {len(src):,} sources are longer than the model's {limit} positions and are cut "
+              f"to fit (lines {lines})", file=sys.stderr)
+    t0 = time.perf_counter()
+    hyps = translate_lines(model, tok, src, device, decoding,
+                           cuda_graph=bool((config.get("eval") or {}).get("cuda_graphs", True)))
+    seconds = time.perf_counter() - t0
+    scores = corpus_scores(hyps, refs) if refs else {}
+    record = {
+        "written_by": WRITER, "checkpoint": str(Path(args.ckpt).resolve()), "checkpoint_sha256": sha256(exported_weights(args.ckpt)),
+        "src": str(Path(args.src).resolve()), "src_sha256": sha256(args.src),
+        "refs": [str(Path(r).resolve()) for r in args.ref or []], "refs_sha256": [sha256(r) for r in args.ref or []],
+        "sentences": len(src), "truncated_sources": len(cut), "max_positions": limit,
+        "bleu": scores.get("bleu"), "chrf": scores.get("chrf"), "bleu_signature": scores.get("bleu_signature"),
+        "chrf_signature": scores.get("chrf_signature"), "decoding": decoding.as_dict(),
+        "decoding_from_flags": given, "device": str(device), "decode_seconds": seconds,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    if to_stdout:
+        try:
+            sys.stdout.write("".join(h + "\n" for h in hyps))
+            sys.stdout.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise UserError(f"cannot write the hypotheses to stdout: {e.strerror or e}") from None
+    else:
+        atomic_write(out, "".join(h + "\n" for h in hyps))
+        atomic_write(record_path(out), json.dumps(record, indent=2) + "\n")
+    if scores:
+        print(f"BLEU {scores['bleu']:.2f}  chrF2 {scores['chrf']:.2f}  ({len(src):,} sentences, {len(cut):,} "
+              f"sources cut to the model's {limit} positions)", file=report)
+        print(f"  BLEU|{scores['bleu_signature']}\n  chrF2|{scores['chrf_signature']}", file=report)
+    else:
+        print(f"no --ref: {len(src):,} sentences translated, nothing scored", file=report)
+    origin = ("the checkpoint's eval settings, what its final test used" if not given else
+              f"{', '.join(given)} given; the rest from the checkpoint")
+    print(f"decoding: {decoding.describe()} ({origin}); {seconds:.1f} s on {device}", file=report)
+    if out is not None:
+        print(f"hypotheses: {out} (record: {record_path(out)})", file=report)
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` and score; a user error prints one line (``error: ...``) and returns 2, Ctrl-C 130."""
+    args = build_parser().parse_args(argv)
+    try:
+        return run_command(run, args, interrupted="interrupted: nothing written")
+    except BrokenPipeError:  # the report piped into `head`: the files are written, the rest of it unread
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return EXIT_OK

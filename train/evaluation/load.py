@@ -1,0 +1,106 @@
+"""A model and tokenizer rebuilt from a checkpoint for decoding (``fastmt translate``, ``evaluate``, ``export``):
+``checkpoint_file`` (what ``--ckpt`` names: a file, a run folder's ``best.pt``, an exported CTranslate2 folder),
+``load_for_inference`` (the model in eval mode, its tokenizer and the checkpoint dict; a file that is not one is a
+``UserError`` naming it, raised before the model is allocated) and ``check_model_config``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from train.errors import UserError
+
+
+def checkpoint_file(ckpt: str) -> str:
+    """``--ckpt``: a checkpoint file, or a run folder / its checkpoints folder (its ``best.pt``)."""
+    from train.export.engine import is_ct2_dir
+
+    path = Path(ckpt)
+    if path.is_file() or is_ct2_dir(path):  # a checkpoint, or a folder of fastmt export --to ct2
+        return ckpt
+    if path.is_dir():
+        for best in (path / "checkpoints" / "best.pt", path / "best.pt"):
+            if best.is_file():
+                return str(best)
+        raise UserError(f"--ckpt {ckpt!r} is a folder without a best.pt (nor checkpoints/best.pt): give a checkpoint "
+                        f"file, e.g. {ckpt.rstrip('/')}/checkpoints/step-<N>.pt")
+    raise UserError(f"--ckpt {ckpt!r}: no such file (look under runs/<name>/checkpoints/)")
+
+
+MAX_LAYERS = 1024  # per stack: far above any model fastmt trains; a larger count in a file is forged
+
+
+EXTRA_BUFFER_BYTES = 256 * 2**20  # memory a model may allocate beyond its stored tensors (position tables)
+
+
+def check_model_config(cfg, state: dict[str, Any], path) -> int:
+    """Refuse (``UserError``) a checkpoint whose model config does not describe exactly the tensors it stores,
+    before any memory is allocated: the model is built on the ``meta`` device (shapes only), its parameter
+    count and shapes compared with the file's. A few-KB file with a forged config (d_model 10^6) would
+    otherwise make ``translate`` allocate the model it describes. Returns the parameter count."""
+    from models import Transformer
+
+    layers = max(n for n in (cfg.enc_layers, cfg.dec_layers, cfg.enc_unique, cfg.dec_unique) if n is not None)
+    if layers > MAX_LAYERS:
+        raise UserError(f"{path}: its model config asks for {layers:,} layers (at most {MAX_LAYERS}): a damaged or "
+                        f"forged checkpoint; nothing was built")
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    stored = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
+    n_cfg, n_file = sum(math.prod(s) for s in expected.values()), sum(math.prod(s) for s in stored.values())
+    if expected != stored or len(stored) != len(state):
+        diff = sorted(set(expected) ^ set(stored)) or [k for k in expected if expected[k] != stored.get(k)]
+        first = diff[0] if diff else next(k for k in state if k not in stored)
+        raise UserError(f"{path}: its model config (d_model {cfg.d_model}, {cfg.enc_layers}+{cfg.dec_layers} layers, "
+                        f"vocab {cfg.vocab_size}) makes {n_cfg:,} parameters in {len(expected)} tensors, but the file "
+                        f"stores {n_file:,} in {len(state)} (first difference: {first!r}: config "
+                        f"{expected.get(first)}, file {stored.get(first, type(state.get(first)).__name__)}): a damaged "
+                        f"or forged checkpoint; nothing was built")
+    extra = sum(b.numel() * b.element_size() for k, b in model.named_buffers() if k not in expected)
+    if extra > EXTRA_BUFFER_BYTES:
+        raise UserError(f"{path}: its model config needs {extra / 2**20:,.0f} MB of tables beyond its stored weights "
+                        f"(max_positions {cfg.max_positions}): a damaged or forged checkpoint; nothing was built")
+    return n_cfg
+
+
+def load_for_inference(ckpt_path: str | Path, device: str | torch.device = "cpu"):
+    """(model in eval mode, tokenizer, checkpoint dict) from a training checkpoint; a file that is not one
+    (missing, unreadable, without a tokenizer, asking for code, a config that disagrees with its tensors)
+    raises ``UserError`` naming it, before the model is allocated."""
+    from models import ModelConfig, Transformer
+    from train.export.engine import is_ct2_dir, load_ct2
+    from train.preflight import tokenizer_of
+    from train.runs.checkpoint import load_checkpoint
+
+    if is_ct2_dir(ckpt_path):  # an exported CTranslate2 folder (train/export/engine.py)
+        return load_ct2(ckpt_path, torch.device(device))
+    try:
+        ckpt = load_checkpoint(ckpt_path)
+    except UserError:
+        raise
+    except (FileNotFoundError, RuntimeError) as e:
+        raise UserError(f"--ckpt: {e}") from e
+    try:
+        tok = tokenizer_of(ckpt, Path(ckpt_path))
+    except (RuntimeError, OSError, TypeError, ValueError) as e:  # SentencePiece's parse error of a damaged model
+        raise UserError(f"{ckpt_path}: its tokenizer does not load ({' '.join(str(e).split())[:160]}): a damaged "
+                        f"or forged checkpoint") from e
+    try:
+        cfg = ModelConfig(**ckpt["config"]["model"])
+    except (TypeError, ValueError, KeyError) as e:
+        raise UserError(f"{ckpt_path}: its model config does not build with this fastmt ({e})") from e
+    if cfg.vocab_size != tok.vocab_size:
+        raise UserError(f"{ckpt_path}: tokenizer mismatch: model vocab {cfg.vocab_size} != tokenizer vocab "
+                        f"{tok.vocab_size} ({tok.model_file})")
+    if not isinstance(ckpt["model"], dict):
+        raise UserError(f"{ckpt_path}: its 'model' entry is a {type(ckpt['model']).__name__}, not a state dict")
+    check_model_config(cfg, ckpt["model"], ckpt_path)
+    model = Transformer(cfg).to(device)
+    model.load_state_dict(ckpt["model"])
+    model.eval()
+    return model, tok, ckpt

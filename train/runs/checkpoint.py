@@ -1,0 +1,510 @@
+"""Atomic checkpoints (temp file + ``os.replace``), keep-last-K + best, and RNG state capture.
+
+A checkpoint is one ``torch.save`` dict written by the Trainer:
+``model`` (the un-compiled, un-wrapped module's state), ``optimizer``, ``scheduler``, ``scaler``,
+``rng`` (python, numpy, torch, cuda), ``position`` (epoch, batch index, optimizer step), ``config``
+(``Config.to_dict()``), ``tokenizer`` (model file path + cache key), ``metrics`` (the epoch's line),
+``lineage`` (``run_id`` of the run that wrote it, ``parent``: the run and step that run branched from).
+Files are ``<run>/checkpoints/step-<step>.pt`` plus ``best.pt``; a reader never sees a partial file.
+A failed write (disk full, read-only) raises ``CheckpointWriteError`` in one line and keeps every
+earlier file; ``latest_loadable_checkpoint`` skips (and reports, renaming nothing) a newest file that does
+not load, and considers only the run's own lineage, as keep-last pruning does.
+
+Loading is data, never code: every read is ``torch.load(weights_only=True)``. What fastmt writes needs no
+allowlist (RNG states are stored as tensors, ints and lists); `LEGACY_GLOBALS`, the one allowlist, admits
+the numpy array of the RNG state that checkpoints written before this change hold. A file that asks for
+any other Python object is refused in one line naming it and the type (``CheckpointUnsafeError``).
+A checkpoint carrying no lineage id is another run's file (never pruned, never resumed by ``auto``) unless
+its folder's marker says the run predates lineage ids (`unmarked_are_own`).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import re
+import secrets
+import shutil
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from data.files import FileRefusedError, atomic_write, cause_of, remove_inside
+from train.errors import UserError
+
+_STEP_RE = re.compile(r"^step-(\d+)\.pt$")
+
+
+# The one allowlist of globals a checkpoint may name: numpy's array, as the RNG state of checkpoints written
+# before RNG states were stored as plain lists (fastmt <= 4f69878). (object, name) pairs: numpy 1 and 2 name
+# the reconstructor differently. An object-dtype array would still need globals outside this list.
+LEGACY_GLOBALS = [
+    (np._core.multiarray._reconstruct, "numpy._core.multiarray._reconstruct"),
+    (np._core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
+    np.ndarray, np.dtype, type(np.dtype(np.uint32)),
+]
+
+
+# errors of reading a file that say nothing about its content: the run stops with the cause (never falls back)
+NOT_CONTENT = {errno.EACCES, errno.EPERM, errno.EIO, errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.ESTALE,
+               errno.ETIMEDOUT, errno.ENOLINK, errno.EREMOTEIO}
+
+
+def rng_state() -> dict[str, Any]:
+    """The RNG states as plain data (a ``weights_only`` load reads them without any allowlist)."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {
+        "python": random.getstate(),  # (version, tuple of 625 ints, None)
+        "numpy": {"name": name, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
+                  "gauss": float(gauss)},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    npy = state["numpy"]
+    if isinstance(npy, dict):
+        npy = (npy["name"], np.asarray(npy["keys"], dtype=np.uint32), npy["pos"], npy["has_gauss"], npy["gauss"])
+    np.random.set_state(npy)
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class CheckpointWriteError(UserError, OSError):
+    """A checkpoint could not be written (disk full, read-only, no permission, I/O error).
+
+    The message is one line naming the file, the cause and the fix; ``path`` is the checkpoint,
+    ``cause`` the short cause. The temp file is gone and no existing file was changed.
+    """
+
+    def __init__(self, message: str, *, path: Path, cause: str, code: int | None = None):
+        super().__init__(message)
+        self.path, self.cause, self.errno = path, cause, code
+
+
+class CheckpointReadError(UserError, RuntimeError):
+    """A checkpoint the user named does not load, or none of a run's checkpoints loads."""
+
+
+class CheckpointUnsafeError(CheckpointReadError):
+    """A checkpoint that asks for a Python object fastmt never writes (it would run code when unpickled)."""
+
+
+class CheckpointIOError(UserError, OSError):
+    """A checkpoint could not be read for a reason that is not its content (permission denied, I/O error,
+    out of memory): the run stops with the cause instead of falling back to an older checkpoint."""
+
+
+class CheckpointNotFoundError(UserError, FileNotFoundError):
+    """A checkpoint the user named does not exist."""
+
+
+class CheckpointMismatchError(UserError, ValueError):
+    """A checkpoint does not fit this run (another tokenizer, other data, another model)."""
+
+
+def lineage_id(ckpt: dict[str, Any]) -> str | None:
+    """The run id of the run that wrote ``ckpt``; None for checkpoints written before lineages existed."""
+    lineage = ckpt.get("lineage") or {}
+    return lineage.get("run_id") if isinstance(lineage, dict) else None
+
+
+def _torch_load(path: Path, map_location, mmap: bool = False) -> Any:
+    """``torch.load(weights_only=True)`` with the one allowlist (`LEGACY_GLOBALS`). A file that names any
+    other global raises ``CheckpointUnsafeError`` naming the file and the type; an ``OSError`` or an
+    allocation failure (not the file's content) raises ``CheckpointIOError``; anything else propagates."""
+    import pickle
+
+    try:
+        with torch.serialization.safe_globals(LEGACY_GLOBALS):
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        if found is None:  # not a pickle that names code: damaged or not a checkpoint (the caller says so)
+            why = re.search(r"WeightsUnpickler error: (.*?)(?: Check the documentation|$)", " ".join(str(e).split()))
+            raise RuntimeError(f"not a torch checkpoint ({why.group(1) if why else 'unpickling failed'})") from None
+        raise CheckpointUnsafeError(
+            f"checkpoint {path} asks for the Python object {found.group(1)}, which no fastmt checkpoint holds: "
+            f"loading it could run code (a file made or changed by someone else?); it was not loaded. Use a "
+            f"checkpoint fastmt wrote") from None
+    except OSError as e:
+        if e.errno not in NOT_CONTENT:  # e.g. EINVAL seeking past the end of a truncated file: its content
+            raise
+        raise CheckpointIOError(f"cannot read checkpoint {path}: {cause_of(e, path)}; nothing was changed. "
+                                f"Fix the cause and run again") from e
+    except MemoryError as e:
+        raise CheckpointIOError(f"cannot read checkpoint {path}: out of memory; nothing was changed") from e
+    except RuntimeError as e:
+        if "can't allocate memory" in str(e) or "DefaultCPUAllocator" in str(e):
+            raise CheckpointIOError(f"cannot read checkpoint {path}: out of memory ({' '.join(str(e).split())[:120]})"
+                                    f"; nothing was changed") from e
+        raise
+
+
+def _regular(path: Path) -> bool:
+    """Is ``path`` a regular file (links followed)? Opening a FIFO planted as ``step-*.pt`` would block."""
+    try:
+        return stat.S_ISREG(path.stat().st_mode)
+    except OSError:
+        return False
+
+
+def file_lineage_id(path: str | os.PathLike) -> str | None | bool:
+    """``lineage_id`` of the checkpoint file at ``path``, read without loading its tensors (memory-mapped,
+    ``weights_only``); False when the file cannot be read (or asks for code: never unpickled)."""
+    if not _regular(Path(path)):  # a FIFO would block the open; a folder or device is no checkpoint
+        return False
+    try:
+        ckpt = _torch_load(Path(path), "cpu", mmap=True)
+    except Exception:  # noqa: BLE001 - unreadable: the caller leaves the file alone
+        return False
+    return lineage_id(ckpt) if isinstance(ckpt, dict) else False
+
+
+def same_lineage(ckpt_run_id: str | None | bool, run_id: str | None, unmarked: bool = False) -> bool:
+    """A checkpoint belongs to run ``run_id`` when it carries that id; one with no id at all only when
+    ``unmarked`` (its folder's records show the run predates lineage ids: `unmarked_are_own`). ``run_id``
+    None: every readable file."""
+    if ckpt_run_id is False:
+        return False
+    return run_id is None or ckpt_run_id == run_id or (ckpt_run_id is None and unmarked)
+
+
+def unmarked_are_own(ckpt_dir: str | os.PathLike) -> bool:
+    """Do checkpoints without a lineage id in ``ckpt_dir`` belong to its run? Only in a run folder an earlier
+    fastmt made: no marker (run.json), or one written when such a folder was adopted."""
+    from train.runs.folder import read_marker
+
+    marker = read_marker(Path(ckpt_dir).parent)
+    return marker is None or bool(marker.get("adopted"))
+
+
+def _storage_bytes(obj: Any, seen: set[int] | None = None) -> int:
+    """Bytes of tensor storages (each counted once) and raw bytes in a nested state: ~the file size."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        st = obj.untyped_storage()
+        if st.data_ptr() in seen:
+            return 0
+        seen.add(st.data_ptr())
+        return st.nbytes()
+    if isinstance(obj, (bytes, bytearray)):
+        return len(obj)
+    if isinstance(obj, dict):
+        return sum(_storage_bytes(v, seen) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_storage_bytes(v, seen) for v in obj)
+    return 0
+
+
+def _mount_point(path: Path) -> Path:
+    p = path.absolute()
+    while not p.exists():
+        p = p.parent
+    while not os.path.ismount(p):
+        p = p.parent
+    return p
+
+
+def _write_error(e: BaseException, path: Path, obj: Any) -> CheckpointWriteError | None:
+    """Translate a failed checkpoint write into one line with its cause and fix (None: not a write failure).
+
+    On a full disk ``torch.save`` ends with ``RuntimeError: [enforce fail at inline_container.cc] ...
+    unexpected pos`` (closing the zip after the write's ``OSError``, which is then its ``__context__``,
+    or alone when it wrote to a file name): the errno is taken from the context, else free space decides.
+    """
+    stream_failure = isinstance(e, RuntimeError) and ("inline_container" in str(e)
+                                                      or "PytorchStreamWriter" in str(e))
+    code = e.errno if isinstance(e, OSError) else None
+    if stream_failure and isinstance(e.__context__, OSError):
+        code = e.__context__.errno
+    if code is None and not stream_failure:
+        return None
+    folder = path.parent
+    mount = _mount_point(folder)
+    keep = "nothing was overwritten and earlier checkpoints are untouched"
+    need = _storage_bytes(obj)
+    try:
+        free = shutil.disk_usage(mount).free
+    except OSError:
+        free = None
+    if code in (errno.ENOSPC, errno.EDQUOT) or (stream_failure and free is not None and free < need):
+        what = "disk quota exceeded" if code == errno.EDQUOT else "no space left on device"
+        room = "unknown space" if free is None else f"{free / 2**20:.0f} MB"
+        cause = f"{what}: {room} free on {mount}, the checkpoint needs ~{need / 2**20:.0f} MB"
+        if free is not None and free >= need and code == errno.ENOSPC:
+            cause += " (the file system may be out of inodes: check df -i)"
+        fix = "free some space (old runs' checkpoints, *.prev-* run folders) or set --run.out_dir on a larger disk"
+        code = code or errno.ENOSPC
+    elif code == errno.EROFS:
+        cause = f"read-only file system ({mount})"
+        fix = "remount it read-write or set --run.out_dir to a writable folder"
+    elif code in (errno.EACCES, errno.EPERM):
+        cause = f"permission denied: user {os.geteuid()} cannot write in {folder}"
+        fix = "fix the folder's permissions or set --run.out_dir to a writable folder"
+    else:
+        detail = os.strerror(code) if code else " ".join(str(e).split())[:200]
+        cause = f"the write failed ({detail})" + (f"; {free / 2**20:.0f} MB free on {mount}" if free else "")
+        fix = "check the disk (dmesg) or set --run.out_dir to another disk"
+    return CheckpointWriteError(f"cannot write checkpoint {path}: {cause}. Fix: {fix}; {keep}",
+                                path=path, cause=cause, code=code)
+
+
+def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
+    """``torch.save`` through `data.files.atomic_write` (a ``mkstemp`` file in the same folder, fsync,
+    ``os.replace``, folder fsync; a link at ``path`` is refused).
+
+    A failed write (disk full, read-only, ...) raises ``CheckpointWriteError``; the temp file is
+    removed and ``path`` keeps its old content.
+    """
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, lambda f: torch.save(obj, f), what="checkpoint")  # temp removed on failure
+    except FileRefusedError:
+        raise
+    except BaseException as e:
+        err = _write_error(e, path, obj) if isinstance(e, Exception) else None
+        if err is None:
+            raise
+        raise err from e
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """The checkpoint at ``path`` as data (``weights_only``: see the module docstring). Raises
+    ``FileNotFoundError``, ``CheckpointUnsafeError`` (it asks for code), ``CheckpointIOError`` (the OS could
+    not read it: not its content), or ``RuntimeError`` (truncated, not a fastmt checkpoint)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    if not _regular(path):
+        raise RuntimeError(f"{str(path)!r} is not a regular file (a FIFO, device or folder): not a checkpoint")
+    try:
+        ckpt = _torch_load(path, map_location)
+    except (CheckpointUnsafeError, CheckpointIOError):
+        raise
+    except Exception as e:  # noqa: BLE001 - re-raised with the path and the likely cause
+        raise RuntimeError(f"cannot read checkpoint {str(path)!r} (truncated or not a fastmt checkpoint): {e}") from e
+    if not isinstance(ckpt, dict):
+        raise RuntimeError(f"{str(path)!r} is not a fastmt training checkpoint: it holds a {type(ckpt).__name__}")
+    missing = {"model", "config", "position"} - set(ckpt)
+    if missing:
+        raise RuntimeError(f"{str(path)!r} is not a fastmt training checkpoint: missing keys {sorted(missing)}")
+    return ckpt
+
+
+def read_checkpoint(path: str | os.PathLike, what: str = "--resume") -> dict[str, Any]:
+    """``load_checkpoint`` of a path the user named, failing in one line (``UserError``) when it is missing
+    or is not a readable fastmt checkpoint."""
+    path = Path(path)
+    if not path.is_file():
+        what_is = "is a folder, not a checkpoint file" if path.is_dir() else "does not exist"
+        raise CheckpointNotFoundError(f"{what} {path}: checkpoint {str(path)!r} {what_is} (checkpoints are "
+                                      f"runs/<name>/checkpoints/step-<N>.pt and best.pt)")
+    try:
+        return load_checkpoint(path)
+    except (CheckpointUnsafeError, CheckpointIOError):
+        raise
+    except RuntimeError as e:
+        raise CheckpointReadError(f"{what} {path}: " + " ".join(str(e).split())[:400]) from e
+
+
+def step_checkpoints(ckpt_dir: str | os.PathLike) -> list[Path]:
+    """``step-*.pt`` files in ``ckpt_dir`` sorted by step (oldest first)."""
+    d = Path(ckpt_dir)
+    if not d.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _STEP_RE.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(ckpt_dir: str | os.PathLike) -> Path | None:
+    ckpts = step_checkpoints(ckpt_dir)
+    return ckpts[-1] if ckpts else None
+
+
+def latest_loadable_checkpoint(ckpt_dir: str | os.PathLike, log: Callable[[str], Any] = print,
+                               map_location: str | torch.device = "cpu", *, run_id: str | None = None,
+                               ) -> tuple[Path | None, dict | None]:
+    """The newest step checkpoint of run ``run_id`` that loads, as ``(path, checkpoint)``; ``(None, None)``
+    if the folder has none at all. Nothing is renamed, moved or deleted.
+
+    A newer one whose content does not load (truncated, not a fastmt checkpoint) is reported in one line
+    (path, size, cause) and the one before it is tried; it stays where it is (pruning never deletes a file it
+    cannot read). A file that asks for code (``CheckpointUnsafeError``) or that the OS cannot read (permission
+    denied, I/O error, out of memory: ``CheckpointIOError``) stops the search with that cause: falling back
+    would silently resume from an older point. Checkpoints of another lineage (and, unless the folder's run
+    predates lineage ids, files with none) are skipped, listed in one line. If checkpoints exist but none of
+    this run loads, ``CheckpointReadError``, every time: resuming from nothing would silently restart the run.
+    """
+    d = Path(ckpt_dir)
+    ckpts = step_checkpoints(d)
+    unmarked = unmarked_are_own(d)
+    bad, foreign = [], []
+    found: tuple[Path | None, dict | None] = (None, None)
+    for path in reversed(ckpts):
+        try:
+            if not _regular(path):
+                raise RuntimeError("not a regular file (a FIFO, device, folder or dangling link)")
+            ckpt = load_checkpoint(path, map_location)
+        except RuntimeError as e:
+            if isinstance(e, CheckpointUnsafeError):
+                raise
+            size = path.stat().st_size if _regular(path) else 0
+            log(f"checkpoint {path} ({size:,} bytes) does not load, skipped and left in place: "
+                + " ".join(str(e).split())[:300])
+            bad.append(path)
+            continue
+        if same_lineage(lineage_id(ckpt), run_id, unmarked):
+            found = (path, ckpt)
+            break
+        foreign.append((path, lineage_id(ckpt)))
+    if foreign:
+        log(f"--resume auto: {len(foreign)} checkpoint(s) in {d} belong to another run (this run is {run_id}), "
+            f"skipped and left in place: " + ", ".join(f"{p.name} (run id {rid})" for p, rid in foreign[:6])
+            + (", ..." if len(foreign) > 6 else ""))
+    if found[0] is not None:
+        return found
+    earlier = sorted(d.glob("step-*.pt.unreadable")) if d.is_dir() else []  # set aside by an earlier fastmt
+    if bad or foreign or earlier:
+        every = [*bad, *earlier, *(p for p, _ in foreign)]
+        names = ", ".join(p.name for p in every[:6]) + (", ..." if len(every) > 6 else "")
+        raise CheckpointReadError(
+            f"--resume auto: none of the {len(every)} checkpoint(s) in {d} loads as this run's ({names}); nothing "
+            f"was changed. Resume from "
+            f"a checkpoint you trust with --resume PATH, or start a new run (without --resume: it gets its own folder)"
+        )
+    return None, None
+
+
+class CheckpointManager:
+    """Writes ``step-<n>.pt``, keeps the newest ``keep_last``, and maintains ``best.pt``.
+
+    ``mode="max"`` (BLEU) or ``"min"`` (validation loss) decides what "best" means. ``run_id``: pruning
+    deletes only this run's checkpoints (``same_lineage``), never a file of another lineage, one without a
+    lineage id (unless the folder's run predates them), a link, or one it cannot read; None prunes every
+    readable ``step-*.pt``.
+    """
+
+    def __init__(self, ckpt_dir: str | os.PathLike, keep_last: int, mode: str = "max", run_id: str | None = None):
+        if mode not in ("max", "min"):
+            raise ValueError(f"mode={mode!r} must be 'max' or 'min'")
+        self.dir = Path(ckpt_dir)
+        self.keep_last = keep_last
+        self.mode = mode
+        self.run_id = run_id
+        self.best_value: float | None = None
+        self._lineage: dict[Path, str | None | bool] = {}  # file -> its run id (read once per file)
+
+    def is_better(self, value: float | None) -> bool:
+        if value is None or value != value:  # None or NaN never wins
+            return False
+        if self.best_value is None:
+            return True
+        return value > self.best_value if self.mode == "max" else value < self.best_value
+
+    def save(self, state: dict[str, Any], step: int, metric: float | None = None) -> Path:
+        """Write ``step-<step>.pt`` (and ``best.pt`` if ``metric`` is better), then prune to ``keep_last``.
+
+        On ``CheckpointWriteError`` nothing is pruned and ``best_value`` is unchanged; the message
+        names the newest checkpoint still on disk.
+        """
+        try:
+            path = atomic_save(state, self.dir / f"step-{step:08d}.pt")
+            if self.is_better(metric):
+                self._write_best(path, state)
+                self.best_value = metric
+        except CheckpointWriteError as e:
+            newest = latest_checkpoint(self.dir)
+            raise CheckpointWriteError(f"{e}; newest checkpoint on disk: {newest or 'none yet'}",
+                                       path=e.path, cause=e.cause, code=e.errno) from e.__cause__
+        self._lineage[path] = self.run_id
+        for old in self.own_checkpoints()[: -self.keep_last]:
+            remove_inside(self.dir, old)
+            self._lineage.pop(old, None)
+        return path
+
+    def own_checkpoints(self) -> list[Path]:
+        """This run's ``step-*.pt`` files, oldest first (other lineages' and unreadable files left out)."""
+        files = step_checkpoints(self.dir)
+        for p in files:
+            if p not in self._lineage:
+                self._lineage[p] = file_lineage_id(p)
+        unmarked = self.run_id is None or unmarked_are_own(self.dir)
+        return [p for p in files if not p.is_symlink() and same_lineage(self._lineage[p], self.run_id, unmarked)]
+
+    def _write_best(self, path: Path, state: dict[str, Any]) -> None:
+        best = self.dir / "best.pt"
+        best_tmp = self.dir / f".best.pt.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        try:  # a hard link costs nothing; os.replace keeps best.pt atomic (a link at best.pt is replaced, the
+            # file it pointed to untouched; os.link never follows or overwrites an existing name)
+            os.link(path, best_tmp)
+            os.replace(best_tmp, best)
+        except OSError:  # no hard links here (some network/FUSE file systems): write a copy
+            remove_inside(self.dir, best_tmp)
+            if best.is_symlink():
+                remove_inside(self.dir, best)
+            atomic_save(state, best)
+
+
+def check_tokenizer(ckpt: dict[str, Any], tok, path) -> None:
+    ref = ckpt.get("tokenizer") or {}
+    if ref.get("key") != tok.key:
+        raise CheckpointMismatchError(
+            f"tokenizer mismatch: checkpoint {path} was trained with tokenizer key {ref.get('key')!r} "
+            f"({ref.get('model_file')}), but the current data settings give key {tok.key!r} ({tok.model_file}). "
+            f"Resume with the same data files and data.* settings as the checkpoint's run (its config is stored "
+            f"in the checkpoint), or start a new run with a different --run.name"
+        )
+
+
+def average_checkpoints(paths: list[Path], map_location: str | torch.device = "cpu",
+                        loaded: dict[Path, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The newest of ``paths`` with its model weights replaced by the mean over all of them (checkpoint
+    averaging, as translation systems do over their last epochs). Float tensors are averaged in fp32 and
+    cast back; integer buffers are taken from the newest. ``loaded``: checkpoints already in memory."""
+    if not paths:
+        raise ValueError("average_checkpoints: no checkpoints given")
+    loaded = loaded or {}
+    load = lambda p: loaded[p] if p in loaded else load_checkpoint(p, map_location)  # noqa: E731
+    newest = load(paths[-1])
+    total = {k: v.detach().float().clone() for k, v in newest["model"].items() if v.is_floating_point()}
+    for path in paths[:-1]:
+        model = load(path)["model"]
+        if set(model) != set(newest["model"]):
+            raise ValueError(f"average_checkpoints: {path} holds other parameters than {paths[-1]}")
+        for k in total:
+            total[k] += model[k].float()
+    newest["model"] = {k: (total[k] / len(paths)).to(v.dtype) if k in total else v
+                       for k, v in newest["model"].items()}
+    newest["averaged_from"] = [str(p) for p in paths]
+    return newest
+
+
+def average_last_epochs(ckpt_dir: str | os.PathLike, k: int, log: Callable[[str], Any] = print, *,
+                        run_id: str | None = None) -> dict | None:
+    """``average_checkpoints`` of the newest ``k`` end-of-epoch checkpoints of run ``run_id`` in ``ckpt_dir``
+    (mid-epoch ones, from interruptions, and other lineages' are left out; each file is read once); None,
+    said in one line, when fewer are kept."""
+    ends: dict[Path, dict[str, Any]] = {}
+    unmarked = run_id is None or unmarked_are_own(ckpt_dir)
+    for p in reversed(step_checkpoints(ckpt_dir)):
+        ckpt = load_checkpoint(p)
+        if ckpt["position"]["batch_index"] == 0 and same_lineage(lineage_id(ckpt), run_id, unmarked):
+            ends[p] = ckpt
+            if len(ends) == k:
+                return average_checkpoints(sorted(ends), loaded=ends)
+    log(f"checkpoint averaging: {len(ends)} epoch checkpoints kept in {ckpt_dir}, {k} asked; skipped")
+    return None
