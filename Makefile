@@ -23,8 +23,6 @@ TEXT        ?=
 raw          = $(if $(filter command line environment,$(origin $(1))),$(value $(1)),$($(1)))
 VENV_       := $(call raw,VENV)
 VENV_MIN_    = $(call raw,VENV_MIN)
-# make exports command-line and environment variables to the recipes, expanding them to do so: not these
-unexport VENV VENV_MIN PYTHON DATA_FILES CKPT TEXT
 
 ifeq ($(SETUP),none)
 PYTHON      ?= python3
@@ -129,3 +127,7 @@ $(call esc,$(VENV_MIN_))/.fastmt-torch-$(TORCH_MIN): pyproject.toml constraints-
 
 clean:  ## remove .venv, .venv-torch-min and the caches (never runs/)
 	rm -rf $(call q,$(VENV_)) $(call q,$(VENV_MIN_)) .cache .pytest_cache .ruff_cache
+
+# make exports command-line and environment variables to the recipes, expanding them to do so: not these.
+# (Last in the file: `unexport V` defines V, empty, so a later `V ?= default` would never take its default.)
+unexport VENV VENV_MIN PYTHON DATA_FILES CKPT TEXT
