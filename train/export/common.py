@@ -168,17 +168,21 @@ def check_out(out: Path, force: bool, ckpt: str | Path) -> None:
 
 def write_dir(out: Path, build: Callable[[Path], None]) -> None:
     """``build(tmp)`` in a temp folder beside ``out``, then ``out`` replaced by it: a reader never sees a half
-    export, and a failed build leaves ``out`` (and whatever was in it) as it was."""
+    export, and a failed build leaves ``out`` (and whatever was in it) as it was. The swap is made durable as
+    ``data.files.atomic_write`` makes a file's (the folder fsynced after the rename); the umask is its too."""
+    from data.files import fsync_dir, umask
+
     out = out.resolve()
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     old = None
     try:
         build(tmp)
-        os.chmod(tmp, 0o777 & ~_umask())
+        os.chmod(tmp, 0o777 & ~umask())
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             os.replace(out, old)
         os.replace(tmp, out)
+        fsync_dir(out.parent)
     except OSError as e:
         if old is not None and not out.exists():
             os.replace(old, out)
@@ -191,14 +195,11 @@ def write_dir(out: Path, build: Callable[[Path], None]) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=2) + "\n")
+    """A record of an export, through the one atomic writer (``data.files.atomic_write``)."""
+    from data.files import atomic_write
+
+    atomic_write(path, json.dumps(obj, indent=2) + "\n", what="export record")
 
 
 def python_argv() -> list[str]:
