@@ -10,7 +10,7 @@ the existing run folder, checks ``run_finished`` and cuts ``metrics.jsonl`` back
 (``cut_metrics``) -> ``remove_stale_temp_files`` -> train -> ``done_record`` is logged last -> the lock
 is released (a new folder that never got a checkpoint is removed: ``discard_unused_run_folder``).
 
-The lock (``RunLock``, train/runlock.py) is ``fcntl.flock`` on ``<run_dir>/.lock``, dropped by the kernel
+The lock (``RunLock``, train/runs/lock.py) is ``fcntl.flock`` on ``<run_dir>/.lock``, dropped by the kernel
 however its holder exits. POSIX only; nothing here imports torch.
 """
 
@@ -25,9 +25,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from data.files import atomic_write, remove_inside, rename_inside
+from data.files import atomic_write, remove_inside
 from train.errors import UserError
-from train.runs.lock import _HELD, LOCK_NAME, RunLock, RunLockedError, _same_file
+from train.runs.lock import LOCK_NAME, RunLock, RunLockedError
 
 MARKER_NAME = "run.json"  # the run marker: only folders holding it (or an earlier fastmt's runs) are written
 MAX_NAME_LEN = 200
@@ -288,38 +288,6 @@ def discard_unused_run_folder(run_dir: str | os.PathLike, log: Callable[[str], A
     return True
 
 
-def move_aside_previous_run(run_dir: str | os.PathLike, log: Callable[[str], Any] = print, *,
-                            lock: RunLock) -> Path | None:
-    """Rename a run folder to ``<name>.prev-<UTC time>`` and return the new path (None: nothing there).
-
-    bench.peers (the Hugging Face baseline) uses it; fastmt's own runs never move a folder (a fresh run
-    under a taken name gets ``<name>-2``, see ``claim_run_folder``). Only under ``lock``, this process's
-    held ``RunLock`` of ``run_dir``, and only a run folder (``folder_state`` "run"): anything else is
-    refused with ``RunFolderError``. The lock is taken again on a new ``<run_dir>/.lock``.
-    """
-    run_dir = Path(run_dir)
-    if not lock.held or lock.run_dir.resolve() != run_dir.resolve() or not _same_file(lock._fd, lock.path):
-        raise RuntimeError(f"move_aside_previous_run({run_dir}) needs this process to hold RunLock({run_dir}): "
-                           "a folder is only moved by the run that holds its lock")
-    if not any(p.name != LOCK_NAME for p in run_dir.iterdir()):
-        return None
-    if folder_state(run_dir) != "run":
-        raise RunFolderError(not_a_run_message(run_dir))
-    stamp = _utc_stamp()
-    target = run_dir.with_name(f"{run_dir.name}.prev-{stamp}")
-    n = 1
-    while target.exists():
-        target, n = run_dir.with_name(f"{run_dir.name}.prev-{stamp}-{n}"), n + 1
-    rename_inside(run_dir.parent, run_dir, target)
-    log(f"{run_dir} held an earlier run: moved to {target}")
-    moved_fd, lock._fd = lock._fd, None
-    _HELD.discard(lock)
-    try:
-        lock.acquire()
-    finally:
-        (target / LOCK_NAME).unlink(missing_ok=True)
-        os.close(moved_fd)
-    return target
 
 
 # ----------------------------------------------------------------------------------------------

@@ -26,7 +26,6 @@ from train.runs.folder import (
     folder_state,
     free_run_name,
     keep_through,
-    move_aside_previous_run,
     read_marker,
     remove_stale_temp_files,
     run_finished,
@@ -108,41 +107,6 @@ def test_clean_release_in_another_process_frees_the_lock(tmp_path):
     assert proc.wait() == 0
     with RunLock(tmp_path / "r"):
         pass
-
-
-# ----------------------------------------------------------------------------------------------
-# move aside
-# ----------------------------------------------------------------------------------------------
-def test_move_aside_needs_the_targets_lock(tmp_path):
-    run = tmp_path / "r"
-    run.mkdir()
-    write_marker(run, "id")
-    (run / "metrics.jsonl").write_text("{}\n")
-    with pytest.raises(RuntimeError, match="hold RunLock"):
-        move_aside_previous_run(run, lock=RunLock(run))  # not acquired
-    with RunLock(tmp_path / "other") as other, pytest.raises(RuntimeError, match="hold RunLock"):
-        move_aside_previous_run(run, lock=other)
-    assert (run / "metrics.jsonl").exists()
-
-
-def test_move_aside_keeps_everything_and_the_lock_on_the_name(tmp_path):
-    run = tmp_path / "r"
-    (run / "checkpoints").mkdir(parents=True)
-    (run / "checkpoints" / "step-00000001.pt").write_bytes(b"ckpt")
-    (run / "metrics.jsonl").write_text('{"kind": "epoch", "epoch": 1}\n')
-    write_marker(run, "id")
-    logs = []
-    with RunLock(run) as lock:
-        moved = move_aside_previous_run(run, logs.append, lock=lock)
-        assert moved is not None and moved.name.startswith("r.prev-") and moved.parent == tmp_path
-        assert (moved / "checkpoints" / "step-00000001.pt").read_bytes() == b"ckpt"
-        assert (moved / "metrics.jsonl").is_file() and not (moved / LOCK_NAME).exists()
-        assert sorted(p.name for p in run.iterdir()) == [LOCK_NAME]  # a fresh folder, still ours
-        with pytest.raises(RunLockedError):
-            RunLock(run).acquire()
-        assert str(moved) in logs[0]
-        assert move_aside_previous_run(run, logs.append, lock=lock) is None  # only the lock file: nothing to move
-    assert not (run / LOCK_NAME).exists()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -267,27 +231,6 @@ def test_lock_taken_on_a_file_its_holder_just_removed_is_retaken_on_the_current_
         monkeypatch.setattr(rundir.fcntl, "flock", real_flock)
         with pytest.raises(RunLockedError):
             RunLock(run).acquire()
-
-
-def test_move_aside_when_another_run_takes_the_name_in_between(tmp_path):
-    run = tmp_path / "r"
-    run.mkdir()
-    write_marker(run, "id")
-    (run / "metrics.jsonl").write_text("{}\n")
-    lock, other = RunLock(run).acquire(), RunLock(run)
-    real_acquire = lock.acquire
-
-    def acquire_after_other():
-        other.acquire()  # the other run starts right after our rename
-        return real_acquire()
-
-    lock.acquire = acquire_after_other
-    with pytest.raises(RunLockedError):
-        move_aside_previous_run(run, lambda m: None, lock=lock)
-    moved = next(tmp_path.glob("r.prev-*"))
-    assert (moved / "metrics.jsonl").is_file() and not (moved / LOCK_NAME).exists()
-    assert not lock.held and other.held
-    other.release()
 
 
 def test_a_forked_child_does_not_keep_the_lock_after_its_parent_is_killed(tmp_path):
@@ -437,13 +380,6 @@ def test_an_unused_run_folder_is_removed_and_a_used_or_foreign_one_kept(tmp_path
     u, lock = claim_run_folder(tmp_path, "users", "id")
     lock.release()
     assert discard_unused_run_folder(u) and u.is_dir() and not any(u.iterdir())
-
-
-def test_move_aside_refuses_a_folder_that_is_not_a_run(tmp_path):
-    before = _user_folder(tmp_path / "r")
-    with RunLock(tmp_path / "r") as lock, pytest.raises(RunFolderError, match="no fastmt run marker"):
-        move_aside_previous_run(tmp_path / "r", lambda m: None, lock=lock)
-    assert _tree(tmp_path / "r") == before and not list(tmp_path.glob("r.prev-*"))
 
 
 def test_a_taken_name_whose_next_name_is_too_long_is_one_line(tmp_path):
