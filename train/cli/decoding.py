@@ -1,5 +1,6 @@
 """What ``fastmt translate``, ``evaluate`` and ``export`` share on the command line: the decoding flags (each
-defaults to the checkpoint's own setting, ``train.evaluation.decode.Decoding``), ``--device``, and the commands'
+defaults to the checkpoint's own setting, ``train.evaluation.decode.Decoding``), ``--device``, the one setup of a
+decoding command (``load_for_command``), stdout closed by its reader (``quiet_closed_stdout``), and the commands'
 error policy (``run_command``: a ``UserError`` is one line and exit 2, Ctrl-C 130).
 """
 
@@ -7,15 +8,18 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from train.errors import EXIT_ABORTED, UserError, debug_enabled
-from train.evaluation.decode import DECODING_DEFAULTS, PRECISIONS, Decoding
+from train.evaluation.decode import DECODING_DEFAULTS, PRECISIONS, Decoding, configure_cpu
+from train.evaluation.load import checkpoint_file, load_for_inference
 
 # flag -> (Decoding field, the checkpoint's config key it defaults to, type, metavar, help)
 _OPTIONS = {
@@ -105,3 +109,37 @@ def run_command(run: Callable[[argparse.Namespace], int], args: argparse.Namespa
         if interrupted:
             print(interrupted, file=sys.stderr)
         return EXIT_ABORTED
+
+
+@dataclass
+class Loaded:
+    """What a decoding command works with once set up."""
+
+    model: Any  # models.Transformer in eval mode, or an exported CTranslate2 model (train/export/engine.py)
+    tok: Any  # data.tokenizer.Tokenizer
+    config: dict[str, Any]  # the checkpoint's run config
+    device: torch.device
+    decoding: Decoding
+    given: list[str]  # the decoding flags given on the command line
+
+
+def load_for_command(args: argparse.Namespace, checks: Callable[[], None] | None = None) -> Loaded:
+    """The one setup of ``fastmt translate`` and ``fastmt evaluate``: ``--ckpt`` resolved (a file, a run folder's
+    ``best.pt``, an exported CTranslate2 folder), ``--device``, then ``checks()`` (the command's own refusals,
+    before anything is loaded), the model and tokenizer, the CPU set up as the checkpoint's run was, and the
+    decoding (the flags over the checkpoint's settings)."""
+    args.ckpt = checkpoint_file(args.ckpt)
+    device = resolve_device(args.device)
+    if checks is not None:
+        checks()
+    model, tok, ckpt = load_for_inference(args.ckpt, device)
+    config = ckpt.get("config") or {}
+    configure_cpu(device, config)
+    decoding, given = resolve_decoding(args, config)
+    return Loaded(model, tok, config, device, decoding, given)
+
+
+def quiet_closed_stdout() -> None:
+    """stdout's reader has gone (``| head``): point stdout at /dev/null, so that Python's flush at exit raises no
+    second error. What was written is written; the command ends as if it had finished."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -9,7 +9,7 @@ positions is cut to fit and counted; a blank source line gets a blank hypothesis
 a row of a pairs file that is not a usable pair, or files whose line counts differ stop the command before
 it decodes anything (exit 2), naming the file and line.
 
-Decoding: every option defaults to the checkpoint's own settings (train/inference.py), what the training
+Decoding: every option defaults to the checkpoint's own settings (train/cli/decoding.py), what the training
 run's final test used: ``evaluate`` of a run's ``best.pt`` on its test split gives the run's test BLEU.
 
 Output: the scores and signatures on stdout; the hypotheses, one per line, in ``--out`` (default
@@ -29,10 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-from train.cli.decoding import add_decoding_options, resolve_decoding, resolve_device, run_command
+from train.cli.decoding import add_decoding_options, load_for_command, quiet_closed_stdout, run_command
 from train.errors import EXIT_OK, UserError
-from train.evaluation.decode import configure_cpu
-from train.evaluation.load import load_for_inference
+from train.evaluation.load import checkpoint_file
 
 PAIR_FORMATS = (".jsonl", ".json", ".parquet", ".tsv")  # data.sources' formats: both sides in one file
 WRITER = "python -m train.evaluate"  # the mark of this command's records (what it may overwrite)
@@ -170,20 +169,6 @@ def check_not_an_input(out: Path, args) -> None:
                                 f"--out")
 
 
-def checkpoint_file(ckpt: str) -> str:
-    """``--ckpt``: a checkpoint file, or a run folder / its checkpoints folder (its ``best.pt``)."""
-    from train.export.engine import is_ct2_dir
-
-    path = Path(ckpt)
-    if path.is_file() or is_ct2_dir(path):  # a checkpoint, or a folder of fastmt export --to ct2
-        return ckpt
-    if path.is_dir():
-        for best in (path / "checkpoints" / "best.pt", path / "best.pt"):
-            if best.is_file():
-                return str(best)
-        raise UserError(f"--ckpt {ckpt!r} is a folder without a best.pt (nor checkpoints/best.pt): give a checkpoint "
-                        f"file, e.g. {ckpt.rstrip('/')}/checkpoints/step-<N>.pt")
-    raise UserError(f"--ckpt {ckpt!r}: no such file (look under runs/<name>/checkpoints/)")
 
 
 def atomic_write(path: Path, text: str) -> None:
@@ -219,14 +204,15 @@ def run(args) -> int:
     if out is not None:
         check_not_an_input(out, args)
         check_writable(out)
-    device = resolve_device(args.device)
-    for path in [args.src, *(args.ref or [])]:
-        if not Path(path).is_file():
-            raise UserError(f"no such file: {path}")
-    model, tok, ckpt = load_for_inference(args.ckpt, device)
-    config = ckpt.get("config") or {}
-    configure_cpu(device, config)
-    decoding, given = resolve_decoding(args, config)
+
+    def inputs_exist() -> None:
+        for path in [args.src, *(args.ref or [])]:
+            if not Path(path).is_file():
+                raise UserError(f"no such file: {path}")
+
+    loaded = load_for_command(args, inputs_exist)
+    model, tok, config, device = loaded.model, loaded.tok, loaded.config, loaded.device
+    decoding, given = loaded.decoding, loaded.given
     src, refs = read_test_set(args, config)
     report = sys.stderr if to_stdout else sys.stdout
     limit = model.cfg.max_positions
@@ -281,5 +267,5 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run_command(run, args, interrupted="interrupted: nothing written")
     except BrokenPipeError:  # the report piped into `head`: the files are written, the rest of it unread
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        quiet_closed_stdout()
         return EXIT_OK

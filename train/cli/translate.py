@@ -9,7 +9,7 @@ not UTF-8 gets an empty output line and a warning on stderr naming it; the other
 An input longer than the model's positions is cut to fit, with a warning on stderr saying by how many tokens.
 The model and tokenizer are rebuilt from the checkpoint alone: its config gives the architecture, and it
 carries the SentencePiece model (bytes, loaded in memory, plus the path and cache key it was trained under).
-Decoding defaults to the checkpoint's eval settings, what its final test used (train/inference.py).
+Decoding defaults to the checkpoint's eval settings, what its final test used (train/cli/decoding.py).
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ import sys
 from collections import deque
 from collections.abc import Iterator
 
-from train.cli.decoding import add_decoding_options, resolve_decoding, resolve_device, run_command
+from train.cli.decoding import add_decoding_options, load_for_command, quiet_closed_stdout, run_command
 from train.errors import EXIT_OK, UserError
-from train.evaluation.decode import configure_cpu, overlong
-from train.evaluation.load import load_for_inference
+from train.evaluation.decode import overlong, translate_lines
 
-__all__ = ["main", "load_for_inference", "overlong", "stdin_batches"]
+__all__ = ["main", "stdin_batches"]
 
 
 _CHUNK = 1 << 16  # bytes per read of stdin
@@ -124,8 +123,7 @@ class _Out:
                 sys.stdout.flush()
         except BrokenPipeError:
             self.closed = True
-            devnull = os.open(os.devnull, os.O_WRONLY)  # no second error when Python flushes stdout at exit
-            os.dup2(devnull, sys.stdout.fileno())
+            quiet_closed_stdout()  # no second error when Python flushes stdout at exit
         except OSError as e:  # a full disk behind a redirection
             raise UserError(f"cannot write the translations to stdout: {e.strerror or e}") from None
 
@@ -142,14 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from train.evaluation.decode import translate_lines
-    from train.evaluation.load import checkpoint_file
-
-    args.ckpt = checkpoint_file(args.ckpt)  # a file, or a run folder's best.pt
-    device = resolve_device(args.device)
-    model, tok, ckpt = load_for_inference(args.ckpt, device)
-    configure_cpu(device, ckpt.get("config") or {})
-    decoding, _ = resolve_decoding(args, ckpt.get("config") or {})
+    loaded = load_for_command(args)  # --ckpt: a file, or a run folder's best.pt
+    model, tok, device, decoding = loaded.model, loaded.tok, loaded.device, loaded.decoding
     limit = model.cfg.max_positions
     out = _Out()
 
