@@ -53,7 +53,11 @@ def ckpt(toy_bundle, tmp_path_factory):
 
 @pytest.fixture
 def private_tmp(tmp_path, monkeypatch):
-    """Point tempfile at an empty folder, to see whether anything is left in it."""
+    """Point tempfile at an empty folder, to see whether anything is left in it. torch._dynamo is imported first:
+    its first import makes torch's own compile-cache folder under tempfile's folder (torch 2.13), which is not
+    fastmt's doing (this test failed when it ran before any other test had imported it)."""
+    import torch._dynamo  # noqa: F401
+
     d = tmp_path / "tmp"
     d.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(d))
