@@ -31,6 +31,12 @@ class CacheDirError(UserError):
     """A compile cache folder other users could write (or another user owns): code in it would run."""
 
 
+
+def compiles(run, device_type: str) -> bool:
+    """Whether a run of ``RunConfig`` ``run`` on ``device_type`` uses torch.compile: ``run.compile``, or by default
+    on CUDA only. The one rule: the command's checks before any side effect and the Trainer both ask it."""
+    return run.compile if run.compile is not None else device_type == "cuda"
+
 def default_cache_dir() -> Path:
     """The per-user compile cache: ``$XDG_CACHE_HOME/fastmt/compile``, else ``~/.cache/fastmt/compile``."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

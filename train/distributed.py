@@ -28,13 +28,17 @@ class DistInfo:
         return self.world_size > 1
 
 
+def device_type(choice: str) -> str:
+    """"cuda" or "cpu": where ``run.device=choice`` trains on this machine (auto: CUDA when there is one). The one
+    rule: the command's checks before any side effect and the Trainer both ask it."""
+    return "cuda" if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()) else "cpu"
+
+
 def resolve_device(choice: str, local_rank: int = 0) -> torch.device:
     if choice == "cuda" and not torch.cuda.is_available():
         raise UserError("run.device='cuda' but no CUDA device is visible (torch.cuda.is_available() is False): use "
                         "--run.device cpu, or auto (CUDA when there is one)")
-    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+    return torch.device("cuda", local_rank) if device_type(choice) == "cuda" else torch.device("cpu")
 
 
 def init_distributed(device_choice: str = "auto") -> DistInfo:

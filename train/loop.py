@@ -6,10 +6,10 @@ benchmark ladder calls it). The step itself lives in train/step.py, the epoch an
 train/epoch_end.py, the objective (wall seconds to each BLEU threshold, early stopping) in
 train/objective.py, compilation in train/compile.py.
 
-Setup order: decide the run folder and what it continues (train/runplan.py; reads only), and what it continues
-from: its checkpoint's tokenizer, data source and rank count (train/runsetup.py) -> build and
+Setup order: decide the run folder and what it continues (train/runs/plan.py; reads only), and what it continues
+from: its checkpoint's tokenizer, data source and rank count (train/runs/start.py) -> build and
 check everything that can fail (data, model vs data, device, resume compatibility: train/preflight.py,
-train/resume.py) -> only then claim or lock the run folder and write into it.
+train/runs/resume.py) -> only then claim or lock the run folder and write into it.
 
 Host syncs (the only places the CPU waits for the device):
   - logging steps (every ``run.log_every`` optimizer steps): the loss and the skipped-step counters;
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from train.compile import compile_for_training, configure_caches
+from train.compile import compile_for_training, compiles, configure_caches
 from train.config import Config
 from train.distributed import DistInfo, all_reduce_max, barrier, init_distributed
 from train.epoch_end import EpochEnd, NonFiniteLossError
@@ -118,7 +118,7 @@ class Trainer(RunSetup, EpochEnd):
         plan = self._plan(cfg, resume, init_from)
         self.lock = plan.lock
         ckpt = plan.ckpt
-        cfg, own_tokenizer = self._continued_config(cfg, plan)  # train/runsetup.py: from what the run recorded
+        cfg, own_tokenizer = self._continued_config(cfg, plan)  # train/runs/start.py: from what the run recorded
         changes = self._check_changes(cfg, plan)
 
         torch.manual_seed(run.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
@@ -156,7 +156,7 @@ class Trainer(RunSetup, EpochEnd):
         # MFU's denominator: the peak of this run's own compute dtype (bf16, fp16, tf32 or fp32)
         self.peak_flops, self.peak_dtype, self.peak_note = run_peak(self.device, run.precision,
                                                                     override=run.peak_flops)
-        self.compiled = run.compile if run.compile is not None else self.device.type == "cuda"
+        self.compiled = compiles(run, self.device.type)
         self.compile_caches = {}
         if self.compiled:
             self.compile_caches = configure_caches(run.cache_dir)
@@ -248,7 +248,7 @@ class Trainer(RunSetup, EpochEnd):
         """Train for ``run.epochs`` (or ``run.max_steps`` / ``run.max_wall_seconds``); evaluate and checkpoint.
 
         ``stop_after``: interrupt after this many optimizer steps *in this call*, writing a checkpoint
-        (a preemption drill: the run resumes exactly from it). Returns a summary dict (train/report.py
+        (a preemption drill: the run resumes exactly from it). Returns a summary dict (train/runs/report.py
         prints it for people).
         """
         self._stop_signal, self._stop_announced = None, False

@@ -259,15 +259,6 @@ def _print_fields(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 # ---------------------------------------------------------------------------------------------
 # What only this machine can tell: the device, the interpreter, the compile backend
 # ---------------------------------------------------------------------------------------------
-def run_device(cfg: Config) -> str:
-    """"cuda" or "cpu": where ``cfg`` trains on this machine (``run.device auto``: CUDA when available)."""
-    import torch
-
-    if cfg.run.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return cfg.run.device
-
-
 def busy_machine() -> tuple[float, int] | None:
     """(1-minute load average, usable cores) when other work already keeps every usable core busy, else None.
     (Measured on a shared 2-core machine at load 5-7: 40 tiny-preset batches took 44-83 s with 2 threads,
@@ -289,11 +280,14 @@ def check_machine(cfg: Config, preset: str | None, log) -> None:
     if run.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--run.device cuda, but torch sees no CUDA device here (torch "
                          f"{torch.__version__}): use --run.device auto or cpu, or a CUDA build of torch")
-    device = run_device(cfg)
+    from train.compile import compiles
+    from train.distributed import device_type
+
+    device = device_type(run.device)
     if device == "cpu" and model.attn_backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("model.attn_backend='triton' needs a CUDA device (on a CPU only under TRITON_INTERPRET=1, "
                          "which is slow): use --model.attn_backend auto")
-    compiled = run.compile if run.compile is not None else device == "cuda"
+    compiled = compiles(run, device)
     if compiled:
         import torch._dynamo
 

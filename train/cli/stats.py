@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def continued_data(cfg, args, log):
     """(config, tokenizer or None) of the data the training command would read: a fine-tune's or a resumed
-    run's checkpoint gives the tokenizer (train/runsetup.py decides the same for training). Reads only: no
+    run's checkpoint gives the tokenizer (train/runs/start.py decides the same for training). Reads only: no
     run folder is locked or written."""
     from train.preflight import tokenizer_of
     from train.runs.checkpoint import latest_loadable_checkpoint, read_checkpoint

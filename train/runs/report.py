@@ -46,7 +46,7 @@ def longer_flag(stop_reason: str, cfg, step: int) -> str:
 
 def launcher(world_size: int) -> str:
     """How to start ``train`` with ``world_size`` ranks again: ``python -m train``, or for a DDP run torchrun with
-    the same rank count (a resume refuses another count: train/runsetup.py ``check_world_size``)."""
+    the same rank count (a resume refuses another count: train/runs/start.py ``check_world_size``)."""
     py = python_command()
     if world_size <= 1:
         return f"{py} -m train"

@@ -13,7 +13,7 @@ branch) its checkpoint decides:
 - **the rank count**: the schedule and the data order were planned for the checkpoint's number of DDP ranks;
   another count is refused in one line naming both (``check_world_size``).
 
-Then the config changes are sorted (train/resume.py), and only once all of that passed is the run folder
+Then the config changes are sorted (train/runs/resume.py), and only once all of that passed is the run folder
 claimed or locked and written (``_open_run_folder``).
 """
 
@@ -138,7 +138,7 @@ class RunSetup:
     """Planning, the checks against the checkpoint, and the first writes of a run (see the module docstring)."""
 
     def _plan(self, cfg: Config, resume, init_from) -> RunPlan:
-        """Rank 0 plans (train/runplan.py); under DDP the other ranks follow its decision."""
+        """Rank 0 plans (train/runs/plan.py); under DDP the other ranks follow its decision."""
         if self.is_main:
             plan = plan_run(cfg, resume=resume, init_from=init_from, log=self.log)
             if self.dist.distributed:
@@ -165,7 +165,7 @@ class RunSetup:
         return inherit_source(cfg, saved, source=not plan.weights_only, tokenizer=own, log=self.log), own
 
     def _check_changes(self, cfg: Config, plan: RunPlan) -> ConfigChanges | None:
-        """Every config field against the checkpoint's; refuses what cannot be applied (train/resume.py)."""
+        """Every config field against the checkpoint's; refuses what cannot be applied (train/runs/resume.py)."""
         ckpt = plan.ckpt
         if ckpt is None:
             return None
