@@ -244,15 +244,21 @@ def positions_needed(data: DataConfig) -> int:
     return -(-data.max_len // data.pad_multiple) * data.pad_multiple
 
 
+def check_layout(model: ModelConfig, data: DataConfig) -> None:
+    """The model's layout reads the batches the data makes (``ValueError`` naming both fields and the fix): the
+    one check of it, part of ``check_consistency`` (which ``Config.__post_init__`` and the Trainer run)."""
+    if (model.layout == "packed") != (data.batching == "packed"):
+        raise ValueError(
+            f"model.layout={model.layout!r} and data.batching={data.batching!r} do not fit: the packed layout reads "
+            f"packed token streams and only it can: set both (--data.batching packed --model.layout packed) "
+            f"or neither (e.g. --data.batching token_bucket --model.layout padded)")
+
+
 def check_consistency(cfg: Config) -> None:
     """Settings that are valid alone but conflict with another section's (and would only fail, or silently
     do the wrong thing, once training ran): one ``ValueError`` naming both fields and the fix."""
     d, m, r, e = cfg.data, cfg.model, cfg.run, cfg.eval
-    if (m.layout == "packed") != (d.batching == "packed"):
-        raise ValueError(
-            f"model.layout={m.layout!r} and data.batching={d.batching!r} do not fit: the packed layout reads "
-            f"packed token streams and only it can: set both (--data.batching packed --model.layout packed) "
-            f"or neither (e.g. --data.batching token_bucket --model.layout padded)")
+    check_layout(m, d)
     need = positions_needed(d)
     if m.max_positions < need:
         what = {"fixed": f"data.seq_len={d.seq_len}", "packed": f"data.max_len={d.max_len}"}.get(
@@ -405,7 +411,7 @@ PRESETS = {"tiny": tiny, "s18": s18, "s16": s16, "fast": fast, "baseline": basel
 
 
 __all__ = ["Config", "OptimConfig", "RunConfig", "EvalConfig", "PRESETS", "get_config", "apply_overrides",
-           "load_config_file", "check_consistency"]
+           "load_config_file", "check_consistency", "check_layout"]
 
 
 def get_config(preset: str) -> Config:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from train.compile import compile_for_training, compiles, configure_caches
-from train.config import Config
+from train.config import Config, check_consistency
 from train.distributed import DistInfo, all_reduce_max, barrier, init_distributed
 from train.epoch_end import EpochEnd, NonFiniteLossError
 from train.errors import UserError
@@ -112,9 +112,10 @@ class Trainer(RunSetup, EpochEnd):
     # ------------------------------------------------------------------------------------------
     def _build(self, cfg: Config, data, resume, init_from) -> None:
         run = cfg.run
-        if cfg.eval.average_last > run.keep_last:
-            raise UserError(f"eval.average_last={cfg.eval.average_last} needs run.keep_last >= it (got "
-                            f"{run.keep_last}): pass --run.keep_last {cfg.eval.average_last}")
+        try:  # the config's own cross-field checks (one place), again for a config changed in place after it was made
+            check_consistency(cfg)
+        except ValueError as e:
+            raise UserError(str(e)) from None
         plan = self._plan(cfg, resume, init_from)
         self.lock = plan.lock
         ckpt = plan.ckpt

@@ -4,8 +4,9 @@ line naming the value and the fix (``UserError``, exit 2).
 
 - ``build_data_checked``: the data (via ``data.build_data``), with SentencePiece's "vocabulary too small"
   turned into a one-line error naming ``data.vocab_size``;
-- ``check_model_fits_data``: the model's layout matches the batching, its positions cover the longest
-  sequence a training or validation batch can hold;
+- ``check_model_fits_data``: the model's positions cover the longest sequence a training or validation batch
+  of this data holds (the settings' own cross-field checks, layout vs batching among them, are the config's:
+  ``train.config.check_consistency``, which the Trainer runs first);
 - ``tokenizer_of``: a checkpoint's own tokenizer (``--init-from``).
 Device availability is checked by ``train.distributed.resolve_device``, the resume compatibility by
 ``train.runs.resume`` and ``train.runs.checkpoint.check_tokenizer``.
@@ -50,11 +51,11 @@ def _round_up(x: int, m: int) -> int:
 def longest_position(cfg, data) -> int:
     """The longest sequence (tokens incl. EOS/BOS, padding included) a training or validation batch of
     ``data`` under ``cfg.data``'s batching gives the model."""
+    from train.config import positions_needed
+
     d = cfg.data
-    if d.batching == "packed":
-        return d.max_len  # segments of up to max_len tokens; the static bound the model is told
-    if d.batching == "fixed":
-        return d.seq_len
+    if d.batching in ("packed", "fixed"):  # the static bound the model is told: max_len segments, seq_len rows
+        return positions_needed(d)
     longest = 0
     for split in ("train", "valid"):
         sp = data.splits.get(split)
@@ -64,13 +65,8 @@ def longest_position(cfg, data) -> int:
 
 
 def check_model_fits_data(cfg, data) -> None:
-    """The model can take every batch of ``data``: layout vs batching, positions vs lengths."""
-    layout, batching = cfg.model.layout, cfg.data.batching
-    if (layout == "packed") != (batching == "packed"):
-        raise UserError(
-            f"model.layout={layout!r} with data.batching={batching!r}: packed batches need the packed layout and "
-            f"the packed layout needs packed batches; pass --model.layout packed --data.batching packed together, "
-            f"or neither")
+    """The model can take every batch of ``data``: its positions cover the lengths."""
+    batching = cfg.data.batching  # layout vs batching: the config's own check (train.config.check_layout)
     need, have = longest_position(cfg, data), cfg.model.max_positions
     if need > have:
         raise UserError(
