@@ -31,7 +31,7 @@ HAS_MAKE = shutil.which("make") is not None
 # ---------------------------------------------------------------------------------------------
 def test_the_console_script_is_declared():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    assert project["scripts"] == {"fastmt": "train.cli.commands:main"}
+    assert project["scripts"] == {"fastmt": "train.commands:main"}
     assert project["license"] == {"text": "MIT"}
     assert (REPO / "LICENSE").read_text().startswith("MIT License")
 

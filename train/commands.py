@@ -1,5 +1,6 @@
-"""``python -m train.commands COMMAND ...``: the ``fastmt COMMAND`` command at its documented
-``python -m`` path; the command lives in train/cli/commands.py (this entry imports nothing else)."""
+"""``python -m train.commands COMMAND ...``: the ``fastmt COMMAND`` command at its documented ``python -m`` path, and
+the console script's target (pyproject.toml: ``fastmt = "train.commands:main"``); the dispatch lives in
+train/cli/commands.py (this entry imports nothing else)."""
 
 import sys
 
