@@ -12,6 +12,7 @@ import shlex
 import shutil
 import sys
 import tempfile
+from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,15 @@ def length_limit(n_source: int, a: float, b: float, max_positions: int) -> int:
     import math
 
     return min(max(math.floor(n_source * a + b), 1), max_positions - 1)
+
+
+def by_length_limit(src: list[list[int]], a: float, b: float, max_positions: int) -> dict[int, list[int]]:
+    """The indices of ``src`` (source ids without EOS) grouped by fastmt's generated-token limit: each group decodes
+    with one maximum length (what both exported translators do)."""
+    groups: dict[int, list[int]] = defaultdict(list)
+    for k, ids in enumerate(src):
+        groups[length_limit(len(ids) + 1, a, b, max_positions)].append(k)
+    return groups
 
 
 def source_ids(tok, sentences: list[str], max_positions: int) -> list[list[int]]:

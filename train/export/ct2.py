@@ -19,7 +19,6 @@ search in a few sentences.
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +29,8 @@ from train.export.common import (
     Source,
     applied_blocks,
     arr,
+    by_length_limit,
     decoding_settings,
-    length_limit,
     pieces,
     position_table,
     source_ids,
@@ -154,9 +153,7 @@ class CT2Translator:
     def translate_ids(self, src: list[list[int]], *, beam_size: int, length_penalty: float, max_len_a: float,
                       max_len_b: int, batch_size: int = 64) -> list[list[int]]:
         """Token ids (no EOS) of each source's translation (source ids without EOS, at most max_positions - 1)."""
-        groups: dict[int, list[int]] = defaultdict(list)
-        for k, ids in enumerate(src):
-            groups[length_limit(len(ids) + 1, max_len_a, max_len_b, self.max_positions)].append(k)
+        groups = by_length_limit(src, max_len_a, max_len_b, self.max_positions)
         out: list[list[int]] = [[] for _ in src]
         nbest = beam_size if beam_size > 1 and length_penalty > 0 else 1
         for limit, idx in groups.items():

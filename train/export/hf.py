@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import shutil
 import warnings
-from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -28,8 +27,8 @@ from train.export.common import (
     DECODING_FILE,
     Source,
     applied_blocks,
+    by_length_limit,
     decoding_settings,
-    length_limit,
     pieces,
     position_table,
     source_ids,
@@ -191,9 +190,7 @@ class HFTranslator:
     @torch.inference_mode()
     def translate_ids(self, src: list[list[int]], *, beam_size: int, length_penalty: float, max_len_a: float,
                       max_len_b: int, batch_size: int = 64) -> list[list[int]]:
-        groups: dict[int, list[int]] = defaultdict(list)
-        for k, ids in enumerate(src):
-            groups[length_limit(len(ids) + 1, max_len_a, max_len_b, self.max_positions)].append(k)
+        groups = by_length_limit(src, max_len_a, max_len_b, self.max_positions)
         out: list[list[int]] = [[] for _ in src]
         nbest = beam_size if beam_size > 1 and length_penalty > 0 else 1
         for limit, idx in groups.items():
