@@ -3,8 +3,8 @@
 The help text is each field's own comment in its dataclass (``data/config.py``, ``models/config.py``,
 ``train/config.py``): the trailing comment on the field's line(s), else the comment lines right above it.
 Nothing is written twice, so a field added with a comment is documented everywhere at once:
-``--help-fields`` (grouped by section), the "did you mean" of a typo, and the tests that check that every
-field has a help line, a type and (for closed sets of strings) its choices.
+``--help-fields`` (grouped by section; printed by ``train.cli.flags.format_fields``), the "did you mean" of a
+typo, and the tests that check that every field has a help line, a type and (for closed sets of strings) its choices.
 """
 
 from __future__ import annotations
@@ -15,12 +15,11 @@ import difflib
 import functools
 import inspect
 import io
-import json
 import textwrap
 import tokenize
 import types
 import typing
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any, Literal
 
 # str fields whose dataclass accepts a closed set of values (the others take any string).
@@ -211,34 +210,3 @@ def did_you_mean(word: str, candidates: Iterable[str], prefix: str = "") -> str:
     if not close:
         return ""
     return "; did you mean " + " or ".join(f"{prefix}{c}" for c in close) + "?"
-
-
-# ---------------------------------------------------------------------------------------------
-# --help-fields
-# ---------------------------------------------------------------------------------------------
-def _shown(value: Any) -> str:
-    if isinstance(value, tuple):
-        value = list(value)
-    return json.dumps(value) if not isinstance(value, str) else repr(value)
-
-
-def format_fields(cfg, only: Sequence[str] = (), preset: str | None = None) -> str:
-    """Every field grouped by section: ``--section.field TYPE (preset value)`` then its help line.
-    ``cfg``: the config whose values are shown (the preset's, or the classes' defaults); ``only``: sections."""
-    infos = field_infos(type(cfg))
-    where = f"preset {preset!r}" if preset else "defaults"
-    out = [f"Config fields: --<section>.<field> VALUE (also the keys of a --config JSON file); after '=' the "
-           f"value under {where}.", ""]
-    for section, _ in sections(type(cfg)):
-        if only and section not in only:
-            continue
-        out.append(f"{section}: {SECTION_HELP.get(section, '')}")
-        obj = getattr(cfg, section)
-        for key, info in infos.items():
-            if info.section != section:
-                continue
-            value = getattr(obj, info.name)
-            out.append(f"  --{key} {info.type_text()} = {_shown(value)}")
-            out.append(f"      {info.help or '(no description)'}")
-        out.append("")
-    return "\n".join(out).rstrip() + "\n"

@@ -18,8 +18,10 @@ but not write it.)
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -242,8 +244,42 @@ def _fail(parser: argparse.ArgumentParser, args: argparse.Namespace, e: Exceptio
     parser.error(str(e))
 
 
+# --help-fields: each field's type, value and help line (train.fields reads them from the config classes)
+# ---------------------------------------------------------------------------------------------
+# --help-fields
+# ---------------------------------------------------------------------------------------------
+def _shown(value: Any) -> str:
+    if isinstance(value, tuple):
+        value = list(value)
+    return json.dumps(value) if not isinstance(value, str) else repr(value)
+
+
+def format_fields(cfg, only: Sequence[str] = (), preset: str | None = None) -> str:
+    """Every field grouped by section: ``--section.field TYPE (preset value)`` then its help line.
+    ``cfg``: the config whose values are shown (the preset's, or the classes' defaults); ``only``: sections."""
+    from train.fields import SECTION_HELP, field_infos, sections
+
+    infos = field_infos(type(cfg))
+    where = f"preset {preset!r}" if preset else "defaults"
+    out = [f"Config fields: --<section>.<field> VALUE (also the keys of a --config JSON file); after '=' the "
+           f"value under {where}.", ""]
+    for section, _ in sections(type(cfg)):
+        if only and section not in only:
+            continue
+        out.append(f"{section}: {SECTION_HELP.get(section, '')}")
+        obj = getattr(cfg, section)
+        for key, info in infos.items():
+            if info.section != section:
+                continue
+            value = getattr(obj, info.name)
+            out.append(f"  --{key} {info.type_text()} = {_shown(value)}")
+            out.append(f"      {info.help or '(no description)'}")
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
 def _print_fields(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    from train.fields import format_fields, sections
+    from train.fields import sections
 
     only = [s for s in args.help_fields.replace(",", " ").split() if s]
     names = [s for s, _ in sections(Config)]
