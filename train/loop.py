@@ -6,10 +6,12 @@ benchmark ladder calls it). The step itself lives in train/step.py, the epoch an
 train/epoch_end.py, the objective (wall seconds to each BLEU threshold, early stopping) in
 train/objective.py, compilation in train/compile.py.
 
-Setup order: decide the run folder and what it continues (train/runs/plan.py; reads only), and what it continues
-from: its checkpoint's tokenizer, data source and rank count (train/runs/start.py) -> build and
-check everything that can fail (data, model vs data, device, resume compatibility: train/preflight.py,
-train/runs/resume.py) -> only then claim or lock the run folder and write into it.
+Setup order: the config's own cross-field checks (train/config.py) -> decide the run folder and what it continues
+(train/runs/plan.py; reads only), and what it continues from: its checkpoint's tokenizer, data source and rank count
+(train/runs/start.py), what changed and whether it may (train/runs/resume.py) -> build data, model, optimizer and
+schedule once each (the schedule re-planned from the checkpoint's step or built to load the saved one: decided
+before it is built) and check what can fail (data, model vs data: train/preflight.py) -> load the checkpoint's
+state -> only then claim or lock the run folder and write into it.
 
 Host syncs (the only places the CPU waits for the device):
   - logging steps (every ``run.log_every`` optimizer steps): the loss and the skipped-step counters;
@@ -45,7 +47,12 @@ from train.runs.folder import discard_unused_run_folder
 from train.runs.metrics import write_provenance
 from train.runs.plan import RunFinishedError
 from train.runs.report import longer_flag, next_commands, where_stopped
-from train.runs.resume import ConfigChanges, apply_hyperparameters, replan_scheduler
+from train.runs.resume import (
+    apply_hyperparameters,
+    replan_scheduler,
+    saved_total_steps,
+    schedule_replanned,
+)
 from train.runs.signals import stop_on_signals
 from train.runs.start import RunSetup, check_same_data, data_record
 from train.step import EpochStats, StepCounters, forward_backward, optimizer_step, out_of_memory_advice
@@ -170,7 +177,10 @@ class Trainer(RunSetup, EpochEnd):
         # token buckets are re-cut every epoch, so batch counts differ a little: plan each epoch
         planned = sum(self._steps_in_epoch(e) for e in range(run.epochs))
         self.total_steps = min(planned, run.max_steps) if run.max_steps is not None else planned
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
+        # the schedule, built once: planned afresh from the checkpoint's step when its settings or the run's
+        # length changed (_load_state), else built here (a resume then loads the saved schedule's state into it)
+        self._replan = schedule_replanned(ckpt, changes, self.total_steps, weights_only=plan.weights_only)
+        self.scheduler = None if self._replan else build_scheduler(self.optimizer, cfg.optim, self.total_steps)
         self.amp_dtype = _amp_dtype(run.precision)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=run.precision == "fp16")
         # autocast is built once and re-entered every step
@@ -196,7 +206,7 @@ class Trainer(RunSetup, EpochEnd):
         if ckpt is not None and plan.weights_only:
             self.model.load_state_dict(ckpt["model"])  # weights only: fresh optimizer, schedule and position
         elif ckpt is not None:
-            best_value, schedule = self._load_state(ckpt, changes)
+            best_value, schedule = self._load_state(ckpt)
         if self.is_main:
             self._open_run_folder(plan, changes, schedule)
         self.ckpts = CheckpointManager(self.run_dir / "checkpoints", run.keep_last,
@@ -472,7 +482,7 @@ class Trainer(RunSetup, EpochEnd):
             "history": self.history,
         }
 
-    def _load_state(self, ckpt: dict[str, Any], changes: ConfigChanges) -> tuple[float | None, dict | None]:
+    def _load_state(self, ckpt: dict[str, Any]) -> tuple[float | None, dict | None]:
         """Restore a checkpoint's state; the optimizer takes this config's hyper-parameters, and the schedule
         is re-planned from the current step when its settings or the run's length changed. Returns
         ``(best_value, schedule)``: the schedule's new plan, or None when the saved one was kept."""
@@ -490,11 +500,10 @@ class Trainer(RunSetup, EpochEnd):
         self.history = list(ckpt.get("history", []))
         ranks = ckpt.get("rank_rng") or []  # a DDP run's: each rank's own (the rank count is checked to match)
         self._pending_rng = ranks[self.dist.rank] if len(ranks) == self.dist.world_size else ckpt["rng"]
-        saved_total = pos.get("total_steps", ckpt["scheduler"].get("total_steps"))
         schedule = None
-        if changes.replan or (saved_total is not None and saved_total != self.total_steps):
+        if self._replan:
             self.scheduler = replan_scheduler(self.optimizer, self.cfg.optim, self.total_steps, self.step)
-            schedule = {"total_steps": self.total_steps, "previous_total_steps": saved_total,
+            schedule = {"total_steps": self.total_steps, "previous_total_steps": saved_total_steps(ckpt),
                         "lr": self.scheduler.get_last_lr()[0], "from_step": self.step}
         else:
             self.scheduler.load_state_dict(ckpt["scheduler"])

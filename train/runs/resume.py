@@ -156,6 +156,21 @@ def scheduler_position(step: int, total_steps: int) -> int:
     return max(min(step, total_steps - 1), 0)
 
 
+def saved_total_steps(ckpt: dict[str, Any]) -> int | None:
+    """The run length a checkpoint's schedule was planned over (None: not recorded)."""
+    return ckpt["position"].get("total_steps", ckpt["scheduler"].get("total_steps"))
+
+
+def schedule_replanned(ckpt: dict[str, Any] | None, changes, total_steps: int, *, weights_only: bool) -> bool:
+    """Whether a start plans its schedule afresh from the checkpoint's step (``replan_scheduler``) instead of
+    loading the saved one: a resume whose schedule settings changed (``changes.replan``) or whose length did.
+    Decided once, before anything is built, so that the schedule is built once."""
+    if ckpt is None or weights_only:
+        return False
+    saved = saved_total_steps(ckpt)
+    return bool(changes.replan) or (saved is not None and saved != total_steps)
+
+
 def replan_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int, step: int):
     """A new schedule for ``cfg`` (an ``OptimConfig``) over ``total_steps``, positioned at ``step``: the lr
     is what the schedule would give there had the run been planned this way from its start (as nanoGPT's
