@@ -23,6 +23,10 @@ from .tokenizer import Tokenizer, spm_settings
 CACHE_FORMAT = 4  # bump when the entry layout or the meaning of a key changes
 # 4: meta.json holds each count once: the record's "sizes" and "rows_before_length_filter" (copies of "counts"
 #    and "train_before_length_filter") are derived on load (`split_record`)
+# The tokenizer's own format, hashed into its key in place of CACHE_FORMAT: an entry layout change rebuilds the
+# entry but must keep every tokenizer key (a checkpoint names its tokenizer by key; a new key would refuse the
+# resume of every earlier run). Bump only when a SentencePiece model trained from the same settings would differ.
+TOKENIZER_FORMAT = 3
 SPLITS = ("train", "valid", "test")
 
 
@@ -112,8 +116,9 @@ def settings(cfg, tokenizer: Tokenizer | None) -> dict:
 
 def tokenizer_key(content: dict, sets: dict) -> str:
     """The SentencePiece model's key: inputs + split + tokenizer settings (not the length limits, so a new
-    ``max_len`` re-encodes but never retrains the tokenizer)."""
-    return C.digest({"content": content, **{k: v for k, v in sets.items() if k != "length"}})
+    ``max_len`` re-encodes but never retrains the tokenizer; not the entry layout: ``TOKENIZER_FORMAT``)."""
+    return C.digest({"content": content, **{k: v for k, v in sets.items() if k != "length"},
+                     "format": TOKENIZER_FORMAT})
 
 
 # ----------------------------------------------------------------------------------------------

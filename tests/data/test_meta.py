@@ -31,3 +31,20 @@ def test_meta_json_holds_each_count_once_and_the_record_is_whole(tmp_path):
     assert list(b.split_record) == RECORD_KEYS
     again = build_data(cfg_for(tmp_path, files), log=lambda *_: None)  # the warm path derives the same
     assert again.split_record == b.split_record and list(again.split_record) == RECORD_KEYS
+
+
+def test_an_entry_layout_change_keeps_the_tokenizer_and_its_key(tmp_path, monkeypatch):
+    """A CACHE_FORMAT bump rebuilds the entry but keeps the tokenizer key: checkpoints name their tokenizer by
+    key, so a new key refused the resume of every earlier run (seen with the committed legacy checkpoint when
+    the format went from 3 to 4)."""
+    import data.build as B
+    import data.entry as E
+
+    files = (write_jsonl(tmp_path / "a.jsonl", make_rows(240)),)
+    first = build_data(cfg_for(tmp_path, files), log=lambda *_: None)
+    monkeypatch.setattr(E, "CACHE_FORMAT", E.CACHE_FORMAT + 1)
+    monkeypatch.setattr(B, "CACHE_FORMAT", E.CACHE_FORMAT)  # the builder writes the format it imported
+    again = build_data(cfg_for(tmp_path, files), log=lambda *_: None)
+    assert again.split_record["cache"] != first.split_record["cache"]  # the entry was rebuilt under the new layout
+    assert again.tokenizer.key == first.tokenizer.key
+    assert again.tokenizer.model_bytes() == first.tokenizer.model_bytes()
