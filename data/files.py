@@ -188,7 +188,7 @@ def atomic_write(path: str | os.PathLike, data: bytes | str | Callable[[IO[bytes
     or keeps its old content, never a part. A ``mkstemp`` file in the same folder (random name, ``O_EXCL``,
     made with the umask's mode: a shared cache stays readable), fsync, ``os.replace``, folder fsync. A link at
     ``path`` is refused (`FileRefusedError`). ``prefix``: the temp file's name prefix (default
-    ``.<name>.tmp-<pid>-``, which `train.rundir.remove_stale_temp_files` recognises)."""
+    ``.<name>.tmp-<pid>-``, which `train.runs.folder.remove_stale_temp_files` recognises)."""
     path = Path(path)
     refuse_link(path, what)
     fd, tmp = tempfile.mkstemp(prefix=prefix or f".{path.name}.tmp-{os.getpid()}-", dir=path.parent)
