@@ -40,6 +40,6 @@ def test_setup_none_runs_the_default_python():
 
 
 def test_test_torch_min_builds_its_venv_in_the_checkout():
-    plan = planned("test-torch-min")
+    plan = planned("-B", "test-torch-min")  # -B: the venv's recipe is shown even where it is already built
     assert "'.venv-torch-min/bin/pip' install -q 'torch==2.11.0'" in plan
     assert "'/bin/" not in plan and "venv ''" not in plan
