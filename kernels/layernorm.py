@@ -153,9 +153,11 @@ def _layer_norm_fwd_kernel(
         tl.store(S_ptr + rows64[:, None] * stride_s_row + cols[None, :], s, mask=mask)
         x = s.to(tl.float32)  # normalise exactly the s the backward will read
 
-    mean = tl.sum(x, axis=1) / N  # (ROWS,) fp32
+    # IEEE division (div_rn): Triton's fp32 `/` is the GPU's approximate div.full.f32 (2 ulp), which made
+    # the mean of a one-column row differ from x (H200, 2026-11-27) and rstd = 1/sqrt(eps) amplified it in dx
+    mean = tl.math.div_rn(tl.sum(x, axis=1), N * 1.0)  # (ROWS,) fp32
     xc = tl.where(mask, x - mean[:, None], 0.0)
-    var = tl.sum(xc * xc, axis=1) / N  # two-pass variance: the row is in registers anyway
+    var = tl.math.div_rn(tl.sum(xc * xc, axis=1), N * 1.0)  # two-pass variance: the row is in registers anyway
     rstd = 1.0 / tl.sqrt(var + eps)
     tl.store(Stats_ptr + rows64, mean, mask=row_mask)
     tl.store(Stats_ptr + M + rows64, rstd, mask=row_mask)
@@ -228,8 +230,8 @@ def _layer_norm_bwd_kernel(
 
         # ds = rstd * (g - mean(g) - x_hat * mean(g * x_hat)),  g = dz * w
         g = dz * w[None, :]
-        c_g = tl.sum(g, axis=1) / N
-        c_gx = tl.sum(g * x_hat, axis=1) / N
+        c_g = tl.math.div_rn(tl.sum(g, axis=1), N * 1.0)  # IEEE division, as in the forward
+        c_gx = tl.math.div_rn(tl.sum(g * x_hat, axis=1), N * 1.0)
         dx = (g - c_g[:, None] - x_hat * c_gx[:, None]) * rstd[:, None]
         if HAS_DS:
             dx += tl.load(DS_ptr + rows64[:, None] * stride_ds_row + cols[None, :], mask=mask,

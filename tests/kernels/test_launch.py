@@ -159,7 +159,10 @@ _CHOSEN_PROBE = textwrap.dedent(
 
 
 def test_identical_calls_reuse_module_autotuners_with_keys():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # the probe sets its own autotune policy per call: an inherited FASTMT_AUTOTUNE=0 (the GPU runbook's
+    # kernel-test step sets it) made the padded kernels launch without their Autotuner and failed this test
+    # on the H200 (2026-11-27)
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FASTMT_AUTOTUNE")}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-c", _REUSE_PROBE], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)

@@ -59,13 +59,15 @@ def compile_one(which, config):
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": config.num_warps})
     ptx = k.asm["ptx"]
     facts = {
-        "rows": config.kwargs["ROWS"], "num_warps": config.num_warps,
+        "which": which, "rows": config.kwargs["ROWS"], "num_warps": config.num_warps,
         "target": re.findall(r"^\.target (\S+)", ptx, re.M),
         "shared": k.metadata.shared,
         "ld": sorted(set(re.findall(r"ld\.global(?:\.\w+)*", ptx))),
         "st": sorted(set(re.findall(r"st\.global(?:\.\w+)*", ptx))),
         "ld_v4": len(re.findall(r"ld\.global(?:\.\w+)*\.v4", ptx)),
         "st_v4": len(re.findall(r"st\.global(?:\.\w+)*\.v4", ptx)),
+        "div_full": len(re.findall(r"\bdiv\.full\.f32", ptx)),  # the GPU's approximate fp32 division
+        "div_rn": len(re.findall(r"\bdiv\.rn\.f32", ptx)),  # IEEE division
     }
     ptxas = knobs.nvidia.ptxas.path
     try:
@@ -116,6 +118,13 @@ def check_tile(f):
     assert f["ld_v4"] > 0 and any(".v4." in op for op in f["ld"]), (tile, f["ld"])
     assert f["st_v4"] > 0, (tile, f["st"])
     assert 0 <= f["shared"] <= H100_MAX_SHARED, (tile, f["shared"])
+    # Row means (mean, var; the backward's mean(g), mean(g x_hat)) divide by N with IEEE division: Triton's
+    # fp32 `/` is div.full.f32 on the GPU (2 ulp), which made x - mean nonzero for one-column rows and
+    # rstd = 1/sqrt(eps) blew it up in dx (H200, 2026-11-27; the interpreter divides exactly and never saw it).
+    # The only approximate division left is the forward's rstd = 1 / sqrt(var + eps).
+    assert f["div_rn"] > 0, (tile, f["div_rn"])
+    if f["which"] == "bwd":
+        assert f["div_full"] == 0, (tile, f["div_full"])
     if f["registers"] is not None:
         assert f["registers"] <= 255 and f["spill_bytes"] == 0, (tile, f["registers"], f["spill_bytes"])
 
