@@ -4,7 +4,7 @@ fastmt is.
 ``transformers.MarianMTModel`` at the preset's size with fastmt's tokenizer, the ``Seq2SeqTrainer`` recipe
 (``PeerRecipe``) as a plain loop, rows in fastmt's ``metrics.jsonl`` format so bench/frontier.py reads both
 alike. Validation and test go through fastmt's own scoring (``train.evaluation.scores.score_split``): the same sentences
-(validation's first ``eval.max_sentences``, the test split whole), sources cut to the model's positions the same
+(``eval.max_sentences`` spread over validation, the test split whole), sources cut to the model's positions the same
 way, the same beam size and length limit, sacreBLEU with its signatures; only the search is ``generate``'s,
 whose length penalty divides by ``len ** alpha`` where fastmt's GNMT penalty divides by ``((5 + len) / 6) ** alpha``.
 Needs the ``peers`` extra (transformers, accelerate); details in bench/README.md."""
@@ -208,7 +208,7 @@ def translate(model, tok, sources: list[np.ndarray], device: torch.device, *, be
 def scores(model, bundle, split: str, device: torch.device, ev, max_positions: int, *,
            decode: str = "beam") -> dict[str, Any]:
     """fastmt's scoring of ``split`` (``train.evaluation.scores.score_split`` under the ``EvalConfig`` ``ev``: validation's
-    first ``ev.max_sentences``, the test split whole, BLEU/chrF with signatures, cut sources counted) of this
+    ``ev.max_sentences`` spread over validation, the test split whole, BLEU/chrF with signatures, cut sources counted) of this
     model's ``generate`` translations; ``decode="greedy"``: beam size 1."""
     tok = bundle.tokenizer
 

@@ -140,7 +140,7 @@ class EvalConfig:
     valid_loss: bool = True  # un-smoothed validation loss (one forward pass over the valid split)
     decode: Literal["beam", "greedy"] = "beam"  # decoding for validation BLEU during training (test: beam)
     beam_size: int = 4  # beam size for validation/test BLEU
-    max_sentences: int | None = 500  # validation sentences decoded for BLEU/chrF, the first N (None: all); test: all
+    max_sentences: int | None = 500  # validation sentences decoded for BLEU/chrF, N spread evenly over the split (None: all); test: all
     batch_size: int = 128  # sentences per decoding batch
     max_len_a: float = 1.5  # decoding max length = a * source length + b
     max_len_b: int = 10  # see max_len_a

@@ -19,6 +19,7 @@ pytest.importorskip("transformers")
 
 from bench import peers as P  # noqa: E402
 from data.toy import write_toy_corpus  # noqa: E402
+from train.evaluation.scores import spread  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
@@ -141,7 +142,7 @@ def test_cli_smoke_writes_fastmt_rows(toy, tmp_path):
         assert r["wall_seconds"] >= r["epoch_seconds"] + r["eval_seconds"]
     assert rows[0]["wall_seconds"] < epochs[0]["wall_seconds"] < epochs[1]["wall_seconds"] < rows[3]["wall_seconds"]
     assert epochs[1]["lr"] == 0.0  # the linear schedule ends at 0 on the last planned step
-    # fastmt's protocol: validation decodes its first eval.max_sentences, the test split is scored whole, with
+    # fastmt's protocol: validation decodes eval.max_sentences spread over the split, the test split is scored whole, with
     # sacreBLEU's signatures and fastmt's decoding settings
     test, sig = rows[3], "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:"
     assert len(bundle.splits["test"]) > 20 and test["test_sentences"] == len(bundle.splits["test"])
@@ -182,7 +183,7 @@ def test_wall_budget_stops_at_a_step_boundary_and_evaluates(toy, tmp_path):
 
 
 def test_scores_go_through_fastmts_protocol(toy, monkeypatch):
-    """The baseline is scored on the sentences fastmt scores (validation's first eval.max_sentences, the test
+    """The baseline is scored on the sentences fastmt scores (eval.max_sentences spread over validation, the test
     split whole), its sources cut to the model's positions as fastmt cuts them, decoded with the run's beam size,
     length limit and length penalty, scored by sacreBLEU with the signatures."""
     import sacrebleu
@@ -199,14 +200,16 @@ def test_scores_go_through_fastmts_protocol(toy, monkeypatch):
     ev = dataclasses.replace(cfg.eval, max_sentences=7, beam_size=3, length_penalty=0.8, max_len_a=1.2, max_len_b=4)
     for split, n in (("valid", 7), ("test", len(bundle.splits["test"]))):
         sp = bundle.splits[split]
+        rows = spread(len(sp), n)
+        src, refs = [sp.src_text[i] for i in rows], [sp.tgt_text[i] for i in rows]
         sc = P.scores(None, bundle, split, torch.device("cpu"), ev, 12)
-        want = [[*tok.encode([t])[0][:11].tolist(), tok.eos_id] for t in sp.src_text[:n]]
+        want = [[*tok.encode([t])[0][:11].tolist(), tok.eos_id] for t in src]
         sources, kw = calls[-1]
         assert sources == want and kw == {"beam_size": 3, "batch_size": ev.batch_size, "max_len_ratio": 1.2,
                                           "max_len_extra": 4, "length_penalty": 0.8}
-        long = sum(len(tok.encode([t])[0]) + 1 > 12 for t in sp.src_text[:n])
+        long = sum(len(tok.encode([t])[0]) + 1 > 12 for t in src)
         assert sc["sentences"] == n and sc["truncated_sources"] == long
         hyps = [f"x{i % 3}" for i in range(n)]
-        assert sc["bleu"] == sacrebleu.corpus_bleu(hyps, [list(sp.tgt_text[:n])]).score
+        assert sc["bleu"] == sacrebleu.corpus_bleu(hyps, [refs]).score
         assert sc["bleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:")
     assert n > 7 and long > 0  # the test split is longer than the validation cap; some sources were cut

@@ -117,9 +117,21 @@ def _hyps_and_bleu(model, tok, src: list[str], refs: list[str], **kw) -> tuple[l
     return hyps, sacrebleu.corpus_bleu(hyps, [refs]).score, sacrebleu.corpus_chrf(hyps, [refs]).score
 
 
+def test_spread_takes_k_evenly_spaced_rows():
+    assert scores.spread(10, None) == list(range(10)) and scores.spread(3, 5) == [0, 1, 2]
+    for n, k in ((1000, 500), (1000, 7), (23, 22), (5, 1)):
+        rows = scores.spread(n, k)
+        assert len(rows) == k == len(set(rows)) and rows == sorted(rows) and 0 <= rows[0] and rows[-1] < n
+        # every tenth of the split holds its share of the rows (a first-N cut would hold them all in the first)
+        for part in range(10):
+            lo, hi = part * n // 10, (part + 1) * n // 10
+            assert abs(sum(lo <= r < hi for r in rows) - k * (hi - lo) / n) <= 1
+
+
 def test_validation_is_capped_and_the_test_split_is_scored_whole(toy_bundle):
-    """eval.max_sentences=10 decodes the valid split's first 10 sentences and every test sentence; the scores
-    are sacreBLEU's of exactly those translations, with the signatures."""
+    """eval.max_sentences=10 decodes 10 sentences spread over the valid split (not its first 10: a corpus in
+    source order made those all one source, H200 2026-11-27) and every test sentence; the scores are sacreBLEU's
+    of exactly those translations, with the signatures."""
     from train.config import EvalConfig
 
     tok = toy_bundle.tokenizer
@@ -130,6 +142,11 @@ def test_validation_is_capped_and_the_test_split_is_scored_whole(toy_bundle):
     test = scores.evaluate_split(model, toy_bundle, "test", CPU, ev, autocast=auto, decode="beam", loss=False)
     sp = toy_bundle.splits["test"]
     assert valid["sentences"] == 10 and len(sp) > 10 and test["sentences"] == len(sp)
+    vs = toy_bundle.splits["valid"]
+    assert len(vs) >= 20  # so that a first-10 cut and the spread differ
+    assert [src for src, _, _ in valid["samples"]] == [vs.src_text[i] for i in scores.spread(len(vs), 10)]
+    assert [ref for _, ref, _ in valid["samples"]] == [vs.tgt_text[i] for i in scores.spread(len(vs), 10)]
+    assert valid["samples"][-1][0] == vs.src_text[scores.spread(len(vs), 10)[-1]] != vs.src_text[9]
     hyps, bleu, chrf = _hyps_and_bleu(model, tok, list(sp.src_text), list(sp.tgt_text), beam_size=2, batch_size=16)
     assert [h for _, _, h in test["samples"]] == hyps
     assert (test["bleu"], test["chrf"]) == (pytest.approx(bleu, abs=1e-9), pytest.approx(chrf, abs=1e-9))

@@ -2,8 +2,8 @@
 (or greedy) output, decoded in batches of a few fixed shapes (``train.evaluation.decode``).
 
 The protocol (``score_split``, also what bench/peers.py scores the Hugging Face baseline with): validation
-decodes the valid split's first ``eval.max_sentences`` sentences; the test split is always decoded and scored
-whole. Sources are the split's texts as given, encoded here and cut to the model's positions (counted as
+decodes ``eval.max_sentences`` sentences spread evenly over the valid split (``spread``); the test split is always
+decoded and scored whole. Sources are the split's texts as given, encoded here and cut to the model's positions (counted as
 ``truncated_sources``, never dropped); references are the texts as given. Scores are sacreBLEU's defaults
 (BLEU: 13a tokenizer, exponential smoothing; chrF2: 6 character n-grams), reported with their signatures.
 
@@ -47,10 +47,23 @@ DECODE_RECORD_KEYS = ("decode", "decode_seconds", "decode_steps", "host_syncs", 
 
 
 def sentence_limit(split: str, cfg) -> int | None:
-    """How many sentences of ``split`` an evaluation decodes under an ``EvalConfig``: the first
-    ``cfg.max_sentences`` of the validation split (periodic validation is a cost paid every epoch); every
-    sentence of any other split (None): a test set is scored whole."""
+    """How many sentences of ``split`` an evaluation decodes under an ``EvalConfig``: ``cfg.max_sentences`` of
+    the validation split, spread over it (periodic validation is a cost paid every epoch); every sentence of any
+    other split (None): a test set is scored whole."""
     return cfg.max_sentences if split == "valid" else None
+
+
+def spread(n: int, k: int | None) -> list[int]:
+    """``k`` of the indices 0..n-1 spread evenly over the range (the middle of each of k equal parts), in order;
+    all of them when ``k`` is None or >= n.
+
+    A split keeps its pairs in corpus order, and a corpus is often a concatenation of sources: the stand-in
+    corpus is 74 % short Tatoeba sentences followed by news. Its validation split's *first* 500 sentences were
+    all Tatoeba (mean 10 source tokens against 17 over the split), so validation BLEU read 27.8 where the test
+    split, scored whole, read 15.8 (H200, 2026-11-27). Evenly spaced rows sample every part of the split."""
+    if k is None or k >= n:
+        return list(range(n))
+    return [(2 * i + 1) * n // (2 * k) for i in range(k)]
 
 
 def corpus_scores(hyps: list[str], refs: list[list[str]]) -> dict:
@@ -67,15 +80,16 @@ def corpus_scores(hyps: list[str], refs: list[list[str]]) -> dict:
 
 def score_split(bundle, split: str, translate_fn: Callable[..., list[str]], *, max_sentences: int | None,
                 max_positions: int, takes_encoded: bool = False) -> dict:
-    """Translate the first ``max_sentences`` (None: all) sources of ``bundle.splits[split]`` with
+    """Translate ``max_sentences`` (None: all) sources of ``bundle.splits[split]``, spread over it (``spread``), with
     ``translate_fn`` (texts in, one translation each out; ``takes_encoded``: it also takes the texts' encoder
     inputs, tokenised here once, which count the sources cut too) and score them against their references:
     {bleu, chrf, bleu_signature, chrf_signature, sentences, truncated_sources (sources longer than
     ``max_positions``, cut to fit), max_positions, loss_truncated_pairs (the data layer's count of pairs whose
     token arrays, the loss's input, were cut; None if it keeps none), decode_seconds, samples}."""
     sp = bundle.splits[split]
-    n = len(sp) if max_sentences is None else min(len(sp), max_sentences)
-    src, refs = list(sp.src_text[:n]), list(sp.tgt_text[:n])
+    rows = spread(len(sp), max_sentences)
+    n = len(rows)
+    src, refs = [sp.src_text[i] for i in rows], [sp.tgt_text[i] for i in rows]
     cut: list[tuple[int, int]] = []
     encoded = encode_sources(bundle.tokenizer, src, max_positions, cut)  # the one tokenisation of the sources
     t0 = time.perf_counter()
