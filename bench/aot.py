@@ -17,14 +17,15 @@ Plans (``--plan``):
                every pruned one where a test autotunes): the CUDA grids and the other tests' launches, with
                the tests' own case lists and input builders (LayerNorm weights in x's dtype, mixed residual
                dtypes, Lion's sizes, gradient dtypes and lr kinds), then the step's selection itself
-               (``KERNEL_TEST_SELECTION``) run by pytest in this process on CPU tensors: every launch of
+               (``kernel_test_selection()``) run by pytest in this process on CPU tensors: every launch of
                every test not marked ``gpu`` compiles what the GPU run will request
 
 Whether a GPU run hits the cache depends on Triton's cache key: the triton build (``triton_key()``
 hashes libtriton, so CPython 3.12's wheel for the GPU image's python), the ptxas version, the target and
 the options, and the kernels' source (Triton hashes it with its line numbers). ``--out`` writes
 ``AOT-KEYS.json`` with those, a hash of ``kernels/*.py`` and the git sha; ``--check`` (run by
-``bench/gpu_run.sh``'s setup) exits 1 naming every key that differs on this machine and tree. Run with the interpreter off: ``python -m bench.aot --plan train --out DIR``.
+``bench/gpu_run.sh`` where it unpacks the cache) exits 1 naming every key that differs on this machine and tree
+(the git sha is reported, not checked: a commit that changes no kernel keeps every entry valid). Run with the interpreter off: ``python -m bench.aot --plan train --out DIR``.
 A development tool of the runbook: its kernel-test plan reads the CUDA grids from tests/kernels, so it lives
 in bench/ (the top layer), not in kernels/.
 """
@@ -304,8 +305,11 @@ def plan_kernel_test() -> None:
         run_selected_tests()
 
 
-# the runbook's kernel-test selection (bench/gpu_run.sh; tests/bench/test_gpu_run.py checks they agree)
-KERNEL_TEST_SELECTION = ("tests/kernels", "-m", "not slow")
+# the runbook's kernel-test selection (bench/packets.py; tests/bench/test_gpu_run.py checks they agree)
+def kernel_test_selection() -> tuple[str, ...]:
+    from bench.packets import kernel_test_files
+
+    return (*kernel_test_files(), "-m", "not slow")
 
 
 class _TestsAsPlan:
@@ -344,7 +348,7 @@ def run_selected_tests() -> None:
     import pytest
 
     plugin = _TestsAsPlan()
-    pytest.main([*KERNEL_TEST_SELECTION, "-q", "--tb=no", "-rN", "--no-header", "-p", "no:cacheprovider",
+    pytest.main([*kernel_test_selection(), "-q", "--tb=no", "-rN", "--no-header", "-p", "no:cacheprovider",
                  "-o", "addopts=", "-W", "ignore"], plugins=[plugin])
     print(f"kernel-test: {plugin.ran} tests of the selection replayed for their launches (their outcomes mean "
           f"nothing here: no kernel ran)", flush=True)
@@ -413,18 +417,25 @@ def cache_keys(arch: int) -> dict:
             "git_sha": git_sha(), "python": sys.version.split()[0], "torch": torch.__version__, "arch": arch}
 
 
-CHECKED_KEYS = ("triton", "triton_key_sha256", "backend", "arch", "kernels_sha256", "git_sha")
+# what Triton's cache key depends on: the triton build, ptxas and the backend, the target, the kernels' source.
+# The git sha is not among them: a commit that changes no kernel leaves every entry valid (it is reported only).
+CHECKED_KEYS = ("triton", "triton_key_sha256", "backend", "arch", "kernels_sha256")
 
 
 def check(built: dict, here: dict) -> tuple[int, str]:
-    """(exit status, one line): 0 when every key in ``CHECKED_KEYS`` matches, else 1 naming each difference."""
+    """(exit status, one line): 0 when every key in ``CHECKED_KEYS`` matches (whatever the commits), else 1
+    naming each difference."""
     differ = [f"{k} {str(built.get(k))[:12]} here {str(here.get(k))[:12]}" for k in CHECKED_KEYS
               if built.get(k) != here.get(k)]
+    commits = ("" if built.get("git_sha") == here.get("git_sha") else
+               f" (built at commit {str(built.get('git_sha'))[:12]}, this is {str(here.get('git_sha'))[:12]}: the "
+               f"kernels' source is the same)")
     if not differ:
-        return 0, "keys match (triton build, ptxas, target, kernels' source, commit): the steps should compile none of the carried kernels"
+        return 0, ("keys match (triton build, ptxas, target, kernels' source): the steps should compile none of the "
+                   "carried kernels" + commits)
     return 1, (f"KEYS DIFFER ({'; '.join(differ)}; built with python {built.get('python')}, this is "
                f"{here.get('python')}): the cache is stale or foreign, every kernel compiles here; rebuild with "
-               f"`GPU_AOT=1 make gpu-wheels` at this commit")
+               f"`make gpu-wheels` at this commit")
 
 
 def main(argv=None) -> int:

@@ -1,84 +1,65 @@
 #!/usr/bin/env bash
-# The GPU runbook: everything fastmt measures on a GPU (H100 or H200), from one command on a bare device
-# machine (torch 2.11 + triton 3.6 in the image's python3, no network). See bench/README.md for the calls.
+# The GPU runbook: everything fastmt measures on a GPU (H100 or H200), in packets of one device call each, from
+# one command on a bare device machine (torch 2.11 + triton 3.6 in the image's python3, no network). A session
+# lent a GPU has 15 minutes of device time in all: the packets, their steps and limits are bench/packets.py's
+# one table. See bench/README.md ("A 15-minute GPU session").
 #
-#   bash bench/gpu_run.sh [CALL|STEP ...]     (no argument: call1)
-#   bash bench/gpu_run.sh plan                every call's steps, limits and totals (start-up included)
-#   bash bench/gpu_run.sh show STEP           the step's command, one word per line (what a test collects)
-#   GPU_RUN_REHEARSAL=1 bash bench/gpu_run.sh call2   the rehearsal on a CPU machine: every step's command in
-#                                             its smoke form, the same $OUT layout (CI runs it)
+#   bash bench/gpu_run.sh packet1             every session's first call (<= 300 s): `make train` cold to BLEU,
+#                                             its record, the kernel tests on the device, training path first
+#   bash bench/gpu_run.sh packet2             only when packet 1 came back clean (<= 240 s): the HF baseline,
+#                                             same split, same wall budget, compared with packet 1's run
+#   bash bench/gpu_run.sh next                the first packet with no landed result for the current code
+#   bash bench/gpu_run.sh plan                every packet's steps and limits, the session's arithmetic (900 s)
+#   bash bench/gpu_run.sh PACKET|STEP ...     any packet (packet1..packet10) or step on its own
+#   bash bench/gpu_run.sh show STEP [PACKET]  the step's command, one word per line (what a test collects)
+#   GPU_RUN_REHEARSAL=1 bash bench/gpu_run.sh packet1   the rehearsal on a CPU machine: every step in its smoke
+#                                             form (the train step compiled with Inductor on the CPU, the `fast`
+#                                             preset's structure at a tiny size), the same $OUT layout (CI runs it)
+# Back on the CPU machine: `python3 -m bench.packets land /work/.device/N` puts a call's results under
+# bench/results/ and appends its record to bench/results/packets.jsonl (commit both).
 #
-# Calls, one device call each (<= 9 minutes of command time), the evidence that matters first:
-#   call1   kernel-test bench-kernels          required: is the GPU path correct, do the kernels win
-#   call2   train quality profile              required: `make train` cold, its time to BLEU, GPU busy
-#   call3   frontier                           required: the HF baseline, the seeds' recipe, s18, default
-#   call4   ladder                             optional: the speedup ladder
-#   call5   sweep (AdamW settings)             optional (alias sweep-adamw)
-#   call6   sweep (Lion settings)              optional (alias sweep-lion)
-#   call7   inference kernel-test-slow         optional: export speed, the full (slow) CUDA test grids
 # Steps:
-#   kernel-test       pytest tests/kernels/*.py -m "not slow": every kernel test that is not a slow full grid,
-#                     on CUDA (Lion vs lion-pytorch, mixed-dtype LayerNorm, opcheck, the CUDA grids), the
-#                     files in the order training meets them
-#   kernel-test-slow  pytest tests/kernels -m slow: the full CUDA grids
-#   bench-kernels     python3 -m bench.kernels --groups corpus,ln      (bench/results/kernels-<gpu>.*)
-#   train             python3 -m train --auto --run.max_wall_seconds <limit - 60>   (`make train`'s run)
-#   quality           python3 -m bench.quality --run runs/default-<RUN_ID>  (bench/results/quality-<gpu>.*)
-#   profile           python3 -m bench.profile                         (bench/results/profile-<gpu>/)
-#   frontier          python3 -m bench.frontier --budget-s 75          (bench/results/frontier-<gpu>.*)
-#   ladder            python3 -m bench.ladder                          (bench/results/ladder-<gpu>.*)
-#   sweep             python3 -m bench.sweep --settings ...            (bench/results/sweep-<gpu>.*)
-#   inference         python3 -m bench.inference --out bench/results  (CTranslate2 / HF export speed)
-#
-# Setup (always): a scratch folder from mktemp -d holds the wheels' install, the Triton and HF caches;
-# PYTHONPATH names only that install, and only when it succeeded. The carried wheels (.whl/*.whl, from
-# `make gpu-wheels`) install offline there; FASTMT_DATA_FILES comes from the carried .data/; the HF
-# libraries go offline; nvidia-smi, versions and a check of the wheels' requirements are logged;
-# .whl/triton-aot-sm90.tgz (`GPU_AOT=1 make gpu-wheels`) is unpacked into TRITON_CACHE_DIR and checked
-# against this machine and this tree (`bench.aot --check`); after each step, how many Triton kernels it
-# still compiled here.
+#   train             python3 -m train --auto --run.max_wall_seconds <limit - 35>: `make train`'s run, truly cold
+#                     (empty Triton and Inductor caches; the AOT cache is unpacked by the later `aot` step), with
+#                     nvidia-smi sampling the GPU's utilization beside it
+#   quality           python3 -m bench.quality: the run's time-to-BLEU record and numbers (compile s, steps/s,
+#                     tokens/s, recompiles after warm-up, graph breaks, GPU busy share, peak memory); exits 1 on
+#                     a recompile after warm-up or a graph break
+#   aot               unpack .whl/triton-aot-sm90.tgz into the Triton cache and check its keys (bench.aot --check)
+#   kernel-test       pytest of bench.packets.kernel_test_files(), -m "not slow": the training path's kernels
+#                     first, Lion after them, no CPU-only test; each outcome streamed to a file as it finishes
+#   peers             python3 -m bench.peers --preset fast --max-wall-seconds <packet 1's train budget>
+#   compare           python3 -m bench.quality --compare: BLEU at equal wall time, seconds to common thresholds
+#   bench-kernels, frontier, profile, ladder, sweep, kernel-test-slow, inference: the queue's benchmarks
 #
 # Each step runs under its own time limit and log, in its own process group, and the script goes on after
-# a failure. No step starts past GPU_RUN_DEADLINE_S (540 s); each gets min(its limit, what is left); after
-# every step the results are packed again, so what finished comes back even if the call is cut short:
-#   $OUT/results.tgz   bench/results/, this run's logs (runs/gpu_run/<id>/), runs/*/metrics.jsonl,
-#                      provenance.json and *.png (files over 2 MiB left out past 15 MiB)
-#   $OUT/summary.txt   setup facts, one line per step, the tail of every step's log
+# a failure. No step starts past the deadline (GPU_RUN_DEADLINE_S; default: the packets' command time); each
+# gets min(its limit, what is left after a minimum share for the steps after it). After every step the
+# results are packed again, so what finished comes back even if the call is cut short:
+#   $OUT/results.tgz   the files this run wrote under bench/results/ (its packet-record.json among them), this
+#                      run's logs (runs/gpu_run/<id>/), runs/*/metrics.jsonl, provenance.json and *.png (files
+#                      over 2 MiB left out past 15 MiB)
+#   $OUT/summary.txt   setup facts, one line per step, the packet's record (every number), the tails of the logs
+# and the script checks that $OUT is within what a device call brings back (bench.packets check-out).
 # Without $OUT (by hand), both land in runs/gpu_run/.
 #
 # Environment: PYTHON (default python3; .venv/bin/python in a rehearsal); GPU_RUN_DEADLINE_S;
-# LIMIT_<STEP> (seconds, e.g. LIMIT_BENCH_KERNELS); extra arguments, as shell words (quotes kept):
-# KERNEL_TEST_ARGS, BENCH_KERNELS_ARGS, TRAIN_ARGS, PROFILE_ARGS, FRONTIER_ARGS, LADDER_ARGS, SWEEP_ARGS,
-# INFERENCE_ARGS; SWEEP_SETTINGS, FRONTIER_BUDGET_S, SWEEP_BUDGET_S; FASTMT_GIT_SHA: the commit, recorded in
-# results when the copy on the machine has no .git.
+# LIMIT_<STEP> (seconds, e.g. LIMIT_KERNEL_TEST); extra arguments, as shell words (quotes kept):
+# KERNEL_TEST_ARGS, BENCH_KERNELS_ARGS, TRAIN_ARGS, PEERS_ARGS, PROFILE_ARGS, FRONTIER_ARGS, LADDER_ARGS,
+# SWEEP_ARGS, INFERENCE_ARGS; FASTMT_GIT_SHA: the commit, recorded in results when the copy on the machine
+# has no .git.
 set -uo pipefail
+{  # the whole script is read before any of it runs: an edit of this file during a run cannot change the run
 
-ALL_STEPS=(kernel-test bench-kernels train quality profile frontier ladder sweep inference kernel-test-slow)
-declare -A DEFAULT_LIMIT=([kernel-test]=250 [bench-kernels]=220 [train]=310 [quality]=20 [profile]=150
-                          [frontier]=460 [ladder]=480 [sweep]=480 [inference]=240 [kernel-test-slow]=220)
-CALLS=(call1 call2 call3 call4 call5 call6 call7)
-REQUIRED_CALLS=3  # call1..call3 carry the evidence; the rest are optional
-declare -A STEP_GROUPS=([call1]="kernel-test bench-kernels" [call2]="train quality profile" [call3]="frontier"
-                        [call4]="ladder" [call5]="sweep" [call6]="sweep" [call7]="inference kernel-test-slow")
-declare -A CALL_WHAT=([call1]="kernel tests + kernel benchmarks" [call2]="make train cold, its time to BLEU, the profile"
-                      [call3]="the frontier with the HF baseline" [call4]="the speedup ladder"
-                      [call5]="the AdamW sweep" [call6]="the Lion sweep"
-                      [call7]="inference export speed, the slow CUDA grids")
-SWEEP_ADAMW=adamw-base,adamw-8e-4,adamw-3e-4,adamw-2k   # 4 x (75 s + 30 s grace) fits the sweep's 480 s
-SWEEP_LION=lion-1e-4,lion-1.5e-4,lion-7e-5,lion-wd0.3
-declare -A CALL_SWEEP=([call5]=$SWEEP_ADAMW [call6]=$SWEEP_LION)
-DEADLINE_S=${GPU_RUN_DEADLINE_S:-540}
-SETUP_S=40            # the setup's share of a call (pip install, unpacking, nvidia-smi, versions), planned
-PACK_RESERVE_S=20     # kept back from the last step for the final pack
-STARTUP_S=120         # a fresh machine's start and the transfers, per call (estimated; the plan counts it)
-TRAIN_RESERVE_S=60    # of the train step: the final evaluation, the test split, the `done` record, the plot
-PYTEST_RESERVE_S=40   # of a pytest step: the test in flight when its deadline passes, the summary, JUnit
+PACK_RESERVE_S=15     # kept back from the last step for the final pack (bench.packets.PACK_S)
+PYTEST_RESERVE_S=40   # at most this much of a pytest step's limit is kept for the test in flight and the summary
+LATER_SHARE_S=30      # a step leaves at least min(this, their limit) to each step after it
 MAX_TGZ_BYTES=$((15 * 1024 * 1024))
 BIG_FILE_BYTES=$((2 * 1024 * 1024))
 REHEARSAL=${GPU_RUN_REHEARSAL:-0}
 [[ $REHEARSAL == 0 || $REHEARSAL == "" ]] && REHEARSAL=0
 
-usage() { sed -n '2,30p' "$0"; exit 2; }
+usage() { sed -n '2,20p' "$0"; exit 2; }
 
 cd "$(dirname "$0")/.." || exit 2
 ROOT=$PWD
@@ -94,79 +75,78 @@ words() {  # words NAME VALUE: the shell words of VALUE (quotes kept, nothing ex
     mapfile -t -d '' _into < <("$PY" -c 'import shlex, sys; sys.stdout.write("\0".join(shlex.split(sys.argv[1])))' "$2")
 }
 
-limit_of() {  # the step's limit in seconds: LIMIT_<STEP> or the default
+# ---------------------------------------------------------------------------------------------
+# The packets' table (bench/packets.py): steps, limits, the packet's own arguments per step
+# ---------------------------------------------------------------------------------------------
+declare -A PACKET_STEPS=() PACKET_S=() STEP_ARGS=() STEP_LIMIT=() DEFAULT_LIMIT=()
+PACKETS=()
+KTEST_FILES=()
+TRAIN_RESERVE_S=35
+SETUP_S=25
+table=$("$PY" -m bench.packets table) || { echo "gpu_run: python3 -m bench.packets table failed (with $PY)" >&2; exit 2; }
+while IFS= read -r line; do
+    read -r kind a b c rest <<<"$line"
+    case $kind in
+        PACKET) PACKETS+=("$a"); PACKET_STEPS[$a]=""; PACKET_S[$a]=$rest; SETUP_S=$b ;;
+        STEP) PACKET_STEPS[$a]+="$b "; STEP_LIMIT[$a:$b]=$c; STEP_ARGS[$a:$b]=$rest ;;
+        LIMIT) DEFAULT_LIMIT[$a]=$b ;;
+        KTEST) read -r -a KTEST_FILES <<<"${line#KTEST }" ;;
+        RESERVE) TRAIN_RESERVE_S=$b ;;
+    esac
+done <<<"$table"
+# a rehearsal runs on a CPU, which is slower than the GPU every limit was sized for: its limits are scaled
+SCALE=1
+[[ $REHEARSAL != 0 ]] && SCALE=${GPU_RUN_REHEARSAL_SCALE:-4}
+
+limit_of() {  # limit_of STEP [PACKET]: LIMIT_<STEP>, else the packet's limit for it, else the step's default
     local var=LIMIT_${1//-/_}
     var=${var^^}
-    echo "${!var:-${DEFAULT_LIMIT[$1]}}"
+    if [[ -n ${!var:-} ]]; then echo "${!var}"
+    elif [[ -n ${2:-} && -n ${STEP_LIMIT[$2:$1]+x} ]]; then echo "$((STEP_LIMIT[$2:$1] * SCALE))"
+    else echo "$((DEFAULT_LIMIT[$1] * SCALE))"
+    fi
 }
-
-# ---------------------------------------------------------------------------------------------
-# The plan: every call's steps, their limits and the totals (start-up included)
-# ---------------------------------------------------------------------------------------------
-print_plan() {
-    local call step n=0 command total running=0 required=0
-    echo "gpu_run plan: each call is one device call on a bare machine; command time = setup ${SETUP_S} s +"
-    echo "the steps' limits + pack ${PACK_RESERVE_S} s (the script stops starting steps at ${DEADLINE_S} s);"
-    echo "start-up ${STARTUP_S} s per call (machine start and transfers, estimated)"
-    for call in "${CALLS[@]}"; do
-        n=$((n + 1))
-        local kind=optional
-        ((n <= REQUIRED_CALLS)) && kind=required
-        echo
-        echo "$call ($kind): ${CALL_WHAT[$call]}"
-        printf '  %-18s %5d s\n' setup "$SETUP_S"
-        command=$((SETUP_S + PACK_RESERVE_S))
-        for step in ${STEP_GROUPS[$call]}; do
-            printf '  %-18s %5d s\n' "$step" "$(limit_of "$step")"
-            command=$((command + $(limit_of "$step")))
-        done
-        printf '  %-18s %5d s\n' pack "$PACK_RESERVE_S"
-        total=$((command + STARTUP_S))
-        running=$((running + total))
-        ((n <= REQUIRED_CALLS)) && required=$running
-        echo "  $call command ${command} s ($(minutes "$command") min), with start-up ${total} s ($(minutes "$total") min);" \
-             "running total ${running} s ($(minutes "$running") min)"
-    done
-    echo
-    echo "calls 1-${REQUIRED_CALLS} (required) total ${required} s ($(minutes "$required") min) with start-up," \
-         "of a session's ~45 min of device time"
-    echo "all calls total ${running} s ($(minutes "$running") min)"
-}
-
-minutes() { printf '%d.%d' $(($1 / 60)) $(($1 % 60 * 10 / 60)); }
 
 # ---------------------------------------------------------------------------------------------
 # Arguments
 # ---------------------------------------------------------------------------------------------
-STEPS=()
+RUN=()          # "packet:step" pairs in order ("-:step" for a step named on its own)
+PACKETS_RUN=()
 MODE=run
 SHOW_STEP=
+SHOW_PACKET=-
 while (($#)); do
     arg=$1
     shift
     case $arg in
-        plan) MODE=plan ;;
+        plan) exec "$PY" -m bench.packets plan ;;
+        next) exec "$PY" -m bench.packets next ;;
         show) MODE=show; SHOW_STEP=${1:-}; shift || true
               [[ -n $SHOW_STEP && -n ${DEFAULT_LIMIT[$SHOW_STEP]+x} ]] \
-                  || { echo "gpu_run: show STEP: one of ${ALL_STEPS[*]} (got '$SHOW_STEP')" >&2; exit 2; } ;;
-        all) STEPS+=("${ALL_STEPS[@]}") ;;
+                  || { echo "gpu_run: show STEP [PACKET]: STEP one of ${!DEFAULT_LIMIT[*]} (got '$SHOW_STEP')" >&2; exit 2; }
+              if [[ -n ${1:-} && -n ${PACKET_STEPS[$1]+x} ]]; then SHOW_PACKET=$1; shift; fi ;;
         -h | --help) usage ;;
-        sweep-adamw) SWEEP_SETTINGS=${SWEEP_SETTINGS:-$SWEEP_ADAMW}; STEPS+=(sweep) ;;
-        sweep-lion) SWEEP_SETTINGS=${SWEEP_SETTINGS:-$SWEEP_LION}; STEPS+=(sweep) ;;
-        call[1-7])
-            [[ -n ${CALL_SWEEP[$arg]+x} ]] && SWEEP_SETTINGS=${SWEEP_SETTINGS:-${CALL_SWEEP[$arg]}}
-            read -r -a group <<<"${STEP_GROUPS[$arg]}"; STEPS+=("${group[@]}") ;;
-        *) [[ -n ${DEFAULT_LIMIT[$arg]+x} ]] || { echo "gpu_run: unknown step '$arg'" >&2; usage; }
-           STEPS+=("$arg") ;;
+        *)
+            if [[ -n ${PACKET_STEPS[$arg]+x} ]]; then
+                PACKETS_RUN+=("$arg")
+                for s in ${PACKET_STEPS[$arg]}; do RUN+=("$arg:$s"); done
+            elif [[ -n ${DEFAULT_LIMIT[$arg]+x} ]]; then
+                RUN+=("-:$arg")
+            else
+                echo "gpu_run: unknown packet or step '$arg' (packets: ${PACKETS[*]}; steps: ${!DEFAULT_LIMIT[*]})" >&2
+                usage
+            fi ;;
     esac
 done
-if [[ $MODE == plan ]]; then print_plan; exit 0; fi
-for var in KERNEL_TEST_ARGS BENCH_KERNELS_ARGS TRAIN_ARGS PROFILE_ARGS FRONTIER_ARGS LADDER_ARGS SWEEP_ARGS INFERENCE_ARGS; do
+for var in KERNEL_TEST_ARGS BENCH_KERNELS_ARGS TRAIN_ARGS PEERS_ARGS PROFILE_ARGS FRONTIER_ARGS LADDER_ARGS SWEEP_ARGS INFERENCE_ARGS; do
     # before anything runs: a value the shell could not split (an open quote) would otherwise lose its words
     "$PY" -c 'import shlex, sys; shlex.split(sys.argv[1])' "${!var:-}" 2>/dev/null \
         || { echo "gpu_run: $var=${!var} is not valid shell words (an unclosed quote?): fix its quoting" >&2; exit 2; }
 done
-((${#STEPS[@]})) || { read -r -a STEPS <<<"${STEP_GROUPS[call1]}"; }
+if [[ $MODE == run ]] && ((${#RUN[@]} == 0)); then
+    echo "gpu_run: name a packet (every session starts with packet1; 'next' says which) or a step" >&2
+    usage
+fi
 
 RUN_ID=$(date -u +%Y%m%dT%H%M%SZ)
 DATA_FILES=()
@@ -186,18 +166,6 @@ read_data_files() {  # DATA_FILES from the carried .data/FILES (absolute paths);
 has_pytest_timeout() { "$PY" -c 'import pytest_timeout' >/dev/null 2>&1; }
 triton_entries() { find "${TRITON_CACHE_DIR:-/nonexistent}" -mindepth 1 -maxdepth 1 -type d 2>/dev/null | wc -l; }
 
-# the kernel-test files in the order of what a training run meets first (a step cut at its deadline has run
-# these): Lion and LayerNorm, the packed attention of the `fast` preset, the padded one, the dispatcher, the
-# launcher, the rounding rule, the sm_90a code generation (CPU work); any other file after them
-KERNEL_TEST_ORDER=(test_lion.py test_layernorm.py test_packed_attention.py test_sequence_attention.py test_attention.py
-                   test_launch.py test_lowp_emulation.py test_lion_codegen.py test_layernorm_codegen.py
-                   test_attention_codegen.py)
-kernel_test_files() {
-    local f seen=" ${KERNEL_TEST_ORDER[*]} "
-    for f in "${KERNEL_TEST_ORDER[@]}"; do [[ -f tests/kernels/$f ]] && echo "tests/kernels/$f"; done
-    for f in tests/kernels/test_*.py; do [[ $seen == *" ${f##*/} "* ]] || echo "$f"; done
-}
-
 mentions() {  # mentions FLAG WORD...: is FLAG among the words (as FLAG or FLAG=VALUE)?
     local flag=$1 w
     shift
@@ -205,75 +173,146 @@ mentions() {  # mentions FLAG WORD...: is FLAG among the words (as FLAG or FLAG=
     return 1
 }
 
-pytest_command() {  # pytest_command LIMIT JUNIT SELECTION-ARGS...: pytest that ends, with its summary, in time
-    local limit=$1 junit=$2
+pytest_command() {  # pytest_command LIMIT NAME SELECTION-ARGS...: pytest that ends, with its summary, in time
+    local limit=$1 name=$2 margin
     shift 2
-    # bench/pytest_stop.py: stop between tests at the deadline, and on SIGTERM stop as Ctrl-C does: the
-    # summary and the JUnit file are written either way. FASTMT_AUTOTUNE=0: the tests' (and bench.aot's) policy
-    CMD=(env FASTMT_AUTOTUNE=0 "$PY" -m pytest -q -p bench.pytest_stop
-         "--stop-after-s=$((limit > 2 * PYTEST_RESERVE_S ? limit - PYTEST_RESERVE_S : limit / 2))")
-    has_pytest_timeout && CMD+=(--timeout=120)  # a hung test fails alone
-    CMD+=(-rfE --durations=15 "--junitxml=$junit" "$@")
+    # the test in flight when the stop passes, the summary and the JUnit file get `margin` seconds: a quarter of
+    # the limit, at least 8 s, at most PYTEST_RESERVE_S (a 70 s step stops starting tests at 53 s)
+    margin=$((limit / 4))
+    ((margin < 8)) && margin=8
+    ((margin > PYTEST_RESERVE_S)) && margin=$PYTEST_RESERVE_S
+    # bench/pytest_stop.py: stop between tests at the deadline, on SIGTERM stop as Ctrl-C does (summary and JUnit
+    # written), every finished test's outcome streamed to <name>.outcomes.jsonl. FASTMT_AUTOTUNE=0: the tests'
+    # (and bench.aot's) policy
+    CMD=(env FASTMT_AUTOTUNE=0 "$PY" -m pytest -q -p bench.pytest_stop "--stop-after-s=$((limit - margin))"
+         "--outcomes=$WORK/$LOGDIR/$name.outcomes.jsonl")
+    # a hung test ends the session (its thread dumps the stacks and exits): the outcomes file keeps the rest
+    has_pytest_timeout && CMD+=(--timeout=$((limit / 2 > 120 ? 120 : limit / 2)) --timeout-method=thread)
+    CMD+=(-rfE --durations=15 "--junitxml=$WORK/$LOGDIR/$name.xml" "$@")
 }
 
-step_command() {  # fills CMD for step $1 given its time limit $2
-    local step=$1 limit=$2 extra=() smoke=() data_arg=() out_arg=() files=()
+latest_run() {  # latest_run PREFIX: the newest runs/PREFIX-* folder with a metrics.jsonl (this machine's)
+    local d best=
+    for d in "$WORK"/runs/"$1"-*/; do
+        [[ -f $d/metrics.jsonl ]] || continue
+        [[ -z $best || $d -nt $best ]] && best=$d
+    done
+    echo "${best%/}"
+}
+
+committed_packet1_run() {  # the run folder of the newest landed packet1 (bench/results/packets.jsonl)
+    "$PY" - "$ROOT" <<'EOF'
+import json, sys
+from pathlib import Path
+root = Path(sys.argv[1])
+try:
+    lines = (root / "bench/results/packets.jsonl").read_text().splitlines()
+except OSError:
+    lines = []
+for line in reversed(lines):
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        continue
+    if rec.get("packet") == "packet1" and rec.get("results"):
+        runs = sorted((root / rec["results"]).glob("runs/default-*/metrics.jsonl"))
+        if runs:
+            print(runs[-1].parent)
+            break
+EOF
+}
+
+step_command() {  # fills CMD for step $1 of packet $2 ("-": on its own) given its time limit $3
+    local step=$1 packet=$2 limit=$3 extra=() own=() smoke=() data_arg=() out_arg=()
+    words own "${STEP_ARGS[$packet:$step]:-}"
     ((${#DATA_FILES[@]})) && data_arg=(--data-files "${DATA_FILES[@]}")
     if [[ $REHEARSAL != 0 ]]; then out_arg=(--out "$WORK/bench/results"); fi
     case $step in
-        kernel-test)  # every kernel test but the slow full grids: on CUDA each one runs there
+        kernel-test)  # the GPU kernel tests but the slow full grids, training path first
             words extra "${KERNEL_TEST_ARGS:-}"
+            if ((${#KTEST_FILES[@]} == 0)); then  # never a bare pytest: it would collect the whole tree
+                CMD=(sh -c 'echo "gpu_run: bench.packets found no tests/kernels files"; exit 2'); return
+            fi
             [[ $REHEARSAL != 0 ]] && smoke=(-k "validation or dispatch")
-            mapfile -t files < <(kernel_test_files)
-            pytest_command "$limit" "$WORK/$LOGDIR/kernel-test.xml" "${files[@]}" -m "not slow" "${smoke[@]}" "${extra[@]}" ;;
+            pytest_command "$limit" kernel-test "${KTEST_FILES[@]}" -m "not slow" "${own[@]}" "${smoke[@]}" "${extra[@]}" ;;
         kernel-test-slow)  # the full CUDA grids (every dtype x width x flag, every shape)
             words extra "${KERNEL_TEST_ARGS:-}"
+            if ((${#KTEST_FILES[@]} == 0)); then
+                CMD=(sh -c 'echo "gpu_run: bench.packets found no tests/kernels files"; exit 2'); return
+            fi
             [[ $REHEARSAL != 0 ]] && smoke=(--collect-only)
-            pytest_command "$limit" "$WORK/$LOGDIR/kernel-test-slow.xml" tests/kernels -m slow "${smoke[@]}" "${extra[@]}" ;;
+            pytest_command "$limit" kernel-test-slow "${KTEST_FILES[@]}" -m slow "${own[@]}" "${smoke[@]}" "${extra[@]}" ;;
         bench-kernels)
             words extra "${BENCH_KERNELS_ARGS:-}"
             [[ $REHEARSAL != 0 ]] && smoke=(--smoke --only layernorm "${out_arg[@]}")
             # leave room for the worker's grace period and the writing of the outputs
             local budget=$((limit > 150 ? limit - 75 : limit / 2))
-            CMD=("$PY" -m bench.kernels --groups corpus,ln --budget-s "$budget" "${data_arg[@]}" "${smoke[@]}" "${extra[@]}") ;;
-        train)  # what `make train` runs on CUDA, from a cold compile cache, ending in time for its test and plot
+            mentions --groups "${own[@]}" "${extra[@]}" || own=(--groups corpus,ln "${own[@]}")
+            CMD=("$PY" -m bench.kernels --budget-s "$budget" "${data_arg[@]}" "${own[@]}" "${smoke[@]}" "${extra[@]}") ;;
+        train)  # what `make train` runs on CUDA, from cold caches, ending in time for its test and plot
             words extra "${TRAIN_ARGS:-}"
-            [[ $REHEARSAL != 0 ]] && smoke=(--run.out_dir "$WORK/runs" --data.dataset toy --data.toy_rows 1200
-                                           --data.valid_size 100 --data.test_size 100
-                                           --run.epochs 1)
+            local mine=()
+            if [[ $REHEARSAL != 0 ]]; then
+                # the `fast` preset's structure (packed streams, regional compile, reduce-overhead, bf16) at a tiny
+                # size, compiled by Inductor on the CPU: a recompile after warm-up or a graph break fails `quality`
+                smoke=(--preset fast --run.device cpu --run.compile true --model.d_model 64 --model.n_heads 4
+                       --model.d_ff 128 --model.enc_layers 2 --model.dec_layers 2 --data.dataset toy
+                       --data.toy_rows 1200 --data.valid_size 40 --data.test_size 20 --data.vocab_size 500
+                       --data.max_tokens 1024 --data.num_workers 0 --run.epochs 2 --run.max_batches_per_epoch 4
+                       --eval.max_sentences 10 --eval.batch_size 16 --run.out_dir "$WORK/runs")
+            fi
             # fastmt refuses a flag given twice: TRAIN_ARGS's own --run.max_wall_seconds, --preset, data... win
-            local own=()
-            mentions --preset "${extra[@]}" || mentions --config "${extra[@]}" || own+=(--auto)
-            mentions --run.progress "${extra[@]}" || own+=(--run.progress false)
+            mentions --preset "${extra[@]}" "${smoke[@]}" || mentions --config "${extra[@]}" || mine+=(--auto)
+            mentions --run.progress "${extra[@]}" || mine+=(--run.progress false)
             mentions --run.max_wall_seconds "${extra[@]}" \
-                || own+=(--run.max_wall_seconds "$((limit > 2 * TRAIN_RESERVE_S ? limit - TRAIN_RESERVE_S : limit / 2))")
-            mentions --data-files "${extra[@]}" || mentions --data.dataset "${extra[@]}" || own+=("${data_arg[@]}")
-            CMD=("$PY" -m train "${own[@]}" --run.name "default-$RUN_ID" "${smoke[@]}" "${extra[@]}") ;;
+                || mine+=(--run.max_wall_seconds "$((limit > 2 * TRAIN_RESERVE_S ? limit - TRAIN_RESERVE_S : limit / 2))")
+            mentions --data-files "${extra[@]}" || mentions --data.dataset "${extra[@]}" "${smoke[@]}" \
+                || mine+=("${data_arg[@]}")
+            CMD=("$PY" -m train "${mine[@]}" --run.name "default-$RUN_ID" "${own[@]}" "${smoke[@]}" "${extra[@]}") ;;
         quality)  # this invocation's own run (a run name is never reused)
-            CMD=("$PY" -m bench.quality --run "$WORK/runs/default-$RUN_ID" "${out_arg[@]}") ;;
+            CMD=("$PY" -m bench.quality --run "$WORK/runs/default-$RUN_ID" --gpu-samples "$WORK/$LOGDIR/train-gpu.csv"
+                 --require-stable-graphs "${out_arg[@]}") ;;
+        aot)
+            CMD=(true) ;;  # done in run_step (it changes this shell's Triton cache)
+        peers)  # the HF baseline under packet 1's training wall budget, on the same split
+            words extra "${PEERS_ARGS:-}"
+            local budget=$(($(limit_of train packet1) - TRAIN_RESERVE_S))
+            [[ $REHEARSAL != 0 ]] && smoke=(--preset tiny --data.dataset toy --data.toy_rows 1200 --data.valid_size 100
+                                           --data.test_size 100 --max-steps 4 --batch-size 16 --eval.max_sentences 20)
+            local mine=()
+            mentions --preset "${extra[@]}" "${smoke[@]}" || mine+=(--preset fast)
+            mentions --data-files "${extra[@]}" || mentions --data.dataset "${extra[@]}" "${smoke[@]}" \
+                || mine+=("${data_arg[@]}")
+            CMD=("$PY" -m bench.peers "${mine[@]}" --max-wall-seconds "$budget" --name "hf-$RUN_ID"
+                 --out-dir "$WORK/runs" "${own[@]}" "${smoke[@]}" "${extra[@]}") ;;
+        compare)  # packet 1's run on this machine, else the newest landed one, against this call's HF run
+            local a
+            a=$(latest_run default)
+            [[ -n $a ]] || a=$(committed_packet1_run)
+            CMD=("$PY" -m bench.quality --compare "${a:-<no packet1 run: run packet1 first>}" "$WORK/runs/hf-$RUN_ID"
+                 "${out_arg[@]}") ;;
         profile)  # after `train`: its compile is the warm-cache compile
             words extra "${PROFILE_ARGS:-}"
             [[ $REHEARSAL != 0 ]] && smoke=(--smoke "${out_arg[@]}")
-            CMD=("$PY" -m bench.profile "${data_arg[@]}" "${smoke[@]}" "${extra[@]}") ;;
+            CMD=("$PY" -m bench.profile "${data_arg[@]}" "${own[@]}" "${smoke[@]}" "${extra[@]}") ;;
         frontier)
             words extra "${FRONTIER_ARGS:-}"
             [[ $REHEARSAL != 0 ]] && smoke=(--smoke --budget-s 3 --work-dir "$WORK/runs" "${out_arg[@]}")
-            CMD=("$PY" -m bench.frontier --budget-s "${FRONTIER_BUDGET_S:-75}" --grace-s 25 "${data_arg[@]}"
-                 "${smoke[@]}" "${extra[@]}") ;;
+            CMD=("$PY" -m bench.frontier "${data_arg[@]}" "${own[@]}" "${smoke[@]}" "${extra[@]}") ;;
         ladder)
             words extra "${LADDER_ARGS:-}"
             [[ $REHEARSAL != 0 ]] && smoke=(--smoke "${out_arg[@]}")
             CMD=("$PY" -m bench.ladder "${data_arg[@]}" --budget-s $((limit > 60 ? limit - 30 : limit / 2))
-                 --cap-s 30 --steps 10 --warmup 3 "${smoke[@]}" "${extra[@]}") ;;
+                 --cap-s 30 --steps 10 --warmup 3 "${own[@]}" "${smoke[@]}" "${extra[@]}") ;;
         sweep)  # the first evaluation (graph captures, decode tuning) must fit the grace
             words extra "${SWEEP_ARGS:-}"
             [[ $REHEARSAL != 0 ]] && smoke=(--smoke --budget-s 3 --work-dir "$WORK/runs" "${out_arg[@]}")
-            CMD=("$PY" -m bench.sweep --budget-s "${SWEEP_BUDGET_S:-75}" --grace-s 30
-                 --settings "${SWEEP_SETTINGS:-$SWEEP_ADAMW}" "${data_arg[@]}" "${smoke[@]}" "${extra[@]}") ;;
+            mentions --settings "${own[@]}" "${extra[@]}" || own=(--settings adamw-base,adamw-8e-4,adamw-3e-4 "${own[@]}")
+            CMD=("$PY" -m bench.sweep "${data_arg[@]}" "${own[@]}" "${smoke[@]}" "${extra[@]}") ;;
         inference)
             words extra "${INFERENCE_ARGS:-}"
             [[ $REHEARSAL != 0 ]] && smoke=(--sentences 16 --train-steps 20)
-            CMD=("$PY" -m bench.inference --out "$WORK/bench/results" "${smoke[@]}" "${extra[@]}") ;;
+            CMD=("$PY" -m bench.inference --out "$WORK/bench/results" "${own[@]}" "${smoke[@]}" "${extra[@]}") ;;
     esac
 }
 
@@ -281,7 +320,7 @@ if [[ $MODE == show ]]; then  # the command as the step would run it (default li
     WORK=$ROOT
     LOGDIR=runs/gpu_run/$RUN_ID
     read_data_files >/dev/null
-    step_command "$SHOW_STEP" "$(limit_of "$SHOW_STEP")"
+    step_command "$SHOW_STEP" "$SHOW_PACKET" "$(limit_of "$SHOW_STEP" "$SHOW_PACKET")"
     printf '%s\n' "${CMD[@]}"
     exit 0
 fi
@@ -290,7 +329,8 @@ fi
 # Scratch space, logs, results
 # ---------------------------------------------------------------------------------------------
 SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/fastmt-gpu-run.XXXXXX") || { echo "gpu_run: mktemp -d failed" >&2; exit 2; }
-trap 'rm -rf "$SCRATCH"' EXIT
+SAMPLER=
+trap '[[ -n $SAMPLER ]] && kill "$SAMPLER" 2>/dev/null; rm -rf "$SCRATCH"' EXIT
 if [[ $REHEARSAL != 0 ]]; then
     WORK=$SCRATCH/work   # runs/ and bench/results/ of the rehearsal: the checkout stays as it is
     mkdir -p "$WORK/bench/results" "$WORK/runs"
@@ -298,11 +338,22 @@ else
     WORK=$ROOT
 fi
 LOGDIR=runs/gpu_run/$RUN_ID   # relative to WORK
-mkdir -p "$WORK/$LOGDIR"
+mkdir -p "$WORK/$LOGDIR" "$WORK/bench/results"
 SUMMARY=$WORK/$LOGDIR/summary.txt
 DEST=${OUT:-$ROOT/runs/gpu_run}
 mkdir -p "$DEST"
+touch "$SCRATCH/started"   # what this run writes under bench/results is what is newer than this
 declare -A STATUS=() SECS=()
+CACHES=
+
+# the deadline: the packets' command time (or setup + the loose steps' limits + the pack)
+if [[ -z ${GPU_RUN_DEADLINE_S:-} ]]; then
+    DEADLINE_S=$SETUP_S
+    for item in "${RUN[@]}"; do DEADLINE_S=$((DEADLINE_S + $(limit_of "${item#*:}" "${item%%:*}"))); done
+    DEADLINE_S=$((DEADLINE_S + PACK_RESERVE_S))
+else
+    DEADLINE_S=$GPU_RUN_DEADLINE_S
+fi
 
 log() { echo "[gpu_run +$((SECONDS))s] $*" | tee -a "$SUMMARY"; }
 left() { echo $((DEADLINE_S - SECONDS - PACK_RESERVE_S)); }
@@ -310,8 +361,20 @@ left() { echo $((DEADLINE_S - SECONDS - PACK_RESERVE_S)); }
 # ---------------------------------------------------------------------------------------------
 # Setup
 # ---------------------------------------------------------------------------------------------
+unpack_aot() {  # our Triton kernels compiled ahead of time for sm_90 (bench/aot.py): a warm cache if the keys match
+    [[ $CACHES == *aot* ]] && return 0
+    if [[ -f .whl/triton-aot-sm90.tgz ]]; then
+        tar -xzf .whl/triton-aot-sm90.tgz -C "$TRITON_CACHE_DIR" 2>>"$WORK/$LOGDIR/setup-aot.log"
+        log "triton cache: $(triton_entries) kernels compiled ahead of time in $TRITON_CACHE_DIR;" \
+            "$(env -u TRITON_INTERPRET "$PY" -m bench.aot --check "$TRITON_CACHE_DIR/AOT-KEYS.json" 2>&1 | tail -n 1)"
+        CACHES+=" aot"
+    else
+        log "triton cache: no .whl/triton-aot-sm90.tgz (make gpu-wheels builds it): every kernel compiles here"
+    fi
+}
+
 setup() {
-    log "steps: ${STEPS[*]} | deadline ${DEADLINE_S}s | logs $WORK/$LOGDIR | results -> $DEST" \
+    log "run: ${RUN[*]} | deadline ${DEADLINE_S}s | logs $WORK/$LOGDIR | results -> $DEST" \
         "$([[ $REHEARSAL != 0 ]] && echo "| REHEARSAL on $(uname -n): smoke forms, $PY")"
     export PYTHONUNBUFFERED=1 MPLBACKEND=Agg TOKENIZERS_PARALLELISM=false
     export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
@@ -341,13 +404,18 @@ setup() {
         if [[ -f .data/SHA256SUMS ]]; then
             (cd .data && sha256sum --quiet -c SHA256SUMS) >>"$SUMMARY" 2>&1 || log "WARNING: .data checksums differ"
         fi
-        FASTMT_DATA_FILES=$(IFS=:; echo "${DATA_FILES[*]}")  # the OS path separator, as data/config.py reads it
-        export FASTMT_DATA_FILES
-        log "data: FASTMT_DATA_FILES=$FASTMT_DATA_FILES ($(du -ch "${DATA_FILES[@]}" | tail -n 1 | cut -f1))"
+        if [[ $REHEARSAL == 0 ]]; then
+            FASTMT_DATA_FILES=$(IFS=:; echo "${DATA_FILES[*]}")  # the OS path separator, as data/config.py reads it
+            export FASTMT_DATA_FILES
+            log "data: FASTMT_DATA_FILES=$FASTMT_DATA_FILES ($(du -ch "${DATA_FILES[@]}" | tail -n 1 | cut -f1))"
+        else
+            DATA_FILES=()  # the rehearsal's smoke forms train on the generated toy corpus, never on both
+            log "data: .data/ is here but the rehearsal uses the generated toy corpus"
+        fi
     elif [[ $REHEARSAL != 0 ]]; then
         log "data: none (rehearsal: the steps' smoke forms use the generated toy corpus)"
     else
-        log "WARNING: no .data/FILES: ladder, profile and training have no local data and no network"
+        log "WARNING: no .data/FILES: training and the benchmarks have no local data and no network"
     fi
 
     if [[ -z ${FASTMT_GIT_SHA:-} ]]; then
@@ -356,15 +424,16 @@ setup() {
     fi
     log "git: $FASTMT_GIT_SHA$(git status --porcelain --untracked-files=no 2>/dev/null | grep -q . && echo ' (uncommitted changes)')"
 
-    # our Triton kernels compiled ahead of time for sm_90 (bench/aot.py): a warm cache if the keys match
-    export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$SCRATCH/triton-cache}
-    mkdir -p "$TRITON_CACHE_DIR"
-    if [[ -f .whl/triton-aot-sm90.tgz ]]; then
-        tar -xzf .whl/triton-aot-sm90.tgz -C "$TRITON_CACHE_DIR" 2>>"$WORK/$LOGDIR/setup-aot.log"
-        log "triton cache: $(triton_entries) kernels compiled ahead of time in $TRITON_CACHE_DIR;" \
-            "$(env -u TRITON_INTERPRET "$PY" -m bench.aot --check "$TRITON_CACHE_DIR/AOT-KEYS.json" 2>&1 | tail -n 1)"
+    # cold caches: Triton's and Inductor's in this run's own scratch folder, empty (a warm machine's rerun too)
+    export TRITON_CACHE_DIR=$SCRATCH/triton-cache TORCHINDUCTOR_CACHE_DIR=$SCRATCH/inductor-cache
+    mkdir -p "$TRITON_CACHE_DIR" "$TORCHINDUCTOR_CACHE_DIR"
+    CACHES=cold
+    local item trains=0
+    for item in "${RUN[@]}"; do [[ ${item#*:} == train || ${item#*:} == peers ]] && trains=1; done
+    if ((trains)); then
+        log "caches: Triton and Inductor empty for the training (the AOT cache is unpacked by the aot step)"
     else
-        log "triton cache: no .whl/triton-aot-sm90.tgz (GPU_AOT=1 make gpu-wheels builds it): every kernel compiles here"
+        unpack_aot
     fi
     has_pytest_timeout || log "WARNING: pytest-timeout is missing: no per-test timeout (the steps' deadlines still hold)"
 
@@ -425,48 +494,79 @@ EOF
     grep -E "^torch |^python |REQUIREMENT|requirements:|^module " "$WORK/$LOGDIR/setup-env.log" | sed 's/^/  /'
 }
 
-run_step() {
-    local step=$1 limit remaining rc t0
-    limit=$(limit_of "$step")
+start_sampler() {  # nvidia-smi's utilization every 500 ms into $1, beside the step (nothing without nvidia-smi)
+    SAMPLER=
+    command -v nvidia-smi >/dev/null || return 0
+    nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader,nounits -lms 500 \
+        >"$1" 2>/dev/null &
+    SAMPLER=$!
+}
+
+stop_sampler() {
+    [[ -n $SAMPLER ]] || return 0
+    kill "$SAMPLER" 2>/dev/null
+    wait "$SAMPLER" 2>/dev/null
+    SAMPLER=
+}
+
+run_step() {  # run_step PACKET STEP LATER: LATER = the minimum shares of the steps after it
+    local packet=$1 step=$2 later=$3 limit remaining rc t0 key
+    key=$step
+    [[ $packet != - ]] && key="$packet:$step"
+    limit=$(limit_of "$step" "$packet")
     remaining=$(left)
-    if ((remaining < 30)); then
-        STATUS[$step]="skipped (${remaining}s left before the deadline)"
-        SECS[$step]=0
-        log "SKIP $step: ${remaining}s left before the deadline"
+    if ((remaining < 15)); then
+        STATUS[$key]="skipped (${remaining}s left before the deadline)"
+        SECS[$key]=0
+        log "SKIP $key: ${remaining}s left before the deadline"
         return
     fi
-    ((limit > remaining)) && limit=$remaining
-    step_command "$step" "$limit"
-    log "START $step (limit ${limit}s): ${CMD[*]}"
+    ((limit > remaining - later)) && limit=$((remaining - later))
+    ((limit < 15)) && limit=15
     t0=$SECONDS
-    local cached
+    if [[ $step == aot ]]; then
+        unpack_aot
+        STATUS[$key]=ok
+        SECS[$key]=$((SECONDS - t0))
+        return
+    fi
+    step_command "$step" "$packet" "$limit"
+    log "START $key (limit ${limit}s): ${CMD[*]}"
+    local cached term kill_after
     cached=$(triton_entries)
-    # TERM at the limit (pytest writes its summary, the frontier and sweep kill their contestants' process
-    # groups), KILL 15 s later; `timeout` signals its whole process group, the step's children included
-    timeout --signal=TERM --kill-after=15 "$limit" "${CMD[@]}" >"$WORK/$LOGDIR/$step.log" 2>&1 </dev/null
+    [[ $step == train || $step == peers ]] && start_sampler "$WORK/$LOGDIR/$step-gpu.csv"
+    # TERM before the limit (pytest writes its summary, the frontier and sweep kill their contestants' process
+    # groups), KILL at the limit; `timeout` signals its whole process group, the step's children included
+    kill_after=$((limit > 40 ? 10 : 3))
+    term=$((limit - kill_after))
+    timeout --signal=TERM --kill-after="$kill_after" "$term" "${CMD[@]}" >"$WORK/$LOGDIR/$step.log" 2>&1 </dev/null
     rc=$?
-    SECS[$step]=$((SECONDS - t0))
-    log "$step compiled $(( $(triton_entries) - cached )) Triton kernels here (not in the cache; ours and Inductor's)"
+    stop_sampler
+    SECS[$key]=$((SECONDS - t0))
+    log "$key compiled $(( $(triton_entries) - cached )) Triton kernels here (not in the cache; ours and Inductor's)"
     case $rc in
-        0) STATUS[$step]=ok ;;
-        124 | 137) STATUS[$step]="TIMEOUT after ${limit}s (rc $rc)" ;;
-        *) STATUS[$step]="FAILED (rc $rc)" ;;
+        0) STATUS[$key]=ok ;;
+        124 | 137) STATUS[$key]="TIMEOUT after ${limit}s (rc $rc)" ;;
+        *) STATUS[$key]="FAILED (rc $rc)" ;;
     esac
-    log "END $step: ${STATUS[$step]} in ${SECS[$step]}s -> $LOGDIR/$step.log"
+    if [[ -f $WORK/$LOGDIR/$step.outcomes.jsonl ]]; then
+        log "$key outcomes (streamed, kept whatever stopped the step): $("$PY" -m bench.pytest_stop "$WORK/$LOGDIR/$step.outcomes.jsonl")"
+    fi
+    log "END $key: ${STATUS[$key]} in ${SECS[$key]}s -> $LOGDIR/$step.log"
     tail -n 12 "$WORK/$LOGDIR/$step.log" | sed 's/^/    /'
 }
 
 # ---------------------------------------------------------------------------------------------
-# Packing: one tarball + summary.txt (the device returns at most 8 files of 16 MiB)
+# Packing: one tarball + summary.txt, checked against what a device call brings back
 # ---------------------------------------------------------------------------------------------
 pack() {
     local list=$SCRATCH/pack-list tgz=$DEST/results.tgz size
     {
         cd "$WORK" || return
-        find bench/results -type f 2>/dev/null
+        find bench/results -type f -newer "$SCRATCH/started" 2>/dev/null
         find "$LOGDIR" -type f 2>/dev/null
         find runs -mindepth 2 -maxdepth 2 -type f \( -name metrics.jsonl -o -name provenance.json -o -name '*.png' \) \
-            ! -path 'runs/gpu_run/*' 2>/dev/null
+            -newer "$SCRATCH/started" ! -path 'runs/gpu_run/*' 2>/dev/null
     } | sort -u >"$list"
     tar -C "$WORK" -czf "$tgz.tmp" -T "$list" 2>>"$SCRATCH/pack.log"
     size=$(stat -c %s "$tgz.tmp" 2>/dev/null || echo 0)
@@ -483,17 +583,49 @@ pack() {
         tar -C "$WORK" -czf "$tgz.tmp" -T "$kept" 2>>"$SCRATCH/pack.log"
         size=$(stat -c %s "$tgz.tmp" 2>/dev/null || echo 0)
     fi
+    if ((size > MAX_TGZ_BYTES)); then  # still too big: the records and the summary, nothing else
+        grep -E '(\.md|\.json|\.jsonl|\.csv|summary\.txt|\.xml)$' "$list" >"$SCRATCH/pack-small" || true
+        echo "results.tgz kept only records and logs: $size bytes was over $MAX_TGZ_BYTES" >>"$SCRATCH/pack.log"
+        tar -C "$WORK" -czf "$tgz.tmp" -T "$SCRATCH/pack-small" 2>>"$SCRATCH/pack.log"
+        size=$(stat -c %s "$tgz.tmp" 2>/dev/null || echo 0)
+    fi
     mv -f "$tgz.tmp" "$tgz"
     cp -f "$SUMMARY" "$DEST/summary.txt"
     PACKED_BYTES=$size
 }
 
+record() {  # the packet's record: bench/results/packet-record.json (one per packet run; the last packet's here)
+    local packet=$1 item steps=() quality outcomes=()
+    for item in "${RUN[@]}"; do
+        [[ ${item%%:*} == "$packet" ]] || continue
+        steps+=(--step "${item#*:}=${STATUS[$item]:-not run}=${SECS[$item]:-0}")
+    done
+    steps=("${steps[@]// /_}")
+    quality=$(ls -t "$WORK"/bench/results/quality-*.json 2>/dev/null | head -n 1)
+    [[ -n $quality && $quality -nt $SCRATCH/started ]] || quality=
+    [[ -f $WORK/$LOGDIR/kernel-test.outcomes.jsonl ]] && outcomes=(--outcomes "$WORK/$LOGDIR/kernel-test.outcomes.jsonl")
+    "$PY" -m bench.packets record --packet "$packet" "${steps[@]}" ${quality:+--quality "$quality"} "${outcomes[@]}" \
+        --caches "$CACHES" --out "$WORK/bench/results/packet-record.json" >>"$SUMMARY" 2>&1 \
+        || log "WARNING: the packet record could not be written (see above)"
+}
+
 finish() {
+    local p
+    for p in "${PACKETS_RUN[@]}"; do record "$p"; done
     {
         echo
         echo "==== steps"
-        for s in "${STEPS[@]}"; do printf '  %-16s %-40s %6ss\n' "$s" "${STATUS[$s]:-not run}" "${SECS[$s]:-0}"; done
-        for s in "${STEPS[@]}"; do
+        for s in "${RUN[@]}"; do
+            local key=${s#-:}
+            printf '  %-24s %-40s %6ss\n' "$key" "${STATUS[$key]:-not run}" "${SECS[$key]:-0}"
+        done
+        if [[ -f $WORK/bench/results/packet-record.json ]]; then
+            echo
+            echo "==== packet record (every number; bench/results/packet-record.json)"
+            cat "$WORK/bench/results/packet-record.json"
+        fi
+        for s in "${RUN[@]}"; do
+            s=${s#*:}
             [[ -f $WORK/$LOGDIR/$s.log ]] || continue
             echo
             echo "==== tail of $s.log"
@@ -507,6 +639,8 @@ finish() {
         [[ -f $SCRATCH/pack.log ]] && cat "$SCRATCH/pack.log"
     } >>"$SUMMARY"
     pack
+    local problems
+    problems=$("$PY" -m bench.packets check-out "$DEST" 2>&1) || log "WARNING: what comes back is over the device's limits: $problems"
     echo "[gpu_run +${SECONDS}s] packed $DEST/results.tgz ($((PACKED_BYTES / 1024)) KB) and $DEST/summary.txt" | tee -a "$SUMMARY"
     cp -f "$SUMMARY" "$DEST/summary.txt"
     sed -n '/^==== steps/,$p' "$SUMMARY" | tail -n 120
@@ -516,12 +650,19 @@ CMD=()
 PACKED_BYTES=0
 setup
 pack
-for step in "${STEPS[@]}"; do
-    run_step "$step"
+n=${#RUN[@]}
+for ((i = 0; i < n; i++)); do
+    later=0
+    for ((j = i + 1; j < n; j++)); do
+        l=$(limit_of "${RUN[j]#*:}" "${RUN[j]%%:*}")
+        later=$((later + (l < LATER_SHARE_S ? l : LATER_SHARE_S)))
+    done
+    run_step "${RUN[i]%%:*}" "${RUN[i]#*:}" "$later"
     pack
 done
 finish
-for s in "${STEPS[@]}"; do
-    [[ ${STATUS[$s]:-} == ok ]] || exit 1
+for s in "${RUN[@]}"; do
+    [[ ${STATUS[${s#-:}]:-} == ok ]] || exit 1
 done
 exit 0
+}

@@ -28,12 +28,17 @@
 #   GPU_WHEELS_EXTRA   more distributions to carry, space-separated (resolved versions)
 #   FASTMT_DATA_FILES  data files to copy (':'-separated, as fastmt reads it); default the stand-in
 #                      corpus ../shared/data/opus_mt_testsets/en-it/train.jsonl
+#   GPU_AOT            1 (default): also compile our Triton kernels for sm_90 here (bench/aot.py) into
+#                      .whl/triton-aot-sm90.tgz, which bench/gpu_run.sh unpacks into the Triton cache: the plans
+#                      "kernel-test" (packet 1's kernel tests) and "train" (the `fast` preset's first step: the
+#                      kernels, constexprs and autotuned configs packet 3's headline cases launch); packet 1's
+#                      training itself stays cold (the cache is unpacked after it). Needs python3.12 (the GPU
+#                      image's CPython: Triton's cache key hashes libtriton, which differs per CPython build);
+#                      the first time it builds .cache/aot-py312 with torch 2.11 + triton 3.6 (~5 GB of
+#                      downloads), then compiles for minutes on 2 cores; the time each takes is printed.
+#                      0: skip it (the kernels then compile on the device, inside the packets' limits).
 #   GPU_AOT_PYTHON     a CPython 3.12 with the GPU image's torch 2.11 and triton 3.6 (plus einops, numpy<2.4,
-#                      sentencepiece, pytest, hypothesis): also compile our Triton kernels for sm_90 here
-#                      (bench/aot.py: the runbook's kernel-test step and the `fast` preset's first step) into
-#                      .whl/triton-aot-sm90.tgz, which bench/gpu_run.sh unpacks into TRITON_CACHE_DIR. Python
-#                      3.12 because Triton's cache key hashes libtriton, which differs per CPython build.
-#                      GPU_AOT=1 builds such an interpreter in .cache/aot-py312 with python3.12 (~5 GB, minutes).
+#                      sentencepiece, pytest, hypothesis) to compile with, instead of .cache/aot-py312
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -128,25 +133,32 @@ fi
 
 # -- 5. Triton kernels compiled ahead of time for sm_90 (optional) -----------------------------------
 AOT_PY=${GPU_AOT_PYTHON:-}
-if [[ -z $AOT_PY && ${GPU_AOT:-0} == 1 ]]; then
-    command -v python3.12 >/dev/null || die "GPU_AOT=1 needs python3.12 on PATH (the GPU image's CPython)"
-    if [[ ! -x .cache/aot-py312/bin/python ]]; then
-        say "building .cache/aot-py312 (torch 2.11.0, triton 3.6.0 for CPython 3.12: the GPU image's)"
-        python3.12 -m venv .cache/aot-py312
-        .cache/aot-py312/bin/pip install -q "torch==2.11.0" "triton==3.6.0" "numpy<2.4" einops sentencepiece \
-            pytest hypothesis 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
+if [[ -z $AOT_PY && ${GPU_AOT:-1} == 1 ]]; then
+    if ! command -v python3.12 >/dev/null; then
+        say "WARNING: no python3.12 on PATH (the GPU image's CPython): no AOT Triton cache; the kernels compile on" \
+            "the device inside the packets' limits (GPU_AOT=0 skips this step without the warning)"
+    else
+        if [[ ! -x .cache/aot-py312/bin/python ]]; then
+            t0=$SECONDS
+            say "building .cache/aot-py312 (torch 2.11.0, triton 3.6.0 for CPython 3.12: the GPU image's; ~5 GB of downloads the first time)"
+            python3.12 -m venv .cache/aot-py312
+            .cache/aot-py312/bin/pip install -q "torch==2.11.0" "triton==3.6.0" "numpy<2.4" einops sentencepiece \
+                pytest hypothesis 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
+            say "built .cache/aot-py312 in $((SECONDS - t0)) s"
+        fi
+        AOT_PY=.cache/aot-py312/bin/python
     fi
-    AOT_PY=.cache/aot-py312/bin/python
 fi
 if [[ -n $AOT_PY ]]; then
     "$AOT_PY" -c 'import sys, triton; assert sys.version_info[:2] == (3, 12) and triton.__version__ == "3.6.0", (sys.version, triton.__version__)' \
         || die "GPU_AOT_PYTHON=$AOT_PY is not CPython 3.12 with triton 3.6.0 (the GPU image's): its cache would never hit"
     say "compiling our Triton kernels for sm_90 with $AOT_PY (bench/aot.py; minutes on 2 cores)"
     rm -rf "$tmp/aot" && mkdir -p "$tmp/aot"
+    t0=$SECONDS
     env -u TRITON_INTERPRET TRITON_STORE_BINARY_ONLY=1 PYTHONPATH="$PWD" "$AOT_PY" -m bench.aot --plan kernel-test \
         --plan train --out "$tmp/aot" --json "$tmp/aot-units.json" | sed 's/^/  /'
     tar -czf .whl/triton-aot-sm90.tgz -C "$tmp/aot" .
-    say "carrying .whl/triton-aot-sm90.tgz ($(( $(stat -c %s .whl/triton-aot-sm90.tgz) / 1024 )) KB)"
+    say "compiled in $((SECONDS - t0)) s; carrying .whl/triton-aot-sm90.tgz ($(( $(stat -c %s .whl/triton-aot-sm90.tgz) / 1024 )) KB)"
 fi
 
 # -- 6. sizes ---------------------------------------------------------------------------------------

@@ -1,14 +1,22 @@
 """A pytest plugin of the GPU runbook's test steps (``-p bench.pytest_stop``): a test step ends with its
-summary and its JUnit file, whatever stops it.
+summary and its JUnit file, whatever stops it, and no finished test's outcome is ever lost.
 
 ``--stop-after-s S``: no test starts once S seconds have passed since the session started; the rest of
 the selection is reported as not run (pytest's "Interrupted" line) and the session ends normally. SIGTERM
 (``timeout`` at the step's limit) stops the session as Ctrl-C does: pytest reports what ran, writes the
 JUnit file, and exits 2. Without this a TERM killed pytest with neither (bench/gpu_run.sh's steps).
+
+``--outcomes PATH``: one JSON line per test phase that decides an outcome (``{"nodeid", "outcome", "when",
+"duration"}``, plus the first lines of the failure), appended and flushed to the disk as each test finishes.
+A hang inside a CUDA call cannot be interrupted by a signal handler (Python runs it only between bytecodes),
+so the runbook's KILL 15 s after the TERM would otherwise lose every result with the JUnit file; the
+outcomes file keeps each finished test's.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import threading
 import time
@@ -16,11 +24,14 @@ import time
 import pytest
 
 _DEADLINE: dict[str, float] = {}
+_OUTCOMES: dict[str, int] = {}  # "fd": the open outcomes file
 
 
 def pytest_addoption(parser):
     parser.addoption("--stop-after-s", type=float, default=None, metavar="S",
                      help="start no test after S seconds of the session (bench/pytest_stop.py)")
+    parser.addoption("--outcomes", default=None, metavar="PATH",
+                     help="append each finished test's outcome to PATH as a JSON line, flushed at once")
 
 
 def _interrupt(signum, _frame):
@@ -31,8 +42,35 @@ def pytest_configure(config):
     seconds = config.getoption("--stop-after-s")
     if seconds is not None:
         _DEADLINE["at"], _DEADLINE["seconds"] = time.monotonic() + seconds, seconds
+    path = config.getoption("--outcomes")
+    if path and not hasattr(config, "workerinput"):
+        _OUTCOMES["fd"] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)
+
+
+def pytest_unconfigure(config):
+    fd = _OUTCOMES.pop("fd", None)
+    if fd is not None:
+        os.close(fd)
+
+
+def pytest_runtest_logreport(report):
+    """The phase that decides the test's outcome: a failed or skipped setup, the call, a failed teardown."""
+    fd = _OUTCOMES.get("fd")
+    if fd is None:
+        return
+    if not (report.when == "call" or (report.when == "setup" and not report.passed)
+            or (report.when == "teardown" and report.failed)):
+        return
+    outcome = "error" if report.failed and report.when != "call" else report.outcome
+    rec = {"nodeid": report.nodeid, "outcome": outcome, "when": report.when, "duration": round(report.duration, 3)}
+    if report.failed:
+        crash = getattr(report.longrepr, "reprcrash", None)  # "path:line: message" of the failure
+        text = getattr(crash, "message", None) or (str(report.longreprtext).strip().splitlines() or [""])[-1]
+        rec["message"] = str(text)[:500]
+    os.write(fd, (json.dumps(rec) + "\n").encode())
+    os.fsync(fd)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -41,3 +79,26 @@ def pytest_runtest_protocol(item, nextitem):
     if nextitem is not None and "at" in _DEADLINE and time.monotonic() > _DEADLINE["at"]:
         item.session.shouldstop = (f"--stop-after-s {_DEADLINE['seconds']:g} reached: "
                                    f"the tests after {item.nodeid} did not run")
+
+
+def count(path: str) -> dict[str, int]:
+    """Outcome counts of an outcomes file (what a KILLed step still shows): {"passed": n, ...}."""
+    out: dict[str, int] = {}
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for line in fh:
+                try:
+                    outcome = json.loads(line)["outcome"]
+                except (ValueError, KeyError, TypeError):
+                    continue
+                out[outcome] = out.get(outcome, 0) + 1
+    except OSError:
+        pass
+    return out
+
+
+if __name__ == "__main__":  # python3 -m bench.pytest_stop FILE: the counts, one line
+    import sys
+
+    c = count(sys.argv[1])
+    print(", ".join(f"{v} {k}" for k, v in sorted(c.items())) or "no finished test")

@@ -83,6 +83,70 @@ def summary(rows: Sequence[dict[str, Any]], test: dict[str, Any] | None, planned
             **{k: (test or {}).get(k) for k in ("test_loss", "test_bleu", "test_chrf", "test_sentences")}}
 
 
+def read_gpu_samples(path: Path | None) -> list[tuple[float, float]]:
+    """(seconds since the first sample, utilization 0..1) from ``nvidia-smi --query-gpu=timestamp,utilization.gpu
+    --format=csv,noheader,nounits -lms 500`` output (bench/gpu_run.sh samples the train step); [] without one."""
+    import datetime as dt
+
+    if path is None or not path.is_file():
+        return []
+    out, t0 = [], None
+    for line in path.read_text(errors="replace").splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) < 2:
+            continue
+        try:
+            t = dt.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+            util = float(parts[1]) / 100.0
+        except ValueError:
+            continue
+        t0 = t if t0 is None else t0
+        out.append((t - t0, util))
+    return out
+
+
+def run_numbers(epochs: Sequence[dict[str, Any]], summ: dict[str, Any],
+                samples: Sequence[tuple[float, float]] = ()) -> dict[str, Any]:
+    """The numbers a packet reports of a training run: seconds to each BLEU threshold from process start, the
+    compile (first step), steady steps/s and real tokens/s (epochs after the first), graphs compiled after the
+    first epoch (recompiles after warm-up) and graph breaks, the GPU busy share over the steady epochs
+    (``samples``: nvidia-smi's utilization, the share of each sample window with a kernel running), peak memory,
+    test BLEU."""
+    first, last = epochs[0], epochs[-1]
+    steady = epochs[1:]
+    steady_s = sum(float(r.get("epoch_seconds") or 0.0) for r in steady)
+    tps = sorted(float(r["tokens_per_second"]) for r in steady if r.get("tokens_per_second"))
+    graphs = [r.get("compiled_graphs") for r in epochs]
+    window = [u for t, u in samples if float(first["wall_seconds"]) <= t <= float(last["wall_seconds"])]
+    peaks = [float(r["peak_memory_gb"]) for r in epochs if r.get("peak_memory_gb") is not None]
+    return {
+        "time_to_bleu_s": {k: (v or {}).get("seconds") for k, v in summ["time_to_bleu"].items()},
+        "compile_s": first.get("first_step_seconds"),
+        "epochs": len(epochs), "steps": last.get("step"),
+        "steps_per_s": (float(last["step"]) - float(first["step"])) / steady_s if steady and steady_s > 0 else None,
+        "tokens_per_s": tps[len(tps) // 2] if tps else None,
+        "compiled_graphs": graphs[-1],
+        "recompiles_after_warmup": (graphs[-1] - graphs[0]) if None not in (graphs[0], graphs[-1]) else None,
+        "graph_breaks": last.get("graph_breaks"),
+        "gpu_busy_share": sum(window) / len(window) if window else None,
+        "gpu_samples": len(window),
+        "peak_memory_gb": max(peaks) if peaks else None,
+        "best_valid_bleu": summ.get("best_valid_bleu"), "test_bleu": summ.get("test_bleu"),
+        "test_chrf": summ.get("test_chrf"), "wall_s": summ.get("wall_seconds_total"),
+    }
+
+
+def unstable_graphs(numbers: dict[str, Any]) -> list[str]:
+    """What makes a compiled run's graphs unstable: a graph compiled after the first epoch, or a graph break."""
+    out = []
+    if (numbers.get("recompiles_after_warmup") or 0) > 0:
+        out.append(f"{numbers['recompiles_after_warmup']} graph(s) compiled after the first epoch (a recompile "
+                   f"after warm-up: {numbers['compiled_graphs']} graphs in all)")
+    if (numbers.get("graph_breaks") or 0) > 0:
+        out.append(f"{numbers['graph_breaks']} graph break(s) in the compiled regions")
+    return out
+
+
 def quality_markdown(run: Path, rows, summ: dict[str, Any], prov: dict[str, Any]) -> str:
     gpu = prov.get("gpu") or "cpu"
     sha = prov.get("git_sha") or "unknown"
@@ -111,6 +175,7 @@ def quality_markdown(run: Path, rows, summ: dict[str, Any], prov: dict[str, Any]
         f"- best validation BLEU {H.fmt(summ['best_valid_bleu'])} (epoch {H.fmt(summ['best_epoch'])}); "
         f"test: loss {H.fmt(summ['test_loss'])}, sacreBLEU **{H.fmt(summ['test_bleu'])}**, "
         f"chrF **{H.fmt(summ['test_chrf'])}** ({H.fmt(summ['test_sentences'])} sentences)",
+        *numbers_lines(summ.get("numbers") or {}),
         "",
         H.markdown_table(rows, COLUMNS, HEADERS),
         "",
@@ -123,7 +188,18 @@ def quality_markdown(run: Path, rows, summ: dict[str, Any], prov: dict[str, Any]
     return "\n".join(lines) + "\n"
 
 
-def write_quality(run: Path, out: Path) -> dict[str, Path]:
+def numbers_lines(n: dict[str, Any]) -> list[str]:
+    if not n:
+        return []
+    busy = n.get("gpu_busy_share")
+    return [f"- steady epochs: {H.fmt(n['steps_per_s'])} steps/s, {H.fmt(n['tokens_per_s'])} real tokens/s (median); "
+            f"graphs compiled {H.fmt(n['compiled_graphs'])}, after the first epoch {H.fmt(n['recompiles_after_warmup'])}; "
+            f"graph breaks {H.fmt(n['graph_breaks'])}; peak memory {H.fmt(n['peak_memory_gb'])} GiB",
+            "- GPU busy (nvidia-smi utilization.gpu over the steady epochs): "
+            + (f"**{100 * busy:.0f} %** ({n['gpu_samples']} samples)" if busy is not None else "not sampled")]
+
+
+def write_quality(run: Path, out: Path, gpu_samples: Path | None = None) -> dict[str, Path]:
     epochs, test, prov = read_run(run)
     if not epochs:
         raise ValueError(f"{run}/metrics.jsonl has no epoch records yet (the run has not finished an epoch)")
@@ -133,13 +209,65 @@ def write_quality(run: Path, out: Path) -> dict[str, Path]:
     thresholds = tuple((cfg.get("eval") or {}).get("bleu_thresholds") or THRESHOLDS)
     summ = summary(rows, test, planned, thresholds)
     summ["first_step_seconds"] = epochs[0].get("first_step_seconds")
+    summ["numbers"] = run_numbers(epochs, summ, read_gpu_samples(gpu_samples))
     extra = {"run": str(run), "gpu": prov.get("gpu") or "cpu", "git_sha": prov.get("git_sha"),
              "corpus": corpus_label(prov),
-             **{f"final_{k}": v for k, v in summ.items() if k != "time_to_bleu"},
+             **{f"final_{k}": v for k, v in summ.items() if k not in ("time_to_bleu", "numbers")},
              **{f"time_to_bleu_{k}": (v or {}).get("seconds") for k, v in summ["time_to_bleu"].items()}}
     # one record per device: the latest run
-    return H.write_results(out, "quality", H.gpu_slug(prov.get("gpu") or "cpu"), [{**r, **extra} for r in rows],
-                           COLUMNS, quality_markdown(run, rows, summ, prov))
+    slug = H.gpu_slug(prov.get("gpu") or "cpu")
+    paths = H.write_results(out, "quality", slug, [{**r, **extra} for r in rows], COLUMNS,
+                            quality_markdown(run, rows, summ, prov))
+    paths["json"] = out / f"quality-{slug}.json"  # the numbers a packet record carries
+    paths["json"].write_text(json.dumps({"run": str(run), "gpu": prov.get("gpu") or "cpu", "git_sha": prov.get("git_sha"),
+                                         "corpus": corpus_label(prov), **summ["numbers"]}, indent=1, default=str))
+    return paths
+
+
+def best_by(rows: Sequence[dict[str, Any]], t: float) -> float | None:
+    """The best validation BLEU a run had reached by wall second ``t`` (None: no evaluation yet)."""
+    seen = [_num(r.get("bleu")) for r in rows if float(r["wall_seconds"]) <= t and not math.isnan(_num(r.get("bleu")))]
+    return max(seen) if seen else None
+
+
+def compare_runs(a: Path, b: Path, out: Path) -> dict[str, Path]:
+    """Two runs side by side on the wall clock (packet 2: fastmt's `make train` run against the HF baseline under
+    the same budget): seconds from process start to each BLEU threshold, and each run's best validation BLEU at
+    the same wall times (every epoch end of either run, up to the shorter run's last evaluation)."""
+    runs = []
+    for run in (a, b):
+        epochs, test, prov = read_run(run)
+        if not epochs:
+            raise ValueError(f"{run}/metrics.jsonl has no epoch records")
+        name = ((prov.get("config") or {}).get("run") or {}).get("name") or run.name
+        runs.append((run, name, epochs, test, prov))
+    thresholds = tuple(((runs[0][4].get("config") or {}).get("eval") or {}).get("bleu_thresholds") or THRESHOLDS)
+    end = min(float(r[2][-1]["wall_seconds"]) for r in runs)
+    times = sorted({float(e["wall_seconds"]) for r in runs for e in r[2] if float(e["wall_seconds"]) <= end})
+    hits = [time_to_bleu(r[2], thresholds) for r in runs]
+    label = [f"`{r[1]}` ({r[0].name})" for r in runs]
+    gpu = runs[0][4].get("gpu") or "cpu"
+    lines = [f"# {label[0]} against {label[1]} on {gpu}", "",
+             f"- data: **{corpus_label(runs[0][4])}**; git `{runs[0][4].get('git_sha')}` / `{runs[1][4].get('git_sha')}`",
+             "- seconds from each run's process start (data, compile, evaluation included); validation BLEU on the "
+             "same sentences (``score_split``), the test split whole", "",
+             "| valid BLEU reached | " + " | ".join(label) + " |", "|---|---|---|"]
+    for t in thresholds:
+        cells = [f"{h[f'{t:g}']['seconds']:.0f} s (epoch {h[f'{t:g}']['epoch']})" if h[f"{t:g}"] else "not reached"
+                 for h in hits]
+        lines.append(f"| >= {t:g} | " + " | ".join(cells) + " |")
+    lines += ["| best valid BLEU | " + " | ".join(H.fmt(max((_num(e.get("bleu")) for e in r[2]), default=None))
+                                                 for r in runs) + " |",
+              "| test BLEU | " + " | ".join(H.fmt((r[3] or {}).get("test_bleu")) for r in runs) + " |",
+              "", "Best validation BLEU reached by each wall time (the same clock for both):", "",
+              "| wall s | " + " | ".join(label) + " |", "|---|---|---|"]
+    rows = []
+    for t in times:
+        pair = [best_by(r[2], t) for r in runs]
+        rows.append({"wall_seconds": t, "a_bleu": pair[0], "b_bleu": pair[1]})
+        lines.append(f"| {t:.1f} | " + " | ".join(H.fmt(v) for v in pair) + " |")
+    slug = H.gpu_slug(gpu)
+    return H.write_results(out, "compare", slug, rows, ("wall_seconds", "a_bleu", "b_bleu"), "\n".join(lines) + "\n")
 
 
 def default_out(run: Path) -> Path:
@@ -154,18 +282,40 @@ def default_out(run: Path) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.quality", description=__doc__.split("\n\n")[0])
-    p.add_argument("--run", type=Path, required=True, help="run folder (runs/<name>) with metrics.jsonl")
+    p.add_argument("--run", type=Path, help="run folder (runs/<name>) with metrics.jsonl")
+    p.add_argument("--compare", type=Path, nargs=2, metavar=("RUN_A", "RUN_B"),
+                   help="two run folders side by side on the wall clock (fastmt's and the HF baseline's)")
     p.add_argument("--out", type=Path, help="output folder (default: bench/results for a GPU run, the run folder "
                                             "for a CPU run: CPU smoke runs never touch the committed results)")
+    p.add_argument("--gpu-samples", type=Path, help="nvidia-smi utilization samples taken during the run "
+                                                     "(bench/gpu_run.sh's train step): the GPU busy share")
+    p.add_argument("--require-stable-graphs", action="store_true",
+                   help="exit 1 (after writing) on a graph compiled after the first epoch or a graph break")
     a = p.parse_args(argv)
+    if (a.run is None) == (a.compare is None):
+        p.error("give --run RUN or --compare RUN_A RUN_B")
+    if a.compare:
+        try:
+            paths = compare_runs(*a.compare, a.out or default_out(a.compare[0]))
+        except (FileNotFoundError, ValueError, KeyError) as e:
+            print(f"bench.quality: --compare: {e}", file=sys.stderr)
+            return 2
+        print(paths["md"].read_text())
+        return 0
     try:
-        paths = write_quality(a.run, a.out or default_out(a.run))
+        paths = write_quality(a.run, a.out or default_out(a.run), a.gpu_samples)
     except (FileNotFoundError, ValueError) as e:
         print(f"bench.quality: {e}", file=sys.stderr)
         return 2
     print(paths["md"].read_text())
     for kind, path in paths.items():
         print(f"[quality] {kind}: {path}")
+    if a.require_stable_graphs:
+        problems = unstable_graphs(json.loads(paths["json"].read_text()))
+        for line in problems:
+            print(f"bench.quality: {a.run}: {line}", file=sys.stderr)
+        if problems:
+            return 1
     return 0
 
 

@@ -121,3 +121,14 @@ def compiled_graphs() -> int | None:
         return int(counters["stats"]["unique_graphs"])
     except Exception:  # noqa: BLE001 - a diagnostics counter, never fatal
         return None
+
+
+def graph_breaks() -> int | None:
+    """Graph breaks dynamo has met in this process, every reason summed (None when unavailable): a compiled
+    training region should have none (its break runs eagerly, and each break is one more graph)."""
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(sum(counters["graph_break"].values()))
+    except Exception:  # noqa: BLE001 - a diagnostics counter, never fatal
+        return None

@@ -125,9 +125,10 @@ class EpochEnd:
             record["partial_epoch"] = True
         record["mfu"] = self._mfu(st, record["tgt_tokens_per_second"])
         record["peak_dtype"] = self.peak_dtype
-        from train.compile import compiled_graphs
+        from train.compile import compiled_graphs, graph_breaks
 
         record["compiled_graphs"] = compiled_graphs() if self.compiled else None
+        record["graph_breaks"] = graph_breaks() if self.compiled else None
         record["first_step_seconds"] = self.first_step_seconds
         if self.device.type == "cuda":
             record["peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30

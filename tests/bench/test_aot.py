@@ -88,8 +88,9 @@ import json
 from bench import aot
 here = aot.cache_keys(90)
 stale = {key: aot.check({**here, key: value}, here) for key, value in (
-    ("kernels_sha256", "0" * 64), ("git_sha", "f" * 40), ("triton_key_sha256", "x"), ("backend", "y"))}
-print(json.dumps({"keys": here, "same": aot.check(dict(here), here), "stale": stale}))
+    ("kernels_sha256", "0" * 64), ("triton_key_sha256", "x"), ("backend", "y"))}
+other_commit = aot.check({**here, "git_sha": "f" * 40}, here)
+print(json.dumps({"keys": here, "same": aot.check(dict(here), here), "stale": stale, "other_commit": other_commit}))
 """
 
 
@@ -104,9 +105,13 @@ def test_check_fails_on_any_difference_of_the_carried_cache(tmp_path):
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     assert got["keys"]["kernels_sha256"] == h.hexdigest() and got["keys"]["git_sha"]
     assert got["same"][0] == 0 and "keys match" in got["same"][1]
-    # an edit of kernels/*.py, another commit, another triton build or ptxas: each named, each a failure
+    # an edit of kernels/*.py, another triton build or ptxas: each named, each a failure
     for key, (status, line) in got["stale"].items():
         assert status == 1 and "KEYS DIFFER" in line and key in line, (key, line)
+    # another commit with the same kernels' source: every entry is still valid (Triton's key has no commit in
+    # it); the check says so and names both commits (it used to say "every kernel compiles here")
+    status, line = got["other_commit"]
+    assert status == 0 and "keys match" in line and "ffffffffffff" in line, line
     keys_file = tmp_path / "AOT-KEYS.json"  # the command line's exit status, as gpu_run.sh's setup runs it
     keys_file.write_text(json.dumps({**got["keys"], "kernels_sha256": "0" * 64}))
     stale = _aot("", "-m", "bench.aot", "--check", str(keys_file))

@@ -21,7 +21,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_run.sh"
-REQUIRED = ("call1", "call2", "call3")
 
 
 def gpu_run(*args: str, env: dict | None = None, script: Path = SCRIPT, timeout: float = 120) -> str:
@@ -31,64 +30,80 @@ def gpu_run(*args: str, env: dict | None = None, script: Path = SCRIPT, timeout:
     return out.stdout
 
 
-def show(step: str, **env: str) -> list[str]:
-    """The step's command, word by word, as the script would run it."""
-    return gpu_run("show", step, env=env).splitlines()
+def show(step: str, packet: str | None = None, **env: str) -> list[str]:
+    """The step's command (in ``packet``, else on its own), word by word, as the script would run it."""
+    return gpu_run("show", step, *([packet] if packet else []), env=env).splitlines()
 
 
 def pytest_args(words: list[str], junit: Path) -> list[str]:
     """The pytest arguments of a test step's command (after ``-m pytest``), its JUnit file moved to ``junit``."""
     args = words[words.index("pytest") + 1:]
-    return [f"--junitxml={junit}" if a.startswith("--junitxml=") else a for a in args]
+    return [f"--junitxml={junit}" if a.startswith("--junitxml=") else
+            f"--outcomes={junit.with_suffix('.outcomes.jsonl')}" if a.startswith("--outcomes=") else a for a in args]
 
 
 # ----------------------------------------------------------------------------------------------
-# The plan
+# The plan: a 15-minute session holds start-up + packet 1 + a rerun of it, or packet 1 + packet 2
 # ----------------------------------------------------------------------------------------------
-def parse_plan(text: str) -> dict[str, dict]:
-    calls: dict[str, dict] = {}
-    current = None
+def parse_plan(text: str) -> tuple[dict[str, dict], list[tuple[list[int], int, int]], int]:
+    """({packet: {"command": s, "steps": {name: s}}}, session lines as ([terms], total, budget), budget)."""
+    packets: dict[str, dict] = {}
+    sessions = []
+    budget = int(re.search(r"one session of (\d+) s of device time", text)[1])
     for line in text.splitlines():
-        head = re.match(r"^(call\d) \((required|optional)\): ", line)
-        if head:
-            current = calls.setdefault(head[1], {"kind": head[2], "steps": {}})
-            continue
-        total = re.match(r"^  (call\d) command (\d+) s .*with start-up (\d+) s", line)
-        if total:
-            calls[total[1]].update(command=int(total[2]), total=int(total[3]))
-            continue
-        row = re.match(r"^  (\S+)\s+(\d+) s$", line)
-        if row and current is not None:
-            current["steps"][row[1]] = int(row[2])
-    return calls
+        m = re.match(r"^(packet\d+): (\d+) s = (.*?)  -- ", line)
+        if m:
+            steps = dict((name, int(sec)) for name, sec in re.findall(r"([a-z-]+) (\d+)", m[3]))
+            packets[m[1]] = {"command": int(m[2]), "steps": steps, "order": re.findall(r"([a-z-]+) \d+", m[3])}
+        m = re.match(r"^session: (.*) = (\d+) s of (\d+)", line)
+        if m:
+            sessions.append(([int(x) for x in re.findall(r" (\d+)(?= \+| =|$)", " " + m[1])], int(m[2]), int(m[3])))
+    return packets, sessions, budget
 
 
-def test_plan_fits_a_session_with_a_retry_to_spare():
-    calls = parse_plan(gpu_run("plan"))
-    assert [c for c, v in calls.items() if v["kind"] == "required"] == list(REQUIRED)
-    for name, call in calls.items():
-        # every call's command time is its setup + its steps' limits + the pack, and at most 9.5 min
-        assert call["command"] == sum(call["steps"].values()), (name, call)
-        assert call["command"] <= 570, (name, call["command"])
-        assert call["total"] > call["command"], f"{name}: start-up not counted"
-    assert sum(calls[c]["total"] for c in REQUIRED) <= 40 * 60
-    # the evidence that matters in calls 1-3; the ladder, the sweeps and the rest later
-    assert {"kernel-test", "bench-kernels"} <= set(calls["call1"]["steps"])
-    assert {"train", "quality", "profile"} <= set(calls["call2"]["steps"])
-    assert "frontier" in calls["call3"]["steps"]
-    early = {s for c in REQUIRED for s in calls[c]["steps"]}
-    assert not early & {"ladder", "sweep", "inference", "kernel-test-slow"}
-    later = {s for c, v in calls.items() if c not in REQUIRED for s in v["steps"]}
-    assert {"ladder", "sweep", "inference", "kernel-test-slow"} <= later
+def test_plan_fits_a_15_minute_session_with_a_rerun_of_packet1():
+    from bench import packets as P
+
+    packets, sessions, budget = parse_plan(gpu_run("plan"))
+    assert budget == 900 == P.SESSION_S
+    assert list(packets) == [p.name for p in P.PACKETS] and list(packets)[:2] == ["packet1", "packet2"]
+    for name, p in packets.items():
+        # the printed total is the sum of its parts, and it is the table's
+        assert p["command"] == sum(p["steps"].values()) == P.BY_NAME[name].command_s, (name, p)
+        assert p["command"] <= (240 if name == "packet2" else 300), (name, p["command"])
+    # start-up + packet1 + packet1 again + idle, and start-up + packet1 + packet2 + idle: each sums and fits
+    assert len(sessions) == 2
+    for terms, total, of in sessions:
+        assert sum(terms) == total <= of == budget, (terms, total)
+    assert sessions[0][0][1:3] == [packets["packet1"]["command"]] * 2
+    assert sessions[1][0][1:3] == [packets["packet1"]["command"], packets["packet2"]["command"]]
+    assert sessions[0][0][0] == P.STARTUP_S and sessions[0][0][-1] == P.IDLE_S
 
 
-def test_a_longer_step_limit_shows_in_the_plan():
-    calls = parse_plan(gpu_run("plan", env={"LIMIT_TRAIN": "900"}))
-    assert calls["call2"]["steps"]["train"] == 900 and calls["call2"]["command"] > 570  # the plan is the script's
+def test_packet1_runs_make_train_cold_first_then_its_record_then_the_kernels():
+    packets, _, _ = parse_plan(gpu_run("plan"))
+    assert packets["packet1"]["order"] == ["setup", "train", "quality", "aot", "kernel-test", "pack"]
+    assert packets["packet2"]["order"] == ["setup", "peers", "compare", "pack"]
+    queue = [s for name, p in packets.items() if name not in ("packet1", "packet2") for s in p["steps"]]
+    assert {"bench-kernels", "frontier", "profile", "ladder", "sweep", "kernel-test-slow", "inference"} <= set(queue)
+    assert list(packets)[2] == "packet3" and "bench-kernels" in packets["packet3"]["steps"]  # the headline first
+
+
+def test_a_longer_step_limit_shows_in_the_commands_deadline():
+    words = show("kernel-test", "packet1", LIMIT_KERNEL_TEST="200")
+    assert "--stop-after-s=160" in words  # 200 - min(40, 200 / 4)
+
+
+@pytest.mark.parametrize("limit, stop", [("70", 53), ("40", 30), ("20", 12), ("400", 360)])
+def test_pytest_keeps_a_margin_that_holds_for_short_limits(limit, stop):
+    """The stop margin is a quarter of the limit, at least 8 s, at most 40 s: a 40 s limit stops at 30 s (it
+    stopped at 20, half the limit, before)."""
+    words = show("kernel-test", "packet1", LIMIT_KERNEL_TEST=limit)
+    assert f"--stop-after-s={stop}" in words, words
 
 
 # ----------------------------------------------------------------------------------------------
-# The kernel-test step's selection
+# The kernel-test step's selection: every GPU test, the training path first, no CPU-only test
 # ----------------------------------------------------------------------------------------------
 _COLLECT = textwrap.dedent("""
     import json, sys
@@ -124,43 +139,48 @@ def would_use_the_gpu(items: list) -> set[str]:
     return {nodeid for nodeid, marks, path in items if {"gpu", "interpreter"} & set(marks) or switches[path]}
 
 
-def test_kernel_test_step_selects_every_kernel_test_that_would_use_the_gpu(tmp_path):
+def test_kernel_test_step_selects_every_gpu_test_training_path_first_and_no_cpu_only_test(tmp_path):
     rc, everything = collect(["tests/kernels"])
     assert rc == 0 and everything
     gpu = would_use_the_gpu(everything)
     slow = {n for n, marks, _ in everything if "slow" in marks}
-    rc, step = collect(pytest_args(show("kernel-test"), tmp_path / "k.xml"))
+    words = show("kernel-test", "packet1")
+    rc, step = collect(pytest_args(words, tmp_path / "k.xml"))
     assert rc == 0
-    selected = {n for n, _, _ in step}
-    left_out = sorted(gpu - slow - selected)
+    selected = [n for n, _, _ in step]
+    left_out = sorted(gpu - slow - set(selected))
     assert not left_out, f"the kernel-test step leaves out {len(left_out)} GPU tests: {left_out[:10]}"
-    # the ones the issue names: Lion against lion-pytorch, mixed-dtype LayerNorm, opcheck
-    for name in ("test_lion.py::test_kernel_matches_reference_and_lion_pytorch",
-                 "test_layernorm.py::test_mixed_residual_dtype_matches_reference[x-bf16-res-fp32]",
-                 "test_lion.py::test_opcheck", "test_layernorm.py::test_opcheck"):
+    cpu_only = sorted(set(selected) - gpu)
+    assert not cpu_only, f"the kernel-test step spends the GPU slot on {len(cpu_only)} CPU-only tests: {cpu_only[:10]}"
+    # the training path's kernels first: packed attention (causal, cross), the fused LayerNorm incl. mixed
+    # dtypes; Lion after them (the default recipe is AdamW)
+    files = [n.split("::")[0].rsplit("/", 1)[-1] for n in selected]
+    order = list(dict.fromkeys(files))
+    assert order[:2] == ["test_packed_attention.py", "test_layernorm.py"], order
+    assert order.index("test_lion.py") > order.index("test_layernorm.py")
+    for name in ("test_packed_attention.py::", "test_layernorm.py::test_mixed_residual_dtype_matches_reference",
+                 "test_lion.py::test_kernel_matches_reference_and_lion_pytorch", "test_layernorm.py::test_opcheck"):
         assert any(name in n for n in selected), name
-    # the slow full grids run in the optional kernel-test-slow step
-    rc, step_slow = collect(pytest_args(show("kernel-test-slow"), tmp_path / "s.xml"))
+    assert any("causal" in n for n in selected if "test_packed_attention" in n)
+    assert any("cross" in n for n in selected if "test_packed_attention" in n)
+    # the slow full grids run in the kernel-test-slow step (packet 10)
+    rc, step_slow = collect(pytest_args(show("kernel-test-slow", "packet10"), tmp_path / "s.xml"))
     assert rc == 0 and not sorted(gpu & slow - {n for n, _, _ in step_slow})
 
 
 def test_the_aot_plan_replays_the_kernel_test_steps_selection(tmp_path):
     """bench/aot.py's kernel-test plan runs the step's tests themselves (under its compile-only driver): the
     tests it selects are the ones the step selects, with the step's autotune setting."""
-    import ast
-
-    tree = ast.parse((ROOT / "bench" / "aot.py").read_text())
-    [selection] = [ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
-                   and any(getattr(t, "id", "") == "KERNEL_TEST_SELECTION" for t in n.targets)]
-    words = show("kernel-test")
-    rc_plan, plan = collect(list(selection))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # bench.aot refuses the interpreter
+    out = subprocess.run([sys.executable, "-c", "import json; from bench.aot import kernel_test_selection; "
+                          "print(json.dumps(kernel_test_selection()))"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    words = show("kernel-test", "packet1")
+    rc_plan, plan = collect(json.loads(out.stdout.strip().splitlines()[-1]))
     rc_step, step = collect(pytest_args(words, tmp_path / "k.xml"))
-    assert rc_plan == rc_step == 0 and {n for n, _, _ in plan} == {n for n, _, _ in step}
+    assert rc_plan == rc_step == 0 and [n for n, _, _ in plan] == [n for n, _, _ in step]
     assert "FASTMT_AUTOTUNE=0" in words  # the plan's autotune setting
-    # the step runs the files most important to training first (a step cut at its deadline has run them)
-    files = [w for w in words if w.startswith("tests/kernels/")]
-    assert files[:2] == ["tests/kernels/test_lion.py", "tests/kernels/test_layernorm.py"]
-    assert sorted(files) == sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "kernels").glob("test_*.py"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -169,7 +189,8 @@ def test_the_aot_plan_replays_the_kernel_test_steps_selection(tmp_path):
 @pytest.mark.parametrize("var, step", [("KERNEL_TEST_ARGS", "kernel-test"), ("TRAIN_ARGS", "train"),
                                        ("BENCH_KERNELS_ARGS", "bench-kernels"), ("PROFILE_ARGS", "profile"),
                                        ("FRONTIER_ARGS", "frontier"), ("LADDER_ARGS", "ladder"),
-                                       ("SWEEP_ARGS", "sweep"), ("INFERENCE_ARGS", "inference")])
+                                       ("SWEEP_ARGS", "sweep"), ("INFERENCE_ARGS", "inference"),
+                                       ("PEERS_ARGS", "peers")])
 def test_pass_through_arguments_keep_quoted_words(var, step):
     words = show(step, **{var: """-m 'not slow' -k "a b" --x '$HOME' `id`"""})
     assert words[-7:] == ["-m", "not slow", "-k", "a b", "--x", "$HOME", "`id`"]
@@ -184,10 +205,34 @@ def test_train_args_replace_the_steps_own_flags_which_fastmt_refuses_twice():
     assert "--auto" not in words and "--run.max_wall_seconds" not in words and "--data-files" not in words
     assert words.count("--run.max_wall_seconds=100") == 1 and words[-4:] == [
         "--preset", "s18", "--run.max_wall_seconds=100", "--data.dataset", "toy"][-4:]
-    plain = show("train")
+    plain = show("train", "packet1")
     assert "--auto" in plain and plain.count("--run.max_wall_seconds") == 1
     budget = int(plain[plain.index("--run.max_wall_seconds") + 1])
-    assert 0 < budget <= int(parse_plan(gpu_run("plan"))["call2"]["steps"]["train"]) - 60  # time for test, plot
+    train_limit = parse_plan(gpu_run("plan"))[0]["packet1"]["steps"]["train"]
+    assert 0 < budget <= train_limit - 30  # time for the test split, the done record and the plot
+    # packet 2's HF baseline trains under the same wall budget (its curve stands beside packet 1's)
+    peers = show("peers", "packet2")
+    assert peers[peers.index("--max-wall-seconds") + 1] == str(budget)
+    assert peers[peers.index("--preset") + 1] == "fast"  # the same split, tokenizer and validation as --auto on CUDA
+
+
+def test_the_rehearsal_trains_the_fast_structure_compiled_on_the_cpu_and_never_twice_the_data(tmp_path):
+    """The rehearsal's train step compiles (Inductor on the CPU) the `fast` preset's structure at a tiny size, on
+    the toy corpus only: with a carried .data/ it used to get --data-files and --data.dataset toy and exit 2."""
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "bench", repo / "bench", ignore=shutil.ignore_patterns("results", "__pycache__"))
+    (repo / ".data").mkdir()
+    (repo / ".data" / "pairs.jsonl").write_text("{}\n")
+    (repo / ".data" / "FILES").write_text("pairs.jsonl\n")
+    words = gpu_run("show", "train", "packet1", env={"GPU_RUN_REHEARSAL": "1"}, script=repo / "bench" / "gpu_run.sh")
+    words = words.splitlines()
+    for flag, value in (("--preset", "fast"), ("--run.compile", "true"), ("--run.device", "cpu"),
+                        ("--data.dataset", "toy")):
+        assert words[words.index(flag) + 1] == value, (flag, words)
+    assert "--auto" not in words and "--run.compile" in words
+    # the setup drops .data in a rehearsal; `show` reads it as the GPU would, so the step itself must not add it
+    # when its smoke form names the data
+    assert "--data-files" not in words
 
 
 def test_an_unclosed_quote_is_refused_before_anything_runs():
@@ -205,16 +250,20 @@ def test_kernel_test_args_not_slow_is_a_valid_pytest_selection(tmp_path):
 # Setup: this run's own scratch folders, PYTHONPATH only when the install into it worked
 # ----------------------------------------------------------------------------------------------
 FAKE_PYTHON = """#!/usr/bin/env bash
-# a python3 that records what a step gets, delegating everything else to the real one
+# a python3 that records what a step gets, delegating the runbook's own helpers and everything else to the real one
 if [[ $1 == -m && $2 == pip ]]; then
     target=; prev=
     for a in "$@"; do [[ $prev == --target ]] && target=$a; prev=$a; done
     [[ $FAKE_PIP == ok ]] || exit 1
     mkdir -p "$target/fakepkg" && exit 0
 fi
+if [[ $1 == -m && ( $2 == bench.packets || $2 == bench.pytest_stop ) ]]; then
+    PYTHONPATH=FAKE_ROOT exec REAL "$@"
+fi
 if [[ $1 == -m ]]; then
     {
         echo "ARGS $*"
+        echo "CALL $2 $(find "$TRITON_CACHE_DIR" -mindepth 1 -maxdepth 1 | wc -l) $(find "$TORCHINDUCTOR_CACHE_DIR" -mindepth 1 | wc -l)"
         echo "PYTHONPATH=${PYTHONPATH-<unset>}"
         echo "TRITON_CACHE_DIR=$TRITON_CACHE_DIR"
         echo "HF_HOME=$HF_HOME"
@@ -228,12 +277,16 @@ exec REAL "$@"
 
 def _copy_with_fake_python(tmp_path: Path, pip: str) -> tuple[Path, dict]:
     repo = tmp_path / "repo"
-    (repo / "bench").mkdir(parents=True)
-    shutil.copy(SCRIPT, repo / "bench" / "gpu_run.sh")
+    shutil.copytree(ROOT / "bench", repo / "bench", ignore=shutil.ignore_patterns("results", "__pycache__"))
+    (repo / "tests" / "kernels").mkdir(parents=True)
+    from bench.packets import KERNEL_TEST_FILES
+
+    for name in KERNEL_TEST_FILES:
+        (repo / "tests" / "kernels" / name).write_text("")
     (repo / ".whl").mkdir()
     (repo / ".whl" / "fake-1.0-py3-none-any.whl").write_bytes(b"not a wheel")
     fake = tmp_path / "python3"
-    fake.write_text(FAKE_PYTHON.replace("REAL", sys.executable))
+    fake.write_text(FAKE_PYTHON.replace("REAL", sys.executable).replace("FAKE_ROOT", str(ROOT)))
     fake.chmod(0o755)
     scratch = tmp_path / "tmp"
     scratch.mkdir()
@@ -243,14 +296,15 @@ def _copy_with_fake_python(tmp_path: Path, pip: str) -> tuple[Path, dict]:
     return repo, env
 
 
-def _run_copy(repo: Path, env: dict) -> dict:
-    full = {k: v for k, v in os.environ.items() if k not in ("TRITON_CACHE_DIR", "HF_HOME")}
-    out = subprocess.run(["bash", str(repo / "bench" / "gpu_run.sh"), "quality"], env={**full, **env},
-                         capture_output=True, text=True, timeout=120)
-    assert "END quality: ok" in out.stdout, out.stdout[-3000:] + out.stderr[-2000:]
+def _run_copy(repo: Path, env: dict, *what: str) -> dict:
+    full = {k: v for k, v in os.environ.items() if k not in ("TRITON_CACHE_DIR", "HF_HOME", "TORCHINDUCTOR_CACHE_DIR")}
+    out = subprocess.run(["bash", str(repo / "bench" / "gpu_run.sh"), *(what or ("quality",))], env={**full, **env},
+                         capture_output=True, text=True, timeout=180)
+    assert re.search(r"END (packet1:)?quality: ok", out.stdout), out.stdout[-3000:] + out.stderr[-2000:]
     log = Path(env["FAKE_LOG"]).read_text()
-    return dict(line.split("=", 1) for line in log.splitlines() if "=" in line and not line.startswith("ARGS")) | {
-        "site": next((x for x in log.splitlines() if x.startswith("SITE ")), "")}
+    return dict(line.split("=", 1) for line in log.splitlines() if "=" in line and not line.startswith(("ARGS", "CALL")))\
+        | {"site": next((x for x in log.splitlines() if x.startswith("SITE ")), ""), "stdout": out.stdout,
+           "calls": [x.split()[1:] for x in log.splitlines() if x.startswith("CALL ")]}
 
 
 @pytest.mark.parametrize("pip", ["ok", "fails"])
@@ -445,3 +499,228 @@ def test_lion_tests_skip_cleanly_without_lion_pytorch(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:]
     assert re.search(r"\b2 passed\b", out.stdout) and re.search(r"\b3 skipped\b", out.stdout), out.stdout[-2000:]
     assert "lion-pytorch is not installed" in out.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# Packet 1: `make train` truly cold (the AOT cache unpacked only after it), a record that comes back
+# ----------------------------------------------------------------------------------------------
+def _fake_aot_tgz(repo: Path, tmp_path: Path) -> None:
+    import tarfile
+
+    src = tmp_path / "aot-src"
+    (src / "abcdef").mkdir(parents=True)
+    (src / "abcdef" / "kernel.json").write_text("{}")
+    (src / "AOT-KEYS.json").write_text("{}")
+    with tarfile.open(repo / ".whl" / "triton-aot-sm90.tgz", "w:gz") as tar:
+        for p in src.iterdir():
+            tar.add(p, arcname=p.name)
+
+
+def test_packet1_trains_with_empty_caches_and_unpacks_the_aot_cache_for_the_kernel_tests(tmp_path):
+    repo, env = _copy_with_fake_python(tmp_path, "ok")
+    _fake_aot_tgz(repo, tmp_path)
+    env.pop("GPU_RUN_DEADLINE_S")
+    seen = _run_copy(repo, env, "packet1")
+    calls = {c[0]: (int(c[1]), int(c[2])) for c in seen["calls"]}
+    assert calls["train"] == (0, 0), calls  # Triton's and Inductor's caches empty: a cold `make train`
+    assert calls["pytest"][0] >= 2, calls  # the kernel tests run on the AOT cache, unpacked after the training
+    order = [c[0] for c in seen["calls"]]
+    assert order.index("train") < order.index("bench.quality") < order.index("pytest")
+    out = Path(env["OUT"])
+    import tarfile
+
+    with tarfile.open(out / "results.tgz") as tar:
+        names = tar.getnames()
+        record = json.loads(tar.extractfile("bench/results/packet-record.json").read())
+    assert record["packet"] == "packet1" and record["caches"] == "cold aot"
+    assert [s["name"] for s in record["steps"]] == ["train", "quality", "aot", "kernel-test"]
+    assert record["complete"] and record["clean"] and record["code"]
+    assert any(n.endswith("/summary.txt") for n in names)
+    summary = (out / "summary.txt").read_text()
+    assert "==== packet record" in summary and '"packet": "packet1"' in summary
+    from bench.packets import check_out
+
+    assert check_out(out) == []
+
+
+def test_a_warm_machines_rerun_is_cold_again(tmp_path):
+    """Two packet-1 runs one after the other on the same machine: the second's train step finds empty caches
+    again (each run's caches live in its own scratch folder, never in ~/.cache)."""
+    repo, env = _copy_with_fake_python(tmp_path, "ok")
+    _fake_aot_tgz(repo, tmp_path)
+    env.pop("GPU_RUN_DEADLINE_S")
+    _run_copy(repo, env, "packet1")
+    Path(env["FAKE_LOG"]).write_text("")
+    seen = _run_copy(repo, env, "packet1")
+    assert {c[0]: int(c[1]) for c in seen["calls"]}["train"] == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# No step can lose the packet: streamed outcomes under a KILL, the size check of what comes back
+# ----------------------------------------------------------------------------------------------
+def test_finished_test_outcomes_survive_a_kill(tmp_path):
+    """A hang inside a CUDA call cannot be interrupted by a signal handler, and the runbook's KILL loses the JUnit
+    file: the outcomes file holds each finished test's outcome the moment it finished."""
+    (tmp_path / "test_slow_probe.py").write_text(SLOW_TESTS.replace("def test_three", "def test_zero_fails():\n"
+                                                                     "    assert 1 == 2\n\n\ndef test_three"))
+    outcomes = tmp_path / "outcomes.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "bench.pytest_stop",
+                             f"--outcomes={outcomes}", f"--junitxml={tmp_path / 'junit.xml'}", "--rootdir",
+                             str(tmp_path), "test_slow_probe.py::test_one", "test_slow_probe.py::test_zero_fails",
+                             "test_slow_probe.py::test_two"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "STARTED").exists():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.1)
+    proc.kill()  # SIGKILL: no handler runs, no summary, no JUnit
+    proc.wait(timeout=30)
+    assert not (tmp_path / "junit.xml").exists()
+    rows = [json.loads(x) for x in outcomes.read_text().splitlines()]
+    assert [(r["nodeid"].split("::")[1], r["outcome"]) for r in rows] == [("test_one", "passed"),
+                                                                         ("test_zero_fails", "failed")]
+    assert "assert 1 == 2" in rows[1]["message"]
+    from bench.pytest_stop import count
+
+    assert count(str(outcomes)) == {"passed": 1, "failed": 1}
+
+
+def test_check_out_names_what_a_device_call_would_not_bring_back(tmp_path):
+    from bench.packets import check_out
+
+    out = tmp_path / "out"
+    (out / "a" / "b" / "c").mkdir(parents=True)
+    (out / "results.tgz").write_bytes(b"x")
+    assert check_out(out) == []
+    (out / "a" / "b" / "c" / "deep.txt").write_text("x")  # three folders down
+    (out / "bad name.txt").write_text("x")
+    with open(out / "big.bin", "wb") as fh:
+        fh.truncate(16 * 1024 * 1024 + 1)
+    for i in range(7):
+        (out / f"f{i}").write_text("x")
+    problems = "\n".join(check_out(out))
+    assert "deep.txt: more than 2 folders down" in problems
+    assert "bad name.txt: a name with characters" in problems
+    assert "big.bin: 16777217 bytes" in problems
+    assert "11 files, over 8" in problems
+
+
+# ----------------------------------------------------------------------------------------------
+# What has been shown: `next`, landing a call's results
+# ----------------------------------------------------------------------------------------------
+def test_next_names_the_first_packet_without_a_landed_result_for_the_current_code(tmp_path):
+    from bench import packets as P
+
+    records = tmp_path / "packets.jsonl"
+    assert P.next_packet(P.read_records(records)).name == "packet1"
+    p1 = {"packet": "packet1", "code": P.code_hash(P.BY_NAME["packet1"]), "complete": True}
+    records.write_text(json.dumps(p1) + "\n")
+    assert P.next_packet(P.read_records(records)).name == "packet2"
+    # an incomplete packet (a step timed out), or one measured on other code, does not count
+    records.write_text(json.dumps({**p1, "complete": False}) + "\n" + json.dumps({**p1, "code": "0" * 16}) + "\n")
+    assert P.next_packet(P.read_records(records)).name == "packet1"
+    out = gpu_run("next")
+    assert out.startswith("packet") and "code " in out
+
+
+def test_the_code_hash_follows_the_files_a_packet_measures(tmp_path):
+    from bench import packets as P
+
+    root = tmp_path / "repo"
+    shutil.copytree(ROOT / "kernels", root / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    (root / "bench").mkdir()
+    (root / "bench" / "kernels.py").write_text("x = 1\n")
+    p3 = P.BY_NAME["packet3"]
+    before = P.code_hash(p3, root)
+    (root / "kernels" / "__pycache__").mkdir(exist_ok=True)
+    (root / "kernels" / "__pycache__" / "x.py").write_text("cache")
+    assert P.code_hash(p3, root) == before  # caches are not code
+    (root / "bench" / "kernels.py").write_text("x = 2\n")
+    assert P.code_hash(p3, root) != before
+
+
+def test_land_puts_a_calls_results_under_bench_results_and_appends_the_record(tmp_path):
+    import io
+    import tarfile
+
+    from bench import packets as P
+
+    call = tmp_path / "device" / "7"
+    call.mkdir(parents=True)
+    rec = {"packet": "packet1", "code": "c0ffee", "complete": True, "date": "2026-11-27", "gpu_slug": "h200",
+           "sha": "abcdef1234"}
+    with tarfile.open(call / "results.tgz", "w:gz") as tar:
+        for name, data in (("bench/results/packet-record.json", json.dumps(rec)),
+                           ("bench/results/quality-h200.md", "# q"), ("../escape.txt", "no"),
+                           ("runs/default-x/metrics.jsonl", "{}")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data.encode())
+            tar.addfile(info, io.BytesIO(data.encode()))
+    (call / "summary.txt").write_text("summary")
+    root = tmp_path / "repo"
+    (root / "bench" / "results").mkdir(parents=True)
+    dest = P.land(call, root=root)
+    assert dest == root / "bench/results/gpu-2026-11-27-h200-abcdef1-packet1"
+    assert (dest / "bench/results/quality-h200.md").read_text() == "# q" and (dest / "summary.txt").is_file()
+    assert (dest / "runs/default-x/metrics.jsonl").is_file()
+    assert not (tmp_path / "escape.txt").exists() and not list(root.rglob("escape.txt"))
+    [line] = (root / "bench/results/packets.jsonl").read_text().splitlines()
+    assert json.loads(line) == {**rec, "results": "bench/results/gpu-2026-11-27-h200-abcdef1-packet1"}
+    with pytest.raises(SystemExit, match="exists"):  # never over a landed folder
+        P.land(call, root=root)
+
+
+# ----------------------------------------------------------------------------------------------
+# The quality step's numbers and its check of the compiled graphs; packet 2's comparison
+# ----------------------------------------------------------------------------------------------
+def _run_folder(path: Path, epochs: list[dict], test_bleu: float | None = None, name: str = "r") -> Path:
+    path.mkdir(parents=True)
+    rows = [{"kind": "epoch", **e} for e in epochs]
+    if test_bleu is not None:
+        rows.append({"kind": "test", "test_bleu": test_bleu, "eval_seconds": 1.0})
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (path / "provenance.json").write_text(json.dumps({"gpu": "NVIDIA H200", "git_sha": "abc",
+                                                      "config": {"run": {"name": name, "epochs": 3}}}))
+    return path
+
+
+def _epoch(n: int, wall: float, bleu: float, graphs: int | None = 5, breaks: int | None = 0) -> dict:
+    return {"epoch": n, "step": 100 * n, "wall_seconds": wall, "epoch_seconds": 10.0, "eval_seconds": 1.0,
+            "bleu": bleu, "tokens_per_second": 1000.0 * n, "compiled_graphs": graphs, "graph_breaks": breaks,
+            "first_step_seconds": 30.0, "peak_memory_gb": 2.0 + n}
+
+
+@pytest.mark.parametrize("graphs, breaks, ok", [((5, 5, 5), (0, 0, 0), True), ((5, 5, 6), (0, 0, 0), False),
+                                                ((5, 5, 5), (0, 0, 1), False), ((None,) * 3, (None,) * 3, True)])
+def test_quality_fails_on_a_recompile_after_warm_up_or_a_graph_break(tmp_path, graphs, breaks, ok):
+    run = _run_folder(tmp_path / "run", [_epoch(i + 1, 40.0 + 12 * i, 10.0 * i, g, b)
+                                         for i, (g, b) in enumerate(zip(graphs, breaks))], test_bleu=9.0)
+    samples = tmp_path / "gpu.csv"  # nvidia-smi's timestamp, utilization, memory every 500 ms from the start
+    samples.write_text("".join(f"2026/11/27 10:{i // 120:02d}:{i // 2 % 60:02d}.{500 * (i % 2):03d}, "
+                               f"{90 if i >= 80 else 5}, 100\n" for i in range(130)))
+    out = subprocess.run([sys.executable, "-m", "bench.quality", "--run", str(run), "--out", str(tmp_path / "o"),
+                          "--gpu-samples", str(samples), "--require-stable-graphs"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert (out.returncode == 0) == ok, out.stdout[-2000:] + out.stderr[-2000:]
+    numbers = json.loads((tmp_path / "o" / "quality-h200.json").read_text())
+    assert numbers["compile_s"] == 30.0 and numbers["steps_per_s"] == pytest.approx(200 / 20.0)
+    assert numbers["tokens_per_s"] == 3000.0 and numbers["peak_memory_gb"] == 5.0 and numbers["test_bleu"] == 9.0
+    assert numbers["time_to_bleu_s"]["20"] == 64.0
+    # the samples between the first epoch's end (40 s) and the last's (64 s): 90 % busy from 40 s on
+    assert numbers["gpu_busy_share"] == pytest.approx(0.9) and numbers["gpu_samples"] == 49
+    if graphs[0] is not None:
+        assert numbers["recompiles_after_warmup"] == graphs[-1] - graphs[0]
+
+
+def test_compare_puts_two_runs_on_one_wall_clock(tmp_path):
+    a = _run_folder(tmp_path / "a", [_epoch(1, 60.0, 5.0), _epoch(2, 70.0, 21.0), _epoch(3, 80.0, 29.0)], 20.0, "fast")
+    b = _run_folder(tmp_path / "b", [_epoch(1, 65.0, 0.1), _epoch(2, 85.0, 22.0)], 1.0, "hf")
+    out = subprocess.run([sys.executable, "-m", "bench.quality", "--compare", str(a), str(b), "--out",
+                          str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    md = (tmp_path / "o" / "compare-h200.md").read_text()
+    assert "| >= 20 | 70 s (epoch 2) | 85 s (epoch 2) |" in md and "| >= 28 | 80 s (epoch 3) | not reached |" in md
+    # equal wall times up to the shorter run's last evaluation (80 s): both runs' best BLEU by then
+    assert "| 65.0 | 5 | 0.1 |" in md and "| 70.0 | 21 | 0.1 |" in md and "| 80.0 | 29 | 0.1 |" in md
+    assert "| 85.0 |" not in md
