@@ -132,16 +132,24 @@ else
 fi
 
 # -- 5. Triton kernels compiled ahead of time for sm_90 (optional) -----------------------------------
+find_python312() {  # a CPython 3.12 that runs: python3.12 on PATH (a pyenv shim may not), else pyenv's own
+    local c
+    for c in python3.12 "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12; do
+        [[ -n $c ]] && "$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && { echo "$c"; return 0; }
+    done
+    return 1
+}
+
 AOT_PY=${GPU_AOT_PYTHON:-}
 if [[ -z $AOT_PY && ${GPU_AOT:-1} == 1 ]]; then
-    if ! command -v python3.12 >/dev/null; then
-        say "WARNING: no python3.12 on PATH (the GPU image's CPython): no AOT Triton cache; the kernels compile on" \
+    if [[ ! -x .cache/aot-py312/bin/python ]] && ! PY312=$(find_python312); then
+        say "WARNING: no python3.12 here (the GPU image's CPython): no AOT Triton cache; the kernels compile on" \
             "the device inside the packets' limits (GPU_AOT=0 skips this step without the warning)"
     else
         if [[ ! -x .cache/aot-py312/bin/python ]]; then
             t0=$SECONDS
-            say "building .cache/aot-py312 (torch 2.11.0, triton 3.6.0 for CPython 3.12: the GPU image's; ~5 GB of downloads the first time)"
-            python3.12 -m venv .cache/aot-py312
+            say "building .cache/aot-py312 with $PY312 (torch 2.11.0, triton 3.6.0 for CPython 3.12: the GPU image's; ~5 GB of downloads the first time)"
+            "$PY312" -m venv .cache/aot-py312
             .cache/aot-py312/bin/pip install -q "torch==2.11.0" "triton==3.6.0" "numpy<2.4" einops sentencepiece \
                 pytest hypothesis 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
             say "built .cache/aot-py312 in $((SECONDS - t0)) s"
