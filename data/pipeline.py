@@ -374,8 +374,7 @@ def _tokenizer_of(entry: E.Entry, cfg: DataConfig, cache: Path, sets: dict, toke
     key = F.check_key(entry.meta["tokenizer_key"], "meta.json's tokenizer_key")
     if C.read_json(cache / f"spm-{key}" / "settings.json") != sets["tokenizer"]:
         raise ValueError("settings.json differs from the settings")
-    model = F.check_regular(cache / f"spm-{key}" / "spm.model", "cache tokenizer")
-    return Tokenizer(model, key, cfg.spm_threads or E.build_workers(cfg))
+    return Tokenizer(cache / f"spm-{key}" / "spm.model", key, cfg.spm_threads or E.build_workers(cfg), inside=cache)
 
 
 @contextlib.contextmanager

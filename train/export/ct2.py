@@ -142,7 +142,7 @@ class CT2Translator:
         self.path = path
         self.settings: dict[str, Any] = json.loads((path / DECODING_FILE).read_text())
         self.config: dict[str, Any] = json.loads((path / CONFIG_FILE).read_text())
-        self.tok = Tokenizer(str(path / "spm.model"))
+        self.tok = Tokenizer(str(path / "spm.model"), inside=path)
         self.max_positions = int(self.settings["max_positions"])
         self.translator = ctranslate2.Translator(str(path), device=device, compute_type=compute_type,
                                                  intra_threads=threads)
