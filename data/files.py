@@ -412,6 +412,34 @@ def sha256_file(path: str | os.PathLike, what: str = "file", *, inside: str | os
     return h.hexdigest()
 
 
+def check_stored_zip(f: IO[bytes], path: str | os.PathLike, what: str) -> None:
+    """Refuse (`BadFileError`) a zip archive (a torch checkpoint) whose records would inflate: every record must be
+    stored uncompressed (what ``torch.save`` writes) and the records together no larger than the file, so nothing
+    read from it can be larger than the file itself. ``f`` is read from its start and left there."""
+    import zipfile
+
+    size = os.fstat(f.fileno()).st_size
+    try:
+        f.seek(0)
+        with zipfile.ZipFile(f) as z:
+            infos = z.infolist()
+        total = 0
+        for info in infos:
+            if info.compress_type != zipfile.ZIP_STORED or info.file_size != info.compress_size:
+                raise ValueError(f"its record {info.filename[:80]!r} is compressed ({info.compress_size:,} bytes "
+                                 f"that inflate to {info.file_size:,}); torch.save stores records as they are")
+            total += info.file_size
+        if total > size:
+            raise ValueError(f"its records declare {total:,} bytes, more than the file's {size:,}")
+    except zipfile.BadZipFile as e:
+        raise BadFileError(f"{what} {path} is not a torch zip checkpoint ({e}); fastmt writes only those") from None
+    except (ValueError, OverflowError, EOFError, RecursionError, MemoryError) as e:
+        raise BadFileError(f"{what} {path}: {' '.join(str(e).split())[:200]}: refused before loading (a decompression "
+                           f"bomb or a damaged file)") from None
+    finally:
+        f.seek(0)
+
+
 def fd_path(f: IO[bytes]) -> str:
     """A name for the file already opened (checked) as ``f``, for a library that opens by name (``torch.load``'s
     memory map): ``/proc/self/fd/N`` reaches that very file, whatever is now at its path."""

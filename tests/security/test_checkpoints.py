@@ -163,7 +163,7 @@ def test_row6_an_os_error_stops_with_its_cause_instead_of_falling_back(tmp_path,
     real = torch.load
 
     def flaky(f, *args, **kwargs):  # the newest file cannot be read right now (not its content)
-        if str(f).endswith("step-00000002.pt"):
+        if str(getattr(f, "name", f)).endswith("step-00000002.pt"):
             raise OSError(code, os.strerror(code), str(f))
         return real(f, *args, **kwargs)
 

@@ -17,10 +17,11 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from data.files import open_nofollow
+from data.files import LOCK_MAX, MIB, BadFileError, open_nofollow, parse_json, read_bytes
 from train.errors import UserError
 
 LOCK_NAME = ".lock"
+CMDLINE_MAX = 4 * MIB  # /proc/<pid>/cmdline (the kernel's argument limit is 2 MB)
 
 
 def _one_line(text: Any, limit: int = 300) -> str:
@@ -42,18 +43,20 @@ def _same_file(fd: int, path: Path) -> bool:
 
 
 def _read_holder(fd: int) -> dict[str, Any]:
-    raw = os.pread(fd, 65536, 0).decode("utf-8", "replace")
+    """What the holder wrote in the lock file (at most `LOCK_MAX` bytes of the fd `open_nofollow` checked); a line
+    that does not parse (torn, not JSON, nested too deeply) is shown as it is, cut."""
+    raw = os.pread(fd, LOCK_MAX, 0).decode("utf-8", "replace")
     try:
-        info = json.loads(raw)
-    except ValueError:
+        info = parse_json(raw, "run lock")
+    except BadFileError:
         info = None
-    return info if isinstance(info, dict) else {"raw": raw.strip()}
+    return info if isinstance(info, dict) else {"raw": _one_line(raw, 120)}
 
 
 def _command_line(pid: int) -> str | None:
     try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
+        raw = read_bytes(f"/proc/{pid}/cmdline", "command line", limit=CMDLINE_MAX)
+    except (OSError, ValueError):
         return None
     return _one_line(raw.replace(b"\0", b" ").decode("utf-8", "replace"), 200) or None
 
