@@ -166,6 +166,19 @@ def _check_type(value: Any, tp: Any) -> bool:
     return True
 
 
+def type_problem(value: Any, tp: Any) -> str | None:
+    """Why ``value`` (read from JSON or a checkpoint) does not have annotation ``tp`` (None: it does)."""
+    if typing.get_origin(tp) is tuple and isinstance(value, list):
+        value = tuple(value)
+    return None if _check_type(value, tp) else f"is not {_a(_type_name(tp))}"
+
+
+def _shown(v: Any, limit: int = 80) -> str:
+    """A value as an error message shows it: JSON when it is JSON, cut to ``limit`` characters."""
+    text = json.dumps(v) if _jsonable(v) else repr(v)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def build_dataclass(cls, values: dict[str, Any], section: str, *, where: str = "",
                     choices: Mapping[str, Sequence[Any]] | None = None):
     """``cls(**values)`` for values loaded from JSON/checkpoints: unknown keys, wrong types and values outside
@@ -187,7 +200,7 @@ def build_dataclass(cls, values: dict[str, Any], section: str, *, where: str = "
         tp = hints[k]
         if typing.get_origin(tp) is tuple and isinstance(v, list):
             v = tuple(v)
-        shown = json.dumps(v) if _jsonable(v) else repr(v)
+        shown = _shown(v)
         if not _check_type(v, tp):
             raise TypeError(f"{at}{section}.{k}={shown} is not {_a(_type_name(tp))}")
         allowed = (choices or {}).get(k)

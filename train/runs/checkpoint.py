@@ -35,6 +35,7 @@ import torch
 
 from data.files import (
     CHECKPOINT_MAX,
+    BadFileError,
     FileRefusedError,
     atomic_write,
     cause_of,
@@ -302,8 +303,10 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
         ckpt = _torch_load(path, map_location, inside=inside)
     except (CheckpointUnsafeError, CheckpointIOError):
         raise
-    except FileRefusedError as e:  # a link, FIFO, device, an oversized file or compressed records: one line
-        raise RuntimeError(" ".join(str(e).split())) from e
+    except FileRefusedError as e:  # a link, FIFO, device or an oversized file: one line (content: below)
+        if not isinstance(e, BadFileError):
+            raise RuntimeError(f"cannot read checkpoint {str(path)!r}: {' '.join(str(e).split())}") from e
+        raise RuntimeError(f"cannot read checkpoint {str(path)!r} (truncated or not a fastmt checkpoint): {e}") from e
     except FileNotFoundError:
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist") from None
     except Exception as e:  # noqa: BLE001 - re-raised with the path and the likely cause
