@@ -486,16 +486,23 @@ def ownership_problem(path: str | os.PathLike) -> str | None:
         return f"{path} belongs to user {st.st_uid}, not to you ({me})"
     if _writable_by_others(st):
         return f"other users may write in {path} (mode {stat.filemode(st.st_mode)}, group {st.st_gid})"
-    for up in Path(path).resolve().parents:
+    return swap_problem(Path(path).resolve().parent, f"a folder above {path}")
+
+
+def swap_problem(folder: str | os.PathLike, what: str = "the folder") -> str | None:
+    """Why another user could rename or replace what lies in ``folder`` (resolved) or above it (None: nobody can):
+    one of them belongs to a user other than this one and root, or lets other users write in it without the
+    sticky bit."""
+    me = os.geteuid()
+    for up in (Path(folder).resolve(), *Path(folder).resolve().parents):
         try:
             m = os.stat(up)
         except OSError:
             continue
         if m.st_uid not in (me, 0):
-            return f"{up}, a folder above {path}, belongs to user {m.st_uid}, who could replace it"
+            return f"{up}, {what}, belongs to user {m.st_uid}, who could replace it"
         if _writable_by_others(m) and not m.st_mode & stat.S_ISVTX:
-            return (f"{up}, a folder above {path}, lets other users replace it (mode {stat.filemode(m.st_mode)}, "
-                    f"no sticky bit)")
+            return f"{up}, {what}, lets other users replace it (mode {stat.filemode(m.st_mode)}, no sticky bit)"
     return None
 
 

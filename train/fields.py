@@ -214,14 +214,12 @@ def hypotheses_problem(beam: Any, batch: Any, beam_name: str, batch_name: str) -
     return None
 
 
-def bounded(key: str, value: Any, where: str) -> Any:
-    """``value`` of field ``key`` read from a file (a checkpoint's config, an export's record), if it has the field's
-    type and lies within its bounds; else ``ValueError`` naming ``where``, the field and the value."""
-    from train.overrides import type_problem
-
-    info = _infos_by_key().get(key)
-    if info is not None:
-        problem = type_problem(value, info.type)
+def bounded(key: str, value: Any, where: str, tp: Any = None) -> Any:
+    """``value`` of field ``key`` read from a file (a checkpoint's config, an export's record), if it has type ``tp``
+    (the field's annotation; None: not checked) and lies within the field's bounds; else ``ValueError`` naming
+    ``where``, the field and the value."""
+    if tp is not None:
+        problem = type_problem(value, tp)
         if problem:
             raise ValueError(f"{where}: {key}={_cut(value)} {problem}")
     problem = bounds_problem(key, value)
@@ -230,14 +228,58 @@ def bounded(key: str, value: Any, where: str) -> Any:
     return value
 
 
-def check_section(section: str, values: Any, where: str) -> None:
-    """`bounded` for every known field of one section read from a file (a dict; other keys are the reader's)."""
+def check_section(cls: type, section: str, values: Any, where: str) -> None:
+    """`bounded` for every field of dataclass ``cls`` that ``values`` (one section read from a file, a dict) holds,
+    typed by its annotation; unknown keys are left to the dataclass."""
     if not isinstance(values, dict):
         raise ValueError(f"{where}: {section} is a {type(values).__name__}, not an object of fields")
+    hints = typing.get_type_hints(cls)
     for name, value in values.items():
-        key = f"{section}.{name}"
-        if key in _infos_by_key():
-            bounded(key, value, where)
+        if name in hints:
+            bounded(f"{section}.{name}", value, where, hints[name])
+
+
+def type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def article(noun: str) -> str:
+    return ("an " if noun[:1] in "aeiou" else "a ") + noun
+
+
+def check_type(value: Any, tp: Any) -> bool:
+    """Loose isinstance against an annotation, for values loaded from JSON/checkpoints."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(check_type(value, a) for a in args)
+    if tp is type(None):
+        return value is None
+    if origin is Literal:
+        return value in args
+    if origin in (tuple, list):
+        if not isinstance(value, (tuple, list)):
+            return False
+        if args and args[-1] is Ellipsis:
+            return all(check_type(v, args[0]) for v in value)
+        if args and origin is tuple:
+            return len(value) == len(args) and all(check_type(v, a) for v, a in zip(value, args))
+        return True
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(tp, type):
+        return isinstance(value, tp)
+    return True
+
+
+def type_problem(value: Any, tp: Any) -> str | None:
+    """Why ``value`` (read from JSON or a checkpoint) does not have annotation ``tp`` (None: it does)."""
+    if typing.get_origin(tp) is tuple and isinstance(value, list):
+        value = tuple(value)
+    return None if check_type(value, tp) else f"is not {article(type_name(tp))}"
 
 
 def machine_capped(key: str, value: int | None, log=None) -> int | None:
@@ -252,13 +294,6 @@ def machine_capped(key: str, value: int | None, log=None) -> int | None:
             log(f"note: {key}={value} is more than the {cores} cores this process may use: {cores} used")
         return cores
     return value
-
-
-@functools.cache
-def _infos_by_key() -> dict[str, FieldInfo]:
-    from train.config import Config
-
-    return field_infos(Config)
 
 SECTION_HELP = {
     "data": "corpus, cleaning, split, tokenizer, batching (data/config.py)",

@@ -38,6 +38,7 @@ from train.config import Config, check_consistency
 from train.distributed import DistInfo, all_reduce_max, barrier, init_distributed
 from train.epoch_end import EpochEnd, NonFiniteLossError
 from train.errors import UserError
+from train.fields import machine_capped
 from train.loss import SummedCrossEntropy
 from train.objective import BleuClock, WallSplit, process_seconds
 from train.optim import build_optimizer, build_scheduler
@@ -146,7 +147,13 @@ class Trainer(RunSetup, EpochEnd):
         self.cfg = cfg
 
         from models import Transformer, count_params
+        from train.evaluation.load import check_model_config, check_model_memory
 
+        # the model is built on the meta device first (shapes only), as for inference: its size against this
+        # device's memory, and a checkpoint's tensors against its config, before anything is allocated
+        check_model_memory(cfg.model, self.device, training=True, where="this run's model config")
+        if ckpt is not None and isinstance(ckpt.get("model"), dict):
+            check_model_config(cfg.model, ckpt["model"], plan.ckpt_path)
         self.model = Transformer(cfg.model).to(self.device)  # the un-compiled module: checkpoints hold this
         self.params = count_params(self.model)
         self.loss_module = SummedCrossEntropy(self.model, tok.pad_id, cfg.optim.label_smoothing)
@@ -536,8 +543,8 @@ class Trainer(RunSetup, EpochEnd):
 
 def _configure_backend(cfg: Config, device: torch.device) -> None:
     run = cfg.run
-    if device.type == "cpu" and run.cpu_threads is not None:
-        torch.set_num_threads(run.cpu_threads)
+    if device.type == "cpu" and run.cpu_threads is not None:  # never more threads than this machine's cores
+        torch.set_num_threads(machine_capped("run.cpu_threads", run.cpu_threads, print))
     if device.type == "cuda" and run.precision != "fp32":
         # fp32 matmuls left outside autocast may use TF32; the fp32 baseline keeps full precision
         torch.set_float32_matmul_precision("high")

@@ -51,11 +51,16 @@ def configure_cpu(device: torch.device, config: dict[str, Any]) -> None:
     if device.type != "cpu":
         return
     from train import flush_denormals
+    from train.errors import UserError
+    from train.fields import bounded, machine_capped
 
     flush_denormals()
-    threads = (config.get("run") or {}).get("cpu_threads")
-    if isinstance(threads, int) and threads >= 1:
-        torch.set_num_threads(threads)
+    try:  # a value from a file: typed and bounded as the field is, then capped by this machine's cores
+        threads = bounded("run.cpu_threads", (config.get("run") or {}).get("cpu_threads"), "the model's run config")
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if threads is not None:
+        torch.set_num_threads(machine_capped("run.cpu_threads", threads))
 
 
 def autocast_for(device: torch.device, precision: str):

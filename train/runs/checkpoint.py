@@ -42,6 +42,7 @@ from data.files import (
     check_stored_zip,
     fd_path,
     open_read,
+    own_folder,
     remove_inside,
 )
 from train.errors import UserError
@@ -421,6 +422,7 @@ class CheckpointManager:
         self.run_id = run_id
         self.best_value: float | None = None
         self._lineage: dict[Path, str | None | bool] = {}  # file -> its run id (read once per file)
+        self._checked_dir = False
 
     def is_better(self, value: float | None) -> bool:
         if value is None or value != value:  # None or NaN never wins
@@ -435,6 +437,9 @@ class CheckpointManager:
         On ``CheckpointWriteError`` nothing is pruned and ``best_value`` is unchanged; the message
         names the newest checkpoint still on disk.
         """
+        if not self._checked_dir:  # a link or another user's folder planted as checkpoints/: refused, never used
+            own_folder(self.dir, "checkpoint folder", "remove it, or give --run.out_dir a folder of yours")
+            self._checked_dir = True
         try:
             path = atomic_save(state, self.dir / f"step-{step:08d}.pt")
             if self.is_better(metric):

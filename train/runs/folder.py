@@ -192,7 +192,8 @@ def folder_state(path: str | os.PathLike) -> str:
                                  f"run {path} holds and changes nothing in it. Fix: restore run.json from a copy, or "
                                  f"continue from one of its checkpoints with --resume PATH under another --run.name")
         return "run"
-    if all(p.name == LOCK_NAME for p in path.iterdir()):
+    # only a lock (and the temp file of a marker being written): a claim in progress, whose lock decides
+    if all(p.name == LOCK_NAME or _TEMP_RE.match(p.name) for p in path.iterdir()):
         return "empty"
     return "other"
 

@@ -17,7 +17,17 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from data.files import LOCK_MAX, MIB, BadFileError, open_nofollow, parse_json, read_bytes
+from data.files import (
+    LOCK_MAX,
+    MIB,
+    BadFileError,
+    FileRefusedError,
+    open_nofollow,
+    ownership_problem,
+    parse_json,
+    read_bytes,
+    swap_problem,
+)
 from train.errors import UserError
 
 LOCK_NAME = ".lock"
@@ -103,8 +113,10 @@ class RunLock:
     def acquire(self) -> RunLock:
         if self._fd is not None:
             raise RuntimeError(f"{self.path} is already locked by this RunLock")
+        self._check_owner()
         for _ in range(10):
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._check_owner()  # (made by someone else between the check and the mkdir)
             fd = open_nofollow(self.path, os.O_RDWR | os.O_CREAT, 0o644, "run lock")  # a planted link: refused
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -129,6 +141,22 @@ class RunLock:
         self._fd = fd
         _HELD.add(self)
         return self
+
+    def _check_owner(self) -> None:
+        """Refuse (`data.files.FileRefusedError`, one line) a run folder that another user owns or may change, or
+        one that a folder above it lets another user swap: they could redirect ``checkpoints/`` or replace what
+        the run writes. Checked before the lock file is made, so a refusal writes nothing."""
+        here = self.run_dir
+        if here.exists():
+            problem = ownership_problem(here)
+        else:
+            while not here.exists() and here != here.parent:
+                here = here.parent
+            problem = swap_problem(here, "a folder the run folder would be made in")
+        if problem:
+            raise FileRefusedError(f"run folder {self.run_dir}: {problem}: fastmt writes a run only where nobody else "
+                                   f"can change it (they could redirect its checkpoints). Fix: give --run.out_dir a "
+                                   f"folder of yours that only you may write")
 
     def release(self) -> None:
         """Remove the lock file, then drop the lock (in that order, so a waiter never keeps a stale file)."""

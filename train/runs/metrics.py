@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from data.files import append_text, atomic_write, explain_os_errors, read_json_lines
+from data.files import append_text, atomic_write, explain_os_errors, read_json_lines, refuse_link
 
 _FIX = "free space or permissions there, or give --run.out_dir a writable folder"
 
@@ -111,6 +111,7 @@ class MetricsLogger:
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        refuse_link(self.run_dir / "tensorboard", "TensorBoard folder")  # its writer would follow one
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
