@@ -303,11 +303,14 @@ def open_read(path: str | os.PathLike, what: str, *, limit: int | None = None, i
 def read_bytes(path: str | os.PathLike, what: str, *, limit: int, inside: str | os.PathLike | None = None,
                own: bool = False) -> bytes:
     """The bytes of ``path`` through `open_read` (never more than ``limit``)."""
+    data = bytearray()
     with open_read(path, what, limit=limit, inside=inside, own=own) as f:
-        data = f.read(limit + 1)
-    if len(data) > limit:  # it grew while being read (or procfs said 0)
-        raise FileRefusedError(f"{what} {path} holds more than {_size(limit)}; a {what} is at most that")
-    return data
+        # in blocks, never a buffer of the whole cap at once (a 4 GB cap is not 4 GB of memory for a 1 KB file)
+        while chunk := f.read(min(16 * MIB, limit + 1 - len(data))):
+            data += chunk
+            if len(data) > limit:  # it grew while being read (or procfs said 0)
+                raise FileRefusedError(f"{what} {path} holds more than {_size(limit)}; a {what} is at most that")
+    return bytes(data)
 
 
 def decode_text(data: bytes, path: str | os.PathLike, what: str, *, bom: bool = True) -> str:

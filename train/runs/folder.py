@@ -167,6 +167,12 @@ def _legacy_run(run_dir: Path) -> bool:
     """A run folder written by fastmt before run markers existed: its ``provenance.json`` is fastmt's."""
     try:
         prov = read_record(run_dir, "provenance.json", "provenance record", PROVENANCE_MAX)
+    except FileRefusedError as e:
+        if isinstance(e, BadFileError):  # not JSON: not an earlier fastmt's record
+            return False
+        raise RunFolderError(f"{' '.join(str(e).split())}: fastmt cannot tell whether {run_dir} is a run of an "
+                             f"earlier fastmt and changes nothing in it. Fix: remove that file, or choose another "
+                             f"--run.name") from None
     except (OSError, ValueError):
         return False
     return isinstance(prov, dict) and {"config", "git_sha", "torch"} <= set(prov) and (
