@@ -64,7 +64,8 @@ def resolve_decoding(args: argparse.Namespace, config: dict[str, Any]) -> tuple[
         raw = getattr(args, name)
         field = f"{section}.{key}"
         if raw is None:  # the checkpoint's value: typed and bounded as the field is (train/fields.py BOUNDS)
-            value = (config.get(section) or {}).get(key, DECODING_DEFAULTS[name])
+            part = config.get(section) or {}
+            value = part.get(key, DECODING_DEFAULTS[name]) if isinstance(part, dict) else part
             try:
                 values[name] = bounded(field, value, f"--ckpt {getattr(args, 'ckpt', '')}: its config",
                                        int | None if field == "run.cpu_threads" else kind)
@@ -147,7 +148,7 @@ def load_for_command(args: argparse.Namespace, checks: Callable[[], None] | None
         checks()
     model, tok, ckpt = load_for_inference(args.ckpt, device)
     config = ckpt.get("config") or {}
-    configure_cpu(device, config)
+    configure_cpu(device, config, f"--ckpt {args.ckpt}: its run config")
     decoding, given = resolve_decoding(args, config)
     return Loaded(model, tok, config, device, decoding, given)
 

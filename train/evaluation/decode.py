@@ -44,7 +44,7 @@ DECODING_DEFAULTS = {"beam_size": 4, "length_penalty": 0.6, "max_len_a": 1.5, "m
              "precision": "fp32"}
 
 
-def configure_cpu(device: torch.device, config: dict[str, Any]) -> None:
+def configure_cpu(device: torch.device, config: dict[str, Any], where: str = "the model's run config") -> None:
     """On the CPU, set up as the checkpoint's run was: denormals flushed (3x slower eager steps otherwise)
     and ``run.cpu_threads`` threads when it set them (on the shared 2-core machine, load average 3-4, decoding
     the tiny preset's 427-sentence test split of the stand-in corpus took 2.7 s on 1 thread, 29.5 s on 2)."""
@@ -56,7 +56,9 @@ def configure_cpu(device: torch.device, config: dict[str, Any]) -> None:
 
     flush_denormals()
     try:  # a value from a file: typed and bounded as the field is, then capped by this machine's cores
-        threads = bounded("run.cpu_threads", (config.get("run") or {}).get("cpu_threads"), "the model's run config")
+        run = config.get("run") or {}
+        threads = bounded("run.cpu_threads", run.get("cpu_threads") if isinstance(run, dict) else run, where,
+                          int | None)
     except ValueError as e:
         raise UserError(str(e)) from None
     if threads is not None:
