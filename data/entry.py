@@ -189,7 +189,7 @@ def load_entry(cache: Path, key: str, log=print) -> Entry | None:
                 texts[s] = (t["src"], t["tgt"])
         return Entry(path, meta, arrays, texts)
     except (OSError, ValueError, KeyError, TypeError, EOFError) as e:
-        C.discard(path, f"{type(e).__name__}: {str(e)[:120]}", log, cache)
+        C.discard(path, f"{type(e).__name__}: {str(e)[:300]}", log, cache)
         return None
 
 

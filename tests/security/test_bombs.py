@@ -1,0 +1,190 @@
+"""Decompression and size bombs (issue 35): what a file declares is bounded before anything is allocated. A checkpoint's
+records must be stored, not compressed, and no larger than the file together; a parquet file declares at most one
+row per byte (and a bounded inflation); a ``.npy`` header must describe exactly the bytes of its file; a damaged
+shared-cache entry is healed (or, in a cache this process may not write, refused in one line), never a crash on
+every later run; a stdin line to ``translate`` is capped."""
+
+from __future__ import annotations
+
+import io
+import json
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data.files import BadFileError
+from tests.security.conftest import LEGACY_CKPT, capped
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoints: a DEFLATE-compressed record
+# ----------------------------------------------------------------------------------------------
+def _deflated(tmp_path: Path, inflated: int) -> Path:
+    """The legacy checkpoint with its largest tensor record replaced by ``inflated`` zero bytes, DEFLATE-compressed
+    (torch's reader inflates such a record whole before anything checks it)."""
+    src = zipfile.ZipFile(LEGACY_CKPT)
+    biggest = max(src.infolist(), key=lambda i: i.file_size)
+    out = tmp_path / "bomb.pt"
+    with zipfile.ZipFile(out, "w") as z:
+        for info in src.infolist():
+            if info.filename == biggest.filename:
+                z.writestr(info.filename, b"\0" * inflated, compress_type=zipfile.ZIP_DEFLATED)
+            else:
+                z.writestr(info, src.read(info.filename))
+    return out
+
+
+def test_a_compressed_checkpoint_record_is_refused_before_it_inflates(tmp_path):
+    from train.runs.checkpoint import load_checkpoint
+
+    bomb = _deflated(tmp_path, 64 * 2**20)
+    assert bomb.stat().st_size < 2**20  # a few hundred KB that would inflate to 64 MB
+    with pytest.raises(RuntimeError, match="compressed") as e:
+        load_checkpoint(bomb)
+    assert str(bomb) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_translate_refuses_a_checkpoint_bomb_in_one_line(tmp_path):
+    bomb = _deflated(tmp_path, 64 * 2**20)
+    r = capped(["-m", "train.translate", "--ckpt", str(bomb), "--device", "cpu", "hello"])
+    assert r.returncode == 2 and "compressed" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_records_larger_than_the_file_are_refused(tmp_path):
+    from data.files import check_stored_zip
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("a/data.pkl", b"x" * 100)
+    raw = bytearray(buf.getvalue())
+    # forge the central directory's uncompressed and compressed sizes of the record (stored): 2**31 each
+    cd = raw.rindex(b"PK\x01\x02")
+    raw[cd + 20:cd + 28] = (2**31).to_bytes(4, "little") * 2
+    path = tmp_path / "forged.pt"
+    path.write_bytes(bytes(raw))
+    with open(path, "rb") as f, pytest.raises(BadFileError):
+        check_stored_zip(f, path, "checkpoint")
+
+
+# ----------------------------------------------------------------------------------------------
+# parquet: millions of run-length-encoded rows in a few KB
+# ----------------------------------------------------------------------------------------------
+def test_a_parquet_file_declaring_more_rows_than_bytes_is_refused_before_reading(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    from data.clean import DataInputError
+    from data.sources import plan_chunks
+
+    n = 2_000_000
+    table = pa.table({"translation": pa.array([{"en": "a", "it": "b"}]).take(pa.array(np.zeros(n, np.int32)))})
+    path = tmp_path / "bomb.parquet"
+    pq.write_table(table, path, compression="zstd", row_group_size=n)
+    assert path.stat().st_size < 64 * 1024  # ~600 MB of Python rows in a few KB
+    with pytest.raises(DataInputError, match="declares 2,000,000 rows") as e:
+        plan_chunks((str(path),))
+    assert str(path) in str(e.value)
+    ok = tmp_path / "ok.parquet"  # an honest file still reads
+    pq.write_table(pa.table({"translation": [{"en": f"row {i}", "it": f"riga {i}"} for i in range(500)]}), ok)
+    plan_chunks((str(ok),))
+
+
+# ----------------------------------------------------------------------------------------------
+# .npy headers in a shared cache
+# ----------------------------------------------------------------------------------------------
+def _header(shape, descr="<i8") -> bytes:
+    b = io.BytesIO()
+    np.lib.format.write_array_header_1_0(b, {"descr": descr, "fortran_order": False, "shape": shape})
+    return b.getvalue()
+
+
+@pytest.mark.parametrize("shape, descr", [((2**63, 2**63), "<i8"), ((2**40,), "<i8"), ((3,), "|O")],
+                         ids=["overflow", "larger-than-the-file", "objects"])
+def test_a_forged_npy_header_is_refused_by_the_reader(tmp_path, shape, descr):
+    from data.files import load_npy
+
+    path = tmp_path / "a.npy"
+    path.write_bytes(_header(shape, descr) + b"\0" * 64)
+    for mmap in (True, False):
+        with pytest.raises(BadFileError, match="not a .npy array fastmt wrote"):
+            load_npy(path, "cache array", mmap=mmap)
+
+
+def test_a_forged_npy_header_in_the_cache_is_healed_not_a_crash_on_every_run(tmp_path):
+    from data import build_data
+    from tests.security.test_cache import _cfg
+
+    cfg = _cfg(tmp_path)
+    n = len(build_data(cfg, log=lambda *a: None).splits["train"])
+    (entry,) = Path(cfg.cache_dir).glob("corpus-*")
+    (entry / "train_src_ids.npy").write_bytes(_header((2**63, 2**63)) + b"\0" * 64)  # 128 bytes
+    runs = []
+    for _ in range(2):  # this run heals it; the next one finds the rebuilt entry
+        logs = []
+        assert len(build_data(_cfg(tmp_path), log=logs.append).splits["train"]) == n
+        runs.append(logs)
+    assert any("unusable" in m and "train_src_ids.npy" in m for m in runs[0])
+    assert not any("unusable" in m for m in runs[1])
+
+
+def test_a_damaged_entry_in_a_cache_this_user_cannot_write_is_one_line(tmp_path, tmpfs):
+    import shutil
+
+    from data import build_data
+    from data.files import FileRefusedError
+    from tests.security.test_cache import _cfg
+
+    cfg = _cfg(tmp_path)
+    build_data(cfg, log=lambda *a: None)
+    fs = tmpfs("20m")
+    shutil.copytree(cfg.cache_dir, fs.path / "cache")
+    (entry,) = (fs.path / "cache").glob("corpus-*")
+    (entry / "train_src_ids.npy").write_bytes(_header((2**63, 2**63)) + b"\0" * 64)
+    fs.read_only()
+    for _ in range(2):
+        with pytest.raises(FileRefusedError, match="damaged entry") as e:
+            build_data(_cfg(tmp_path, cache_dir=str(fs.path / "cache")), log=lambda *a: None)
+        assert "\n" not in str(e.value) and "--data.cache_dir" in str(e.value)
+
+
+# ----------------------------------------------------------------------------------------------
+# translate: stdin lines are capped
+# ----------------------------------------------------------------------------------------------
+def test_a_stdin_line_over_the_cap_is_answered_empty_and_never_buffered(tmp_path):
+    from train.cli.translate import MAX_LINE_BYTES
+
+    data = tmp_path / "in.txt"
+    with open(data, "wb") as f:
+        f.write(b"a" * (3 * MAX_LINE_BYTES) + b"\nthe cat\n")
+    with open(data, "rb") as stdin:
+        r = capped(["-m", "train.translate", "--ckpt", str(LEGACY_CKPT), "--device", "cpu"], stdin=stdin)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout.split("\n")
+    assert out[0] == "" and out[1] != "" and len(out) == 3, r.stdout[:200]
+    assert "input line 1 is longer than" in r.stderr
+
+
+def test_translate_reading_dev_zero_stays_within_bounded_memory():
+    """``translate < /dev/zero`` (one endless line): the bytes are dropped as they come; the command keeps running
+    within its memory cap until it is stopped (before the cap it buffered until it died of a MemoryError)."""
+    with open("/dev/zero", "rb") as stdin:
+        r = capped(["-m", "train.translate", "--ckpt", str(LEGACY_CKPT), "--device", "cpu"], stdin=stdin, timeout=40)
+    assert r.returncode is None and "MemoryError" not in r.stderr, r.stderr[-2000:]  # still running at 40 s
+
+
+def test_a_sparse_gigabyte_record_is_refused_by_its_size_never_read(tmp_path):
+    from data.files import FileRefusedError, read_json
+    from train.runs.folder import RunFolderError, folder_state
+
+    run = tmp_path / "run"
+    run.mkdir()
+    with open(run / "run.json", "wb") as f:  # a sparse 1 GB marker: costs nothing on disk, refused by its size
+        f.truncate(2**30)
+    (run / "metrics.jsonl").write_text(json.dumps({"kind": "epoch"}) + "\n")
+    with pytest.raises(FileRefusedError, match="at most"):
+        read_json(run / "run.json", "run marker", inside=run)
+    with open(run / "provenance.json", "w") as f:
+        json.dump({"config": {}, "git_sha": None, "torch": "2"}, f)
+    with pytest.raises(RunFolderError, match="at most"):  # a run whose marker cannot be read: refused, not adopted
+        folder_state(run)
