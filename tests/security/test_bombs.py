@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data.files import BadFileError
+from data import files as F
 from tests.security.conftest import LEGACY_CKPT, capped
 
 
@@ -25,29 +25,42 @@ def _deflated(tmp_path: Path, inflated: int) -> Path:
     """The legacy checkpoint with its largest tensor record replaced by ``inflated`` zero bytes, DEFLATE-compressed
     (torch's reader inflates such a record whole before anything checks it)."""
     src = zipfile.ZipFile(LEGACY_CKPT)
-    biggest = max(src.infolist(), key=lambda i: i.file_size)
+    biggest = max((i for i in src.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
     out = tmp_path / "bomb.pt"
-    with zipfile.ZipFile(out, "w") as z:
+    with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_DEFLATED) as z:
         for info in src.infolist():
-            if info.filename == biggest.filename:
-                z.writestr(info.filename, b"\0" * inflated, compress_type=zipfile.ZIP_DEFLATED)
-            else:
-                z.writestr(info, src.read(info.filename))
+            if info.filename != biggest.filename:
+                z.writestr(info.filename, src.read(info.filename), compress_type=zipfile.ZIP_STORED)
+                continue
+            with z.open(info.filename, "w", force_zip64=True) as w:  # streamed: the test never holds it either
+                block = b"\0" * 2**24
+                for _ in range(inflated // len(block)):
+                    w.write(block)
     return out
 
 
-def test_a_compressed_checkpoint_record_is_refused_before_it_inflates(tmp_path):
-    from train.runs.checkpoint import load_checkpoint
+_LOAD = """
+import resource, sys
+from train.runs.checkpoint import load_checkpoint
+try:
+    load_checkpoint(sys.argv[1])
+except Exception as e:
+    print("REFUSED", " ".join(str(e).split()))
+print("PEAK_MB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+"""
 
-    bomb = _deflated(tmp_path, 64 * 2**20)
-    assert bomb.stat().st_size < 2**20  # a few hundred KB that would inflate to 64 MB
-    with pytest.raises(RuntimeError, match="compressed") as e:
-        load_checkpoint(bomb)
-    assert str(bomb) in str(e.value) and "\n" not in str(e.value)
+
+def test_a_compressed_checkpoint_record_is_refused_before_it_inflates(tmp_path):
+    bomb = _deflated(tmp_path, 512 * 2**20)
+    assert bomb.stat().st_size < 2 * 2**20  # ~1 MB that inflates to 512 MB
+    r = capped(["-c", _LOAD, str(bomb)])
+    assert "REFUSED" in r.stdout and "is compressed" in r.stdout and str(bomb) in r.stdout, r.stdout + r.stderr[-2000:]
+    peak = int(r.stdout.split("PEAK_MB")[1])
+    assert peak < 500, f"{peak} MB: the record was inflated before it was refused"
 
 
 def test_translate_refuses_a_checkpoint_bomb_in_one_line(tmp_path):
-    bomb = _deflated(tmp_path, 64 * 2**20)
+    bomb = _deflated(tmp_path, 32 * 2**20)
     r = capped(["-m", "train.translate", "--ckpt", str(bomb), "--device", "cpu", "hello"])
     assert r.returncode == 2 and "compressed" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
 
@@ -64,7 +77,7 @@ def test_records_larger_than_the_file_are_refused(tmp_path):
     raw[cd + 20:cd + 28] = (2**31).to_bytes(4, "little") * 2
     path = tmp_path / "forged.pt"
     path.write_bytes(bytes(raw))
-    with open(path, "rb") as f, pytest.raises(BadFileError):
+    with open(path, "rb") as f, pytest.raises(F.BadFileError):
         check_stored_zip(f, path, "checkpoint")
 
 
@@ -107,7 +120,7 @@ def test_a_forged_npy_header_is_refused_by_the_reader(tmp_path, shape, descr):
     path = tmp_path / "a.npy"
     path.write_bytes(_header(shape, descr) + b"\0" * 64)
     for mmap in (True, False):
-        with pytest.raises(BadFileError, match="not a .npy array fastmt wrote"):
+        with pytest.raises(F.BadFileError, match="not a .npy array fastmt wrote"):
             load_npy(path, "cache array", mmap=mmap)
 
 

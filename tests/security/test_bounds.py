@@ -16,16 +16,15 @@ import pytest
 import torch
 
 from tests.security.conftest import capped, forged_checkpoint, legacy_run, one_error_line
+from train import fields
 from train.config import Config, get_config, load_config_file
-from train.fields import BOUNDS, MAX_BEAM, MAX_HYPOTHESES, MAX_WORKERS, field_infos
-
-INFOS = field_infos(Config)
 
 
 def test_every_numeric_field_declares_its_bounds():
+    INFOS = fields.field_infos(Config)
     numeric = [k for k, i in INFOS.items() if any(t in i.type_text() for t in ("int", "float"))]
     assert numeric and all(INFOS[k].bounds is not None for k in numeric), [k for k in numeric if not INFOS[k].bounds]
-    assert set(BOUNDS) <= set(INFOS)  # no bound for a field that does not exist
+    assert set(fields.BOUNDS) <= set(INFOS)  # no bound for a field that does not exist
 
 
 # ----------------------------------------------------------------------------------------------
@@ -64,8 +63,8 @@ def test_the_bounds_let_every_preset_through():
 
 def test_the_hypotheses_decoded_at_once_are_bounded_together(tmp_path):
     cfg = get_config("tiny").to_dict()
-    cfg["eval"].update(beam_size=MAX_BEAM, batch_size=4096)
-    assert MAX_BEAM * 4096 > MAX_HYPOTHESES
+    cfg["eval"].update(beam_size=fields.MAX_BEAM, batch_size=4096)
+    assert fields.MAX_BEAM * 4096 > fields.MAX_HYPOTHESES
     with pytest.raises(ValueError, match="hypotheses decoded at once"):
         Config.from_dict(cfg)
 
@@ -90,7 +89,7 @@ def test_decoding_flags_are_bounded_as_their_fields(tmp_path):
     from tests.security.conftest import LEGACY_CKPT
 
     r = capped(["-m", "train.translate", "--ckpt", str(LEGACY_CKPT), "--device", "cpu", "--beam", "100000", "x"])
-    one_error_line(r, "--beam", str(MAX_BEAM))
+    one_error_line(r, "--beam", str(fields.MAX_BEAM))
 
 
 def test_threads_from_an_export_folder_are_bounded(tmp_path):
@@ -124,7 +123,7 @@ def test_a_config_workers_file_never_forks_thousands(tmp_path):
 
     with pytest.raises(SystemExit) as e:
         resolve_config(["--config", str(run / "config.json"), "--resume", "auto"])
-    assert e.value.code == 2 and MAX_WORKERS < 5000
+    assert e.value.code == 2 and fields.MAX_WORKERS < 5000
 
 
 # ----------------------------------------------------------------------------------------------
