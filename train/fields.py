@@ -134,10 +134,10 @@ BOUNDS: dict[str, Bounds] = {
     "model.dec_unique": Bounds(1, MAX_LAYERS),
     "model.dropout": Bounds(0, 1, hi_open=True),
     "model.max_positions": Bounds(1, MAX_POSITIONS),
-    "optim.lr": Bounds(0, 1e3, lo_open=True),
+    "optim.lr": Bounds(0, None, lo_open=True),
     "optim.betas": Bounds(0, 1, hi_open=True),
     "optim.eps": Bounds(0, 1, lo_open=True),
-    "optim.weight_decay": Bounds(0, 1e3),
+    "optim.weight_decay": Bounds(0, None),
     "optim.pct_start": Bounds(0, 1, lo_open=True, hi_open=True),
     "optim.div_factor": Bounds(1, 1e12),
     "optim.final_div_factor": Bounds(1, 1e12),
@@ -180,6 +180,8 @@ def bounds_problem(key: str, value: Any) -> str | None:
     if b is None:
         return None
     for v in _numbers(value):
+        if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf")) and not (key in INF_OK and v > 0)):
+            return f"{key}={_cut(value)} must be a finite number"  # (NaN compares false with every bound)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             why = b.problem(v)
             if why:
