@@ -224,7 +224,8 @@ def run(args) -> int:
     def inputs_exist() -> None:
         for path in [args.src, *(args.ref or [])]:
             if not Path(path).is_file():
-                raise UserError(f"no such file: {path}")
+                raise UserError(f"{path} is not a regular file (a FIFO, device or folder): give a file of lines"
+                                if Path(path).exists() else f"no such file: {path}")
 
     loaded = load_for_command(args, inputs_exist)
     model, tok, config, device = loaded.model, loaded.tok, loaded.config, loaded.device

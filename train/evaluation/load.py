@@ -33,6 +33,8 @@ def checkpoint_file(ckpt: str) -> str:
                 return str(best)
         raise UserError(f"--ckpt {ckpt!r} is a folder without a best.pt (nor checkpoints/best.pt): give a checkpoint "
                         f"file, e.g. {ckpt.rstrip('/')}/checkpoints/step-<N>.pt")
+    if path.exists():  # a FIFO, a device, a socket: never opened
+        raise UserError(f"--ckpt {ckpt!r} is not a regular file (a FIFO, device or socket): give a checkpoint file")
     raise UserError(f"--ckpt {ckpt!r}: no such file (look under runs/<name>/checkpoints/)")
 
 
