@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import os
 import re
@@ -452,6 +453,7 @@ def fd_path(f: IO[bytes]) -> str:
 # ----------------------------------------------------------------------------------------------
 # folders fastmt writes into: owned by this user, nobody else may swap them
 # ----------------------------------------------------------------------------------------------
+@functools.cache
 def group_has_others(gid: int) -> bool:
     """Does group ``gid`` hold a user other than this one (a member, or a user whose primary group it is)? A user's
     own private group (what a umask of 002 writes for) does not; a group the system cannot name counts as shared."""

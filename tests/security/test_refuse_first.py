@@ -223,3 +223,19 @@ def test_a_data_cache_another_user_controls_is_read_only(tmp_path, how):
     logs = []
     assert len(build_data(_cfg(tmp_path), log=logs.append).splits["train"]) == n
     assert sorted(str(p) for p in cache.rglob("*")) == before  # no lock file, no index record: nothing written
+
+
+def test_an_out_dir_another_user_could_swap_is_refused_before_anything_is_built(tmp_path):
+    _root_only()
+    from tests.security.conftest import capped, one_error_line
+
+    shared = tmp_path / "group"
+    shared.mkdir()
+    os.chown(shared, 0, NOBODY)  # nobody's own group: another user may rename what fastmt would write here
+    shared.chmod(0o775)
+    r = capped(["-m", "train", "--preset", "tiny", "--data.dataset", "toy", "--data.toy_rows", "300",
+                "--data.vocab_size", "300", "--data.valid_size", "20", "--data.test_size", "20",
+                "--data.cache_dir", str(tmp_path / "cache"), "--run.out_dir", str(shared / "runs"),
+                "--run.device", "cpu", "--epochs", "1", "--run.max_steps", "1"], timeout=300)
+    one_error_line(r, "--run.out_dir", "no sticky bit")
+    assert not (tmp_path / "cache").exists() and not (shared / "runs").exists()  # refused before any side effect

@@ -36,6 +36,7 @@ from data.files import (
     read_json,
     read_json_lines,
     remove_inside,
+    swap_problem,
 )
 from train.errors import UserError
 from train.runs.lock import LOCK_NAME, RunLock, RunLockedError
@@ -218,6 +219,13 @@ def check_usable(path: Path) -> str:
     state = folder_state(path)
     if state == "other":
         raise RunFolderError(not_a_run_message(path))
+    here = path.parent  # --run.out_dir (or the folder it will be made in): another user must not be able to swap
+    while not here.exists() and here != here.parent:  # a run folder in it (the folder itself is checked when it
+        here = here.parent                             # is locked: a fresh run may go to <name>-2)
+    problem = swap_problem(here, "a folder the run folder is in")
+    if problem:
+        raise FileRefusedError(f"run folder {path}: {problem}: fastmt writes a run only where nobody else can change "
+                               f"it. Fix: give --run.out_dir a folder of yours that only you may write")
     return state
 
 

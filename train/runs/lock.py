@@ -113,10 +113,10 @@ class RunLock:
     def acquire(self) -> RunLock:
         if self._fd is not None:
             raise RuntimeError(f"{self.path} is already locked by this RunLock")
-        self._check_owner()
+        self.check_owner()
         for _ in range(10):
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._check_owner()  # (made by someone else between the check and the mkdir)
+            self.check_owner()  # (made by someone else between the check and the mkdir)
             fd = open_nofollow(self.path, os.O_RDWR | os.O_CREAT, 0o644, "run lock")  # a planted link: refused
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -142,7 +142,7 @@ class RunLock:
         _HELD.add(self)
         return self
 
-    def _check_owner(self) -> None:
+    def check_owner(self) -> None:
         """Refuse (`data.files.FileRefusedError`, one line) a run folder that another user owns or may change, or
         one that a folder above it lets another user swap: they could redirect ``checkpoints/`` or replace what
         the run writes. Checked before the lock file is made, so a refusal writes nothing."""
