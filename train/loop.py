@@ -43,7 +43,13 @@ from train.loss import SummedCrossEntropy
 from train.objective import BleuClock, WallSplit, process_seconds
 from train.optim import build_optimizer, build_scheduler
 from train.preflight import build_data_checked, check_model_fits_data, tokenizer_of
-from train.runs.checkpoint import CheckpointManager, check_tokenizer, rng_state, set_rng_state
+from train.runs.checkpoint import (
+    CheckpointManager,
+    CheckpointMismatchError,
+    check_tokenizer,
+    rng_state,
+    set_rng_state,
+)
 from train.runs.folder import discard_unused_run_folder
 from train.runs.metrics import write_provenance
 from train.runs.plan import RunFinishedError
@@ -213,7 +219,16 @@ class Trainer(RunSetup, EpochEnd):
         if ckpt is not None and plan.weights_only:
             self.model.load_state_dict(ckpt["model"])  # weights only: fresh optimizer, schedule and position
         elif ckpt is not None:
-            best_value, schedule = self._load_state(ckpt)
+            try:  # a state that does not load (a damaged or forged checkpoint): one line, before any write
+                best_value, schedule = self._load_state(ckpt)
+            except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:
+                if isinstance(e, UserError):
+                    raise
+                raise CheckpointMismatchError(
+                    f"resuming from {plan.ckpt_path}: its training state does not load ({type(e).__name__}: "
+                    f"{' '.join(str(e).split())[:200]}): a damaged or forged checkpoint; nothing was changed. Resume "
+                    f"from another checkpoint, or start a new run from its weights: --init-from {plan.ckpt_path}"
+                ) from None
         if self.is_main:
             self._open_run_folder(plan, changes, schedule)
         self.ckpts = CheckpointManager(self.run_dir / "checkpoints", run.keep_last,
@@ -507,6 +522,9 @@ class Trainer(RunSetup, EpochEnd):
         self.history = list(ckpt.get("history", []))
         ranks = ckpt.get("rank_rng") or []  # a DDP run's: each rank's own (the rank count is checked to match)
         self._pending_rng = ranks[self.dist.rank] if len(ranks) == self.dist.world_size else ckpt["rng"]
+        now = rng_state()  # the saved state is applied at the first step: tried here, so a bad one fails now
+        set_rng_state(self._pending_rng)
+        set_rng_state(now)
         schedule = None
         if self._replan:
             self.scheduler = replan_scheduler(self.optimizer, self.cfg.optim, self.total_steps, self.step)

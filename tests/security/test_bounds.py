@@ -154,3 +154,25 @@ def test_a_resumed_checkpoint_is_compared_with_its_config_before_training_alloca
     with pytest.raises(UserError, match="forged"):
         Trainer(cfg, resume=str(run / "checkpoints" / "step-00000003.pt"), log=lambda *a: None)
     assert sorted(p.name for p in Path(run).iterdir()) == ["checkpoints", "config.json", "metrics.jsonl", "run.json"]
+
+
+@pytest.mark.parametrize("damage", ["rng", "optimizer", "position"])
+def test_a_checkpoint_whose_training_state_does_not_load_is_one_line_and_changes_nothing(tmp_path, damage):
+    from tests.security.test_checkpoints import _legacy_config
+    from train.errors import UserError
+    from train.loop import Trainer
+
+    run = legacy_run(tmp_path)
+    path = run / "checkpoints" / "step-00000003.pt"
+    ckpt = torch.load(path, weights_only=False)
+    if damage == "rng":
+        ckpt["rng"]["python"] = [3, [1, 2, 3], None]  # not a Mersenne Twister state
+    elif damage == "optimizer":
+        ckpt["optimizer"] = {"state": "x", "param_groups": 5}
+    else:
+        ckpt["position"]["epoch"] = "one"
+    torch.save(ckpt, path)
+    before = {p.name: p.stat().st_mtime_ns for p in run.rglob("*")}
+    with pytest.raises(UserError, match="training state does not load|loads as this run.s"):
+        Trainer(_legacy_config(tmp_path, epochs=2, max_batches_per_epoch=3), resume="auto", log=lambda *a: None)
+    assert {p.name: p.stat().st_mtime_ns for p in run.rglob("*")} == before

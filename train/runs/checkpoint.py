@@ -317,6 +317,12 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     missing = {"model", "config", "position"} - set(ckpt)
     if missing:
         raise RuntimeError(f"{str(path)!r} is not a fastmt training checkpoint: missing keys {sorted(missing)}")
+    pos = ckpt["position"]  # what plans a resume: counts, bounded as the run's own counts are
+    if not isinstance(pos, dict) or not isinstance(ckpt["config"], dict) or any(
+            not isinstance(pos.get(k, 0), int) or isinstance(pos.get(k, 0), bool) or not 0 <= pos.get(k, 0) <= 10**12
+            for k in ("epoch", "batch_index", "step")):
+        raise RuntimeError(f"{str(path)!r} is not a fastmt training checkpoint: its position "
+                           f"{' '.join(repr(pos).split())[:120]} is not counts of epochs, batches and steps")
     return ckpt
 
 
