@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from data.files import read_json, read_text
+
 ENGINES = ("fastmt", "fastmt-cuda-graph", "ct2-float32", "ct2-int8", "hf-generate")
 COLUMNS = ("engine", "sentences_per_s", "tokens_per_s", "seconds", "peak_rss_mb", "peak_cuda_mb", "bleu", "chrf",
            "same_as_fastmt")
@@ -89,7 +91,7 @@ def test_pairs(ckpt: Path, data_files: list[str] | None) -> tuple[list[str], lis
 
 # -- one engine, in a child process -------------------------------------------------------------------------
 def run_child(job_file: str) -> None:
-    job = json.loads(Path(job_file).read_text())
+    job = read_json(job_file, "benchmark job")
     engine, device, d = job["engine"], job["device"], job["decoding"]
     if job["threads"]:
         torch.set_num_threads(job["threads"])
@@ -148,7 +150,7 @@ def run_child(job_file: str) -> None:
 def peak_rss_mb() -> float:
     """This process's peak resident memory (VmHWM: its own, unlike ru_maxrss, which Linux carries over from the
     parent across fork and exec)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
+    for line in read_text("/proc/self/status", "process status").splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -156,10 +158,10 @@ def peak_rss_mb() -> float:
 
 def cpu_name() -> str:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
+        for line in read_text("/proc/cpuinfo", "CPU description", limit=64 * 2**20).splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
-    except OSError:
+    except (OSError, ValueError):
         pass
     return "unknown CPU"
 
@@ -191,7 +193,7 @@ def measure(args, ckpt: Path, src: list[str], ref: list[str], work: Path, device
                                        "beam": args.beam, "alpha": args.length_penalty, "a": 1.5, "b": 10,
                                        "batch": args.batch_size}}))
         subprocess.run([sys.executable, "-m", "bench.inference", "--child", str(job)], check=True)
-        r = json.loads(result.read_text())
+        r = read_json(result, "benchmark result", limit=4 * 2**30)
         first = first if first is not None else r["hyps"]
         scores = corpus_scores(r["hyps"], [ref])
         rows.append({"engine": engine, "sentences_per_s": len(src) / r["seconds"],

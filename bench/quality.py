@@ -6,7 +6,6 @@ bench/results for a GPU run, the run folder for a CPU run), per epoch and in sum
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from collections.abc import Sequence
@@ -15,6 +14,8 @@ from typing import Any
 
 from bench import cli
 from bench import harness as H
+from data.files import read_text
+from train.runs.folder import PROVENANCE_MAX, read_record
 
 SEED_GOAL = 1.8  # S18's stated goal: last-batch training loss < 1.8 within 18 epochs
 THRESHOLDS = (20.0, 28.0, 35.0, 37.0, 37.6)  # when the run's config does not list its own
@@ -44,7 +45,7 @@ def read_run(run: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None, di
         if r.get("wall_seconds") is None:
             r["wall_seconds"], r["wall_from_epochs"] = total, True
     tests = [r for r in records if r.get("kind") == "test"]
-    prov = json.loads(prov_path.read_text()) if prov_path.is_file() else {}
+    prov = read_record(run, "provenance.json", "provenance record", PROVENANCE_MAX) if prov_path.is_file() else {}
     return epochs, (tests[-1] if tests else None), prov
 
 
@@ -274,9 +275,10 @@ def compare_runs(a: Path, b: Path, out: Path) -> dict[str, Path]:
 def default_out(run: Path) -> Path:
     """``bench/results`` for a run trained on a GPU (its provenance names one), else the run folder itself."""
     prov_path = run / "provenance.json"
-    try:
-        gpu = json.loads(prov_path.read_text()).get("gpu") if prov_path.is_file() else None
-    except (OSError, ValueError):
+    try:  # the one reader (a run folder: no link followed in it, a regular file, its size capped)
+        gpu = read_record(run, "provenance.json", "provenance record", PROVENANCE_MAX).get("gpu") \
+            if prov_path.is_file() else None
+    except (OSError, ValueError, AttributeError):
         gpu = None
     return H.RESULTS_DIR if gpu and H.gpu_slug(gpu) != "cpu" else run
 
@@ -308,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"bench.quality: {e}", file=sys.stderr)
         return 2
-    print(paths["md"].read_text())
+    print(read_text(paths["md"], "quality report"))
     for kind, path in paths.items():
         print(f"[quality] {kind}: {path}")
     if a.require_stable_graphs:

@@ -35,7 +35,7 @@ import numpy as np
 from . import cache as C
 from .clean import CleanReport, DataInputError, Tally, clean_row, length_examples, length_mask
 from .entry import CACHE_FORMAT, Entry, Inputs, build_workers, load_entry
-from .files import open_own
+from .files import load_npy, open_own
 from .sources import read_chunk, read_local, where
 from .split import (
     HELDOUT_MAX_GROUP,
@@ -96,8 +96,7 @@ def _save_texts(tmp: Path, i: int, src: list[str], tgt: list[str], pos: list[int
 def _load_texts(tmp: Path, i: int, rows=None) -> tuple[list[str], list[str]]:
     """(sources, targets) of chunk i's rows ``rows`` (local indices; None: all), from `_save_texts`' files
     (read back only when this user wrote them)."""
-    with open_own(tmp / f"a-{i}-off.npy") as f:
-        off = np.load(f)
+    off = load_npy(tmp / f"a-{i}-off.npy", "scratch array", own=True, mmap=False)
     n = (len(off) - 1) // 2
     with open_own(tmp / f"a-{i}.txt") as f:
         blob = f.read()
@@ -137,8 +136,7 @@ def _encode(job) -> dict:
     whole (texts) with token arrays cut to ``max_len``."""
     i, tmp, labels, model_file, max_len, max_ratio, dtype = job
     src, tgt = _load_texts(Path(tmp), i)
-    with open_own(Path(tmp) / f"a-{i}-pos.npy") as f:
-        pos = np.load(f).tolist()
+    pos = load_npy(Path(tmp) / f"a-{i}-pos.npy", "scratch array", own=True, mmap=False).tolist()
     for name in (f"a-{i}.txt", f"a-{i}-off.npy", f"a-{i}-pos.npy"):
         os.unlink(Path(tmp) / name)
     sp = _worker_tokenizer(model_file).sp
@@ -433,7 +431,7 @@ def _tokenizer(cfg, cache: Path, tok_key: str, spm_set: dict, labels, h_pair, fi
             try:
                 if C.read_json(out / "settings.json") != spm_set:
                     raise ValueError("settings.json differs from the settings")
-                return Tokenizer(out / "spm.model", tok_key, threads)
+                return Tokenizer(out / "spm.model", tok_key, threads, inside=cache)
             except (OSError, ValueError, RuntimeError, TypeError) as e:
                 C.discard(out, f"{type(e).__name__}: {str(e)[:120]}", log)
         train = np.flatnonzero(labels == 0)
@@ -454,7 +452,7 @@ def _tokenizer(cfg, cache: Path, tok_key: str, spm_set: dict, labels, h_pair, fi
             C.publish(spm_tmp, out)
         finally:
             C.remove(spm_tmp)
-        tok = Tokenizer(out / "spm.model", tok_key, threads)
+        tok = Tokenizer(out / "spm.model", tok_key, threads, inside=cache)
         log(f"[data] trained SentencePiece {spm_set['model_type']} vocab {tok.vocab_size} on a seeded sample of "
             f"{len(pick):,} train pairs ({len(texts):,} sentences) -> {out / 'spm.model'}")
         return tok
@@ -510,11 +508,12 @@ def _assemble_train(tmp: Path, encoded: list[dict], first, dtype: str, counts: d
             np.zeros(1, np.int64).tofile(out[f"{side}_off"])
         for i in range(len(encoded)):
             for side in ("src", "tgt"):
-                ids, lens = np.load(tmp / f"b-{i}-{side}_ids.npy"), np.load(tmp / f"b-{i}-{side}_len.npy")
+                ids, lens = (load_npy(tmp / f"b-{i}-{side}_{a}.npy", "scratch array", own=True, mmap=False)
+                             for a in ("ids", "len"))
                 ids.astype(dtype, copy=False).tofile(out[f"{side}_ids"])
                 (r[side] + np.cumsum(lens, dtype=np.int64)).tofile(out[f"{side}_off"])
                 r[side] += len(ids)
-            (first[i] + np.load(tmp / f"b-{i}-rows.npy")).astype(np.int64, copy=False).tofile(out["rows"])
+            (first[i] + load_npy(tmp / f"b-{i}-rows.npy", "scratch array", own=True, mmap=False)).astype(np.int64, copy=False).tofile(out["rows"])
             for name in ("src_ids", "src_len", "tgt_ids", "tgt_len", "rows"):
                 os.unlink(tmp / f"b-{i}-{name}.npy")
         for name, (dt, size) in shapes.items():  # the header promised exactly what was written

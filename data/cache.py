@@ -59,7 +59,7 @@ def content_hash(paths, block: int = 1 << 20) -> str:
     """sha256 over the files' bytes (each prefixed by its size), read in 1 MiB blocks."""
     h = hashlib.sha256()
     for p in paths:
-        with open(p, "rb") as f:
+        with F.open_read(p, "data file") as f:
             h.update(f"{os.fstat(f.fileno()).st_size}\n".encode())
             while chunk := f.read(block):
                 h.update(chunk)
@@ -88,11 +88,24 @@ def _open_lock(path: Path) -> int | None:
 
 
 def writable(cache: Path) -> bool:
-    """Can this process create files in ``cache``? (read-only mounts and other users' folders cannot)"""
+    """May this process write in ``cache``? Not on a read-only mount, nor without permission, nor in a cache that
+    another user owns or that group/others may change (`data.files.ownership_problem`, at every folder above it
+    too): such a cache is used read-only (a complete entry is read, nothing is built, locked or recorded)."""
     try:
-        return os.access(cache, os.W_OK | os.X_OK) and not os.statvfs(cache).f_flag & os.ST_RDONLY
+        return (os.access(cache, os.W_OK | os.X_OK) and not os.statvfs(cache).f_flag & os.ST_RDONLY
+                and F.ownership_problem(cache) is None)
     except OSError:
         return False
+
+
+def why_read_only(cache: Path) -> str:
+    """A few words on why `writable` says no (for the log line of a read-only cache)."""
+    try:
+        if os.statvfs(cache).f_flag & os.ST_RDONLY:
+            return "a read-only file system"
+    except OSError as e:
+        return e.strerror or str(e)
+    return F.ownership_problem(cache) or f"user {os.geteuid()} may not write in it"
 
 
 def subfolder(cache: Path, name: str) -> Path:
@@ -207,7 +220,15 @@ def remove(path: Path, cache: Path | None = None) -> None:
 
 
 def discard(path: Path, why: str, log=print, cache: Path | None = None) -> None:
-    """Remove a cache entry that failed to load or validate, with one line saying which and why."""
+    """Remove a cache entry that failed to load or validate, with one line saying which and why. In a cache this
+    process may not write (read-only, another user's) the entry cannot be healed: `data.files.FileRefusedError`,
+    one line naming it, the cause and the fix (never a crash on this and every later run)."""
+    root = Path(path).parent if cache is None else Path(cache)
+    if not writable(root):
+        raise F.FileRefusedError(
+            f"the data cache --data.cache_dir {root} holds a damaged entry {path} ({why}) and this process cannot "
+            f"repair it ({why_read_only(root)}). Fix: ask the cache's owner to remove that entry, or give "
+            f"--data.cache_dir a folder of your own")
     log(f"[data] warning: cache entry {path} is unusable ({why}); removing it and rebuilding")
     remove(path, cache)
 
@@ -234,9 +255,10 @@ def write_json(path: Path, obj) -> None:
                    prefix=f"{TMP_PREFIX}{path.stem}-{os.getpid()}-", what="cache record")
 
 
-def read_json(path: Path):
-    """Parsed JSON, or raises ValueError/OSError (the caller heals). Only a regular file, never through a link: a
-    FIFO or ``/dev/zero`` planted in a shared cache would hang the read or fill the memory."""
-    fd = F.open_nofollow(path, os.O_RDONLY, what="cache record")
-    with os.fdopen(fd, "rb") as f:
-        return json.loads(f.read().decode())
+def read_json(path: Path, limit: int = F.RECORD_MAX):
+    """Parsed JSON through `data.files.read_json`, or raises ValueError/OSError (the caller heals): a regular file
+    at most ``limit`` bytes, no link followed below the cache (every record lies one folder down in it: ``index/``,
+    ``corpus-<key>/``, ``spm-<key>/``), so a FIFO or ``/dev/zero`` planted in a shared cache never hangs the read
+    or fills the memory, and a parse failure of any kind is one line."""
+    path = Path(path)
+    return F.read_json(path, "cache record", limit=limit, inside=path.parent.parent)

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from .batching import PackLayout, round_up
+from .files import load_npy
 from .tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 
@@ -116,7 +117,7 @@ class _SharedArrays:
     def __setstate__(self, state):
         for name in _ARRAYS:
             if isinstance(state[name], tuple) and state[name][0] == "mmap":
-                state[name] = np.load(state[name][1], mmap_mode="r")
+                state[name] = load_npy(state[name][1], "cache array")  # the header checked, then mapped
         self.__dict__.update(state)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from . import cache as C
-from .files import check_key, check_regular
+from .files import TEXTS_MAX, check_key, load_npy
 from .sources import Chunk, SourceFile, hub_chunks, plan_chunks, training_files
 from .split import HELDOUT_MAX_GROUP
 from .tokenizer import Tokenizer, spm_settings
@@ -151,9 +151,9 @@ def split_record(meta: dict) -> dict:
     return {**{k: rec[k] for k in keys[:at]}, **derived, **{k: rec[k] for k in keys[at:]}}
 
 
-def _open(path: Path, shape: tuple, dtype: str) -> np.ndarray:
-    check_regular(path, "cache array")  # a FIFO planted here would block np.load
-    a = np.load(path, mmap_mode="r") if shape[0] else np.load(path)  # an empty array cannot be mapped
+def _open(path: Path, shape: tuple, dtype: str, cache: Path) -> np.ndarray:
+    # the header checked against the file before anything is mapped (a FIFO, a link, a forged shape: refused)
+    a = load_npy(path, "cache array", inside=cache, mmap=bool(shape[0]))  # an empty array cannot be mapped
     if a.shape != shape or a.dtype != np.dtype(dtype):
         raise ValueError(f"{path.name} holds {a.dtype}{a.shape}, expected {dtype}{shape}")
     return a
@@ -175,7 +175,7 @@ def load_entry(cache: Path, key: str, log=print) -> Entry | None:
             ids_t = meta["id_dtype"]
             shapes = {"src_ids": ((tok["src"],), ids_t), "tgt_ids": ((tok["tgt"],), ids_t),
                       "src_off": ((n + 1,), "int64"), "tgt_off": ((n + 1,), "int64"), "rows": ((n,), "int64")}
-            arrays[s] = {a: _open(path / f"{s}_{a}.npy", *shapes[a]) for a in _ARRAYS}
+            arrays[s] = {a: _open(path / f"{s}_{a}.npy", *shapes[a], Path(cache)) for a in _ARRAYS}
             for side in ("src", "tgt"):
                 off = arrays[s][f"{side}_off"]
                 if off[0] != 0 or off[-1] != tok[side]:
@@ -183,13 +183,13 @@ def load_entry(cache: Path, key: str, log=print) -> Entry | None:
             if s == "train":
                 texts[s] = None
             else:
-                t = C.read_json(path / f"{s}_text.json")
+                t = C.read_json(path / f"{s}_text.json", TEXTS_MAX)
                 if len(t["src"]) != n or len(t["tgt"]) != n:
                     raise ValueError(f"{s}_text.json holds {len(t['src'])} rows, expected {n}")
                 texts[s] = (t["src"], t["tgt"])
         return Entry(path, meta, arrays, texts)
     except (OSError, ValueError, KeyError, TypeError, EOFError) as e:
-        C.discard(path, f"{type(e).__name__}: {str(e)[:120]}", log, cache)
+        C.discard(path, f"{type(e).__name__}: {str(e)[:300]}", log, cache)
         return None
 
 

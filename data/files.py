@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
+import json
 import os
 import re
 import shutil
@@ -28,7 +30,7 @@ import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from .clean import DataInputError
 
@@ -105,18 +107,6 @@ def refuse_link(path: str | os.PathLike, what: str = "file") -> None:
                                f"through a link, which someone else may have planted; remove the link")
 
 
-def check_regular(path: str | os.PathLike, what: str = "file") -> Path:
-    """``path`` if it is a regular file itself (not a link, FIFO, device or folder), else `FileRefusedError`:
-    for readers that open by name (numpy, SentencePiece), which a planted FIFO would block."""
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return Path(path)  # the reader says it is missing
-    if not stat.S_ISREG(mode):
-        raise FileRefusedError(f"{what} {path} is not a regular file (a link, FIFO, device or folder): remove it")
-    return Path(path)
-
-
 def open_nofollow(path: str | os.PathLike, flags: int, mode: int = 0o666, what: str = "file") -> int:
     """``os.open`` that never follows a link at ``path`` and only opens a regular file: a link is refused in
     one line (`FileRefusedError`); other ``OSError``s propagate. Returns the fd."""
@@ -139,14 +129,9 @@ def open_nofollow(path: str | os.PathLike, flags: int, mode: int = 0o666, what: 
 
 
 def open_own(path: str | os.PathLike) -> IO[bytes]:
-    """``open(path, "rb")`` of a file this process's user wrote (a build's own scratch file, e.g. a pickle it
-    reads back): a link, or a file another user made (swapped into a shared cache), is refused."""
-    fd = open_nofollow(path, os.O_RDONLY, what="scratch file")
-    if os.fstat(fd).st_uid != os.geteuid():
-        os.close(fd)
-        raise FileRefusedError(f"scratch file {path} belongs to another user: fastmt reads back only what it wrote; "
-                               f"is someone else writing in this cache?")
-    return os.fdopen(fd, "rb")
+    """``open(path, "rb")`` of a file this process's user wrote (a build's own scratch file it reads back): a link,
+    or a file another user made (swapped into a shared cache), is refused (`open_read` with ``own=True``)."""
+    return open_read(path, "scratch file", own=True)
 
 
 def append_text(path: str | os.PathLike, text: str, what: str = "log") -> None:
@@ -208,6 +193,337 @@ def atomic_write(path: str | os.PathLike, data: bytes | str | Callable[[IO[bytes
             os.unlink(tmp)
         raise
     fsync_dir(path.parent)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# reading: the one door for every byte fastmt did not just write
+# ----------------------------------------------------------------------------------------------
+# The size cap of each kind of file fastmt reads whole (bytes). A file over its cap is refused before a byte of
+# it is read; what is read is read at most cap + 1 bytes long (a file that grows while it is read, or a procfs
+# file whose size says 0, cannot exceed it either).
+KIB, MIB, GIB = 2**10, 2**20, 2**30
+RECORD_MAX = 16 * MIB  # a JSON record: run.json, config.json, provenance, index, settings, export records, --config
+LOCK_MAX = 64 * KIB  # a lock file's holder line
+LOG_MAX = 256 * MIB  # metrics.jsonl
+TEXTS_MAX = 4 * GIB  # a cache entry's valid/test texts; a test set read whole by evaluate
+TOKENIZER_MAX = 256 * MIB  # a SentencePiece model
+CHECKPOINT_MAX = 256 * GIB  # a checkpoint (its records are bounded by its own size: train/runs/checkpoint.py)
+CHUNK_MAX = 256 * MIB  # one chunk of a data file read at once (`data.sources`: ~8 MB chunks, or a .json array)
+
+
+class BadFileError(FileRefusedError):
+    """A file whose content does not parse (not UTF-8, not JSON, nested too deeply, a damaged array header): one
+    line naming the file and the cause. A ``ValueError`` (through `DataInputError`), so every caller that heals a
+    damaged record catches it."""
+
+
+def _size(n: int) -> str:
+    return f"{n:,} bytes" if n < MIB else f"{n / MIB:,.1f} MB"
+
+
+def _parts_below(root: str | os.PathLike, path: str | os.PathLike) -> list[str]:
+    """The components of ``path`` below ``root`` (both taken as written, made absolute, never resolved)."""
+    root_a, path_a = os.path.abspath(root), os.path.abspath(path)
+    rel = os.path.relpath(path_a, root_a)
+    parts = Path(rel).parts
+    if not parts or rel == "." or parts[0] == ".." or os.path.isabs(rel):
+        raise FileRefusedError(f"{path} is not inside {root}, the folder fastmt reads it from")
+    return list(parts)
+
+
+def _open_beneath(root: str | os.PathLike, path: str | os.PathLike, flags: int, what: str) -> int:
+    """``os.open(path)`` walking from ``root`` one component at a time with ``O_NOFOLLOW``: no link is followed
+    anywhere below ``root`` (``root`` itself is the user's path, links and all)."""
+    parts = _parts_below(root, path)
+    dfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    here = Path(root)
+    try:
+        for part in parts[:-1]:
+            here = here / part
+            try:
+                nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(here):
+                    raise FileRefusedError(f"{what} {path}: {here} is a symbolic link (to {os.readlink(here)}): "
+                                           f"fastmt follows no link inside {root}; remove it") from None
+                raise
+            os.close(dfd)
+            dfd = nfd
+        return os.open(parts[-1], flags | os.O_NOFOLLOW, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+
+
+def open_read(path: str | os.PathLike, what: str, *, limit: int | None = None, inside: str | os.PathLike | None = None,
+              own: bool = False) -> IO[bytes]:
+    """The one way fastmt opens a file it did not just write: a binary reader of a **regular file** (a FIFO, device,
+    socket or folder is refused before it is read: a FIFO would block, ``/dev/zero`` fill the memory), at most
+    ``limit`` bytes long (refused by its size before a byte is read).
+
+    ``inside``: the folder fastmt owns that holds ``path`` (a run folder, a cache, an export folder): no component
+    below it may be a link (each is opened ``O_NOFOLLOW``), so a link planted there is refused, never read through.
+    Without it ``path`` is one the user named, links followed (their own). ``own``: the file must belong to this
+    user (a scratch file fastmt reads back). Refusals are `FileRefusedError` (one line naming ``what`` and the
+    path); a missing file is ``FileNotFoundError``; other OS errors propagate (the caller names their cause)."""
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
+    try:
+        if inside is not None:
+            fd = _open_beneath(inside, path, flags, what)
+        else:
+            fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise FileRefusedError(f"{what} {path} is a symbolic link (to {os.readlink(path) if os.path.islink(path) else '?'}"
+                                   f"): fastmt follows no link inside {inside}; remove it") from None
+        if e.errno == errno.ENXIO:  # a socket, or a device without its driver
+            raise FileRefusedError(f"{what} {path} is not a regular file: remove it") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode) or
+                    stat.S_ISBLK(st.st_mode) else "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file")
+            raise FileRefusedError(f"{what} {path} is {kind}, not a regular file: fastmt reads only regular files "
+                                   f"(a FIFO would block it, a device fill the memory); remove or replace it")
+        if own and st.st_uid != os.geteuid():
+            raise FileRefusedError(f"{what} {path} belongs to another user (uid {st.st_uid}): fastmt reads back only "
+                                   f"what it wrote; is someone else writing in this folder?")
+        if limit is not None and st.st_size > limit:
+            raise FileRefusedError(f"{what} {path} is {_size(st.st_size)}; a {what} is at most {_size(limit)}: a "
+                                   f"damaged or foreign file (nothing was read)")
+        os.set_blocking(fd, True)
+        f = open(fd, "rb", closefd=True)  # the one plain open of a checked descriptor
+    except BaseException:
+        os.close(fd)
+        raise
+    f.raw.name = os.fspath(path)  # (numpy's memory maps record it: the collators re-open maps by name)
+    return f
+
+
+def read_bytes(path: str | os.PathLike, what: str, *, limit: int, inside: str | os.PathLike | None = None,
+               own: bool = False) -> bytes:
+    """The bytes of ``path`` through `open_read` (never more than ``limit``)."""
+    data = bytearray()
+    with open_read(path, what, limit=limit, inside=inside, own=own) as f:
+        # in blocks, never a buffer of the whole cap at once (a 4 GB cap is not 4 GB of memory for a 1 KB file)
+        while chunk := f.read(min(16 * MIB, limit + 1 - len(data))):
+            data += chunk
+            if len(data) > limit:  # it grew while being read (or procfs said 0)
+                raise FileRefusedError(f"{what} {path} holds more than {_size(limit)}; a {what} is at most that")
+    return bytes(data)
+
+
+def decode_text(data: bytes, path: str | os.PathLike, what: str, *, bom: bool = True) -> str:
+    """UTF-8 text (a leading byte-order mark dropped when ``bom``); a byte that is not UTF-8 is `BadFileError`
+    naming the line."""
+    if bom:
+        data = data.removeprefix(b"\xef\xbb\xbf")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise BadFileError(f"{what} {path}:{line}: byte 0x{data[e.start]:02x} is not UTF-8: a damaged or foreign "
+                           f"file") from None
+
+
+def read_text(path: str | os.PathLike, what: str, *, limit: int = RECORD_MAX, inside: str | os.PathLike | None = None,
+              own: bool = False) -> str:
+    """UTF-8 text of ``path`` through `open_read` (`decode_text`)."""
+    return decode_text(read_bytes(path, what, limit=limit, inside=inside, own=own), path, what)
+
+
+def parse_json(text: str | bytes, where: str | os.PathLike, what: str = "file") -> Any:
+    """``json.loads(text)``, every way it can fail (bad syntax, not UTF-8, nested too deeply, too large a number,
+    out of memory) one `BadFileError` line naming ``where`` (a file, or ``file:line``)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadFileError(f"{what} {where}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    except RecursionError:
+        raise BadFileError(f"{what} {where}: JSON nested too deeply to be a record fastmt wrote") from None
+    except MemoryError:
+        raise BadFileError(f"{what} {where}: out of memory parsing it") from None
+    except (ValueError, TypeError) as e:  # UnicodeDecodeError, a number over the int digit limit
+        raise BadFileError(f"{what} {where}: not valid JSON ({type(e).__name__}: {' '.join(str(e).split())[:120]})"
+                           ) from None
+
+
+def read_json(path: str | os.PathLike, what: str, *, limit: int = RECORD_MAX, inside: str | os.PathLike | None = None,
+              own: bool = False) -> Any:
+    """The JSON document in ``path`` through `open_read` (`parse_json`; a byte-order mark is allowed)."""
+    return parse_json(read_text(path, what, limit=limit, inside=inside, own=own), path, what)
+
+
+def read_json_lines(path: str | os.PathLike, what: str, *, limit: int = LOG_MAX,
+                    inside: str | os.PathLike | None = None) -> list[tuple[bytes, Any]]:
+    """Each line of a JSON-lines file as ``(raw line with its newline, the parsed value or None)``: a line that is
+    blank, torn or not JSON gives None, never an error (the file as a whole through `open_read`)."""
+    out = []
+    for raw in read_bytes(path, what, limit=limit, inside=inside).splitlines(keepends=True):
+        try:
+            value = parse_json(raw.decode("utf-8"), path, what) if raw.strip() else None
+        except (BadFileError, UnicodeDecodeError):
+            value = None
+        out.append((raw, value))
+    return out
+
+
+def load_npy(path: str | os.PathLike, what: str = "array", *, inside: str | os.PathLike | None = None,
+             own: bool = False, mmap: bool = True):
+    """A ``.npy`` array through `open_read`: its header is checked against the file before anything is allocated
+    (a plain dtype, no objects, and the shape it declares exactly the bytes the file holds), then memory-mapped
+    read-only (``mmap``) or read. A damaged header is `BadFileError`, never an allocation or a crash."""
+    import numpy as np
+
+    with open_read(path, what, inside=inside, own=own) as f:
+        size = os.fstat(f.fileno()).st_size
+        try:
+            version = np.lib.format.read_magic(f)
+            if version == (1, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+            elif version == (2, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+            else:
+                raise ValueError(f"format version {version}")
+            if dtype.hasobject or not all(isinstance(n, int) and n >= 0 for n in shape):
+                raise ValueError(f"dtype {dtype} / shape {shape} is not a plain array")
+            offset = f.tell()
+            need = dtype.itemsize
+            for n in shape:
+                need *= n  # python ints: never overflows
+            if offset + need != size:
+                raise ValueError(f"its header declares {dtype}{tuple(shape)} = {need:,} bytes, the file holds "
+                                 f"{size - offset:,} after the header")
+        except (ValueError, TypeError, SyntaxError, OverflowError, EOFError, MemoryError, RecursionError) as e:
+            raise BadFileError(f"{what} {path}: not a .npy array fastmt wrote ({' '.join(str(e).split())[:160]})"
+                               ) from None
+        order = "F" if fortran else "C"
+        if mmap and need:
+            return np.memmap(f, dtype=dtype, mode="r", offset=offset, shape=tuple(shape), order=order)
+        a = np.fromfile(f, dtype=dtype, count=need // dtype.itemsize if dtype.itemsize else 0)
+        return a.reshape(shape, order=order)
+
+
+def sha256_file(path: str | os.PathLike, what: str = "file", *, inside: str | os.PathLike | None = None) -> str:
+    """The sha256 of a regular file read through `open_read` in 1 MiB blocks (any size: nothing is kept)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open_read(path, what, inside=inside) as f:
+        for block in iter(lambda: f.read(MIB), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_stored_zip(f: IO[bytes], path: str | os.PathLike, what: str) -> None:
+    """Refuse (`BadFileError`) a zip archive (a torch checkpoint) whose records would inflate: every record must be
+    stored uncompressed (what ``torch.save`` writes) and the records together no larger than the file, so nothing
+    read from it can be larger than the file itself. ``f`` is read from its start and left there."""
+    import zipfile
+
+    size = os.fstat(f.fileno()).st_size
+    try:
+        f.seek(0)
+        with zipfile.ZipFile(f) as z:
+            infos = z.infolist()
+        total = 0
+        for info in infos:
+            if info.compress_type != zipfile.ZIP_STORED or info.file_size != info.compress_size:
+                raise ValueError(f"its record {info.filename[:80]!r} is compressed ({info.compress_size:,} bytes "
+                                 f"that inflate to {info.file_size:,}); torch.save stores records as they are")
+            total += info.file_size
+        if total > size:
+            raise ValueError(f"its records declare {total:,} bytes, more than the file's {size:,}")
+    except zipfile.BadZipFile as e:
+        raise BadFileError(f"{what} {path} is not a torch zip checkpoint ({e}); fastmt writes only those") from None
+    except (ValueError, OverflowError, EOFError, RecursionError, MemoryError) as e:
+        raise BadFileError(f"{what} {path}: {' '.join(str(e).split())[:200]}: refused before loading (a decompression "
+                           f"bomb or a damaged file)") from None
+    finally:
+        f.seek(0)
+
+
+def fd_path(f: IO[bytes]) -> str:
+    """A name for the file already opened (checked) as ``f``, for a library that opens by name (``torch.load``'s
+    memory map): ``/proc/self/fd/N`` reaches that very file, whatever is now at its path."""
+    return f"/proc/self/fd/{f.fileno()}"
+
+
+# ----------------------------------------------------------------------------------------------
+# folders fastmt writes into: owned by this user, nobody else may swap them
+# ----------------------------------------------------------------------------------------------
+@functools.cache
+def group_has_others(gid: int) -> bool:
+    """Does group ``gid`` hold a user other than this one (a member, or a user whose primary group it is)? A user's
+    own private group (what a umask of 002 writes for) does not; a group the system cannot name counts as shared."""
+    import grp
+    import pwd
+
+    me = os.geteuid()
+    try:
+        members = grp.getgrgid(gid).gr_mem
+        my_name = pwd.getpwuid(me).pw_name
+    except KeyError:
+        return True
+    if any(m != my_name for m in members):
+        return True
+    return any(p.pw_gid == gid and p.pw_uid != me for p in pwd.getpwall())
+
+
+def _writable_by_others(st: os.stat_result) -> bool:
+    """Another user may create, rename or remove entries in the folder ``st`` describes: others may write, or a
+    group holding another user may (`group_has_others`)."""
+    return bool(st.st_mode & 0o002) or bool(st.st_mode & 0o020) and group_has_others(st.st_gid)
+
+
+def ownership_problem(path: str | os.PathLike) -> str | None:
+    """Why another user could change what fastmt writes in the folder ``path`` (None: nobody can): it belongs to
+    another user, or other users may write in it (others, or a group that holds another user); or a folder above
+    it (resolved) belongs to a user other than this one and root, or lets other users rename its entries (write
+    permission without the sticky bit)."""
+    me = os.geteuid()
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None  # missing: the caller makes it (and asks again), or reports the OS error
+    if st.st_uid != me:
+        return f"{path} belongs to user {st.st_uid}, not to you ({me})"
+    if _writable_by_others(st):
+        return f"other users may write in {path} (mode {stat.filemode(st.st_mode)}, group {st.st_gid})"
+    return swap_problem(Path(path).resolve().parent, f"a folder above {path}")
+
+
+def swap_problem(folder: str | os.PathLike, what: str = "the folder") -> str | None:
+    """Why another user could rename or replace what lies in ``folder`` (resolved) or above it (None: nobody can):
+    one of them belongs to a user other than this one and root, or lets other users write in it without the
+    sticky bit."""
+    me = os.geteuid()
+    for up in (Path(folder).resolve(), *Path(folder).resolve().parents):
+        try:
+            m = os.stat(up)
+        except OSError:
+            continue
+        if m.st_uid not in (me, 0):
+            return f"{up}, {what}, belongs to user {m.st_uid}, who could replace it"
+        if _writable_by_others(m) and not m.st_mode & stat.S_ISVTX:
+            return f"{up}, {what}, lets other users replace it (mode {stat.filemode(m.st_mode)}, no sticky bit)"
+    return None
+
+
+def own_folder(path: str | os.PathLike, what: str, fix: str) -> Path:
+    """``path`` made if missing (the umask's mode), refused (`FileRefusedError`) when it is a link, not a folder, or
+    another user could change what fastmt writes there (`ownership_problem`): a folder fastmt writes into."""
+    path = Path(path)
+    refuse_link(path, what)
+    path.mkdir(parents=True, exist_ok=True)
+    refuse_link(path, what)  # (made by someone else between the two)
+    if not path.is_dir():
+        raise FileRefusedError(f"{what} {path} is not a folder; {fix}")
+    problem = ownership_problem(path)
+    if problem:
+        raise FileRefusedError(f"{what} {path}: {problem}: fastmt writes only where nobody else can change what it "
+                               f"wrote. Fix: {fix}")
     return path
 
 

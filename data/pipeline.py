@@ -338,8 +338,8 @@ def _resolve(cfg: DataConfig, inp: E.Inputs, sets: dict, cache: Path, tokenizer:
         entry = E.load_entry(cache, key, log)
         if entry is None:
             raise F.FileRefusedError(
-                f"the data cache --data.cache_dir {cache} cannot be written by this process (read-only, or another "
-                f"user's) and holds no entry for these data files and settings. Fix: give --data.cache_dir a "
+                f"the data cache --data.cache_dir {cache} cannot be written by this process ({C.why_read_only(cache)}) "
+                f"and holds no entry for these data files and settings. Fix: give --data.cache_dir a "
                 f"writable folder (or ask its owner to build this entry)")
         log(f"[data] cache hit (read-only cache, matched by content): {entry.path}")
         return entry
@@ -374,8 +374,7 @@ def _tokenizer_of(entry: E.Entry, cfg: DataConfig, cache: Path, sets: dict, toke
     key = F.check_key(entry.meta["tokenizer_key"], "meta.json's tokenizer_key")
     if C.read_json(cache / f"spm-{key}" / "settings.json") != sets["tokenizer"]:
         raise ValueError("settings.json differs from the settings")
-    model = F.check_regular(cache / f"spm-{key}" / "spm.model", "cache tokenizer")
-    return Tokenizer(model, key, cfg.spm_threads or E.build_workers(cfg))
+    return Tokenizer(cache / f"spm-{key}" / "spm.model", key, cfg.spm_threads or E.build_workers(cfg), inside=cache)
 
 
 @contextlib.contextmanager

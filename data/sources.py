@@ -32,6 +32,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
+from . import files as F
 from .clean import CleanReport, DataFilesNotFound, DataInputError, Tally
 
 PROBE_TIMEOUT_S = 3.0
@@ -178,7 +179,7 @@ def plan_chunks(files: tuple[str, ...], chunk_bytes: int | None = None, *, from_
         else:
             size = p.stat().st_size
             cuts = [0]
-            with open(p, "rb") as fh:
+            with F.open_read(p, "data file") as fh:  # a regular file (a FIFO or device named here: refused)
                 while cuts[-1] + chunk_bytes < size:
                     fh.seek(cuts[-1] + chunk_bytes)
                     fh.readline()  # the cut falls after a newline
@@ -193,24 +194,44 @@ def plan_chunks(files: tuple[str, ...], chunk_bytes: int | None = None, *, from_
 def _parquet_chunks(k: int, p: Path) -> list[Chunk]:
     import pyarrow.parquet as pq
 
-    try:
-        meta = pq.ParquetFile(p)
-    except Exception as e:  # pyarrow raises ArrowInvalid / OSError for a damaged or foreign file
-        raise DataInputError(f"{p}: not a readable parquet file ({type(e).__name__}: {e})") from e
-    names = meta.schema_arrow.names
+    with F.open_read(p, "data file") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        try:
+            meta = pq.ParquetFile(fh)
+            names = meta.schema_arrow.names
+            md = meta.metadata
+        except Exception as e:  # pyarrow raises ArrowInvalid / OSError for a damaged or foreign file
+            raise DataInputError(f"{p}: not a readable parquet file ({type(e).__name__}: {e})") from e
+    check_parquet_size(p, md, size)
     if "translation" not in names:
         raise DataInputError(
             f"{p}: no 'translation' column (found {names}); rows must be "
             f'{{"id": ..., "translation": {{src: ..., tgt: ...}}}}'
         )
     chunks, lo, rows, base = [], 0, 0, 0
-    groups = meta.metadata.num_row_groups
+    groups = md.num_row_groups
     for g in range(groups):
-        rows += meta.metadata.row_group(g).num_rows
+        rows += md.row_group(g).num_rows
         if rows >= CHUNK_ROWS or g == groups - 1:
             chunks.append(Chunk(k, str(p), "parquet", lo, g + 1, base))
             lo, base, rows = g + 1, base + rows, 0
     return chunks or [Chunk(k, str(p), "parquet", 0, 0, 0)]
+
+
+PARQUET_INFLATION = 1024  # the most uncompressed bytes a parquet file may declare per byte of it
+
+
+def check_parquet_size(path, md, size: int) -> None:
+    """Refuse (`DataInputError`) a parquet file whose footer declares more than it can honestly hold, before any row
+    is decoded: more rows than bytes (a few KB of run-length-encoded rows would become gigabytes of Python rows), or
+    more than `PARQUET_INFLATION` uncompressed bytes per byte of the file (a decompression bomb)."""
+    rows = md.num_rows
+    inflated = sum(md.row_group(g).total_byte_size for g in range(md.num_row_groups))
+    if rows > max(size, 1) or inflated > PARQUET_INFLATION * max(size, 1):
+        raise DataInputError(
+            f"{path}: a {size:,}-byte parquet file that declares {rows:,} rows and {inflated:,} uncompressed bytes "
+            f"(at most one row per byte and {PARQUET_INFLATION}x its size): a decompression bomb or a damaged "
+            f"file, refused before reading; write the corpus as JSON lines or a plain parquet table")
 
 
 def read_chunk(chunk: Chunk, src_lang: str, tgt_lang: str) -> ChunkRows:
@@ -268,13 +289,13 @@ def _clip(text: str, width: int = 60) -> str:
 
 
 def _first_byte(path: Path) -> bytes:
-    with open(path, "rb") as fh:
+    with F.open_read(path, "data file") as fh:
         return fh.read(4096).removeprefix(_BOM).lstrip()[:1]
 
 
 def _read_lines(c: Chunk, out: ChunkRows, src_lang: str, tgt_lang: str, *, tsv: bool) -> None:
     """JSON lines or ``src<TAB>tgt`` lines, each decoded on its own so one bad line costs one row."""
-    with open(c.path, "rb") as fh:
+    with F.open_read(c.path, "data file") as fh:
         fh.seek(c.lo)
         data = fh.read(c.hi - c.lo)
     if c.lo == 0:
@@ -326,7 +347,8 @@ def _read_lines(c: Chunk, out: ChunkRows, src_lang: str, tgt_lang: str, *, tsv: 
 
 def _read_json_array(c: Chunk, out: ChunkRows) -> None:
     """A .json file holding one array of rows: a single document, so a bad byte or syntax error stops it."""
-    data = Path(c.path).read_bytes().removeprefix(_BOM)
+    data = F.read_bytes(c.path, "JSON array file (give larger corpora as JSON lines)", limit=F.CHUNK_MAX
+                        ).removeprefix(_BOM)
     try:
         items = json.loads(data.decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -363,7 +385,12 @@ def _read_parquet(c: Chunk, out: ChunkRows) -> None:
     import pyarrow.parquet as pq
 
     try:
-        table = pq.ParquetFile(c.path).read_row_groups(list(range(c.lo, c.hi)), columns=["translation"])
+        with F.open_read(c.path, "data file") as fh:
+            pf = pq.ParquetFile(fh)
+            check_parquet_size(c.path, pf.metadata, os.fstat(fh.fileno()).st_size)
+            table = pf.read_row_groups(list(range(c.lo, c.hi)), columns=["translation"])
+    except DataInputError:
+        raise
     except Exception as e:  # pyarrow raises ArrowInvalid / OSError for a damaged or foreign file
         raise DataInputError(f"{c.path}: not a readable parquet file ({type(e).__name__}: {e})") from e
     rows = table.column("translation").to_pylist()

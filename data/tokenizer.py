@@ -44,21 +44,25 @@ class Tokenizer:
         num_threads: int = 0,
         *,
         model_proto: bytes | None = None,
+        inside: str | os.PathLike | None = None,
     ):
-        """Load ``model_file``, or the serialized model ``model_proto`` (e.g. embedded in a checkpoint:
-        loaded in memory, no file written)."""
+        """Load ``model_file`` (read through `data.files.read_bytes`: a regular file of at most
+        ``TOKENIZER_MAX`` bytes, no link followed below ``inside``, the folder that holds it), or the serialized
+        model ``model_proto`` (e.g. embedded in a checkpoint: loaded in memory, no file written)."""
         import sentencepiece as spm
+
+        from .files import TOKENIZER_MAX, read_bytes
 
         if (model_file is None) == (model_proto is None):
             raise TypeError("give exactly one of model_file and model_proto")
         self.model_file = None if model_file is None else str(model_file)
         self.model_proto = model_proto
+        self.inside = None if inside is None else str(inside)
         self.key = key
         self.num_threads = num_threads or (os.cpu_count() or 1)
-        if model_proto is not None:
-            self.sp = spm.SentencePieceProcessor(model_proto=model_proto)
-        else:
-            self.sp = spm.SentencePieceProcessor(model_file=self.model_file)
+        if model_proto is None:
+            model_proto = read_bytes(self.model_file, "tokenizer model", limit=TOKENIZER_MAX, inside=self.inside)
+        self.sp = spm.SentencePieceProcessor(model_proto=model_proto)
         got = (self.sp.pad_id(), self.sp.unk_id(), self.sp.bos_id(), self.sp.eos_id())
         if got != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
             raise ValueError(
@@ -98,11 +102,13 @@ class Tokenizer:
             "model_proto": self.model_proto,
             "key": self.key,
             "num_threads": self.num_threads,
+            "inside": self.inside,
         }
 
     def __setstate__(self, state):
         self.__init__(
-            state["model_file"], state["key"], state["num_threads"], model_proto=state.get("model_proto")
+            state["model_file"], state["key"], state["num_threads"], model_proto=state.get("model_proto"),
+            inside=state.get("inside"),
         )
 
     def __repr__(self) -> str:

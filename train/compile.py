@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from data.files import ownership_problem
 from train.errors import UserError
 
 
@@ -38,8 +39,11 @@ def compiles(run, device_type: str) -> bool:
     return run.compile if run.compile is not None else device_type == "cuda"
 
 def default_cache_dir() -> Path:
-    """The per-user compile cache: ``$XDG_CACHE_HOME/fastmt/compile``, else ``~/.cache/fastmt/compile``."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    """The per-user compile cache: ``$XDG_CACHE_HOME/fastmt/compile``, else ``~/.cache/fastmt/compile``. A relative
+    ``$XDG_CACHE_HOME`` is ignored, as the XDG base directory spec says (it would put code in the current folder)."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "fastmt" / "compile"
 
 
@@ -54,19 +58,12 @@ def check_private(path: Path, flag: str = "--run.cache_dir") -> Path:
     except OSError as e:
         raise CacheDirError(f"{flag} {path}: cannot use it as the compile cache ({e.strerror or e}); give a "
                             f"writable folder of your own") from None
-    problem = None
     if not stat.S_ISDIR(st.st_mode):
         problem = "it is not a folder"
-    elif st.st_uid != os.geteuid():
-        problem = f"it belongs to user {st.st_uid}, not to you ({os.geteuid()})"
-    elif st.st_mode & 0o022:
+    elif st.st_mode & 0o022:  # (group write too, even a private group's: this folder holds code)
         problem = f"other users may write in it (mode {stat.filemode(st.st_mode)})"
-    else:  # a folder above it that others may write without the sticky bit lets them swap this one out
-        for up in path.resolve().parents:
-            m = up.stat().st_mode
-            if m & 0o002 and not m & stat.S_ISVTX:
-                problem = f"{up}, a folder above it, lets other users replace it (mode {stat.filemode(m)})"
-                break
+    else:  # another owner; a folder above it owned by another user or that others may write without the sticky
+        problem = ownership_problem(path)  # bit, which lets them swap this one out (data.files: one rule for all)
     if problem:
         raise CacheDirError(f"{flag} {path}: {problem}; the compile caches hold code that the next compiled run "
                             f"loads, so fastmt uses only a folder of yours that nobody else can write. Fix: "

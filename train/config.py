@@ -182,11 +182,12 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)  # validation, BLEU thresholds, early stop, test
 
     def __post_init__(self):
-        from train.fields import INF_OK
+        from train.fields import INF_OK, check_bounds
 
         # the data and model sections validate themselves; non-finite floats are refused here for them
         require_finite(self.data, "data", INF_OK)
         require_finite(self.model, "model", INF_OK)
+        check_bounds(self)  # every field's bounds (train/fields.py BOUNDS), whatever the source of its value
         check_consistency(self)
         # activation checkpointing recomputes a block's forward inside the backward; under torch's CUDA-graph
         # trees that replay sees tensors die that the recording kept (pytorch#154306, open in 2.11-2.13): the
@@ -279,21 +280,25 @@ def load_config_file(path: str | Path, base: Config | None = None) -> Config:
     """The ``Config`` of a JSON file as ``--print-config`` (and each run folder's ``config.json``) writes it.
     Fields the file leaves out take ``base``'s values (the ``--preset``); without a base the file must give
     every field. Errors name the file and the key (``ValueError``/``TypeError``) or the line (bad JSON)."""
+    from data.files import RECORD_MAX, FileRefusedError, read_text
+
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8-sig")  # an editor's byte-order mark is not an error
+    try:  # the one reader: a regular file (a FIFO or /dev/zero named here is refused), at most RECORD_MAX bytes
+        text = read_text(path, "--config", limit=RECORD_MAX)  # an editor's byte-order mark is not an error
     except FileNotFoundError:
         raise ValueError(f"--config {path}: no such file (write one with --print-config > {path.name})") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"--config {path}: cannot read it ({e})") from None
+    except FileRefusedError as e:
+        raise ValueError(" ".join(str(e).split())) from None
+    except OSError as e:
+        raise ValueError(f"--config {path}: cannot read it ({e.strerror or e})") from None
     try:
         d = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}:{e.lineno}:{e.colno}: not valid JSON ({e.msg}); a config file is what "
                          f"--print-config writes") from None
-    except RecursionError:
-        raise ValueError(f"{path}: nested too deeply to be a config (a config file is what --print-config "
-                         f"writes)") from None
+    except (RecursionError, MemoryError, ValueError):  # (a number past Python's digit limit is a ValueError)
+        raise ValueError(f"{path}: nested too deeply or too large to be a config (a config file is what "
+                         f"--print-config writes)") from None
     if base is None and isinstance(d, dict):
         for s in dataclasses.fields(Config):  # a section that is not an object: said as such, before what it lacks
             if s.name in d and not isinstance(d[s.name], dict):

@@ -38,11 +38,18 @@ from train.config import Config, check_consistency
 from train.distributed import DistInfo, all_reduce_max, barrier, init_distributed
 from train.epoch_end import EpochEnd, NonFiniteLossError
 from train.errors import UserError
+from train.fields import machine_capped
 from train.loss import SummedCrossEntropy
 from train.objective import BleuClock, WallSplit, process_seconds
 from train.optim import build_optimizer, build_scheduler
 from train.preflight import build_data_checked, check_model_fits_data, tokenizer_of
-from train.runs.checkpoint import CheckpointManager, check_tokenizer, rng_state, set_rng_state
+from train.runs.checkpoint import (
+    CheckpointManager,
+    CheckpointMismatchError,
+    check_tokenizer,
+    rng_state,
+    set_rng_state,
+)
 from train.runs.folder import discard_unused_run_folder
 from train.runs.metrics import write_provenance
 from train.runs.plan import RunFinishedError
@@ -146,7 +153,13 @@ class Trainer(RunSetup, EpochEnd):
         self.cfg = cfg
 
         from models import Transformer, count_params
+        from train.evaluation.load import check_model_config, check_model_memory
 
+        # the model is built on the meta device first (shapes only), as for inference: its size against this
+        # device's memory, and a checkpoint's tensors against its config, before anything is allocated
+        check_model_memory(cfg.model, self.device, training=True, where="this run's model config")
+        if ckpt is not None and isinstance(ckpt.get("model"), dict):
+            check_model_config(cfg.model, ckpt["model"], plan.ckpt_path)
         self.model = Transformer(cfg.model).to(self.device)  # the un-compiled module: checkpoints hold this
         self.params = count_params(self.model)
         self.loss_module = SummedCrossEntropy(self.model, tok.pad_id, cfg.optim.label_smoothing)
@@ -206,7 +219,16 @@ class Trainer(RunSetup, EpochEnd):
         if ckpt is not None and plan.weights_only:
             self.model.load_state_dict(ckpt["model"])  # weights only: fresh optimizer, schedule and position
         elif ckpt is not None:
-            best_value, schedule = self._load_state(ckpt)
+            try:  # a state that does not load (a damaged or forged checkpoint): one line, before any write
+                best_value, schedule = self._load_state(ckpt)
+            except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:
+                if isinstance(e, UserError):
+                    raise
+                raise CheckpointMismatchError(
+                    f"resuming from {plan.ckpt_path}: its training state does not load ({type(e).__name__}: "
+                    f"{' '.join(str(e).split())[:200]}): a damaged or forged checkpoint; nothing was changed. Resume "
+                    f"from another checkpoint, or start a new run from its weights: --init-from {plan.ckpt_path}"
+                ) from None
         if self.is_main:
             self._open_run_folder(plan, changes, schedule)
         self.ckpts = CheckpointManager(self.run_dir / "checkpoints", run.keep_last,
@@ -500,6 +522,9 @@ class Trainer(RunSetup, EpochEnd):
         self.history = list(ckpt.get("history", []))
         ranks = ckpt.get("rank_rng") or []  # a DDP run's: each rank's own (the rank count is checked to match)
         self._pending_rng = ranks[self.dist.rank] if len(ranks) == self.dist.world_size else ckpt["rng"]
+        now = rng_state()  # the saved state is applied at the first step: tried here, so a bad one fails now
+        set_rng_state(self._pending_rng)
+        set_rng_state(now)
         schedule = None
         if self._replan:
             self.scheduler = replan_scheduler(self.optimizer, self.cfg.optim, self.total_steps, self.step)
@@ -536,8 +561,8 @@ class Trainer(RunSetup, EpochEnd):
 
 def _configure_backend(cfg: Config, device: torch.device) -> None:
     run = cfg.run
-    if device.type == "cpu" and run.cpu_threads is not None:
-        torch.set_num_threads(run.cpu_threads)
+    if device.type == "cpu" and run.cpu_threads is not None:  # never more threads than this machine's cores
+        torch.set_num_threads(machine_capped("run.cpu_threads", run.cpu_threads, print))
     if device.type == "cuda" and run.precision != "fp32":
         # fp32 matmuls left outside autocast may use TF32; the fp32 baseline keeps full precision
         torch.set_float32_matmul_precision("high")

@@ -23,14 +23,15 @@ _IMPORT_TIME = time.time()
 
 def _process_start_time() -> float:
     """Epoch seconds at which the OS started this process (Linux /proc), else this module's import time."""
+    from data.files import MIB, read_text
+
     try:
-        with open("/proc/self/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+        fields = read_text("/proc/self/stat", "process status", limit=MIB).rsplit(")", 1)[1].split()
         start_ticks = int(fields[19])  # field 22 of stat(5): starttime, clock ticks after boot
-        with open("/proc/stat") as f:
-            btime = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        stat = read_text("/proc/stat", "kernel statistics", limit=16 * MIB).splitlines()
+        btime = next(int(line.split()[1]) for line in stat if line.startswith("btime "))
         return btime + start_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+    except (OSError, ValueError, IndexError, StopIteration):  # (the reader's refusals are ValueErrors)
         return _IMPORT_TIME
 
 

@@ -22,6 +22,8 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+from train.fields import article, check_type, type_name
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -53,7 +55,7 @@ def parse_value(text: str, tp: Any, where: str, *, choices: Sequence[Any] | None
         finite = [e for e in errors if "finite" in e or "not one of" in e]
         if finite:  # the value parsed but is not allowed: say why, not "cannot parse"
             raise ValueError(finite[0])
-        raise ValueError(f"{where}: cannot parse {text!r} as {_type_name(tp)}")
+        raise ValueError(f"{where}: cannot parse {text!r} as {type_name(tp)}")
     if origin is Literal:
         for a in args:
             if str(a) == text:
@@ -95,7 +97,7 @@ def parse_value(text: str, tp: Any, where: str, *, choices: Sequence[Any] | None
         if choices is not None and text not in choices:
             raise ValueError(f"{where}: {text!r} is not one of {list(choices)}{_closest(text, choices)}")
         return text
-    raise ValueError(f"{where}: fields of type {_type_name(tp)} cannot be set from the command line")
+    raise ValueError(f"{where}: fields of type {type_name(tp)} cannot be set from the command line")
 
 
 def _str_list(text: str, where: str) -> list[str]:
@@ -134,36 +136,10 @@ def require_finite(obj, section: str, inf_ok: Mapping[str, str] | Sequence[str] 
                 check_finite(v, f"{section}.{f.name}", inf_ok=f"{section}.{f.name}" in inf_ok)
 
 
-def _type_name(tp) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def _check_type(value: Any, tp: Any) -> bool:
-    """Loose isinstance against an annotation, for values loaded from JSON/checkpoints."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if tp is Any:
-        return True
-    if origin in (typing.Union, types.UnionType):
-        return any(_check_type(value, a) for a in args)
-    if tp is type(None):
-        return value is None
-    if origin is Literal:
-        return value in args
-    if origin in (tuple, list):
-        if not isinstance(value, (tuple, list)):
-            return False
-        if args and args[-1] is Ellipsis:
-            return all(_check_type(v, args[0]) for v in value)
-        if args and origin is tuple:
-            return len(value) == len(args) and all(_check_type(v, a) for v, a in zip(value, args))
-        return True
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if isinstance(tp, type):
-        return isinstance(value, tp)
-    return True
+def _shown(v: Any, limit: int = 80) -> str:
+    """A value as an error message shows it: JSON when it is JSON, cut to ``limit`` characters."""
+    text = json.dumps(v) if _jsonable(v) else repr(v)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def build_dataclass(cls, values: dict[str, Any], section: str, *, where: str = "",
@@ -187,9 +163,9 @@ def build_dataclass(cls, values: dict[str, Any], section: str, *, where: str = "
         tp = hints[k]
         if typing.get_origin(tp) is tuple and isinstance(v, list):
             v = tuple(v)
-        shown = json.dumps(v) if _jsonable(v) else repr(v)
-        if not _check_type(v, tp):
-            raise TypeError(f"{at}{section}.{k}={shown} is not {_a(_type_name(tp))}")
+        shown = _shown(v)
+        if not check_type(v, tp):
+            raise TypeError(f"{at}{section}.{k}={shown} is not {article(type_name(tp))}")
         allowed = (choices or {}).get(k)
         if allowed is not None and isinstance(v, str) and v not in allowed:
             raise ValueError(f"{at}{section}.{k}={shown} is not one of {list(allowed)}"
@@ -199,10 +175,6 @@ def build_dataclass(cls, values: dict[str, Any], section: str, *, where: str = "
         return cls(**kwargs)
     except (ValueError, TypeError) as e:
         raise type(e)(f"{at}{e}") from None
-
-
-def _a(noun: str) -> str:
-    return ("an " if noun[:1] in "aeiou" else "a ") + noun
 
 
 def _jsonable(v: Any) -> bool:

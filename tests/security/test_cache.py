@@ -184,8 +184,10 @@ except Exception as e:
 def test_row7_another_user_reads_a_shared_cache_it_cannot_write(shared_tmp):
     """The cache belongs to root (0755); uid 65534 reads it after the data file was touched (an index miss,
     a content match): no lock file is created, nothing written, the entry used."""
-    if os.geteuid() != 0 or not shutil.which("setpriv"):
-        pytest.skip("needs root and setpriv to run the reader as another uid")
+    from tests.security.conftest import run_as_nobody
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run the reader as another uid")
     from data.config import toy
     from data.toy import write_toy_corpus
 
@@ -197,10 +199,7 @@ def test_row7_another_user_reads_a_shared_cache_it_cannot_write(shared_tmp):
     for p in shared_tmp.rglob("*"):
         p.chmod(0o755 if p.is_dir() else 0o644)
     before = sorted(str(p) for p in cache.rglob("*"))
-    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", _READER,
-                        str(cache), str(corpus)], cwd=REPO, capture_output=True, text=True, timeout=300)
-    if "Permission denied" in r.stderr and not r.stdout:
-        pytest.skip(f"uid 65534 cannot run the interpreter here: {r.stderr[-200:]}")
+    r = run_as_nobody(shared_tmp, _READER, str(cache), str(corpus))
     assert r.stdout.strip() == f"OK {n}", r.stdout + r.stderr[-2000:]
     assert sorted(str(p) for p in cache.rglob("*")) == before
 

@@ -56,16 +56,30 @@ def resolve_decoding(args: argparse.Namespace, config: dict[str, Any]) -> tuple[
     """The ``Decoding`` of parsed flags over the checkpoint's ``config`` dict, and the flags that were given.
     Bad values raise ``UserError`` naming the flag and the value."""
     from train.export.engine import check_engine
+    from train.fields import BOUNDS, bounded, hypotheses_problem
 
     check_engine(args, config)
     values, given = {}, []
     for flag, (name, (section, key), kind, _, _) in _OPTIONS.items():
         raw = getattr(args, name)
-        if raw is None:
-            values[name] = (config.get(section) or {}).get(key, DECODING_DEFAULTS[name])
+        field = f"{section}.{key}"
+        if raw is None:  # the checkpoint's value: typed and bounded as the field is (train/fields.py BOUNDS)
+            part = config.get(section) or {}
+            value = part.get(key, DECODING_DEFAULTS[name]) if isinstance(part, dict) else part
+            try:
+                values[name] = bounded(field, value, f"--ckpt {getattr(args, 'ckpt', '')}: its config",
+                                       int | None if field == "run.cpu_threads" else kind)
+            except ValueError as e:
+                raise UserError(f"{e}; give {flag} to decode with another value") from None
         else:
             given.append(flag)
             values[name] = _parse(flag, raw, kind) if kind is not str else raw
+            problem = BOUNDS[field].problem(values[name]) if field in BOUNDS else None
+            if problem:
+                raise UserError(f"{flag} {raw}: {problem}")
+    hyp = hypotheses_problem(values["beam_size"], values["batch_size"], "--beam", "--batch-size")
+    if hyp:
+        raise UserError(hyp)
     d = Decoding(**values)
     for flag, ok, rule in (("--beam", d.beam_size >= 1, ">= 1"), ("--batch-size", d.batch_size >= 1, ">= 1"),
                            ("--length-penalty", d.length_penalty >= 0, ">= 0"),
@@ -134,7 +148,7 @@ def load_for_command(args: argparse.Namespace, checks: Callable[[], None] | None
         checks()
     model, tok, ckpt = load_for_inference(args.ckpt, device)
     config = ckpt.get("config") or {}
-    configure_cpu(device, config)
+    configure_cpu(device, config, f"--ckpt {args.ckpt}: its run config")
     decoding, given = resolve_decoding(args, config)
     return Loaded(model, tok, config, device, decoding, given)
 

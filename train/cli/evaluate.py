@@ -22,7 +22,6 @@ sha256. An existing ``--out`` is replaced only when its ``.json`` record says th
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -56,8 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
 def read_lines(path: str) -> list[str]:
     """The lines of a UTF-8 text file as given (a final newline ends the last line; a trailing CR and a
     leading BOM are dropped); a byte that is not UTF-8 raises ``UserError`` naming the line."""
-    try:
-        data = Path(path).read_bytes()
+    from data.files import TEXTS_MAX, read_bytes
+
+    try:  # the one reader: a regular file (a FIFO or a device named here is refused), at most TEXTS_MAX bytes
+        data = read_bytes(path, "test set", limit=TEXTS_MAX)
     except OSError as e:
         raise UserError(f"cannot read {path}: {e.strerror or e}") from None
     data = data.removeprefix(b"\xef\xbb\xbf")
@@ -134,9 +135,11 @@ def check_writable(out: Path) -> None:
     """Refuse, before decoding, an output that exists and is not this command's, or a folder not writable."""
     if out.is_dir():
         raise UserError(f"--out {out} is a folder; give a file path")
-    if out.exists():
-        try:
-            mine = json.loads(record_path(out).read_text()).get("written_by") == WRITER
+    if out.exists() or out.is_symlink():
+        from data.files import read_json
+
+        try:  # the one reader: no link followed in the output's folder, a regular file, at most RECORD_MAX bytes
+            mine = read_json(record_path(out), "evaluate record", inside=out.parent).get("written_by") == WRITER
         except (OSError, ValueError, AttributeError):
             mine = False
         if not mine:
@@ -149,6 +152,19 @@ def check_writable(out: Path) -> None:
         raise UserError(f"cannot write {out}: {parent} is a file, not a folder; pass --out PATH")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f"cannot write {out}: {parent} is not writable; pass --out PATH")
+
+
+def check_eval_folder(folder: Path) -> None:
+    """The default output folder ``<run>/eval`` (or the folder it would be made in) is a real folder of this user's
+    that nobody else can change (`data.files.ownership_problem`), else ``UserError`` before anything is decoded."""
+    from data.files import ownership_problem
+
+    if folder.is_symlink():
+        raise UserError(f"{folder} is a symbolic link (to {os.readlink(folder)}): fastmt writes the hypotheses only "
+                        f"into a real folder, never through a link; remove it or pass --out PATH")
+    problem = ownership_problem(folder if folder.exists() else folder.parent)
+    if problem:
+        raise UserError(f"cannot write into {folder}: {problem}; pass --out PATH (a folder of yours)")
 
 
 def _same(a: str | os.PathLike, b: str | os.PathLike) -> bool:
@@ -185,11 +201,9 @@ def atomic_write(path: Path, text: str) -> None:
 
 
 def sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    from data.files import sha256_file
+
+    return sha256_file(path, "input file")
 
 
 # -- the command -------------------------------------------------------------------------------------------
@@ -202,13 +216,16 @@ def run(args) -> int:
     to_stdout = args.out == "-"
     out = None if to_stdout else Path(args.out) if args.out else default_out(Path(args.ckpt), args.src)
     if out is not None:
+        if not args.out:  # the run folder's eval/: fastmt's to make, never through a link or in another user's folder
+            check_eval_folder(out.parent)
         check_not_an_input(out, args)
         check_writable(out)
 
     def inputs_exist() -> None:
         for path in [args.src, *(args.ref or [])]:
             if not Path(path).is_file():
-                raise UserError(f"no such file: {path}")
+                raise UserError(f"{path} is not a regular file (a FIFO, device or folder): give a file of lines"
+                                if Path(path).exists() else f"no such file: {path}")
 
     loaded = load_for_command(args, inputs_exist)
     model, tok, config, device = loaded.model, loaded.tok, loaded.config, loaded.device

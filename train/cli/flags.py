@@ -273,7 +273,8 @@ def format_fields(cfg, only: Sequence[str] = (), preset: str | None = None) -> s
                 continue
             value = getattr(obj, info.name)
             out.append(f"  --{key} {info.type_text()} = {_shown(value)}")
-            out.append(f"      {info.help or '(no description)'}")
+            bound = f" (range {info.bounds.text()})" if info.bounds is not None and info.bounds.text() else ""
+            out.append(f"      {info.help or '(no description)'}{bound}")
         out.append("")
     return "\n".join(out).rstrip() + "\n"
 

@@ -30,6 +30,7 @@ __all__ = ["main", "stdin_batches"]
 
 
 _CHUNK = 1 << 16  # bytes per read of stdin
+MAX_LINE_BYTES = 1 << 20  # a longer stdin line is answered by an empty line, never buffered (`translate < /dev/zero`)
 
 
 def _ready(fd: int) -> bool:
@@ -37,27 +38,34 @@ def _ready(fd: int) -> bool:
     return bool(select.select([fd], [], [], 0)[0])
 
 
-def _fd_batches(fd: int, batch_size: int) -> Iterator[list[bytes]]:
+def _fd_batches(fd: int, batch_size: int) -> Iterator[list[bytes | None]]:
     """Batches of raw lines read from a file descriptor: wait for one complete line, then take the lines
-    already there (never waiting for more), at most ``batch_size``."""
-    pending: deque[bytes] = deque()
+    already there (never waiting for more), at most ``batch_size``. A line longer than `MAX_LINE_BYTES` is
+    None (its bytes are dropped as they come: memory stays bounded whatever the input)."""
+    pending: deque[bytes | None] = deque()
     partial = bytearray()
     eof = False
+    overlong = False  # the line being read passed MAX_LINE_BYTES: skip to its end
 
     def read_once() -> None:
-        nonlocal eof
+        nonlocal eof, overlong
         chunk = os.read(fd, _CHUNK)
         if not chunk:
             eof = True
-            if partial:
-                pending.append(bytes(partial))
+            if partial or overlong:
+                pending.append(None if overlong else bytes(partial))
                 partial.clear()
             return
         partial.extend(chunk)
         if b"\n" in chunk:
             *lines, rest = bytes(partial).split(b"\n")
-            pending.extend(lines)
+            if overlong:
+                lines[0], overlong = None, False
+            pending.extend(None if line is not None and len(line) > MAX_LINE_BYTES else line for line in lines)
             partial[:] = rest
+        if len(partial) > MAX_LINE_BYTES:
+            partial.clear()
+            overlong = True
 
     while True:
         while not pending and not eof:
@@ -69,7 +77,7 @@ def _fd_batches(fd: int, batch_size: int) -> Iterator[list[bytes]]:
         yield [pending.popleft() for _ in range(min(batch_size, len(pending)))]
 
 
-def stdin_batches(stream, batch_size: int) -> Iterator[list[bytes]]:
+def stdin_batches(stream, batch_size: int) -> Iterator[list[bytes | None]]:
     """Raw stdin lines (bytes, without the newline) in batches, as they arrive: a real file descriptor is read
     without buffering (what is there now is translated now); other streams (tests, wrappers) line by line."""
     binary = getattr(stream, "buffer", stream)
@@ -80,10 +88,16 @@ def stdin_batches(stream, batch_size: int) -> Iterator[list[bytes]]:
     if fd is not None:
         yield from _fd_batches(fd, batch_size)
         return
-    batch: list[bytes] = []
-    for line in binary:
-        batch.append(line.encode("utf-8", "surrogateescape") if isinstance(line, str) else line)
-        batch[-1] = batch[-1].removesuffix(b"\n")
+    batch: list[bytes | None] = []
+    while line := binary.readline(MAX_LINE_BYTES + 1):
+        line = line.encode("utf-8", "surrogateescape") if isinstance(line, str) else line
+        if len(line.removesuffix(b"\n")) > MAX_LINE_BYTES:  # skip the rest of it, never buffered whole
+            while line and not line.endswith(b"\n"):
+                line = binary.readline(MAX_LINE_BYTES + 1)
+                line = line.encode("utf-8", "surrogateescape") if isinstance(line, str) else line
+            batch.append(None)
+        else:
+            batch.append(line.removesuffix(b"\n"))
         if len(batch) == batch_size:
             yield batch
             batch = []
@@ -91,8 +105,12 @@ def stdin_batches(stream, batch_size: int) -> Iterator[list[bytes]]:
         yield batch
 
 
-def decode_line(raw: bytes, number: int, warn) -> str | None:
-    """A stdin line as text (BOM on line 1 and a trailing CR dropped); None, with a warning, if not UTF-8."""
+def decode_line(raw: bytes | None, number: int, warn) -> str | None:
+    """A stdin line as text (BOM on line 1 and a trailing CR dropped); None, with a warning, if not UTF-8 or
+    longer than `MAX_LINE_BYTES` (``raw`` None)."""
+    if raw is None:
+        warn(f"warning: input line {number} is longer than {MAX_LINE_BYTES:,} bytes: answered by an empty line")
+        return None
     if number == 1:
         raw = raw.removeprefix(b"\xef\xbb\xbf")
     raw = raw.removesuffix(b"\r")

@@ -44,18 +44,25 @@ DECODING_DEFAULTS = {"beam_size": 4, "length_penalty": 0.6, "max_len_a": 1.5, "m
              "precision": "fp32"}
 
 
-def configure_cpu(device: torch.device, config: dict[str, Any]) -> None:
+def configure_cpu(device: torch.device, config: dict[str, Any], where: str = "the model's run config") -> None:
     """On the CPU, set up as the checkpoint's run was: denormals flushed (3x slower eager steps otherwise)
     and ``run.cpu_threads`` threads when it set them (on the shared 2-core machine, load average 3-4, decoding
     the tiny preset's 427-sentence test split of the stand-in corpus took 2.7 s on 1 thread, 29.5 s on 2)."""
     if device.type != "cpu":
         return
     from train import flush_denormals
+    from train.errors import UserError
+    from train.fields import bounded, machine_capped
 
     flush_denormals()
-    threads = (config.get("run") or {}).get("cpu_threads")
-    if isinstance(threads, int) and threads >= 1:
-        torch.set_num_threads(threads)
+    try:  # a value from a file: typed and bounded as the field is, then capped by this machine's cores
+        run = config.get("run") or {}
+        threads = bounded("run.cpu_threads", run.get("cpu_threads") if isinstance(run, dict) else run, where,
+                          int | None)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if threads is not None:
+        torch.set_num_threads(machine_capped("run.cpu_threads", threads))
 
 
 def autocast_for(device: torch.device, precision: str):

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +25,17 @@ def checkpoint_file(ckpt: str) -> str:
         return ckpt
     if path.is_dir():
         for best in (path / "checkpoints" / "best.pt", path / "best.pt"):
+            for part in (best.parent, best):  # what fastmt picks inside the folder you named: never through a link
+                if part != path and part.is_symlink():
+                    raise UserError(f"--ckpt {ckpt!r}: {part} is a symbolic link (to {os.readlink(part)}): fastmt "
+                                    f"follows no link inside the run folder; name the checkpoint file itself")
             if best.is_file():
                 return str(best)
         raise UserError(f"--ckpt {ckpt!r} is a folder without a best.pt (nor checkpoints/best.pt): give a checkpoint "
                         f"file, e.g. {ckpt.rstrip('/')}/checkpoints/step-<N>.pt")
+    if path.exists():  # a FIFO, a device, a socket: never opened
+        raise UserError(f"--ckpt {ckpt!r} is not a regular file (a FIFO, device or socket): give a checkpoint file")
     raise UserError(f"--ckpt {ckpt!r}: no such file (look under runs/<name>/checkpoints/)")
-
-
-MAX_LAYERS = 1024  # per stack: far above any model fastmt trains; a larger count in a file is forged
 
 
 EXTRA_BUFFER_BYTES = 256 * 2**20  # memory a model may allocate beyond its stored tensors (position tables)
@@ -42,14 +46,7 @@ def check_model_config(cfg, state: dict[str, Any], path) -> int:
     before any memory is allocated: the model is built on the ``meta`` device (shapes only), its parameter
     count and shapes compared with the file's. A few-KB file with a forged config (d_model 10^6) would
     otherwise make ``translate`` allocate the model it describes. Returns the parameter count."""
-    from models import Transformer
-
-    layers = max(n for n in (cfg.enc_layers, cfg.dec_layers, cfg.enc_unique, cfg.dec_unique) if n is not None)
-    if layers > MAX_LAYERS:
-        raise UserError(f"{path}: its model config asks for {layers:,} layers (at most {MAX_LAYERS}): a damaged or "
-                        f"forged checkpoint; nothing was built")
-    with torch.device("meta"):
-        model = Transformer(cfg)
+    model = _meta_model(cfg, path)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     stored = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
     n_cfg, n_file = sum(math.prod(s) for s in expected.values()), sum(math.prod(s) for s in stored.values())
@@ -68,12 +65,53 @@ def check_model_config(cfg, state: dict[str, Any], path) -> int:
     return n_cfg
 
 
+def _meta_model(cfg, where):
+    """``Transformer(cfg)`` on the meta device (shapes, no memory), its layer counts bounded first."""
+    from models import Transformer
+    from train.fields import MAX_LAYERS
+
+    layers = max(n for n in (cfg.enc_layers, cfg.dec_layers, cfg.enc_unique, cfg.dec_unique) if n is not None)
+    if layers > MAX_LAYERS:
+        raise UserError(f"{where}: its model config asks for {layers:,} layers (at most {MAX_LAYERS}): a damaged or "
+                        f"forged config; nothing was built")
+    with torch.device("meta"):
+        return Transformer(cfg)
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes of memory ``device`` has (a CUDA device's total; the CPU's physical memory)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+TRAINING_BYTES_PER_PARAM = 16  # fp32 weights, gradients and two optimizer states (Adam, AdamW; Lion keeps one)
+
+
+def check_model_memory(cfg, device: torch.device, *, training: bool, where) -> int:
+    """Refuse (``UserError``) a model config whose parameters and tables alone (weights, and for ``training`` their
+    gradients and optimizer states) exceed ``device``'s memory, before anything is allocated: the model is built on
+    the meta device. Returns the parameter count."""
+    model = _meta_model(cfg, where)
+    params = sum(p.numel() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    need = params * (TRAINING_BYTES_PER_PARAM if training else 4) + buffers
+    have = device_memory(device)
+    if need > have:
+        raise UserError(f"{where}: d_model {cfg.d_model}, {cfg.enc_layers}+{cfg.dec_layers} layers, d_ff {cfg.d_ff}, "
+                        f"vocab {cfg.vocab_size}, {cfg.max_positions} positions make {params:,} parameters, which "
+                        f"need {need / 2**30:,.1f} GB {'to train' if training else ''}; {device} has "
+                        f"{have / 2**30:,.1f} GB. Nothing was allocated: choose a smaller model")
+    return params
+
+
 def load_for_inference(ckpt_path: str | Path, device: str | torch.device = "cpu"):
     """(model in eval mode, tokenizer, checkpoint dict) from a training checkpoint; a file that is not one
     (missing, unreadable, without a tokenizer, asking for code, a config that disagrees with its tensors)
     raises ``UserError`` naming it, before the model is allocated."""
     from models import ModelConfig, Transformer
     from train.export.engine import is_ct2_dir, load_ct2
+    from train.fields import check_section
     from train.preflight import tokenizer_of
     from train.runs.checkpoint import load_checkpoint
 
@@ -85,14 +123,18 @@ def load_for_inference(ckpt_path: str | Path, device: str | torch.device = "cpu"
         raise
     except (FileNotFoundError, RuntimeError) as e:
         raise UserError(f"--ckpt: {e}") from e
+    if not isinstance(ckpt.get("config"), dict) or not isinstance(ckpt.get("tokenizer") or {}, dict):
+        raise UserError(f"{ckpt_path}: its config or tokenizer entry is not a record fastmt writes: a damaged or "
+                        f"forged checkpoint")
     try:
         tok = tokenizer_of(ckpt, Path(ckpt_path))
-    except (RuntimeError, OSError, TypeError, ValueError) as e:  # SentencePiece's parse error of a damaged model
+    except (RuntimeError, OSError, TypeError, ValueError, AttributeError) as e:  # SentencePiece's parse error of a damaged model
         raise UserError(f"{ckpt_path}: its tokenizer does not load ({' '.join(str(e).split())[:160]}): a damaged "
                         f"or forged checkpoint") from e
-    try:
+    try:  # every field typed and bounded as its declaration says (train/fields.py), before the model is built
+        check_section(ModelConfig, "model", ckpt["config"]["model"], f"{ckpt_path}: its model config")
         cfg = ModelConfig(**ckpt["config"]["model"])
-    except (TypeError, ValueError, KeyError) as e:
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
         raise UserError(f"{ckpt_path}: its model config does not build with this fastmt ({e})") from e
     if cfg.vocab_size != tok.vocab_size:
         raise UserError(f"{ckpt_path}: tokenizer mismatch: model vocab {cfg.vocab_size} != tokenizer vocab "

@@ -111,20 +111,30 @@ def source_ids(tok, sentences: list[str], max_positions: int) -> list[list[int]]
 # -- the model card --------------------------------------------------------------------------------------------
 def _test_record(src: Source) -> dict | None:
     """The run's last ``test`` record (metrics.jsonl of ``<run>/checkpoints/<ckpt>``'s run folder), if any."""
+    from data.files import read_json_lines
+
     run = src.path.resolve().parent.parent
-    try:
-        lines = (run / "metrics.jsonl").read_text().splitlines()
-    except OSError:
+    try:  # the one reader: a regular file, no link inside the run folder, at most LOG_MAX bytes
+        lines = read_json_lines(run / "metrics.jsonl", "metrics file", inside=run)
+    except (OSError, ValueError):
         return None
-    tests = []
-    for line in lines:
-        try:
-            r = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(r, dict) and r.get("kind") == "test":
-            tests.append(r)
-    return tests[-1] if tests else None
+    tests = [r for _, r in lines if isinstance(r, dict) and r.get("kind") == "test"]
+    return _card_fields(tests[-1]) if tests else None
+
+
+def _card_fields(rec: dict) -> dict:
+    """What the model card shows of a test record, each value of the type it is printed as (numbers finite, texts
+    cut): a copied-in record of another shape never breaks the card."""
+    import math
+
+    num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
+    out = {k: rec[k] for k in ("test_bleu", "test_chrf") if num(rec.get(k))}
+    out |= {k: rec[k][:300] for k in ("test_bleu_signature", "test_chrf_signature") if isinstance(rec.get(k), str)}
+    if num(rec.get("test_sentences")):
+        out["test_sentences"] = rec["test_sentences"]
+    dec = rec.get("decoding") if isinstance(rec.get("decoding"), dict) else {}
+    out["decoding"] = {k: dec[k] for k in ("beam_size", "length_penalty") if num(dec.get(k))}
+    return out
 
 
 def model_card(src: Source, target: str, notes: list[str], argv: list[str]) -> str:
@@ -158,7 +168,14 @@ def model_card(src: Source, target: str, notes: list[str], argv: list[str]) -> s
 # -- writing the directory -------------------------------------------------------------------------------------
 def check_out(out: Path, force: bool, ckpt: str | Path) -> None:
     """Refuse, before any work, an OUT that is a file, that holds the checkpoint, or a non-empty folder without
-    ``--force``; ``--force`` replaces only a folder an earlier export wrote (it holds fastmt_decoding.json)."""
+    ``--force``; ``--force`` replaces only a real folder of this user's that an earlier export wrote (its records
+    read as an export's, every entry a regular file). A link at OUT (dangling or not) is refused: the export would
+    be written, or a folder replaced, at its target. OUT's parent must be a folder nobody else can swap OUT in."""
+    from data.files import ownership_problem, swap_problem
+
+    if out.is_symlink():
+        raise UserError(f"OUT {out} is a symbolic link (to {os.readlink(out)}): fastmt export writes only a real "
+                        f"folder, never through a link; give the folder's own path")
     if out.exists() and not out.is_dir():
         raise UserError(f"OUT {out} is a file; give a folder path")
     if Path(ckpt).exists() and out.resolve() in (Path(ckpt).resolve(), *Path(ckpt).resolve().parents):
@@ -169,7 +186,20 @@ def check_out(out: Path, force: bool, ckpt: str | Path) -> None:
                             f"give another folder, or empty it yourself")
         if not force:
             raise UserError(f"OUT {out} holds an earlier export: pass --force to replace it, or another folder")
+        try:
+            read_export_records(out)
+        except UserError as e:
+            raise UserError(f"OUT {out}: --force replaces only a folder that fastmt export wrote, and this one is not "
+                            f"({e}); give another folder, or empty it yourself") from None
+        problem = ownership_problem(out)
+        if problem:
+            raise UserError(f"OUT {out}: {problem}: --force replaces only a folder of yours that nobody else can "
+                            f"change; give another folder")
     parent = out.resolve().parent
+    problem = swap_problem(parent, "the folder OUT is written in") if parent.is_dir() else None
+    if problem:
+        raise UserError(f"OUT {out}: {problem}: another user could replace the export as it is written; give a "
+                        f"folder of yours")
     if not parent.is_dir():
         raise UserError(f"OUT {out}: its parent folder {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
@@ -203,6 +233,41 @@ def write_dir(out: Path, build: Callable[[Path], None]) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def read_export_records(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """An export folder's ``fastmt_decoding.json`` and ``fastmt_config.json`` through the one reader (regular files of
+    at most `data.files.RECORD_MAX` bytes, no link inside the folder), after every entry of the folder was checked
+    a regular file (the libraries that read model.bin and the vocabularies open them by name: a FIFO there would
+    hang them); ``max_positions`` bounded as the model field is. A refusal is one line (``UserError``)."""
+    from data.files import CHECKPOINT_MAX, read_json
+    from train.fields import bounded
+
+    path = Path(path)
+    try:
+        check_plain_folder(path, "export folder", CHECKPOINT_MAX)
+        settings = read_json(path / DECODING_FILE, "export record", inside=path)
+        config = read_json(path / CONFIG_FILE, "export record", inside=path)
+        if not isinstance(settings, dict) or not isinstance(config, dict):
+            raise ValueError(f"{path}: {DECODING_FILE} and {CONFIG_FILE} must be JSON objects")
+        bounded("model.max_positions", settings.get("max_positions"), str(path / DECODING_FILE), int)
+    except (OSError, ValueError) as e:
+        raise UserError(" ".join(str(e).split())) from None
+    return settings, config
+
+
+def check_plain_folder(path: Path, what: str, limit: int) -> None:
+    """Every entry of ``path`` a regular file (not a link, FIFO, device or folder) of at most ``limit`` bytes, else
+    `data.files.FileRefusedError` naming it (a folder fastmt export wrote holds nothing else)."""
+    import stat
+
+    from data.files import FileRefusedError
+
+    for entry in os.scandir(path):
+        st = entry.stat(follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            raise FileRefusedError(f"{what} {path}: {entry.name} is not a regular file of at most {limit:,} bytes "
+                                   f"(a link, FIFO, device or folder): a fastmt export holds only its own files")
 
 
 def write_json(path: Path, obj: Any) -> None:

@@ -18,9 +18,7 @@ search in a few sentences.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 from train.errors import UserError
 from train.export.common import (
@@ -33,6 +31,7 @@ from train.export.common import (
     decoding_settings,
     pieces,
     position_table,
+    read_export_records,
     source_ids,
     write_json,
 )
@@ -140,10 +139,9 @@ class CT2Translator:
             raise UserError(f"{path}: not a CTranslate2 export of fastmt (no model.bin or {DECODING_FILE}); make "
                             f"one with fastmt export --ckpt C --to ct2 {path}")
         self.path = path
-        self.settings: dict[str, Any] = json.loads((path / DECODING_FILE).read_text())
-        self.config: dict[str, Any] = json.loads((path / CONFIG_FILE).read_text())
-        self.tok = Tokenizer(str(path / "spm.model"))
-        self.max_positions = int(self.settings["max_positions"])
+        self.settings, self.config = read_export_records(path)  # through the one reader, bounded
+        self.tok = Tokenizer(str(path / "spm.model"), inside=path)
+        self.max_positions = self.settings["max_positions"]
         self.translator = ctranslate2.Translator(str(path), device=device, compute_type=compute_type,
                                                  intra_threads=threads)
 

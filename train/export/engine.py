@@ -54,17 +54,23 @@ def load_ct2(path, device):
     except ImportError as e:
         raise UserError(f"{path} is a CTranslate2 model: decoding it needs ctranslate2, which does not import here "
                         f"({e}): {EXTRA}") from None
-    import json
-
+    from data.files import read_json
     from train.export.common import CONFIG_FILE
     from train.export.ct2 import CT2Translator
+    from train.fields import bounded, machine_capped
 
-    try:  # the run's run.cpu_threads, as train.evaluation.decode.configure_cpu sets them for fastmt's own decoding
-        threads = (json.loads((Path(path) / CONFIG_FILE).read_text()).get("run") or {}).get("cpu_threads") or 0
-    except (OSError, ValueError, AttributeError):
-        threads = 0
+    # the run's run.cpu_threads, as train.evaluation.decode.configure_cpu sets them for fastmt's own decoding: read
+    # through the one reader, typed and bounded as the field is, capped by this machine's cores
+    where = f"{Path(path) / CONFIG_FILE}"
+    try:
+        run = (read_json(Path(path) / CONFIG_FILE, "export record", inside=path) or {}).get("run") or {}
+        threads = bounded("run.cpu_threads", run.get("cpu_threads") if isinstance(run, dict) else None, where, int | None)
+    except FileNotFoundError:
+        threads = None
+    except (OSError, ValueError, AttributeError) as e:  # (the reader's refusals are ValueErrors)
+        raise UserError(f"{path}: {' '.join(str(e).split())}") from None
     translator = CT2Translator(path, device="cuda" if device.type == "cuda" else "cpu",
-                               threads=threads if isinstance(threads, int) else 0)
+                               threads=machine_capped("run.cpu_threads", threads) or 0)
     return CT2Model(translator), translator.tok, {"config": {**translator.config, ENGINE_KEY: "ct2"}}
 
 

@@ -31,6 +31,7 @@ from train.export.common import (
     decoding_settings,
     pieces,
     position_table,
+    read_export_records,
     source_ids,
     write_json,
 )
@@ -168,8 +169,8 @@ class HFTranslator:
         from transformers import AutoModelForSeq2SeqLM, MarianTokenizer
 
         self.path = Path(path)
-        self.settings = json.loads((self.path / DECODING_FILE).read_text())
-        self.max_positions = int(self.settings["max_positions"])
+        self.settings, _ = read_export_records(self.path)  # through the one reader, bounded
+        self.max_positions = self.settings["max_positions"]
         self.device = torch.device(device)
         self.model = AutoModelForSeq2SeqLM.from_pretrained(str(self.path), trust_remote_code=True).to(self.device)
         self.model.eval()

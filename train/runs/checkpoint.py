@@ -26,7 +26,6 @@ import random
 import re
 import secrets
 import shutil
-import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from data.files import FileRefusedError, atomic_write, cause_of, remove_inside
+from data.files import (
+    CHECKPOINT_MAX,
+    BadFileError,
+    FileRefusedError,
+    atomic_write,
+    cause_of,
+    check_stored_zip,
+    fd_path,
+    open_read,
+    own_folder,
+    remove_inside,
+)
 from train.errors import UserError
 
 _STEP_RE = re.compile(r"^step-(\d+)\.pt$")
@@ -120,15 +130,23 @@ def lineage_id(ckpt: dict[str, Any]) -> str | None:
     return lineage.get("run_id") if isinstance(lineage, dict) else None
 
 
-def _torch_load(path: Path, map_location, mmap: bool = False) -> Any:
-    """``torch.load(weights_only=True)`` with the one allowlist (`LEGACY_GLOBALS`). A file that names any
-    other global raises ``CheckpointUnsafeError`` naming the file and the type; an ``OSError`` or an
-    allocation failure (not the file's content) raises ``CheckpointIOError``; anything else propagates."""
+def _torch_load(path: Path, map_location, mmap: bool = False, inside: str | os.PathLike | None = None) -> Any:
+    """``torch.load(weights_only=True)`` with the one allowlist (`LEGACY_GLOBALS`), of the file the one reader
+    opened (`data.files.open_read`: a regular file of at most `data.files.CHECKPOINT_MAX` bytes, no link below
+    ``inside``) after its records were checked stored, not compressed, and no larger than the file together
+    (`data.files.check_stored_zip`: nothing inflates). A file that names any other global raises
+    ``CheckpointUnsafeError`` naming the file and the type; an ``OSError`` or an allocation failure (not the
+    file's content) raises ``CheckpointIOError``; anything else propagates."""
     import pickle
 
     try:
-        with torch.serialization.safe_globals(LEGACY_GLOBALS):
-            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+        with open_read(path, "checkpoint", limit=CHECKPOINT_MAX, inside=inside) as f:
+            check_stored_zip(f, path, "checkpoint")
+            with torch.serialization.safe_globals(LEGACY_GLOBALS):  # mmap opens by name: the checked fd's
+                return torch.load(fd_path(f) if mmap else f, map_location=map_location, weights_only=True,
+                                  mmap=mmap)
+    except FileRefusedError:
+        raise
     except pickle.UnpicklingError as e:
         found = re.search(r"GLOBAL ([\w.]+)", str(e))
         if found is None:  # not a pickle that names code: damaged or not a checkpoint (the caller says so)
@@ -152,21 +170,12 @@ def _torch_load(path: Path, map_location, mmap: bool = False) -> Any:
         raise
 
 
-def _regular(path: Path) -> bool:
-    """Is ``path`` a regular file (links followed)? Opening a FIFO planted as ``step-*.pt`` would block."""
-    try:
-        return stat.S_ISREG(path.stat().st_mode)
-    except OSError:
-        return False
-
-
 def file_lineage_id(path: str | os.PathLike) -> str | None | bool:
     """``lineage_id`` of the checkpoint file at ``path``, read without loading its tensors (memory-mapped,
-    ``weights_only``); False when the file cannot be read (or asks for code: never unpickled)."""
-    if not _regular(Path(path)):  # a FIFO would block the open; a folder or device is no checkpoint
-        return False
+    ``weights_only``; no link followed: a file of its folder); False when the file cannot be read (or asks for
+    code: never unpickled)."""
     try:
-        ckpt = _torch_load(Path(path), "cpu", mmap=True)
+        ckpt = _torch_load(Path(path), "cpu", mmap=True, inside=Path(path).parent)
     except Exception:  # noqa: BLE001 - unreadable: the caller leaves the file alone
         return False
     return lineage_id(ckpt) if isinstance(ckpt, dict) else False
@@ -282,19 +291,25 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
     return path
 
 
-def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """The checkpoint at ``path`` as data (``weights_only``: see the module docstring). Raises
+def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu", *,
+                    inside: str | os.PathLike | None = None) -> dict[str, Any]:
+    """The checkpoint at ``path`` as data (``weights_only``: see the module docstring). ``inside``: the folder it
+    was found in (a run's ``checkpoints/``): no link below it is followed; None: a path the user named. Raises
     ``FileNotFoundError``, ``CheckpointUnsafeError`` (it asks for code), ``CheckpointIOError`` (the OS could
-    not read it: not its content), or ``RuntimeError`` (truncated, not a fastmt checkpoint)."""
+    not read it: not its content), or ``RuntimeError`` (truncated, refused, not a fastmt checkpoint)."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
-    if not _regular(path):
-        raise RuntimeError(f"{str(path)!r} is not a regular file (a FIFO, device or folder): not a checkpoint")
     try:
-        ckpt = _torch_load(path, map_location)
+        ckpt = _torch_load(path, map_location, inside=inside)
     except (CheckpointUnsafeError, CheckpointIOError):
         raise
+    except FileRefusedError as e:  # a link, FIFO, device or an oversized file: one line (content: below)
+        if not isinstance(e, BadFileError):
+            raise RuntimeError(f"cannot read checkpoint {str(path)!r}: {' '.join(str(e).split())}") from e
+        raise RuntimeError(f"cannot read checkpoint {str(path)!r} (truncated or not a fastmt checkpoint): {e}") from e
+    except FileNotFoundError:
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist") from None
     except Exception as e:  # noqa: BLE001 - re-raised with the path and the likely cause
         raise RuntimeError(f"cannot read checkpoint {str(path)!r} (truncated or not a fastmt checkpoint): {e}") from e
     if not isinstance(ckpt, dict):
@@ -302,6 +317,12 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     missing = {"model", "config", "position"} - set(ckpt)
     if missing:
         raise RuntimeError(f"{str(path)!r} is not a fastmt training checkpoint: missing keys {sorted(missing)}")
+    pos = ckpt["position"]  # what plans a resume: counts, bounded as the run's own counts are
+    if not isinstance(pos, dict) or not isinstance(ckpt["config"], dict) or any(
+            not isinstance(pos.get(k, 0), int) or isinstance(pos.get(k, 0), bool) or not 0 <= pos.get(k, 0) <= 10**12
+            for k in ("epoch", "batch_index", "step")):
+        raise RuntimeError(f"{str(path)!r} is not a fastmt training checkpoint: its position "
+                           f"{' '.join(repr(pos).split())[:120]} is not counts of epochs, batches and steps")
     return ckpt
 
 
@@ -309,7 +330,7 @@ def read_checkpoint(path: str | os.PathLike, what: str = "--resume") -> dict[str
     """``load_checkpoint`` of a path the user named, failing in one line (``UserError``) when it is missing
     or is not a readable fastmt checkpoint."""
     path = Path(path)
-    if not path.is_file():
+    if path.is_dir() or (not path.exists() and not path.is_symlink()):
         what_is = "is a folder, not a checkpoint file" if path.is_dir() else "does not exist"
         raise CheckpointNotFoundError(f"{what} {path}: checkpoint {str(path)!r} {what_is} (checkpoints are "
                                       f"runs/<name>/checkpoints/step-<N>.pt and best.pt)")
@@ -317,6 +338,8 @@ def read_checkpoint(path: str | os.PathLike, what: str = "--resume") -> dict[str
         return load_checkpoint(path)
     except (CheckpointUnsafeError, CheckpointIOError):
         raise
+    except FileNotFoundError as e:
+        raise CheckpointNotFoundError(f"{what} {path}: {e}") from None
     except RuntimeError as e:
         raise CheckpointReadError(f"{what} {path}: " + " ".join(str(e).split())[:400]) from e
 
@@ -356,13 +379,11 @@ def latest_loadable_checkpoint(ckpt_dir: str | os.PathLike, log: Callable[[str],
     found: tuple[Path | None, dict | None] = (None, None)
     for path in reversed(ckpts):
         try:
-            if not _regular(path):
-                raise RuntimeError("not a regular file (a FIFO, device, folder or dangling link)")
-            ckpt = load_checkpoint(path, map_location)
-        except RuntimeError as e:
+            ckpt = load_checkpoint(path, map_location, inside=d)
+        except (RuntimeError, FileNotFoundError) as e:
             if isinstance(e, CheckpointUnsafeError):
                 raise
-            size = path.stat().st_size if _regular(path) else 0
+            size = path.lstat().st_size
             log(f"checkpoint {path} ({size:,} bytes) does not load, skipped and left in place: "
                 + " ".join(str(e).split())[:300])
             bad.append(path)
@@ -407,6 +428,7 @@ class CheckpointManager:
         self.run_id = run_id
         self.best_value: float | None = None
         self._lineage: dict[Path, str | None | bool] = {}  # file -> its run id (read once per file)
+        self._checked_dir = False
 
     def is_better(self, value: float | None) -> bool:
         if value is None or value != value:  # None or NaN never wins
@@ -421,6 +443,9 @@ class CheckpointManager:
         On ``CheckpointWriteError`` nothing is pruned and ``best_value`` is unchanged; the message
         names the newest checkpoint still on disk.
         """
+        if not self._checked_dir:  # a link or another user's folder planted as checkpoints/: refused, never used
+            own_folder(self.dir, "checkpoint folder", "remove it, or give --run.out_dir a folder of yours")
+            self._checked_dir = True
         try:
             path = atomic_save(state, self.dir / f"step-{step:08d}.pt")
             if self.is_better(metric):
@@ -501,7 +526,7 @@ def average_last_epochs(ckpt_dir: str | os.PathLike, k: int, log: Callable[[str]
     ends: dict[Path, dict[str, Any]] = {}
     unmarked = run_id is None or unmarked_are_own(ckpt_dir)
     for p in reversed(step_checkpoints(ckpt_dir)):
-        ckpt = load_checkpoint(p)
+        ckpt = load_checkpoint(p, inside=ckpt_dir)
         if ckpt["position"]["batch_index"] == 0 and same_lineage(lineage_id(ckpt), run_id, unmarked):
             ends[p] = ckpt
             if len(ends) == k:

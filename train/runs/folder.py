@@ -25,12 +25,25 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from data.files import atomic_write, remove_inside
+from data.files import (
+    RECORD_MAX,
+    BadFileError,
+    FileRefusedError,
+    atomic_write,
+    open_nofollow,
+    parse_json,
+    read_bytes,
+    read_json,
+    read_json_lines,
+    remove_inside,
+    swap_problem,
+)
 from train.errors import UserError
 from train.runs.lock import LOCK_NAME, RunLock, RunLockedError
 
+PROVENANCE_MAX = 64 * 2**20  # provenance.json: the config, the environment and the data split record
 MARKER_NAME = "run.json"  # the run marker: only folders holding it (or an earlier fastmt's runs) are written
-MAX_NAME_LEN = 200
+MAX_NAME_LEN = 200  # bytes of UTF-8 (a file name holds 255; the name-2, ... of a taken name need a few more)
 # temp files of atomic writes (data.files.atomic_write): ".<file name>.tmp-<pid>-<random>" (".tmp-<pid>": older)
 _TEMP_RE = re.compile(r"^\..+\.tmp-\d+(-[0-9a-z_]+)?$")
 _GOOD_NAME = "a plain folder name such as 'en-it-tiny' or 'wmt14_s18.v2'"
@@ -50,8 +63,9 @@ def validate_run_name(name: str) -> str:
     other than ``<out_dir>/<name>`` — ``--run.name .`` used to move the whole ``runs/`` folder aside.
     """
     if not isinstance(name, str):
-        raise ValueError(f"run.name={name!r} must be a string: use {_GOOD_NAME}")
+        raise ValueError(f"run.name={_shown(name)} must be a string: use {_GOOD_NAME}")
     problem = None
+    size = len(name.encode("utf-8", "surrogatepass"))
     if not name:
         problem = "it is empty"
     elif set(name) == {"."}:
@@ -64,11 +78,17 @@ def validate_run_name(name: str) -> str:
         problem = "it starts with '-', which command-line tools read as an option"
     elif name != name.strip():
         problem = "it starts or ends with whitespace"
-    elif len(name) > MAX_NAME_LEN:
-        problem = f"it is {len(name)} characters long (at most {MAX_NAME_LEN})"
+    elif size > MAX_NAME_LEN:  # the file system counts bytes (255 a name), not characters
+        problem = f"it is {size:,} bytes long in UTF-8 (at most {MAX_NAME_LEN})"
     if problem:
-        raise ValueError(f"--run.name {name!r} cannot be used: {problem}. Use {_GOOD_NAME}")
+        raise ValueError(f"--run.name {_shown(name)} cannot be used: {problem}. Use {_GOOD_NAME}")
     return name
+
+
+def _shown(value: Any, limit: int = 300) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a 100 MB name is never echoed whole)."""
+    text = repr(value) if not isinstance(value, str) or len(value) <= 4 * limit else repr(value[: 4 * limit])
+    return text if len(text) <= limit else text[: limit - 5] + "...'" + f" ({len(value):,} characters)" * isinstance(value, str)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -83,13 +103,16 @@ def new_run_id() -> str:
     return f"{_utc_stamp()}-{secrets.token_hex(3)}"
 
 
+def read_record(run_dir: str | os.PathLike, name: str, what: str, limit: int = RECORD_MAX) -> Any:
+    """The JSON record ``<run_dir>/<name>`` through the one reader (`data.files.read_json`: a regular file of at most
+    ``limit`` bytes, no link followed inside the run folder); ``OSError`` / ``ValueError`` when it cannot be had."""
+    return read_json(Path(run_dir) / name, what, limit=limit, inside=run_dir)
+
+
 def read_marker(run_dir: str | os.PathLike) -> dict[str, Any] | None:
     """The run marker ``<run_dir>/run.json`` if it is one fastmt wrote (a regular file, not a link), else None."""
-    path = Path(run_dir) / MARKER_NAME
-    if path.is_symlink():
-        return None
     try:
-        marker = json.loads(path.read_text())
+        marker = read_record(run_dir, MARKER_NAME, "run marker")
     except (OSError, ValueError):
         return None
     if not isinstance(marker, dict) or marker.get("fastmt_run") != 1 or not isinstance(marker.get("run_id"), str):
@@ -107,14 +130,16 @@ def _damaged_marker(run_dir: Path) -> str | None:
     if path.is_symlink():
         return "it is a symbolic link"
     try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        return f"unreadable: {getattr(e, 'strerror', None) or e}"
+        text = read_bytes(path, "run marker", limit=RECORD_MAX, inside=run_dir)
+    except FileRefusedError as e:
+        return " ".join(str(e).split())[:200]
+    except OSError as e:
+        return f"unreadable: {e.strerror or e}"
     if not text.strip():
         return "empty"
     try:
-        json.loads(text)
-    except ValueError:
+        parse_json(text.decode("utf-8"), path)
+    except (BadFileError, UnicodeDecodeError):
         return "not JSON"
     return "not a fastmt run marker"
 
@@ -142,7 +167,13 @@ def write_text_atomic(path: Path, text: str) -> None:
 def _legacy_run(run_dir: Path) -> bool:
     """A run folder written by fastmt before run markers existed: its ``provenance.json`` is fastmt's."""
     try:
-        prov = json.loads((run_dir / "provenance.json").read_text())
+        prov = read_record(run_dir, "provenance.json", "provenance record", PROVENANCE_MAX)
+    except FileRefusedError as e:
+        if isinstance(e, BadFileError):  # not JSON: not an earlier fastmt's record
+            return False
+        raise RunFolderError(f"{' '.join(str(e).split())}: fastmt cannot tell whether {run_dir} is a run of an "
+                             f"earlier fastmt and changes nothing in it. Fix: remove that file, or choose another "
+                             f"--run.name") from None
     except (OSError, ValueError):
         return False
     return isinstance(prov, dict) and {"config", "git_sha", "torch"} <= set(prov) and (
@@ -168,7 +199,8 @@ def folder_state(path: str | os.PathLike) -> str:
                                  f"run {path} holds and changes nothing in it. Fix: restore run.json from a copy, or "
                                  f"continue from one of its checkpoints with --resume PATH under another --run.name")
         return "run"
-    if all(p.name == LOCK_NAME for p in path.iterdir()):
+    # only a lock (and the temp file of a marker being written): a claim in progress, whose lock decides
+    if all(p.name == LOCK_NAME or _TEMP_RE.match(p.name) for p in path.iterdir()):
         return "empty"
     return "other"
 
@@ -187,6 +219,13 @@ def check_usable(path: Path) -> str:
     state = folder_state(path)
     if state == "other":
         raise RunFolderError(not_a_run_message(path))
+    here = path.parent  # --run.out_dir (or the folder it will be made in): another user must not be able to swap
+    while not here.exists() and here != here.parent:  # a run folder in it (the folder itself is checked when it
+        here = here.parent                             # is locked: a fresh run may go to <name>-2)
+    problem = swap_problem(here, "a folder the run folder is in")
+    if problem:
+        raise FileRefusedError(f"run folder {path}: {problem}: fastmt writes a run only where nobody else can change "
+                               f"it. Fix: give --run.out_dir a folder of yours that only you may write")
     return state
 
 
@@ -330,14 +369,6 @@ def keep_through(epoch: int, step: int) -> Callable[[dict[str, Any]], bool]:
     return keep
 
 
-def _parse_record(raw: bytes) -> dict[str, Any] | None:
-    try:
-        rec = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        return None
-    return rec if isinstance(rec, dict) else None
-
-
 def cut_metrics(metrics_path: str | os.PathLike, *,
                 keep: Callable[[dict[str, Any]], bool] | tuple[int, int] | Mapping[str, Any],
                 log: Callable[[str], Any] = print) -> Path | None:
@@ -352,7 +383,7 @@ def cut_metrics(metrics_path: str | os.PathLike, *,
     TensorBoard events are not cut: scalars past the checkpoint show twice in TensorBoard.
     """
     path = Path(metrics_path)
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         return None
     where = ""
     if not callable(keep):
@@ -362,12 +393,14 @@ def cut_metrics(metrics_path: str | os.PathLike, *,
     kept: list[bytes] = []
     cut: list[bytes] = []
     unreadable: list[int] = []
-    for lineno, raw in enumerate(path.read_bytes().splitlines(keepends=True), 1):
+    # through the one reader before anything is written: a link (say to a file of another user's), a FIFO or an
+    # oversized file is refused here, never copied into the side file
+    for lineno, (raw, rec) in enumerate(read_json_lines(path, "metrics file", inside=path.parent), 1):
         line = raw if raw.endswith(b"\n") else raw + b"\n"
         if not raw.strip():
             kept.append(line)
             continue
-        rec = _parse_record(raw)
+        rec = rec if isinstance(rec, dict) else None
         if rec is None:
             unreadable.append(lineno)
             cut.append(line)
@@ -383,7 +416,8 @@ def cut_metrics(metrics_path: str | os.PathLike, *,
     n = 1
     while side.exists():
         side, n = path.with_name(f"{base}.cut-{stamp}-{n}.jsonl"), n + 1
-    with open(side, "xb") as f:
+    fd = open_nofollow(side, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666, "metrics side file")
+    with os.fdopen(fd, "wb") as f:
         f.writelines(cut)
         f.flush()
         os.fsync(f.fileno())
@@ -419,12 +453,11 @@ def run_finished(run_dir: str | os.PathLike) -> dict[str, Any] | None:
     which removes those records.
     """
     path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
+    if not path.is_file() and not path.is_symlink():
         return None
     final: dict[str, Any] | None = None
-    for raw in path.read_bytes().splitlines():
-        rec = _parse_record(raw) if raw.strip() else None
-        if rec is None:
+    for _, rec in read_json_lines(path, "metrics file", inside=run_dir):
+        if not isinstance(rec, dict):
             continue
         kind = rec.get("kind", "epoch")
         if kind == "epoch":

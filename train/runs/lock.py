@@ -17,10 +17,21 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from data.files import open_nofollow
+from data.files import (
+    LOCK_MAX,
+    MIB,
+    BadFileError,
+    FileRefusedError,
+    open_nofollow,
+    ownership_problem,
+    parse_json,
+    read_bytes,
+    swap_problem,
+)
 from train.errors import UserError
 
 LOCK_NAME = ".lock"
+CMDLINE_MAX = 4 * MIB  # /proc/<pid>/cmdline (the kernel's argument limit is 2 MB)
 
 
 def _one_line(text: Any, limit: int = 300) -> str:
@@ -42,18 +53,20 @@ def _same_file(fd: int, path: Path) -> bool:
 
 
 def _read_holder(fd: int) -> dict[str, Any]:
-    raw = os.pread(fd, 65536, 0).decode("utf-8", "replace")
+    """What the holder wrote in the lock file (at most `LOCK_MAX` bytes of the fd `open_nofollow` checked); a line
+    that does not parse (torn, not JSON, nested too deeply) is shown as it is, cut."""
+    raw = os.pread(fd, LOCK_MAX, 0).decode("utf-8", "replace")
     try:
-        info = json.loads(raw)
-    except ValueError:
+        info = parse_json(raw, "run lock")
+    except BadFileError:
         info = None
-    return info if isinstance(info, dict) else {"raw": raw.strip()}
+    return info if isinstance(info, dict) else {"raw": _one_line(raw, 120)}
 
 
 def _command_line(pid: int) -> str | None:
     try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
+        raw = read_bytes(f"/proc/{pid}/cmdline", "command line", limit=CMDLINE_MAX)
+    except (OSError, ValueError):
         return None
     return _one_line(raw.replace(b"\0", b" ").decode("utf-8", "replace"), 200) or None
 
@@ -100,8 +113,10 @@ class RunLock:
     def acquire(self) -> RunLock:
         if self._fd is not None:
             raise RuntimeError(f"{self.path} is already locked by this RunLock")
+        self.check_owner()
         for _ in range(10):
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.check_owner()  # (made by someone else between the check and the mkdir)
             fd = open_nofollow(self.path, os.O_RDWR | os.O_CREAT, 0o644, "run lock")  # a planted link: refused
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -126,6 +141,22 @@ class RunLock:
         self._fd = fd
         _HELD.add(self)
         return self
+
+    def check_owner(self) -> None:
+        """Refuse (`data.files.FileRefusedError`, one line) a run folder that another user owns or may change, or
+        one that a folder above it lets another user swap: they could redirect ``checkpoints/`` or replace what
+        the run writes. Checked before the lock file is made, so a refusal writes nothing."""
+        here = self.run_dir
+        if here.exists():
+            problem = ownership_problem(here)
+        else:
+            while not here.exists() and here != here.parent:
+                here = here.parent
+            problem = swap_problem(here, "a folder the run folder would be made in")
+        if problem:
+            raise FileRefusedError(f"run folder {self.run_dir}: {problem}: fastmt writes a run only where nobody else "
+                                   f"can change it (they could redirect its checkpoints). Fix: give --run.out_dir a "
+                                   f"folder of yours that only you may write")
 
     def release(self) -> None:
         """Remove the lock file, then drop the lock (in that order, so a waiter never keeps a stale file)."""

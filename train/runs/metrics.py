@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from data.files import append_text, atomic_write, explain_os_errors
+from data.files import append_text, atomic_write, explain_os_errors, read_json_lines, refuse_link
 
 _FIX = "free space or permissions there, or give --run.out_dir a writable folder"
 
@@ -111,6 +111,7 @@ class MetricsLogger:
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        refuse_link(self.run_dir / "tensorboard", "TensorBoard folder")  # its writer would follow one
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -141,8 +142,14 @@ class MetricsLogger:
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The records of a ``metrics.jsonl`` through the one reader (`data.files.read_json_lines`, no link followed in
+    its folder); lines that are torn or not JSON objects are left out."""
+    path = Path(path)
+    return [rec for _, rec in read_json_lines(path, "metrics file", inside=path.parent) if isinstance(rec, dict)]
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def plot_curves(metrics_path: str | os.PathLike, out_png: str | os.PathLike) -> Path | None:
@@ -158,7 +165,9 @@ def plot_curves(metrics_path: str | os.PathLike, out_png: str | os.PathLike) -> 
         print("metrics: matplotlib is not installed; no curves.png")
         return None
     # one point per epoch: the last record wins (a run resumed from an earlier checkpoint re-logs epochs)
-    by_epoch = {r["epoch"]: r for r in read_metrics(metrics_path) if r.get("kind", "epoch") == "epoch"}
+    # (a record of another shape, in a copied-in run folder, is left out rather than plotted or raised on)
+    by_epoch = {r["epoch"]: {k: v for k, v in r.items() if _number(v)} for r in read_metrics(metrics_path)
+                if r.get("kind", "epoch") == "epoch" and _number(r.get("epoch"))}
     rows = [by_epoch[e] for e in sorted(by_epoch)]
     if not rows:
         return None

@@ -68,10 +68,12 @@ def test_help_fields_groups_every_field_by_section(capsys):
     assert values["optim.betas"] == "[0.9, 0.98]" and values["run.max_steps"] == "null"
     assert fast.data.batching == "packed"
     lines = out.splitlines()
-    for i, line in enumerate(lines):  # every field line is followed by its help line
+    for i, line in enumerate(lines):  # every field line is followed by its help line, then its range if any
         if line.startswith("  --"):
             key = line.split()[0][2:]
-            assert lines[i + 1].strip() == INFOS[key].help
+            bound = INFOS[key].bounds
+            assert lines[i + 1].strip() == INFOS[key].help + (f" (range {bound.text()})" if bound else "")
+    assert "(range [1, 64])" in lines[lines.index(next(x for x in lines if x.startswith("  --eval.beam_size"))) + 1]
 
 
 def test_help_fields_of_one_section(capsys):

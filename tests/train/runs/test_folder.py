@@ -48,9 +48,9 @@ def test_good_run_names_pass(name):
     ("", "empty"), (".", "only dots"), ("..", "only dots"), ("...", "only dots"),
     ("a/b", "path separator"), ("../x", "path separator"), ("a\\b", "path separator"),
     ("a\0b", "control character"), ("a\nb", "control character"), ("-x", "starts with '-'"),
-    (" x", "whitespace"), ("x" * 201, "201 characters"),
+    (" x", "whitespace"), ("x" * 201, "201 bytes"), ("é" * 101, "202 bytes"),
 ], ids=["empty", "dot", "dotdot", "dots", "slash", "parent", "backslash", "nul", "newline", "dash", "space",
-        "long"])
+        "long", "long-in-bytes"])
 def test_bad_run_names_say_why_and_what_works(name, why):
     with pytest.raises(ValueError) as e:
         validate_run_name(name)
