@@ -143,6 +143,9 @@ STEP_LIMITS = {"train": 175, "quality": 10, "aot": 5, "kernel-test": 250, "peers
                "kernel-test-slow": 255, "inference": 255}
 
 
+SOURCE_MAX = 16 * 2**20  # a source file code_hash reads (the largest in the tree is ~40 KB)
+
+
 def code_hash(packet: Packet, root: Path = ROOT) -> str:
     """sha256 (16 hex digits) of the source files a packet measures: every .py / .sh file under its scope
     (paths relative to ``root``, sorted), names and contents. The same on the device copy (no .git there)
@@ -156,8 +159,11 @@ def code_hash(packet: Packet, root: Path = ROOT) -> str:
         elif p.is_dir():
             files += [f for f in p.rglob("*") if f.suffix in (".py", ".sh") and f.is_file()
                       and "__pycache__" not in f.parts]
+    from data.files import read_bytes
+
     for f in sorted(set(files), key=lambda f: f.relative_to(root).as_posix()):
-        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+        data = read_bytes(f, "source file", limit=SOURCE_MAX, inside=root)
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + data + b"\0")
     return h.hexdigest()[:16]
 
 
@@ -190,18 +196,20 @@ def plan_lines() -> list[str]:
 
 # -- records and `next` ---------------------------------------------------------------------------------------
 def read_records(path: Path) -> list[dict]:
+    """The landed packet records (``bench/results/packets.jsonl``); a line that is not a JSON record stops here,
+    naming it (the file is committed: fix it rather than guess)."""
+    from data.files import LOG_MAX, parse_json, read_text
+
     if not path.is_file():
         return []
     out = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(read_text(path, "packet records", limit=LOG_MAX).splitlines(), 1):
         if not line.strip():
             continue
-        try:
-            rec = json.loads(line)
-        except ValueError as e:
-            raise SystemExit(f"{path}:{n}: not a JSON record ({e}); fix or remove that line") from None
-        if isinstance(rec, dict):
-            out.append(rec)
+        rec = parse_json(line, f"{path}:{n}", "packet record")
+        if not isinstance(rec, dict):
+            raise SystemExit(f"{path}:{n}: not a JSON object; fix or remove that line")
+        out.append(rec)
     return out
 
 
@@ -262,8 +270,12 @@ def land(call_dir: Path, root: Path = ROOT, records: Path | None = None) -> Path
         raise SystemExit(f"{tgz}: no results.tgz in {call_dir} (give the folder the device call's files are at)")
     with tempfile.TemporaryDirectory() as tmp, tarfile.open(tgz) as tar:
         tar.extractall(tmp, members=_safe_members(tar), filter="data")
+        from data.files import read_json
+
         found = sorted(Path(tmp).rglob("packet-record.json"))
-        recs = [json.loads(p.read_text()) for p in found]
+        recs = [read_json(p, "packet record", inside=tmp) for p in found]
+        if any(not isinstance(r, dict) for r in recs):
+            raise SystemExit(f"{tgz}: a packet-record.json in it is not a JSON object: not a runbook's results")
         head = recs[0] if recs else {}
         slug = "-".join(str(x) for x in ("gpu", head.get("date", time.strftime("%Y-%m-%d")), head.get("gpu_slug", "gpu"),
                                           str(head.get("sha", "unknown"))[:7], head.get("packet", "steps")))
@@ -318,7 +330,9 @@ def make_record(packet: str, steps: list[dict], *, quality: Path | None = None, 
            "driver": _nvidia_driver() if facts.get("gpu") not in (None, "cpu", "unknown") else None,
            "sha": os.environ.get("FASTMT_GIT_SHA") or "unknown", "caches": caches or None}
     if quality is not None and quality.is_file():
-        rec["numbers"] = json.loads(quality.read_text())
+        from data.files import read_json
+
+        rec["numbers"] = read_json(quality, "quality record")
     if outcomes is not None:
         rec["kernel_tests"] = count(str(outcomes))
     return rec

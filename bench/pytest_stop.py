@@ -83,17 +83,17 @@ def pytest_runtest_protocol(item, nextitem):
 
 def count(path: str) -> dict[str, int]:
     """Outcome counts of an outcomes file (what a KILLed step still shows): {"passed": n, ...}."""
+    from data.files import LOG_MAX, read_json_lines
+
     out: dict[str, int] = {}
     try:
-        with open(path, encoding="utf-8") as fh:
-            for line in fh:
-                try:
-                    outcome = json.loads(line)["outcome"]
-                except (ValueError, KeyError, TypeError):
-                    continue
-                out[outcome] = out.get(outcome, 0) + 1
-    except OSError:
-        pass
+        lines = read_json_lines(path, "test outcomes", limit=LOG_MAX)
+    except (OSError, ValueError):  # missing or refused: no finished test to count
+        return out
+    for _, rec in lines:  # a line torn by a KILL parses as None
+        outcome = rec.get("outcome") if isinstance(rec, dict) else None
+        if isinstance(outcome, str):
+            out[outcome] = out.get(outcome, 0) + 1
     return out
 
 

@@ -6,6 +6,7 @@ bench/results for a GPU run, the run folder for a CPU run), per epoch and in sum
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from collections.abc import Sequence
@@ -89,10 +90,12 @@ def read_gpu_samples(path: Path | None) -> list[tuple[float, float]]:
     --format=csv,noheader,nounits -lms 500`` output (bench/gpu_run.sh samples the train step); [] without one."""
     import datetime as dt
 
+    from data.files import LOG_MAX, read_bytes
+
     if path is None or not path.is_file():
         return []
     out, t0 = [], None
-    for line in path.read_text(errors="replace").splitlines():
+    for line in read_bytes(path, "GPU samples", limit=LOG_MAX).decode("utf-8", "replace").splitlines():
         parts = [p.strip() for p in line.split(",")]
         if len(parts) < 2:
             continue
@@ -303,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (FileNotFoundError, ValueError, KeyError) as e:
             print(f"bench.quality: --compare: {e}", file=sys.stderr)
             return 2
-        print(paths["md"].read_text())
+        print(read_text(paths["md"], "comparison report"))
         return 0
     try:
         paths = write_quality(a.run, a.out or default_out(a.run), a.gpu_samples)
@@ -314,7 +317,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for kind, path in paths.items():
         print(f"[quality] {kind}: {path}")
     if a.require_stable_graphs:
-        problems = unstable_graphs(json.loads(paths["json"].read_text()))
+        from data.files import read_json
+
+        problems = unstable_graphs(read_json(paths["json"], "quality record"))
         for line in problems:
             print(f"bench.quality: {a.run}: {line}", file=sys.stderr)
         if problems:
