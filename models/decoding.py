@@ -53,11 +53,12 @@ import weakref
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from einops import rearrange
 
-from models.transformer import DecodeState, Transformer
+from models.transformer import DecodeState, LiveState, Transformer
 
 SPANS = ("exact", "pow2", "full")
 
@@ -111,9 +112,11 @@ def _length_limit(model, src_len: int, max_len_ratio: float, max_len_extra: floa
 class Decoder:
     """Greedy (``beam_size=None``) or beam-search decoding of one model, reusable across calls.
 
-    ``decoder(src (B, S), src_lengths int32 (B,), active=None, stats=None) -> B lists of token ids``.
-    ``active`` (bool (B,)) marks real rows: the others (padding a batch to a fixed shape) are done
+    ``decoder(src (B, S), src_lengths int32 (B,), active=None, stats=None, host_lengths=None) -> B lists of
+    token ids``. ``active`` (bool (B,)) marks real rows: the others (padding a batch to a fixed shape) are done
     from the start and decode to []. ``stats`` (a ``DecodeStats``) gets the call's counts added.
+    ``host_lengths``: ``src_lengths`` as a list, when the caller has it (the eager path then skips the source
+    padding: no mask for a batch without any, reading no device value).
     Buffers (and CUDA graphs) are kept per (B, S, autocast dtype) and reused, so padding batches to a
     few shapes pays their set-up once; graphs are dropped when a parameter of the model moves.
     ``check_every``: steps between "all done?" reads (None: 4 on CUDA, 1 on the CPU). ``spans``:
@@ -155,18 +158,23 @@ class Decoder:
         return model
 
     def __call__(self, src: torch.Tensor, src_lengths: torch.Tensor, *, active: torch.Tensor | None = None,
-                 stats: DecodeStats | None = None) -> list[list[int]]:
+                 stats: DecodeStats | None = None, host_lengths: list[int] | None = None) -> list[list[int]]:
         stats = stats if stats is not None else DecodeStats()
         if self.cuda_graph and self._graphs is None:
             self._graphs = _make_step_graphs(src.device)  # before any work: refuses a CPU src
+        check_every = self.check_every or (4 if src.is_cuda else 1)
         with _eval(self.model):
-            run = self._run_for(src)
-            run.load(src, src_lengths, active)
-            run.decode(stats, self.check_every or (4 if src.is_cuda else 1))
+            if self.spans == "exact":
+                answers = _LiveRun(self, src, src_lengths, active, host_lengths).decode(stats, check_every)
+            else:
+                run = self._run_for(src)
+                run.load(src, src_lengths, active)
+                run.decode(stats, check_every)
+                answers = run.answers()
             stats.batches += 1
             stats.host_syncs += 1
             stats.eager_reason = self.fallback_reason
-            return run.answers()
+            return answers
 
     def _run_for(self, src: torch.Tensor) -> _Run:
         """The buffers of this batch shape (created on first use); with graphs, dropped when the
@@ -187,8 +195,112 @@ class Decoder:
         return self._runs[key]
 
 
+class _LiveRun:
+    """``spans="exact"``: one batch decoded eagerly through ``Transformer.live_step``, no buffer of a static
+    shape. At each "all done?" read the finished sentences leave the batch (their answers set aside, read
+    with the others at the end: still one host read per batch for the answers), and the K beams of a
+    sentence share one cache, where a beam's ancestry (``anc``: the beam slot that wrote each of its
+    positions) is its attention mask: reordering beams copies no prefix."""
+
+    def __init__(self, dec: Decoder, src: torch.Tensor, src_lengths: torch.Tensor, active: torch.Tensor | None,
+                 host_lengths: list[int] | None = None):
+        model, device, (B, S) = dec.model, src.device, src.shape
+        if host_lengths is not None and len(host_lengths) != B:
+            raise ValueError(f"host_lengths: {len(host_lengths)} lengths for a batch of {B} sources")
+        K = self.K = 1 if dec.beam_size is None else dec.beam_size
+        T = self.T = _length_limit(model, S, dec.max_len_ratio, dec.max_len_extra)
+        self.dec, self.ids, self.device = dec, dec.ids, device
+        self.state: LiveState = model.start_live(src, src_lengths, T, beams=K, host_lengths=host_lengths)
+        self.limits = _length_limits(model, src_lengths, dec.max_len_ratio, dec.max_len_extra)  # (B,)
+        self.done = torch.zeros(B, dtype=torch.bool, device=device) if active is None else ~active.to(device)
+        self.tokens = torch.full((B * K,), self.ids["bos"], dtype=torch.long, device=device)  # next inputs
+        self.forbidden = torch.tensor([self.ids["pad"], self.ids["bos"]], device=device)
+        self.length = torch.arange(T + 1, device=device)  # length[t + 1 : t + 2]: tokens generated at step t
+        self.rows = list(range(B))  # the batch row of each sentence still here
+        self.set_aside: list[tuple[list[int], torch.Tensor]] = []  # (batch rows, their answer rows)
+        if K == 1:
+            self.out = torch.full((B, T), self.ids["pad"], dtype=torch.long, device=device)  # generated tokens
+            return
+        self.alive = torch.full((B, K), -math.inf, device=device)  # cumulative log-probs of the live beams
+        self.alive[:, 0] = 0.0  # only beam 0 is live at the start (the others are copies of it)
+        self.hist = torch.full((B, K, T), self.ids["pad"], dtype=torch.long, device=device)
+        self.fin_score = torch.full((B, K), -math.inf, dtype=torch.float64, device=device)
+        self.fin_tok = torch.full((B, K, T), self.ids["pad"], dtype=torch.long, device=device)
+        self.fin_len = torch.zeros(B, K, dtype=torch.long, device=device)
+        lp = dec.length_penalty  # GNMT length penalty of every length 0..T, float64 with python's arithmetic
+        self.penalty = torch.tensor([((5.0 + n) / 6.0) ** lp for n in range(T + 1)], dtype=torch.float64,
+                                    device=device)
+        self.rank = torch.arange(2 * K, device=device)
+        self.slots = torch.arange(K, device=device)  # (K,) beam slots
+        self.anc = torch.zeros(B, K, T, dtype=torch.long, device=device)  # (n, K, T) slot of each position
+
+    def logits(self, mask: torch.Tensor | None) -> torch.Tensor:
+        """live_step with PAD and BOS made impossible: (n*K, V) fp32."""
+        logits = self.dec.model.live_step(self.tokens, self.state, mask).float()
+        return logits.index_fill_(1, self.forbidden, -math.inf)
+
+    def step(self, t: int) -> None:
+        length = self.length[t + 1 : t + 2]  # (1,) tokens generated so far, this one included
+        if self.K == 1:
+            tok = _greedy_update(self.logits(None), self.done, self.limits, length, self.ids)  # (n,)
+            self.out[:, t] = tok
+            self.tokens = tok
+            return
+        n, K = self.alive.shape
+        self.anc[:, :, t] = self.slots  # position t: written by each beam itself
+        mask = (self.anc[:, :, : t + 1].unsqueeze(3) == self.slots).view(n, 1, K, (t + 1) * K)  # slot j*K + k
+        logp = torch.log_softmax(self.logits(mask), -1)  # (n*K, V)
+        s = _beam_update(logp, self.alive, self.hist, self.fin_score, self.fin_tok, self.fin_len, self.done,
+                         self.limits, length, self.penalty[t + 1 : t + 2], self.rank, self.ids["eos"])
+        self.alive, self.hist, self.fin_score, self.fin_tok, self.fin_len = (s.alive, s.hist, s.fin_score,
+                                                                              s.fin_tok, s.fin_len)
+        self.anc = self.anc.gather(1, s.parent.unsqueeze(2).expand(-1, -1, self.T))  # the parents' ancestry
+        self.tokens = s.tok.view(-1)
+
+    def answer_rows(self) -> torch.Tensor:
+        """(n, T) generated tokens (greedy) or ``_best_finished`` rows (beam) of the sentences here."""
+        return self.out if self.K == 1 else _best_finished(self.fin_score, self.fin_tok, self.fin_len)
+
+    def leave(self, finished: list[bool]) -> None:
+        """The ``finished`` sentences leave: their answer rows set aside, every per-sentence tensor cut."""
+        stay = [i for i, f in enumerate(finished) if not f]
+        gone = torch.tensor([i for i, f in enumerate(finished) if f], device=self.device)
+        self.set_aside.append(([self.rows[i] for i, f in enumerate(finished) if f],
+                               self.answer_rows().index_select(0, gone)))
+        self.rows = [self.rows[i] for i in stay]
+        keep = torch.tensor(stay, device=self.device)
+        self.state.keep(stay)
+        self.limits, self.done = self.limits.index_select(0, keep), self.done.index_select(0, keep)
+        self.tokens = self.tokens.view(-1, self.K).index_select(0, keep).view(-1)
+        names = ("out",) if self.K == 1 else ("alive", "hist", "fin_score", "fin_tok", "fin_len", "anc")
+        for name in names:
+            setattr(self, name, getattr(self, name).index_select(0, keep))
+
+    def decode(self, stats: DecodeStats, check_every: int) -> list[list[int]]:
+        for t in range(self.T):
+            self.step(t)
+            stats.steps += 1
+            if (t + 1) % check_every == 0 and t + 1 < self.T:
+                stats.host_syncs += 1
+                finished = self.done.tolist()  # host sync: once per check_every steps
+                if all(finished):
+                    break
+                if any(finished):
+                    self.leave(finished)
+        self.set_aside.append((self.rows, self.answer_rows()))
+        order = [row for rows, _ in self.set_aside for row in rows]
+        tensors = [rows for _, rows in self.set_aside]
+        answers = (_greedy_answers(torch.cat(tensors).tolist(), self.ids) if self.K == 1  # host sync: once
+                   else _beam_answers(tensors))
+        out: list[list[int]] = [[] for _ in order]
+        for row, answer in zip(order, answers):
+            out[row] = answer
+        return out
+
+
 class _Run:
-    """Static buffers of one batch shape, the step that updates them, and the loop that drives it."""
+    """Static buffers of one batch shape (``spans`` "pow2"/"full"), the step that updates them, and the loop
+    that drives it (eagerly, or by CUDA-graph replays)."""
 
     def __init__(self, dec: Decoder, B: int, T: int, rows: int, device: torch.device):
         self.dec, self.B, self.T, self.device = dec, B, T, device
@@ -222,11 +334,8 @@ class _Run:
 
     def decode(self, stats: DecodeStats, check_every: int):
         for t in range(self.T):
-            span = None
-            if self.dec.spans == "full":
-                span = self.T
-            elif self.dec.spans == "pow2":
-                span = min(self.T, max(16, 1 << t.bit_length()))  # smallest power of two >= t+1
+            # "full": the whole cache; "pow2": the smallest power of two >= t+1 (at least 16)
+            span = self.T if self.dec.spans == "full" else min(self.T, max(16, 1 << t.bit_length()))
             self._advance(span, stats)
             stats.steps += 1
             if (t + 1) % check_every == 0 and t + 1 < self.T:
@@ -341,23 +450,33 @@ class _GreedyRun(_Run):
         self.out.fill_(self.dec.ids["pad"])
 
     def step(self, span):
-        ids = self.dec.ids
-        tok = self.logits(span).argmax(-1)  # (B,)
-        tok = torch.where(self.done, ids["pad"], tok)
         length = self.state.pos  # (1,) tokens generated so far, this one included
-        self.out.index_copy_(1, length - 1, rearrange(tok, "b -> b 1"))
-        self.done |= (tok == ids["eos"]) | (length >= self.limits)
+        tok = _greedy_update(self.logits(span), self.done, self.limits, length, self.dec.ids)  # (B,)
+        self.out.index_copy_(1, length - 1, tok.unsqueeze(1))
         self.tokens.copy_(tok)
 
     def answers(self):
-        ids = self.dec.ids
-        rows = self.out.tolist()  # host sync: once per batch
-        out = []
-        for row in rows:
-            if ids["eos"] in row:
-                row = row[: row.index(ids["eos"])]
-            out.append([tok for tok in row if tok != ids["pad"]])
-        return out
+        return _greedy_answers(self.out.tolist(), self.dec.ids)  # host sync: once per batch
+
+
+def _greedy_update(logits: torch.Tensor, done: torch.Tensor, limits: torch.Tensor, length: torch.Tensor,
+                   ids: dict[str, int]) -> torch.Tensor:
+    """Greedy decoding's step rule: the next token of each row (B,) (PAD for rows already done), and ``done``
+    (bool (B,)) updated in place: EOS chosen, or ``length`` (int64 (1,), tokens generated with this one) at
+    the row's limit."""
+    tok = torch.where(done, ids["pad"], logits.argmax(-1))  # (B,)
+    done |= (tok == ids["eos"]) | (length >= limits)
+    return tok
+
+
+def _greedy_answers(rows: list[list[int]], ids: dict[str, int]) -> list[list[int]]:
+    """Each row of generated tokens (PAD after the end) up to its EOS, PAD dropped."""
+    out = []
+    for row in rows:
+        if ids["eos"] in row:
+            row = row[: row.index(ids["eos"])]
+        out.append([tok for tok in row if tok != ids["pad"]])
+    return out
 
 
 class _BeamRun(_Run):
@@ -392,56 +511,89 @@ class _BeamRun(_Run):
         self.fin_len.zero_()
 
     def step(self, span):
-        B, K, T, eos = self.B, self.K, self.T, self.dec.ids["eos"]
         logp = torch.log_softmax(self.logits(span), -1)  # (B*K, V)
-        V = logp.shape[-1]
         length = self.state.pos  # (1,) tokens generated so far, this step's included
-        penalty = self.penalty[length]  # (1,) float64
-        cand = rearrange(self.alive, "b k -> b k 1") + rearrange(logp, "(b k) v -> b k v", k=K)  # (B, K, V)
-        n = min(2 * K, K * V)
-        top_score, top_idx = rearrange(cand, "b k v -> b (k v)").topk(n, dim=-1)  # (B, n)
-        top_beam, top_tok = top_idx // V, top_idx % V
-        is_eos = top_tok == eos
-        # EOS candidates ranked within the first K finish (their history is the parent's)
-        fresh = is_eos[:, :K] & torch.isfinite(top_score[:, :K]) & ~rearrange(self.done, "b -> b 1")
-        eos_score = torch.where(fresh, top_score[:, :K].double() / penalty, -math.inf)  # (B, K)
-        eos_tok = self.hist.gather(1, rearrange(top_beam[:, :K], "b k -> b k 1").expand(-1, -1, T))
-        eos_len = (length - 1).expand(B, K)
-        # the best K non-EOS candidates live on
-        keep = (is_eos.long() * n + self.rank[:n]).topk(K, dim=-1, largest=False).indices  # (B, K) EOS last
-        alive = top_score.gather(1, keep)
-        parent, tok = top_beam.gather(1, keep), top_tok.gather(1, keep)  # (B, K)
-        hist = self.hist.gather(1, rearrange(parent, "b k -> b k 1").expand(-1, -1, T))
-        hist.index_copy_(2, length - 1, rearrange(tok, "b k -> b k 1"))
-        # a sentence at its length limit finishes its live hypotheses as they are
-        at_limit = (length >= self.limits) & ~self.done  # (B,)
-        lim_score = torch.where(rearrange(at_limit, "b -> b 1") & torch.isfinite(alive), alive.double() / penalty,
-                                -math.inf)
-        # keep the K best finished: earlier ones first on equal scores (a stable sort), then EOS, then limit
-        score = torch.cat([self.fin_score, eos_score, lim_score], 1)  # (B, 3K)
-        order = score.sort(dim=1, descending=True, stable=True).indices[:, :K]  # (B, K)
-        fin_tok = torch.cat([self.fin_tok, eos_tok, hist], 1).gather(1, rearrange(order, "b k -> b k 1")
-                                                                          .expand(-1, -1, T))
-        self.fin_len.copy_(torch.cat([self.fin_len, eos_len, length.expand(B, K)], 1).gather(1, order))
-        self.fin_score.copy_(score.gather(1, order))
-        self.fin_tok.copy_(fin_tok)
-        # done: at the limit, or K finished and the worst beats the best live one normalised now
-        worst = self.fin_score[:, K - 1]
-        best_live = alive.max(1).values.double() / penalty
-        self.done |= at_limit | (torch.isfinite(worst) & (worst >= best_live))
+        s = _beam_update(logp, self.alive, self.hist, self.fin_score, self.fin_tok, self.fin_len, self.done,
+                         self.limits, length, self.penalty[length], self.rank, self.dec.ids["eos"])
+        self.fin_len.copy_(s.fin_len)
+        self.fin_score.copy_(s.fin_score)
+        self.fin_tok.copy_(s.fin_tok)
         # the survivors: scores, histories, next inputs, and where their cached positions live
-        self.alive.copy_(alive)
-        self.hist.copy_(hist)
-        self.tokens.copy_(rearrange(tok, "b k -> (b k)"))
-        parent_row = rearrange(self.first_row + parent, "b k -> (b k)")  # (R,)
+        self.alive.copy_(s.alive)
+        self.hist.copy_(s.hist)
+        self.tokens.copy_(s.tok.view(-1))
+        parent_row = (self.first_row + s.parent).view(-1)  # (R,)
         rows = self.state.rows.index_select(0, parent_row)  # positions <= t: the parent's
-        self.state.rows.copy_(torch.where(self.col < length, rows, rearrange(self.own_row, "r -> r 1")))
+        self.state.rows.copy_(torch.where(self.col < length, rows, self.own_row.unsqueeze(1)))
 
     def answers(self):
-        best = self.fin_tok[:, 0]  # (B, T)
-        n = torch.where(torch.isfinite(self.fin_score[:, 0]), self.fin_len[:, 0], 0)  # (B,) 0: none finished
-        rows = torch.cat([rearrange(n, "b -> b 1"), best], 1).tolist()  # host sync: once per batch
-        return [row[1 : 1 + row[0]] for row in rows]
+        return _beam_answers([_best_finished(self.fin_score, self.fin_tok, self.fin_len)])
+
+
+class _Search(NamedTuple):
+    """What one step of beam search leaves: the K survivors of each sentence (scores, parent beam, token,
+    histories) and its K best finished hypotheses (scores, tokens, lengths)."""
+
+    alive: torch.Tensor  # (B, K) cumulative log-probs of the live beams
+    parent: torch.Tensor  # (B, K) the beam each survivor continues
+    tok: torch.Tensor  # (B, K) its new token
+    hist: torch.Tensor  # (B, K, T) its tokens so far
+    fin_score: torch.Tensor  # (B, K) float64, best first; -inf: none
+    fin_tok: torch.Tensor  # (B, K, T)
+    fin_len: torch.Tensor  # (B, K)
+
+
+def _beam_update(logp, alive, hist, fin_score, fin_tok, fin_len, done, limits, length, penalty, rank,
+                 eos: int) -> _Search:
+    """Beam search's step rule (module docstring) on B sentences of K beams: ``logp`` (B*K, V) log-probs of the
+    next token, the live beams (``alive`` (B, K), ``hist`` (B, K, T)), the finished ones (``fin_*``), ``done``
+    (bool (B,), updated in place), ``limits`` (B,), ``length`` (int64 (1,): tokens generated with this one),
+    ``penalty`` (float64 (1,): its GNMT penalty), ``rank`` (arange(2K)). Tensor work only: no host sync, static
+    shapes (the CUDA-graph step and the eager live step share it)."""
+    B, K, T = hist.shape
+    V = logp.shape[-1]
+    cand = alive.unsqueeze(2) + logp.view(B, K, V)  # (B, K, V)
+    n = min(2 * K, K * V)
+    top_score, top_idx = cand.view(B, K * V).topk(n, dim=-1)  # (B, n)
+    top_beam, top_tok = top_idx // V, top_idx % V
+    is_eos = top_tok == eos
+    # EOS candidates ranked within the first K finish (their history is the parent's)
+    fresh = is_eos[:, :K] & torch.isfinite(top_score[:, :K]) & ~done.unsqueeze(1)
+    eos_score = torch.where(fresh, top_score[:, :K].double() / penalty, -math.inf)  # (B, K)
+    eos_tok = hist.gather(1, top_beam[:, :K].unsqueeze(2).expand(-1, -1, T))
+    eos_len = (length - 1).expand(B, K)
+    # the best K non-EOS candidates live on
+    keep = (is_eos.long() * n + rank[:n]).topk(K, dim=-1, largest=False).indices  # (B, K) EOS last
+    alive = top_score.gather(1, keep)
+    parent, tok = top_beam.gather(1, keep), top_tok.gather(1, keep)  # (B, K)
+    hist = hist.gather(1, parent.unsqueeze(2).expand(-1, -1, T))
+    hist.index_copy_(2, length - 1, tok.unsqueeze(2))
+    # a sentence at its length limit finishes its live hypotheses as they are
+    at_limit = (length >= limits) & ~done  # (B,)
+    lim_score = torch.where(at_limit.unsqueeze(1) & torch.isfinite(alive), alive.double() / penalty, -math.inf)
+    # keep the K best finished: earlier ones first on equal scores (a stable sort), then EOS, then limit
+    score = torch.cat([fin_score, eos_score, lim_score], 1)  # (B, 3K)
+    order = score.sort(dim=1, descending=True, stable=True).indices[:, :K]  # (B, K)
+    fin_tok = torch.cat([fin_tok, eos_tok, hist], 1).gather(1, order.unsqueeze(2).expand(-1, -1, T))
+    fin_len = torch.cat([fin_len, eos_len, length.expand(B, K)], 1).gather(1, order)
+    fin_score = score.gather(1, order)
+    # done: at the limit, or K finished and the worst beats the best live one normalised now
+    worst = fin_score[:, K - 1]
+    best_live = alive.max(1).values.double() / penalty
+    done |= at_limit | (torch.isfinite(worst) & (worst >= best_live))
+    return _Search(alive, parent, tok, hist, fin_score, fin_tok, fin_len)
+
+
+def _best_finished(fin_score: torch.Tensor, fin_tok: torch.Tensor, fin_len: torch.Tensor) -> torch.Tensor:
+    """(B, 1 + T): each sentence's best finished hypothesis, its length first (0: none finished)."""
+    n = torch.where(torch.isfinite(fin_score[:, 0]), fin_len[:, 0], 0)  # (B,)
+    return torch.cat([n.unsqueeze(1), fin_tok[:, 0]], 1)
+
+
+def _beam_answers(best: list[torch.Tensor]) -> list[list[int]]:
+    """The token lists of ``_best_finished`` rows, read in one host sync."""
+    rows = torch.cat(best).tolist()  # host sync: once per batch
+    return [row[1 : 1 + row[0]] for row in rows]
 
 
 def greedy_decode(model: Transformer, src: torch.Tensor, src_lengths: torch.Tensor, *, bos_id: int, eos_id: int,

@@ -33,11 +33,17 @@ Architecture (all switches in ``ModelConfig``):
   block, plus a preallocated self-attention KV cache per applied layer) ->
   ``decode_step`` one token at a time (query length 1, every filled position visible), eagerly over the
   filled prefix or over a fixed span with the position on the device (static shapes, no host sync).
+  The eager path of ``models.decoding`` uses ``start_live`` -> ``live_step`` instead: the state holds only the
+  sentences still decoding (``LiveState.keep`` drops the finished ones), the K beams of a sentence are one
+  query block of length K over one cache that all of them write (position j of beam k in slot ``j*K + k``), so a
+  beam's ancestry is an attention mask and no step copies a prefix, the cross K/V are kept once per sentence,
+  and attention is PyTorch's SDPA (its fused CPU kernel) with plain views in place of einops.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -85,6 +91,21 @@ class ResidualNorm(nn.Module):
             return self.ln(h, residual=res)  # one kernel: s = h + res, y = LN(s)
         s = h + res
         return self.ln(s), s
+
+    def plain(self, h: torch.Tensor, res: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` as one ``F.layer_norm`` call: what both the fused module's reference and nn.LayerNorm
+        compute on fp32 CPU tensors (``plain_norms``), without the kernel dispatch's checks (the live step)."""
+        s = h if res is None else h + res
+        return F.layer_norm(s, (s.shape[-1],), self.ln.weight, self.ln.bias, self.ln.eps), s
+
+
+def plain_norms(cfg: ModelConfig, x: torch.Tensor) -> bool:
+    """Whether every ``ResidualNorm`` of the model computes a plain ``F.layer_norm`` on tensors like ``x``: fp32 on
+    the CPU without autocast, with nn.LayerNorm or the fused module on its reference (``FASTMT_NORM_BACKEND`` unset,
+    auto or reference)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_autocast_enabled("cpu"):
+        return False
+    return cfg.norm == "torch" or os.environ.get("FASTMT_NORM_BACKEND", "").strip() in ("", "auto", "reference")
 
 
 class NormAct(nn.Module):
@@ -156,6 +177,20 @@ class SelfAttention(nn.Module):
         o = attention(q, keys, values, k_lengths=plan.k_lengths, backend=self.backend)  # (B, H, 1, D)
         return self.out(merge_heads(o))
 
+    def live_step(self, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], t: int,
+                  mask: torch.Tensor | None) -> torch.Tensor:
+        """One ``live_step`` of x (n, K, d_model): the K beams of each sentence at position ``t`` write their K/V
+        into cache slots ``t*K .. t*K+K-1`` and attend, as one query block, to the slots ``mask`` (bool
+        (n, 1, K, (t+1)*K): the beam's own ancestors; None: every slot) allows."""
+        n, K, _ = x.shape
+        q, k, v = self.qkv(x).view(n, K, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (n, H, K, D)
+        keys, values = cache  # (n, H, T*K, D)
+        keys[:, :, t * K : (t + 1) * K] = k
+        values[:, :, t * K : (t + 1) * K] = v
+        end = (t + 1) * K
+        o = F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], attn_mask=mask)  # (n, H, K, D)
+        return self.out(o.transpose(1, 2).reshape(n, K, -1))
+
 
 class CrossAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -173,6 +208,15 @@ class CrossAttention(nn.Module):
         (q,) = split_heads(self.q(x), 1, self.heads)  # (B, H, T, D) or (total_tgt, H, D)
         k, v = kv if kv is not None else self.memory_kv(memory)
         return self.out(merge_heads(attend(q, k, v, q_side, k_side, False, self.backend)))
+
+    def live_step(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+                  src_mask: torch.Tensor | None) -> torch.Tensor:
+        """x (n, K, d_model): the K beams of each sentence attend to its encoder K/V (n, H, S, D) where
+        ``src_mask`` (bool (n, 1, 1, S)) marks real source tokens (None: all are)."""
+        n, K, _ = x.shape
+        q = self.q(x).view(n, K, self.heads, -1).transpose(1, 2)  # (n, H, K, D)
+        o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=src_mask)  # (n, H, K, D)
+        return self.out(o.transpose(1, 2).reshape(n, K, -1))
 
 
 class FeedForward(nn.Module):
@@ -236,6 +280,16 @@ class DecoderBlock(nn.Module):
         x, res = self.norm_cross(h, res)
         h = self.cross_attn(x, None, ALL_QUERIES, src, kv=cross_kv)
         x, res = self.norm_ffn(h, res)
+        return self.ffn(x), res
+
+    def live_step(self, h, res, cache, cross_kv, state: LiveState, mask):
+        """One ``live_step`` for h (n, K, d_model) (eval mode: dropout is the identity)."""
+        norm = ResidualNorm.plain if state.plain_norms else ResidualNorm.__call__
+        x, res = norm(self.norm_self, h, res)
+        h = self.self_attn.live_step(x, cache, state.t, mask)
+        x, res = norm(self.norm_cross, h, res)
+        h = self.cross_attn.live_step(x, cross_kv, state.cross_mask)
+        x, res = norm(self.norm_ffn, h, res)
         return self.ffn(x), res
 
 
@@ -336,6 +390,49 @@ class DecodeState:
             c.reorder(index)
         self.cross_kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.cross_kv]
         self.src = Side(self.src.lengths.index_select(0, index), None, None, None)
+
+
+class LiveState:
+    """What ``live_step`` needs for the n sentences still decoding, each with ``beams`` (K) hypotheses:
+    per applied layer one self-attention (K, V) pair (n, H, max_len*K, D), position j of beam k in slot
+    ``j*K + k``; per unique block the cross (K, V) (n, H, S, D) once per sentence; ``src_mask`` bool
+    (n, 1, 1, S), the real source tokens; ``t``, the input position of the next step (a host int).
+    ``src_lengths``: the source lengths as the host knows them (optional): the cross-attention then reads
+    only the longest live source's positions, and no mask when every live source has that length
+    (``cross``, ``cross_mask``: what it reads)."""
+
+    def __init__(self, caches: list[tuple[torch.Tensor, torch.Tensor]], cross_kv: list[tuple[torch.Tensor, torch.Tensor]],
+                 src_mask: torch.Tensor, beams: int, max_len: int, src_lengths: list[int] | None = None):
+        self.caches, self.cross_kv, self.src_mask = caches, cross_kv, src_mask
+        self.beams, self.max_len, self.t = beams, max_len, 0
+        self.src_lengths = None if src_lengths is None else list(src_lengths)
+        self.plain_norms = False  # every norm a plain F.layer_norm (``plain_norms``): set by ``start_live``
+        self._cross_views()
+
+    def _cross_views(self) -> None:
+        self.cross, self.cross_mask = self.cross_kv, self.src_mask
+        if self.src_lengths:
+            width = max(self.src_lengths)
+            self.cross = [(k[:, :, :width], v[:, :, :width]) for k, v in self.cross_kv]
+            self.cross_mask = None if min(self.src_lengths) == width else self.src_mask[..., :width]
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep sentences ``rows`` (in that order) and drop the others (the caches' filled slots copied into new
+        ones: the unfilled rest is never read before a step writes it)."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.src_mask.device)
+        filled = self.t * self.beams
+
+        def cut(x: torch.Tensor) -> torch.Tensor:  # (n, H, T*K, D) -> (n', H, T*K, D)
+            out = x.new_empty((len(rows), *x.shape[1:]))
+            out[:, :, :filled] = x[:, :, :filled].index_select(0, index)
+            return out
+
+        self.caches = [(cut(k), cut(v)) for k, v in self.caches]
+        self.cross_kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.cross_kv]
+        self.src_mask = self.src_mask.index_select(0, index)
+        if self.src_lengths is not None:
+            self.src_lengths = [self.src_lengths[r] for r in rows]
+        self._cross_views()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -504,11 +601,7 @@ class Transformer(nn.Module):
         for B*repeat rows (each source's rows consecutive: beams). The encoder and cross K/V run on the
         B sources once. ``state``: refill that state in place (same shapes) instead of allocating, so
         that its tensors keep their addresses (a captured CUDA graph reads them)."""
-        if max_len > self.cfg.max_positions:
-            raise ValueError(f"max_len={max_len} > max_positions={self.cfg.max_positions}")
-        src_side = Side(src_lengths, None, None, None)
-        pos = self.src_pos if self.cfg.positions == "learned" else None
-        memory = self.encoder(self._embed(src, src_side, self.src_embed, pos), src_side)  # (B, S, d)
+        memory = self._decoding_memory(src, src_lengths, max_len)  # (B, S, d)
         cross_kv = [tuple(repeat_rows(x, repeat) for x in blk.cross_attn.memory_kv(memory))
                     for blk in self.decoder.blocks]  # one (K, V) per unique block, (B*repeat, H, S, D) each
         lengths = repeat_rows(src_lengths, repeat)
@@ -525,11 +618,59 @@ class Transformer(nn.Module):
             state.t = 0
             return state
         B, cfg, dev = lengths.shape[0], self.cfg, memory.device
-        # the dtype the decoder's linears produce (autocast's, when it is on), so writes need no cast
-        dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else memory.dtype
+        dtype = self._cache_dtype(memory)
         caches = [KVCache(B, cfg.n_heads, max_len, cfg.head_dim, dtype, dev) for _ in self.decoder.schedule]
         # the state owns its lengths (a later refill writes into them, never into the caller's tensor)
         return DecodeState(caches, cross_kv, Side(lengths.clone(), None, None, None), max_len)
+
+    def _decoding_memory(self, src: torch.Tensor, src_lengths: torch.Tensor, max_len: int) -> torch.Tensor:
+        """The encoder states (B, S, d_model) of a padded batch to decode ``max_len`` positions from."""
+        if max_len > self.cfg.max_positions:
+            raise ValueError(f"max_len={max_len} > max_positions={self.cfg.max_positions}")
+        src_side = Side(src_lengths, None, None, None)
+        pos = self.src_pos if self.cfg.positions == "learned" else None
+        return self.encoder(self._embed(src, src_side, self.src_embed, pos), src_side)
+
+    def _cache_dtype(self, memory: torch.Tensor) -> torch.dtype:
+        """The dtype the decoder's linears produce (autocast's, when it is on), so cache writes need no cast."""
+        dev = memory.device.type
+        return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else memory.dtype
+
+    def start_live(self, src: torch.Tensor, src_lengths: torch.Tensor, max_len: int, beams: int = 1,
+                   host_lengths: list[int] | None = None) -> LiveState:
+        """Encode src (B, S) (padded layout) once and set up ``live_step`` decoding of ``max_len`` decoder
+        input positions for ``beams`` hypotheses per sentence. ``host_lengths``: ``src_lengths`` as the host
+        knows them, if it does (see ``LiveState``)."""
+        memory = self._decoding_memory(src, src_lengths, max_len)  # (B, S, d)
+        B, S, cfg = src.shape[0], src.shape[1], self.cfg
+        cross_kv = [blk.cross_attn.memory_kv(memory) for blk in self.decoder.blocks]  # (B, H, S, D) each, per block
+        src_mask = (torch.arange(S, device=src.device) < src_lengths.to(torch.long)[:, None]).view(B, 1, 1, S)
+        shape = (B, cfg.n_heads, max_len * beams, cfg.head_dim)
+        dtype = self._cache_dtype(memory)
+        # unfilled: a step reads only the slots it and the steps before it wrote
+        caches = [(torch.empty(shape, dtype=dtype, device=memory.device),
+                   torch.empty(shape, dtype=dtype, device=memory.device)) for _ in self.decoder.schedule]
+        state = LiveState(caches, cross_kv, src_mask, beams, max_len, host_lengths)
+        state.plain_norms = plain_norms(cfg, memory)
+        return state
+
+    def live_step(self, tokens: torch.Tensor, state: LiveState, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (n*K,) at position ``state.t`` (the K beams of each sentence consecutive) -> next-token logits
+        (n*K, V); advances ``state.t``. ``mask``: bool (n, 1, K, (t+1)*K), the cache slots each beam may see (its
+        ancestors: see ``LiveState``); None: every slot (greedy decoding, K = 1)."""
+        t, K = state.t, state.beams
+        if t >= state.max_len:
+            raise ValueError(f"live_step: position {t} is past the cache (max_len={state.max_len})")
+        n = tokens.shape[0] // K
+        x = self.tgt_embed(tokens).view(n, K, -1) * self.embed_scale  # (n, K, d)
+        x = x + (self.tgt_pos.weight[t] if self.cfg.positions == "learned" else self.pos_table[t])
+        h, res = x, None
+        for layer, i in enumerate(self.decoder.schedule):
+            h, res = self.decoder.blocks[i].live_step(h, res, state.caches[layer], state.cross[i], state, mask)
+        final = self.decoder.final_norm
+        y, _ = final.plain(h, res) if state.plain_norms else final(h, res)
+        state.t += 1
+        return self._project(y).view(n * K, -1)
 
     def decode_step(self, tokens: torch.Tensor, state: DecodeState, span: int | None = None) -> torch.Tensor:
         """tokens (B,) at position ``state.pos`` -> next-token logits (B, V); advances the position.

@@ -34,9 +34,10 @@ class Decoding:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def describe(self) -> str:
+    def describe(self, precision: bool = True) -> str:
+        """One line of the settings (``precision``: with the autocast precision, fastmt's own decoding's)."""
         return (f"beam {self.beam_size}, length penalty {self.length_penalty:g}, max length {self.max_len_a:g} x "
-                f"source + {self.max_len_b}, batch {self.batch_size}, {self.precision}")
+                f"source + {self.max_len_b}, batch {self.batch_size}" + (f", {self.precision}" if precision else ""))
 
 
 # what a checkpoint without these config fields gets (train.config.EvalConfig's and RunConfig's defaults)
@@ -167,7 +168,8 @@ def translate(model, tokenizer, sentences: list[str], device: torch.device, *, b
             src_lengths = torch.tensor(lens + [1] * (n_rows - len(idx)), dtype=torch.int32)
             active = torch.arange(n_rows) < len(idx)
             hyps = decoder(src.to(device, non_blocking=True), src_lengths.to(device, non_blocking=True),
-                           active=active.to(device, non_blocking=True), stats=stats)
+                           active=active.to(device, non_blocking=True), stats=stats,
+                           host_lengths=lens + [1] * (n_rows - len(idx)))
             for i, text in zip(idx, tokenizer.decode(hyps[: len(idx)])):
                 out[i] = text
     return out  # type: ignore[return-value]
