@@ -232,11 +232,15 @@ class _LiveRun:
                                     device=device)
         self.rank = torch.arange(2 * K, device=device)
         self.slots = torch.arange(K, device=device)  # (K,) beam slots
+        like = self.state.caches[0][0]  # the additive mask's values, in the queries' dtype
+        self.bias = (torch.zeros((), dtype=like.dtype, device=device),
+                     torch.full((), -math.inf, dtype=like.dtype, device=device))
         self.anc = torch.zeros(B, K, T, dtype=torch.long, device=device)  # (n, K, T) slot of each position
 
     def logits(self, mask: torch.Tensor | None) -> torch.Tensor:
         """live_step with PAD and BOS made impossible: (n*K, V) fp32."""
-        logits = self.dec.model.live_step(self.tokens, self.state, mask).float()
+        logits = self.dec.model.live_step(self.tokens, self.state, mask)
+        logits = logits if logits.dtype == torch.float32 else logits.float()
         return logits.index_fill_(1, self.forbidden, -math.inf)
 
     def step(self, t: int) -> None:
@@ -248,8 +252,8 @@ class _LiveRun:
             return
         n, K = self.alive.shape
         self.anc[:, :, t] = self.slots  # position t: written by each beam itself
-        mask = (self.anc[:, :, : t + 1].unsqueeze(3) == self.slots).view(n, 1, K, (t + 1) * K)  # slot j*K + k
-        logp = torch.log_softmax(self.logits(mask), -1)  # (n*K, V)
+        seen = (self.anc[:, :, : t + 1].unsqueeze(3) == self.slots).view(n, 1, K, (t + 1) * K)  # slot j*K + k
+        logp = torch.log_softmax(self.logits(torch.where(seen, *self.bias)), -1)  # (n*K, V); SDPA's additive mask
         s = _beam_update(logp, self.alive, self.hist, self.fin_score, self.fin_tok, self.fin_len, self.done,
                          self.limits, length, self.penalty[t + 1 : t + 2], self.rank, self.ids["eos"])
         self.alive, self.hist, self.fin_score, self.fin_tok, self.fin_len = (s.alive, s.hist, s.fin_score,
@@ -557,30 +561,32 @@ def _beam_update(logp, alive, hist, fin_score, fin_tok, fin_len, done, limits, l
     top_score, top_idx = cand.view(B, K * V).topk(n, dim=-1)  # (B, n)
     top_beam, top_tok = top_idx // V, top_idx % V
     is_eos = top_tok == eos
+    live = ~done  # (B,)
+    normed = top_score.double() / penalty  # (B, n) float64: each candidate's GNMT score at this length
+    ended = length - 1  # (1,) this step's position in the histories
     # EOS candidates ranked within the first K finish (their history is the parent's)
-    fresh = is_eos[:, :K] & torch.isfinite(top_score[:, :K]) & ~done.unsqueeze(1)
-    eos_score = torch.where(fresh, top_score[:, :K].double() / penalty, -math.inf)  # (B, K)
+    fresh = is_eos[:, :K] & torch.isfinite(top_score[:, :K]) & live.unsqueeze(1)
+    eos_score = torch.where(fresh, normed[:, :K], -math.inf)  # (B, K)
     eos_tok = hist.gather(1, top_beam[:, :K].unsqueeze(2).expand(-1, -1, T))
-    eos_len = (length - 1).expand(B, K)
     # the best K non-EOS candidates live on
     keep = (is_eos.long() * n + rank[:n]).topk(K, dim=-1, largest=False).indices  # (B, K) EOS last
-    alive = top_score.gather(1, keep)
+    alive, alive_normed = top_score.gather(1, keep), normed.gather(1, keep)
     parent, tok = top_beam.gather(1, keep), top_tok.gather(1, keep)  # (B, K)
     hist = hist.gather(1, parent.unsqueeze(2).expand(-1, -1, T))
-    hist.index_copy_(2, length - 1, tok.unsqueeze(2))
+    hist.index_copy_(2, ended, tok.unsqueeze(2))
     # a sentence at its length limit finishes its live hypotheses as they are
-    at_limit = (length >= limits) & ~done  # (B,)
-    lim_score = torch.where(at_limit.unsqueeze(1) & torch.isfinite(alive), alive.double() / penalty, -math.inf)
+    at_limit = (length >= limits) & live  # (B,)
+    lim_score = torch.where(at_limit.unsqueeze(1) & torch.isfinite(alive), alive_normed, -math.inf)
     # keep the K best finished: earlier ones first on equal scores (a stable sort), then EOS, then limit
     score = torch.cat([fin_score, eos_score, lim_score], 1)  # (B, 3K)
     order = score.sort(dim=1, descending=True, stable=True).indices[:, :K]  # (B, K)
     fin_tok = torch.cat([fin_tok, eos_tok, hist], 1).gather(1, order.unsqueeze(2).expand(-1, -1, T))
-    fin_len = torch.cat([fin_len, eos_len, length.expand(B, K)], 1).gather(1, order)
+    fin_len = torch.cat([fin_len, ended.expand(B, K), length.expand(B, K)], 1).gather(1, order)
     fin_score = score.gather(1, order)
-    # done: at the limit, or K finished and the worst beats the best live one normalised now
+    # done: at the limit, or K finished and the worst beats the best live one normalised now (the max of the
+    # normalised scores: dividing by the positive penalty keeps their order)
     worst = fin_score[:, K - 1]
-    best_live = alive.max(1).values.double() / penalty
-    done |= at_limit | (torch.isfinite(worst) & (worst >= best_live))
+    done |= at_limit | (torch.isfinite(worst) & (worst >= alive_normed.max(1).values))
     return _Search(alive, parent, tok, hist, fin_score, fin_tok, fin_len)
 
 

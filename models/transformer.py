@@ -180,8 +180,8 @@ class SelfAttention(nn.Module):
     def live_step(self, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], t: int,
                   mask: torch.Tensor | None) -> torch.Tensor:
         """One ``live_step`` of x (n, K, d_model): the K beams of each sentence at position ``t`` write their K/V
-        into cache slots ``t*K .. t*K+K-1`` and attend, as one query block, to the slots ``mask`` (bool
-        (n, 1, K, (t+1)*K): the beam's own ancestors; None: every slot) allows."""
+        into cache slots ``t*K .. t*K+K-1`` and attend, as one query block, to the slots ``mask`` ((n, 1, K,
+        (t+1)*K), SDPA's boolean or additive mask: the beam's own ancestors; None: every slot) allows."""
         n, K, _ = x.shape
         q, k, v = self.qkv(x).view(n, K, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (n, H, K, D)
         keys, values = cache  # (n, H, T*K, D)
@@ -211,8 +211,8 @@ class CrossAttention(nn.Module):
 
     def live_step(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                   src_mask: torch.Tensor | None) -> torch.Tensor:
-        """x (n, K, d_model): the K beams of each sentence attend to its encoder K/V (n, H, S, D) where
-        ``src_mask`` (bool (n, 1, 1, S)) marks real source tokens (None: all are)."""
+        """x (n, K, d_model): the K beams of each sentence attend to its encoder K/V (n, H, S, D); ``src_mask``
+        (n, 1, 1, S): SDPA's additive mask, -inf past the source (None: every position is real)."""
         n, K, _ = x.shape
         q = self.q(x).view(n, K, self.heads, -1).transpose(1, 2)  # (n, H, K, D)
         o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=src_mask)  # (n, H, K, D)
@@ -395,44 +395,49 @@ class DecodeState:
 class LiveState:
     """What ``live_step`` needs for the n sentences still decoding, each with ``beams`` (K) hypotheses:
     per applied layer one self-attention (K, V) pair (n, H, max_len*K, D), position j of beam k in slot
-    ``j*K + k``; per unique block the cross (K, V) (n, H, S, D) once per sentence; ``src_mask`` bool
-    (n, 1, 1, S), the real source tokens; ``t``, the input position of the next step (a host int).
-    ``src_lengths``: the source lengths as the host knows them (optional): the cross-attention then reads
-    only the longest live source's positions, and no mask when every live source has that length
-    (``cross``, ``cross_mask``: what it reads)."""
+    ``j*K + k``; per unique block the cross (K, V) (n, H, S, D) once per sentence; ``src_bias`` (n, 1, 1, S),
+    0 at the real source tokens and -inf past them (SDPA's additive mask, in the cache's dtype); ``t``, the
+    input position of the next step (a host int). ``src_lengths``: the source lengths as the host knows them
+    (optional): the cross-attention then reads only the longest live source's positions, and no mask when
+    every live source has that length (``cross``, ``cross_mask``: what it reads). The buffers are made once:
+    ``keep`` moves the kept sentences up in place and the tensors above are views of their first n rows."""
 
     def __init__(self, caches: list[tuple[torch.Tensor, torch.Tensor]], cross_kv: list[tuple[torch.Tensor, torch.Tensor]],
-                 src_mask: torch.Tensor, beams: int, max_len: int, src_lengths: list[int] | None = None):
-        self.caches, self.cross_kv, self.src_mask = caches, cross_kv, src_mask
+                 src_bias: torch.Tensor, beams: int, max_len: int, src_lengths: list[int] | None = None):
+        self._buffers = [t for pair in (*caches, *cross_kv) for t in pair] + [src_bias]
+        self._layers = len(caches)
         self.beams, self.max_len, self.t = beams, max_len, 0
         self.src_lengths = None if src_lengths is None else list(src_lengths)
         self.plain_norms = False  # every norm a plain F.layer_norm (``plain_norms``): set by ``start_live``
-        self._cross_views()
+        self._views(src_bias.shape[0])
 
-    def _cross_views(self) -> None:
-        self.cross, self.cross_mask = self.cross_kv, self.src_mask
+    def _views(self, n: int) -> None:
+        """The first n rows of every buffer, and what the cross-attention reads."""
+        rows = [b[:n] for b in self._buffers]
+        pairs = list(zip(rows[:-1:2], rows[1:-1:2]))
+        self.caches, self.cross_kv, self.src_bias = pairs[: self._layers], pairs[self._layers :], rows[-1]
+        self.cross, self.cross_mask = self.cross_kv, self.src_bias
         if self.src_lengths:
             width = max(self.src_lengths)
             self.cross = [(k[:, :, :width], v[:, :, :width]) for k, v in self.cross_kv]
-            self.cross_mask = None if min(self.src_lengths) == width else self.src_mask[..., :width]
+            self.cross_mask = None if min(self.src_lengths) == width else self.src_bias[..., :width]
 
     def keep(self, rows: list[int]) -> None:
-        """Keep sentences ``rows`` (in that order) and drop the others (the caches' filled slots copied into new
-        ones: the unfilled rest is never read before a step writes it)."""
-        index = torch.tensor(rows, dtype=torch.long, device=self.src_mask.device)
-        filled = self.t * self.beams
-
-        def cut(x: torch.Tensor) -> torch.Tensor:  # (n, H, T*K, D) -> (n', H, T*K, D)
-            out = x.new_empty((len(rows), *x.shape[1:]))
-            out[:, :, :filled] = x[:, :, :filled].index_select(0, index)
-            return out
-
-        self.caches = [(cut(k), cut(v)) for k, v in self.caches]
-        self.cross_kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.cross_kv]
-        self.src_mask = self.src_mask.index_select(0, index)
+        """Keep sentences ``rows`` (ascending) and drop the others: the kept ones move up in place, caches by
+        their filled slots only (the rest is never read before a step writes it); none moves when only the last
+        sentences left."""
+        m = len(rows)
+        if rows != list(range(m)):
+            index = torch.tensor(rows, dtype=torch.long, device=self.src_bias.device)
+            filled = self.t * self.beams
+            for i, buf in enumerate(self._buffers):
+                if i < 2 * self._layers:  # a self-attention cache: (n, H, T*K, D)
+                    buf[:m, :, :filled] = buf[:, :, :filled].index_select(0, index)
+                else:
+                    buf[:m] = buf[: self.src_bias.shape[0]].index_select(0, index)
         if self.src_lengths is not None:
             self.src_lengths = [self.src_lengths[r] for r in rows]
-        self._cross_views()
+        self._views(m)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -644,20 +649,21 @@ class Transformer(nn.Module):
         memory = self._decoding_memory(src, src_lengths, max_len)  # (B, S, d)
         B, S, cfg = src.shape[0], src.shape[1], self.cfg
         cross_kv = [blk.cross_attn.memory_kv(memory) for blk in self.decoder.blocks]  # (B, H, S, D) each, per block
-        src_mask = (torch.arange(S, device=src.device) < src_lengths.to(torch.long)[:, None]).view(B, 1, 1, S)
-        shape = (B, cfg.n_heads, max_len * beams, cfg.head_dim)
         dtype = self._cache_dtype(memory)
+        real = (torch.arange(S, device=src.device) < src_lengths.to(torch.long)[:, None]).view(B, 1, 1, S)
+        src_bias = torch.zeros(B, 1, 1, S, dtype=dtype, device=src.device).masked_fill_(~real, -math.inf)
+        shape = (B, cfg.n_heads, max_len * beams, cfg.head_dim)
         # unfilled: a step reads only the slots it and the steps before it wrote
         caches = [(torch.empty(shape, dtype=dtype, device=memory.device),
                    torch.empty(shape, dtype=dtype, device=memory.device)) for _ in self.decoder.schedule]
-        state = LiveState(caches, cross_kv, src_mask, beams, max_len, host_lengths)
+        state = LiveState(caches, cross_kv, src_bias, beams, max_len, host_lengths)
         state.plain_norms = plain_norms(cfg, memory)
         return state
 
     def live_step(self, tokens: torch.Tensor, state: LiveState, mask: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (n*K,) at position ``state.t`` (the K beams of each sentence consecutive) -> next-token logits
-        (n*K, V); advances ``state.t``. ``mask``: bool (n, 1, K, (t+1)*K), the cache slots each beam may see (its
-        ancestors: see ``LiveState``); None: every slot (greedy decoding, K = 1)."""
+        (n*K, V); advances ``state.t``. ``mask``: (n, 1, K, (t+1)*K), bool or additive, the cache slots each beam
+        may see (its ancestors: see ``LiveState``); None: every slot (greedy decoding, K = 1)."""
         t, K = state.t, state.beams
         if t >= state.max_len:
             raise ValueError(f"live_step: position {t} is past the cache (max_len={state.max_len})")
