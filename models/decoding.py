@@ -45,12 +45,13 @@ torch.compile'd regions (``run.compile_scope="blocks"``) forced eager: it never 
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import sys
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -159,20 +160,32 @@ class Decoder:
 
     def __call__(self, src: torch.Tensor, src_lengths: torch.Tensor, *, active: torch.Tensor | None = None,
                  stats: DecodeStats | None = None, host_lengths: list[int] | None = None) -> list[list[int]]:
+        return self.decode_batches([Batch(src, src_lengths, active, host_lengths)], stats=stats)[0]
+
+    def decode_batches(self, batches: Sequence[Batch], stats: DecodeStats | None = None) -> list[list[list[int]]]:
+        """The answers of each batch, batch by batch (each batch's rows in order). Static spans decode one batch
+        after the other; "exact" lets the next batch start while the last sentences of the one before finish
+        (``_LiveStream``)."""
         stats = stats if stats is not None else DecodeStats()
+        if not batches:
+            return []
+        device = batches[0].src.device
         if self.cuda_graph and self._graphs is None:
-            self._graphs = _make_step_graphs(src.device)  # before any work: refuses a CPU src
-        check_every = self.check_every or (4 if src.is_cuda else 1)
+            self._graphs = _make_step_graphs(device)  # before any work: refuses a CPU src
+        check_every = self.check_every or (4 if device.type == "cuda" else 1)
         with _eval(self.model):
             if self.spans == "exact":
-                answers = _LiveRun(self, src, src_lengths, active, host_lengths).decode(stats, check_every)
+                answers = _LiveStream(self, batches, check_every).decode(stats)
+                stats.host_syncs += 1
             else:
-                run = self._run_for(src)
-                run.load(src, src_lengths, active)
-                run.decode(stats, check_every)
-                answers = run.answers()
-            stats.batches += 1
-            stats.host_syncs += 1
+                answers = []
+                for b in batches:
+                    run = self._run_for(b.src)
+                    run.load(b.src, b.src_lengths, b.active)
+                    run.decode(stats, check_every)
+                    answers.append(run.answers())
+                    stats.host_syncs += 1
+            stats.batches += len(batches)
             stats.eager_reason = self.fallback_reason
             return answers
 
@@ -195,110 +208,196 @@ class Decoder:
         return self._runs[key]
 
 
-class _LiveRun:
-    """``spans="exact"``: one batch decoded eagerly through ``Transformer.live_step``, no buffer of a static
-    shape. At each "all done?" read the finished sentences leave the batch (their answers set aside, read
-    with the others at the end: still one host read per batch for the answers), and the K beams of a
-    sentence share one cache, where a beam's ancestry (``anc``: the beam slot that wrote each of its
-    positions) is its attention mask: reordering beams copies no prefix."""
+class Batch(NamedTuple):
+    """One batch for ``Decoder.decode_batches``: src (B, S) int, src_lengths int32 (B,), ``active`` bool (B,) or None
+    (every row real), ``host_lengths``: src_lengths as a list when the caller has it (the eager path then reads the
+    sources without padding: no mask when none is needed, no device value read)."""
 
-    def __init__(self, dec: Decoder, src: torch.Tensor, src_lengths: torch.Tensor, active: torch.Tensor | None,
-                 host_lengths: list[int] | None = None):
-        model, device, (B, S) = dec.model, src.device, src.shape
-        if host_lengths is not None and len(host_lengths) != B:
-            raise ValueError(f"host_lengths: {len(host_lengths)} lengths for a batch of {B} sources")
-        K = self.K = 1 if dec.beam_size is None else dec.beam_size
-        T = self.T = _length_limit(model, S, dec.max_len_ratio, dec.max_len_extra)
-        self.dec, self.ids, self.device = dec, dec.ids, device
-        self.state: LiveState = model.start_live(src, src_lengths, T, beams=K, host_lengths=host_lengths)
-        self.limits = _length_limits(model, src_lengths, dec.max_len_ratio, dec.max_len_extra)  # (B,)
-        self.done = torch.zeros(B, dtype=torch.bool, device=device) if active is None else ~active.to(device)
-        self.tokens = torch.full((B * K,), self.ids["bos"], dtype=torch.long, device=device)  # next inputs
+    src: torch.Tensor
+    src_lengths: torch.Tensor
+    active: torch.Tensor | None = None
+    host_lengths: list[int] | None = None
+
+
+class _Group:
+    """A batch decoding in a ``_LiveStream``: its ``LiveState`` (position ``state.t``), the step count after which
+    every one of its sentences is done (``bound``: its length limit for its widest source), and the (batch, row)
+    of each of its sentences still decoding."""
+
+    def __init__(self, state: LiveState, bound: int, rows: list[tuple[int, int]]):
+        self.state, self.bound, self.rows = state, bound, rows
+
+
+class _LiveStream:
+    """``spans="exact"``: batches decoded eagerly through ``Transformer.live_step``, no buffer of a static shape.
+    At each "all done?" read the finished sentences leave (their answer rows set aside, every answer read in one
+    host read at the end). When the sentences still decoding are at most a quarter of the largest batch, the next
+    batch starts beside them as another group (at most ``GROUPS``): each group attends in its own caches at its own
+    position, the row-wise work (projections, norms, FFN, the search) runs once for all, so the last sentences of
+    a batch do not decode alone. The K beams of a sentence share one cache, where a beam's ancestry (``anc``: the
+    beam slot that wrote each of its positions) is its attention mask: reordering beams copies no prefix."""
+
+    GROUPS = 3  # batches decoding at once
+
+    def __init__(self, dec: Decoder, batches: Sequence[Batch], check_every: int):
+        model = dec.model
+        self.dec, self.ids, self.check_every = dec, dec.ids, check_every
+        self.K = K = 1 if dec.beam_size is None else dec.beam_size
+        self.device = device = batches[0].src.device
+        for b in batches:
+            if b.host_lengths is not None and len(b.host_lengths) != b.src.shape[0]:
+                raise ValueError(f"host_lengths: {len(b.host_lengths)} lengths for a batch of {b.src.shape[0]} sources")
+        self.bounds = [_length_limit(model, b.src.shape[1], dec.max_len_ratio, dec.max_len_extra) for b in batches]
+        self.pending = collections.deque(enumerate(batches))
+        self.sizes = [b.src.shape[0] for b in batches]
+        self.start_below = max(self.sizes) // 4  # the next batch starts when at most this many sentences decode
+        self.groups: list[_Group] = []
+        self.set_aside: list[tuple[list[tuple[int, int]], torch.Tensor]] = []  # (batch, row)s and answer rows
+        T = self.T = max(self.bounds)  # the search buffers' positions
         self.forbidden = torch.tensor([self.ids["pad"], self.ids["bos"]], device=device)
         self.length = torch.arange(T + 1, device=device)  # length[t + 1 : t + 2]: tokens generated at step t
-        self.rows = list(range(B))  # the batch row of each sentence still here
-        self.set_aside: list[tuple[list[int], torch.Tensor]] = []  # (batch rows, their answer rows)
+        pad = self.ids["pad"]
+        self.limits = torch.zeros(0, dtype=torch.long, device=device)
+        self.done = torch.zeros(0, dtype=torch.bool, device=device)
+        self.tokens = torch.zeros(0, dtype=torch.long, device=device)  # the next inputs (n*K,)
+        # every per-sentence search buffer: the row a starting sentence gets
         if K == 1:
-            self.out = torch.full((B, T), self.ids["pad"], dtype=torch.long, device=device)  # generated tokens
+            self.fresh = {"out": torch.full((1, T), pad, dtype=torch.long, device=device)}  # generated tokens
+        else:
+            alive = torch.full((1, K), -math.inf, device=device)  # cumulative log-probs of the live beams
+            alive[:, 0] = 0.0  # only beam 0 is live at the start (the others are copies of it)
+            self.fresh = {"alive": alive, "hist": torch.full((1, K, T), pad, dtype=torch.long, device=device),
+                          "fin_score": torch.full((1, K), -math.inf, dtype=torch.float64, device=device),
+                          "fin_tok": torch.full((1, K, T), pad, dtype=torch.long, device=device),
+                          "fin_len": torch.zeros(1, K, dtype=torch.long, device=device),
+                          "anc": torch.zeros(1, K, T, dtype=torch.long, device=device)}  # slot of each position
+            lp = dec.length_penalty  # GNMT length penalty of every length 0..T, float64 with python's arithmetic
+            self.penalty = torch.tensor([((5.0 + n) / 6.0) ** lp for n in range(T + 1)], dtype=torch.float64,
+                                        device=device)
+            self.rank = torch.arange(2 * K, device=device)
+            self.slots = torch.arange(K, device=device)  # (K,) beam slots
+            self.bias = None  # SDPA's additive mask values, in the queries' dtype (made with the first state)
+        for name, row in self.fresh.items():
+            setattr(self, name, row[:0])
+
+    # -- who decodes ------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """The next pending batch starts decoding, as a group of its own."""
+        model, dec, K = self.dec.model, self.dec, self.K
+        index, b = self.pending.popleft()
+        B, bound = b.src.shape[0], self.bounds[index]
+        state = model.start_live(b.src, b.src_lengths, bound, beams=K, host_lengths=b.host_lengths)
+        if K > 1 and self.bias is None:
+            like = state.caches[0][0]
+            self.bias = (torch.zeros((), dtype=like.dtype, device=self.device),
+                         torch.full((), -math.inf, dtype=like.dtype, device=self.device))
+        self.groups.append(_Group(state, bound, [(index, r) for r in range(B)]))
+        limits = _length_limits(model, b.src_lengths, dec.max_len_ratio, dec.max_len_extra)
+        done = torch.zeros(B, dtype=torch.bool, device=self.device) if b.active is None else ~b.active.to(self.device)
+        self.limits, self.done = torch.cat([self.limits, limits]), torch.cat([self.done, done])
+        self.tokens = torch.cat([self.tokens, torch.full((B * K,), self.ids["bos"], dtype=torch.long,
+                                                         device=self.device)])
+        for name, row in self.fresh.items():
+            setattr(self, name, torch.cat([getattr(self, name), row.expand(B, *row.shape[1:])]))
+
+    def answer_rows(self) -> torch.Tensor:
+        """(n, T) generated tokens (greedy) or ``_best_finished`` rows (beam) of the sentences decoding."""
+        return self.out if self.K == 1 else _best_finished(self.fin_score, self.fin_tok, self.fin_len)
+
+    def leave(self, finished: list[bool]) -> None:
+        """The ``finished`` sentences (one flag per sentence decoding, groups in order) leave: their answer rows set
+        aside, every per-sentence tensor and each group's state cut."""
+        gone = [i for i, f in enumerate(finished) if f]
+        if not gone:
             return
-        self.alive = torch.full((B, K), -math.inf, device=device)  # cumulative log-probs of the live beams
-        self.alive[:, 0] = 0.0  # only beam 0 is live at the start (the others are copies of it)
-        self.hist = torch.full((B, K, T), self.ids["pad"], dtype=torch.long, device=device)
-        self.fin_score = torch.full((B, K), -math.inf, dtype=torch.float64, device=device)
-        self.fin_tok = torch.full((B, K, T), self.ids["pad"], dtype=torch.long, device=device)
-        self.fin_len = torch.zeros(B, K, dtype=torch.long, device=device)
-        lp = dec.length_penalty  # GNMT length penalty of every length 0..T, float64 with python's arithmetic
-        self.penalty = torch.tensor([((5.0 + n) / 6.0) ** lp for n in range(T + 1)], dtype=torch.float64,
-                                    device=device)
-        self.rank = torch.arange(2 * K, device=device)
-        self.slots = torch.arange(K, device=device)  # (K,) beam slots
-        like = self.state.caches[0][0]  # the additive mask's values, in the queries' dtype
-        self.bias = (torch.zeros((), dtype=like.dtype, device=device),
-                     torch.full((), -math.inf, dtype=like.dtype, device=device))
-        self.anc = torch.zeros(B, K, T, dtype=torch.long, device=device)  # (n, K, T) slot of each position
+        rows = [row for g in self.groups for row in g.rows]
+        self.set_aside.append(([rows[i] for i in gone], self.answer_rows().index_select(
+            0, torch.tensor(gone, dtype=torch.long, device=self.device))))
+        start, groups = 0, []
+        for g in self.groups:
+            flags = finished[start : start + len(g.rows)]
+            start += len(g.rows)
+            stay = [i for i, f in enumerate(flags) if not f]
+            if not stay:
+                continue
+            if len(stay) < len(flags):
+                g.state.keep(stay)
+                g.rows = [g.rows[i] for i in stay]
+            groups.append(g)
+        self.groups = groups
+        keep = torch.tensor([i for i, f in enumerate(finished) if not f], dtype=torch.long, device=self.device)
+        self.limits, self.done = self.limits.index_select(0, keep), self.done.index_select(0, keep)
+        self.tokens = self.tokens.view(-1, self.K).index_select(0, keep).view(-1)
+        for name in self.fresh:
+            setattr(self, name, getattr(self, name).index_select(0, keep))
 
-    def logits(self, mask: torch.Tensor | None) -> torch.Tensor:
-        """live_step with PAD and BOS made impossible: (n*K, V) fp32."""
-        logits = self.dec.model.live_step(self.tokens, self.state, mask)
-        logits = logits if logits.dtype == torch.float32 else logits.float()
-        return logits.index_fill_(1, self.forbidden, -math.inf)
-
-    def step(self, t: int) -> None:
-        length = self.length[t + 1 : t + 2]  # (1,) tokens generated so far, this one included
-        if self.K == 1:
-            tok = _greedy_update(self.logits(None), self.done, self.limits, length, self.ids)  # (n,)
-            self.out[:, t] = tok
+    # -- one step ---------------------------------------------------------------------------------------
+    def step(self) -> None:
+        K, groups = self.K, self.groups
+        if len(groups) == 1:
+            t = groups[0].state.t
+            length = self.length[t + 1 : t + 2]  # (1,) tokens generated so far, this one included
+        else:  # (n, 1): each group's sentences at its own position
+            length = torch.cat([self.length[g.state.t + 1 : g.state.t + 2].expand(len(g.rows)) for g in groups])
+            length = length.unsqueeze(1)
+        states = [g.state for g in groups]
+        if K == 1:
+            tok = _greedy_update(self.logits(states, [None] * len(groups)), self.done, self.limits, length, self.ids)
+            if len(groups) == 1:
+                self.out[:, t] = tok
+            else:
+                self.out.scatter_(1, length - 1, tok.unsqueeze(1))
             self.tokens = tok
             return
-        n, K = self.alive.shape
-        self.anc[:, :, t] = self.slots  # position t: written by each beam itself
-        seen = (self.anc[:, :, : t + 1].unsqueeze(3) == self.slots).view(n, 1, K, (t + 1) * K)  # slot j*K + k
-        logp = torch.log_softmax(self.logits(torch.where(seen, *self.bias)), -1)  # (n*K, V); SDPA's additive mask
+        masks, start = [], 0
+        for g in groups:
+            t, n = g.state.t, len(g.rows)
+            anc = self.anc if len(groups) == 1 else self.anc[start : start + n]
+            anc[:, :, t] = self.slots  # position t: written by each beam itself
+            seen = (anc[:, :, : t + 1].unsqueeze(3) == self.slots).view(n, 1, K, (t + 1) * K)  # slot j*K + k
+            masks.append(torch.where(seen, *self.bias))  # SDPA's additive mask
+            start += n
+        logp = torch.log_softmax(self.logits(states, masks), -1)  # (n*K, V)
+        penalty = self.penalty[length] if len(groups) > 1 else self.penalty[t + 1 : t + 2]
         s = _beam_update(logp, self.alive, self.hist, self.fin_score, self.fin_tok, self.fin_len, self.done,
-                         self.limits, length, self.penalty[t + 1 : t + 2], self.rank, self.ids["eos"])
+                         self.limits, length, penalty, self.rank, self.ids["eos"])
         self.alive, self.hist, self.fin_score, self.fin_tok, self.fin_len = (s.alive, s.hist, s.fin_score,
                                                                               s.fin_tok, s.fin_len)
         self.anc = self.anc.gather(1, s.parent.unsqueeze(2).expand(-1, -1, self.T))  # the parents' ancestry
         self.tokens = s.tok.view(-1)
 
-    def answer_rows(self) -> torch.Tensor:
-        """(n, T) generated tokens (greedy) or ``_best_finished`` rows (beam) of the sentences here."""
-        return self.out if self.K == 1 else _best_finished(self.fin_score, self.fin_tok, self.fin_len)
+    def logits(self, states: list[LiveState], masks: list) -> torch.Tensor:
+        """live_step with PAD and BOS made impossible: (n*K, V) fp32."""
+        logits = self.dec.model.live_step(self.tokens, states, masks)
+        logits = logits if logits.dtype == torch.float32 else logits.float()
+        return logits.index_fill_(1, self.forbidden, -math.inf)
 
-    def leave(self, finished: list[bool]) -> None:
-        """The ``finished`` sentences leave: their answer rows set aside, every per-sentence tensor cut."""
-        stay = [i for i, f in enumerate(finished) if not f]
-        gone = torch.tensor([i for i, f in enumerate(finished) if f], device=self.device)
-        self.set_aside.append(([self.rows[i] for i, f in enumerate(finished) if f],
-                               self.answer_rows().index_select(0, gone)))
-        self.rows = [self.rows[i] for i in stay]
-        keep = torch.tensor(stay, device=self.device)
-        self.state.keep(stay)
-        self.limits, self.done = self.limits.index_select(0, keep), self.done.index_select(0, keep)
-        self.tokens = self.tokens.view(-1, self.K).index_select(0, keep).view(-1)
-        names = ("out",) if self.K == 1 else ("alive", "hist", "fin_score", "fin_tok", "fin_len", "anc")
-        for name in names:
-            setattr(self, name, getattr(self, name).index_select(0, keep))
-
-    def decode(self, stats: DecodeStats, check_every: int) -> list[list[int]]:
-        for t in range(self.T):
-            self.step(t)
+    # -- the loop ---------------------------------------------------------------------------------------
+    def decode(self, stats: DecodeStats) -> list[list[list[int]]]:
+        self.start()
+        steps = 0
+        while self.groups:
+            self.step()
             stats.steps += 1
-            if (t + 1) % check_every == 0 and t + 1 < self.T:
+            steps += 1
+            # a group at its bound is done without a read; the others are read every check_every steps
+            bounded = [g.state.t >= g.bound for g in self.groups for _ in g.rows]
+            if steps % self.check_every == 0 and not all(bounded):
                 stats.host_syncs += 1
                 finished = self.done.tolist()  # host sync: once per check_every steps
-                if all(finished):
-                    break
-                if any(finished):
-                    self.leave(finished)
-        self.set_aside.append((self.rows, self.answer_rows()))
+                self.leave([f or b for f, b in zip(finished, bounded)])
+            else:
+                self.leave(bounded)
+            while self.pending and len(self.groups) < self.GROUPS and \
+                    sum(len(g.rows) for g in self.groups) <= self.start_below:
+                self.start()
         order = [row for rows, _ in self.set_aside for row in rows]
-        tensors = [rows for _, rows in self.set_aside]
+        tensors = [t for _, t in self.set_aside]
         answers = (_greedy_answers(torch.cat(tensors).tolist(), self.ids) if self.K == 1  # host sync: once
                    else _beam_answers(tensors))
-        out: list[list[int]] = [[] for _ in order]
-        for row, answer in zip(order, answers):
-            out[row] = answer
+        out: list[list[list[int]]] = [[[] for _ in range(size)] for size in self.sizes]
+        for (batch, row), answer in zip(order, answers):
+            out[batch][row] = answer
         return out
 
 
@@ -466,10 +565,10 @@ class _GreedyRun(_Run):
 def _greedy_update(logits: torch.Tensor, done: torch.Tensor, limits: torch.Tensor, length: torch.Tensor,
                    ids: dict[str, int]) -> torch.Tensor:
     """Greedy decoding's step rule: the next token of each row (B,) (PAD for rows already done), and ``done``
-    (bool (B,)) updated in place: EOS chosen, or ``length`` (int64 (1,), tokens generated with this one) at
-    the row's limit."""
+    (bool (B,)) updated in place: EOS chosen, or ``length`` (int64 (1,), or (B, 1) per row: tokens generated with
+    this one) at the row's limit."""
     tok = torch.where(done, ids["pad"], logits.argmax(-1))  # (B,)
-    done |= (tok == ids["eos"]) | (length >= limits)
+    done |= (tok == ids["eos"]) | (length.view(-1) >= limits)
     return tok
 
 
@@ -551,9 +650,9 @@ def _beam_update(logp, alive, hist, fin_score, fin_tok, fin_len, done, limits, l
                  eos: int) -> _Search:
     """Beam search's step rule (module docstring) on B sentences of K beams: ``logp`` (B*K, V) log-probs of the
     next token, the live beams (``alive`` (B, K), ``hist`` (B, K, T)), the finished ones (``fin_*``), ``done``
-    (bool (B,), updated in place), ``limits`` (B,), ``length`` (int64 (1,): tokens generated with this one),
-    ``penalty`` (float64 (1,): its GNMT penalty), ``rank`` (arange(2K)). Tensor work only: no host sync, static
-    shapes (the CUDA-graph step and the eager live step share it)."""
+    (bool (B,), updated in place), ``limits`` (B,), ``length`` (int64 (1,), or (B, 1) per sentence: tokens generated
+    with this one), ``penalty`` (float64, length's shape: its GNMT penalty), ``rank`` (arange(2K)). Tensor work only:
+    no host sync, static shapes (the CUDA-graph step and the eager live step share it)."""
     B, K, T = hist.shape
     V = logp.shape[-1]
     cand = alive.unsqueeze(2) + logp.view(B, K, V)  # (B, K, V)
@@ -563,7 +662,7 @@ def _beam_update(logp, alive, hist, fin_score, fin_tok, fin_len, done, limits, l
     is_eos = top_tok == eos
     live = ~done  # (B,)
     normed = top_score.double() / penalty  # (B, n) float64: each candidate's GNMT score at this length
-    ended = length - 1  # (1,) this step's position in the histories
+    ended = length - 1  # this step's position in the histories
     # EOS candidates ranked within the first K finish (their history is the parent's)
     fresh = is_eos[:, :K] & torch.isfinite(top_score[:, :K]) & live.unsqueeze(1)
     eos_score = torch.where(fresh, normed[:, :K], -math.inf)  # (B, K)
@@ -573,9 +672,9 @@ def _beam_update(logp, alive, hist, fin_score, fin_tok, fin_len, done, limits, l
     alive, alive_normed = top_score.gather(1, keep), normed.gather(1, keep)
     parent, tok = top_beam.gather(1, keep), top_tok.gather(1, keep)  # (B, K)
     hist = hist.gather(1, parent.unsqueeze(2).expand(-1, -1, T))
-    hist.index_copy_(2, ended, tok.unsqueeze(2))
+    hist.scatter_(2, ended.view(-1, 1, 1).expand(B, K, 1), tok.unsqueeze(2))
     # a sentence at its length limit finishes its live hypotheses as they are
-    at_limit = (length >= limits) & live  # (B,)
+    at_limit = (length.view(-1) >= limits) & live  # (B,)
     lim_score = torch.where(at_limit.unsqueeze(1) & torch.isfinite(alive), alive_normed, -math.inf)
     # keep the K best finished: earlier ones first on equal scores (a stable sort), then EOS, then limit
     score = torch.cat([fin_score, eos_score, lim_score], 1)  # (B, 3K)

@@ -33,11 +33,12 @@ Architecture (all switches in ``ModelConfig``):
   block, plus a preallocated self-attention KV cache per applied layer) ->
   ``decode_step`` one token at a time (query length 1, every filled position visible), eagerly over the
   filled prefix or over a fixed span with the position on the device (static shapes, no host sync).
-  The eager path of ``models.decoding`` uses ``start_live`` -> ``live_step`` instead: the state holds only the
+  The eager path of ``models.decoding`` uses ``start_live`` -> ``live_step`` instead: a state holds only the
   sentences still decoding (``LiveState.keep`` drops the finished ones), the K beams of a sentence are one
   query block of length K over one cache that all of them write (position j of beam k in slot ``j*K + k``), so a
   beam's ancestry is an attention mask and no step copies a prefix, the cross K/V are kept once per sentence,
-  and attention is PyTorch's SDPA (its fused CPU kernel) with plain views in place of einops.
+  and attention is PyTorch's SDPA (its fused CPU kernel) with plain views in place of einops. One step can run
+  several states (batches at different positions): the row-wise work once for all, attention per state.
 """
 
 from __future__ import annotations
@@ -177,19 +178,25 @@ class SelfAttention(nn.Module):
         o = attention(q, keys, values, k_lengths=plan.k_lengths, backend=self.backend)  # (B, H, 1, D)
         return self.out(merge_heads(o))
 
-    def live_step(self, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], t: int,
-                  mask: torch.Tensor | None) -> torch.Tensor:
-        """One ``live_step`` of x (n, K, d_model): the K beams of each sentence at position ``t`` write their K/V
-        into cache slots ``t*K .. t*K+K-1`` and attend, as one query block, to the slots ``mask`` ((n, 1, K,
+    def live_step(self, x: torch.Tensor, groups: list[tuple[tuple[torch.Tensor, torch.Tensor], int, torch.Tensor | None]],
+                  sizes: list[int]) -> torch.Tensor:
+        """One ``live_step`` of x (n, K, d_model), the sentences of ``groups`` one after the other (``sizes``
+        each). A group (its cache, its position t, its mask): the K beams of each of its sentences write their K/V
+        into cache slots ``t*K .. t*K+K-1`` and attend, as one query block, to the slots the mask ((n_g, 1, K,
         (t+1)*K), SDPA's boolean or additive mask: the beam's own ancestors; None: every slot) allows."""
         n, K, _ = x.shape
-        q, k, v = self.qkv(x).view(n, K, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (n, H, K, D)
-        keys, values = cache  # (n, H, T*K, D)
-        keys[:, :, t * K : (t + 1) * K] = k
-        values[:, :, t * K : (t + 1) * K] = v
-        end = (t + 1) * K
-        o = F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], attn_mask=mask)  # (n, H, K, D)
-        return self.out(o.transpose(1, 2).reshape(n, K, -1))
+        qkv = self.qkv(x).view(n, K, 3, self.heads, -1)  # (n, K, 3, H, D)
+        outs, start = [], 0
+        for ((keys, values), t, mask), size in zip(groups, sizes):  # keys, values: (n_g, H, T*K, D)
+            part = qkv if len(sizes) == 1 else qkv[start : start + size]
+            q, k, v = part.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (n_g, H, K, D)
+            keys[:, :, t * K : (t + 1) * K] = k
+            values[:, :, t * K : (t + 1) * K] = v
+            end = (t + 1) * K
+            o = F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], attn_mask=mask)  # (n_g, H, K, D)
+            outs.append(o.transpose(1, 2).reshape(size, K, -1))
+            start += size
+        return self.out(outs[0] if len(outs) == 1 else torch.cat(outs))
 
 
 class CrossAttention(nn.Module):
@@ -209,14 +216,20 @@ class CrossAttention(nn.Module):
         k, v = kv if kv is not None else self.memory_kv(memory)
         return self.out(merge_heads(attend(q, k, v, q_side, k_side, False, self.backend)))
 
-    def live_step(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
-                  src_mask: torch.Tensor | None) -> torch.Tensor:
-        """x (n, K, d_model): the K beams of each sentence attend to its encoder K/V (n, H, S, D); ``src_mask``
-        (n, 1, 1, S): SDPA's additive mask, -inf past the source (None: every position is real)."""
+    def live_step(self, x: torch.Tensor, groups: list[tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]],
+                  sizes: list[int]) -> torch.Tensor:
+        """x (n, K, d_model), the sentences of ``groups`` one after the other (``sizes`` each): the K beams of each
+        sentence attend to its encoder K/V (n_g, H, S, D); a group's mask (n_g, 1, 1, S): SDPA's additive mask, -inf
+        past the source (None: every position is real)."""
         n, K, _ = x.shape
-        q = self.q(x).view(n, K, self.heads, -1).transpose(1, 2)  # (n, H, K, D)
-        o = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=src_mask)  # (n, H, K, D)
-        return self.out(o.transpose(1, 2).reshape(n, K, -1))
+        q = self.q(x).view(n, K, self.heads, -1)  # (n, K, H, D)
+        outs, start = [], 0
+        for ((keys, values), mask), size in zip(groups, sizes):
+            part = (q if len(sizes) == 1 else q[start : start + size]).transpose(1, 2)  # (n_g, H, K, D)
+            o = F.scaled_dot_product_attention(part, keys, values, attn_mask=mask)  # (n_g, H, K, D)
+            outs.append(o.transpose(1, 2).reshape(size, K, -1))
+            start += size
+        return self.out(outs[0] if len(outs) == 1 else torch.cat(outs))
 
 
 class FeedForward(nn.Module):
@@ -282,13 +295,14 @@ class DecoderBlock(nn.Module):
         x, res = self.norm_ffn(h, res)
         return self.ffn(x), res
 
-    def live_step(self, h, res, cache, cross_kv, state: LiveState, mask):
-        """One ``live_step`` for h (n, K, d_model) (eval mode: dropout is the identity)."""
-        norm = ResidualNorm.plain if state.plain_norms else ResidualNorm.__call__
+    def live_step(self, h, res, layer: int, block: int, states: list[LiveState], masks: list, sizes: list[int]):
+        """One ``live_step`` for h (n, K, d_model), applied layer ``layer`` (this block is unique block ``block``),
+        the sentences of ``states`` one after the other (eval mode: dropout is the identity)."""
+        norm = ResidualNorm.plain if states[0].plain_norms else ResidualNorm.__call__
         x, res = norm(self.norm_self, h, res)
-        h = self.self_attn.live_step(x, cache, state.t, mask)
+        h = self.self_attn.live_step(x, [(s.caches[layer], s.t, m) for s, m in zip(states, masks)], sizes)
         x, res = norm(self.norm_cross, h, res)
-        h = self.cross_attn.live_step(x, cross_kv, state.cross_mask)
+        h = self.cross_attn.live_step(x, [(s.cross[block], s.cross_mask) for s in states], sizes)
         x, res = norm(self.norm_ffn, h, res)
         return self.ffn(x), res
 
@@ -421,6 +435,10 @@ class LiveState:
             width = max(self.src_lengths)
             self.cross = [(k[:, :, :width], v[:, :, :width]) for k, v in self.cross_kv]
             self.cross_mask = None if min(self.src_lengths) == width else self.src_bias[..., :width]
+
+    def __len__(self) -> int:
+        """The sentences decoding."""
+        return self.src_bias.shape[0]
 
     def keep(self, rows: list[int]) -> None:
         """Keep sentences ``rows`` (ascending) and drop the others: the kept ones move up in place, caches by
@@ -660,22 +678,30 @@ class Transformer(nn.Module):
         state.plain_norms = plain_norms(cfg, memory)
         return state
 
-    def live_step(self, tokens: torch.Tensor, state: LiveState, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens (n*K,) at position ``state.t`` (the K beams of each sentence consecutive) -> next-token logits
-        (n*K, V); advances ``state.t``. ``mask``: (n, 1, K, (t+1)*K), bool or additive, the cache slots each beam
-        may see (its ancestors: see ``LiveState``); None: every slot (greedy decoding, K = 1)."""
-        t, K = state.t, state.beams
-        if t >= state.max_len:
-            raise ValueError(f"live_step: position {t} is past the cache (max_len={state.max_len})")
-        n = tokens.shape[0] // K
+    def live_step(self, tokens: torch.Tensor, states: list[LiveState], masks: list) -> torch.Tensor:
+        """tokens (n*K,) -> next-token logits (n*K, V): the sentences of ``states`` one after the other (the K beams
+        of each sentence consecutive), each state's at its own position ``t``, advanced. ``masks``: per state,
+        (n_g, 1, K, (t+1)*K), boolean or additive, the cache slots each beam may see (its ancestors: see
+        ``LiveState``); None: every slot (greedy decoding, K = 1). The row-wise work (norms, projections, FFN)
+        runs once for every sentence; attention per state."""
+        K = states[0].beams
+        n, sizes = tokens.shape[0] // K, [len(s) for s in states]
+        for s in states:
+            if s.t >= s.max_len:
+                raise ValueError(f"live_step: position {s.t} is past the cache (max_len={s.max_len})")
+        table = self.tgt_pos.weight if self.cfg.positions == "learned" else self.pos_table
         x = self.tgt_embed(tokens).view(n, K, -1) * self.embed_scale  # (n, K, d)
-        x = x + (self.tgt_pos.weight[t] if self.cfg.positions == "learned" else self.pos_table[t])
+        if len(states) == 1:
+            x = x + table[states[0].t]
+        else:  # each state's rows get its position
+            x = x + torch.cat([table[s.t].expand(size, 1, -1) for s, size in zip(states, sizes)])
         h, res = x, None
         for layer, i in enumerate(self.decoder.schedule):
-            h, res = self.decoder.blocks[i].live_step(h, res, state.caches[layer], state.cross[i], state, mask)
+            h, res = self.decoder.blocks[i].live_step(h, res, layer, i, states, masks, sizes)
         final = self.decoder.final_norm
-        y, _ = final.plain(h, res) if state.plain_norms else final(h, res)
-        state.t += 1
+        y, _ = final.plain(h, res) if states[0].plain_norms else final(h, res)
+        for s in states:
+            s.t += 1
         return self._project(y).view(n * K, -1)
 
     def decode_step(self, tokens: torch.Tensor, state: DecodeState, span: int | None = None) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from models import Transformer
 from models import decoding as decoding_module
 from models import transformer as transformer_module
-from models.decoding import Decoder, DecodeStats, _length_limits, beam_search, greedy_decode
+from models.decoding import Batch, Decoder, DecodeStats, _length_limits, beam_search, greedy_decode
 from tests.models.oracle import oracle_beam_search, oracle_greedy_decode
 from tests.utils import (
     BOS,
@@ -212,11 +212,12 @@ def _record_live_steps(monkeypatch):
     steps, einops_calls, inside = [], [], [False]
     original = T.Transformer.live_step
 
-    def live_step(self, tokens, state, mask=None):
-        steps.append((tokens.shape[0], tuple(t.data_ptr() for pair in state.caches for t in pair)))
+    def live_step(self, tokens, states, masks):
+        steps.append((tokens.shape[0], tuple(t.data_ptr() for s in states for pair in s.caches for t in pair),
+                      tuple(s.t for s in states)))
         inside[0] = True
         try:
-            return original(self, tokens, state, mask)
+            return original(self, tokens, states, masks)
         finally:
             inside[0] = False
 
@@ -252,12 +253,40 @@ def test_finished_sentences_leave_and_beams_share_a_cache(monkeypatch, beam):
         want = oracle_beam_search(*args, beam_size=beam, **kw)
     limits = _length_limits(model, batch["src_lengths"], 1.5, 10).tolist()
     assert_same_hypotheses(model, batch, got, want, limits, 0.6)
-    rows = [r for r, _ in steps]
+    rows = [r for r, _, _ in steps]
     K = beam or 1
     assert rows[0] == K * len(SRC_LENS) and rows[-1] < rows[0] and rows == sorted(rows, reverse=True), rows
-    for (r0, caches0), (r1, caches1) in zip(steps, steps[1:]):
+    for (r0, caches0, _), (r1, caches1, _) in zip(steps, steps[1:]):
         assert r0 != r1 or caches0 == caches1  # same rows: the same cache tensors, written in place
     assert einops_calls == []
+
+
+@pytest.mark.parametrize("beam,check_every", [(None, 1), (3, 1), (3, 3)], ids=["greedy", "beam3", "beam3-check3"])
+def test_next_batch_starts_beside_the_last_sentences(monkeypatch, beam, check_every):
+    """decode_batches ("exact"): once at most a quarter of a batch is left, the next batch starts beside it (two
+    groups in one step, each at its own position); every answer is the one its batch gets alone (the oracle's),
+    inactive rows decode to []."""
+    model = build_eos(40, 3, 3.0)
+    lens = [[9, 12, 5, 3, 7, 2, 12, 11], [7, 2, 6, 4, 9, 1, 5, 3], [11, 4, 8, 1, 6, 3, 2, 10]]
+    batches = [make_batch(x, [2] * len(x), 40, seed=10 + i) for i, x in enumerate(lens)]
+    active = torch.tensor([True, True, False, True, True, True, True, True])
+    steps, _ = _record_live_steps(monkeypatch)
+    dec = Decoder(model, beam_size=beam, check_every=check_every, **IDS)
+    stats = DecodeStats()
+    got = dec.decode_batches([Batch(b["src"], b["src_lengths"], active if i == 2 else None, x)
+                              for i, (b, x) in enumerate(zip(batches, lens))], stats=stats)
+    K = beam or 1
+    assert stats.batches == 3 and max(r for r, _, _ in steps) <= (8 + 8 // 4) * K
+    assert any(len(positions) > 1 for _, _, positions in steps)  # two batches in one step
+    kw = dict(max_len_ratio=1.5, max_len_extra=10, **IDS)
+    for i, (b, answers) in enumerate(zip(batches, got)):
+        args = (model, b["src"], b["src_lengths"])
+        want = oracle_greedy_decode(*args, **kw) if beam is None else oracle_beam_search(*args, beam_size=beam, **kw)
+        if i == 2:
+            assert answers[2] == []
+            want[2] = []
+        limits = _length_limits(model, b["src_lengths"], 1.5, 10).tolist()
+        assert_same_hypotheses(model, b, answers, want, limits, 0.6)
 
 
 def test_live_step_attends_with_sdpa_and_skips_the_source_mask_it_does_not_need(monkeypatch):
