@@ -59,6 +59,7 @@ def test_model_card_metadata(trained, tmp_path, to):
     assert meta["pipeline_tag"] == "translation" and {"translation", "fastmt"} <= set(meta["tags"])
     assert meta["library_name"] == {"ct2": "ctranslate2", "hf": "transformers"}[to]
     assert set(meta["metrics"]) == {"bleu", "chrf"} and "base_model" not in meta
+    assert "datasets" not in meta  # the generated toy corpus is no Hub dataset
     test = _test_record(trained.run_dir)
     results = {r.metric_type: r for r in card.data.eval_results}
     assert set(results) == {"bleu", "chrf"}
@@ -144,3 +145,14 @@ def test_recommended_ct2_options_take_any_source_length(trained, tmp_path):
     theirs = [[sp.piece_to_id(p) for p in r.hypotheses[0] if p != "</s>"] for r in results]
     assert theirs == ours
     assert torch.is_tensor(torch.tensor(ids))  # (the cut source is non-empty)
+
+
+def test_card_names_hub_datasets_only(trained, tmp_path):
+    """``datasets`` lists a Hub dataset the run read, never the toy corpus or a local folder (by its name)."""
+    from train.export.common import corpus_name, hub_dataset
+
+    assert hub_dataset({"dataset": "Helsinki-NLP/opus_books"}) == "Helsinki-NLP/opus_books"
+    assert hub_dataset({"dataset": "Helsinki-NLP/opus_books", "data_files": ["a.jsonl"]}) is None
+    assert hub_dataset({"dataset": "toy"}) is None and hub_dataset({"dataset": str(tmp_path)}) is None
+    assert corpus_name({"dataset": str(tmp_path)}) == f"a local dataset folder {tmp_path.name}"
+    assert corpus_name({"data_files": [str(tmp_path / "x" / "a.jsonl")]}) == "local files a.jsonl"

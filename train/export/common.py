@@ -169,6 +169,30 @@ def shareable_spm(model_bytes: bytes) -> bytes:
     return proto.SerializeToString()
 
 
+def hub_dataset(data: dict) -> str | None:
+    """The Hub dataset id a run read (``data.dataset`` when no local files are named and it is neither the generated
+    toy corpus nor a local folder), else None."""
+    from data.config import TOY_DATASET
+
+    dataset = data.get("dataset")
+    if data.get("data_files") or not isinstance(dataset, str) or dataset == TOY_DATASET:
+        return None
+    return None if os.path.isabs(dataset) or Path(dataset).exists() else dataset
+
+
+def corpus_name(data: dict) -> str:
+    """What a run's data was, named without the author's folders."""
+    from data.config import TOY_DATASET
+
+    files = data.get("data_files") or []
+    if files:
+        return f"local files {', '.join(public_path(f) for f in files)}"
+    dataset = data.get("dataset")
+    if dataset == TOY_DATASET:
+        return "fastmt's generated toy corpus"
+    return hub_dataset(data) or f"a local dataset folder {public_path(str(dataset))}"
+
+
 def card_metadata(src: Source, target: str, test: dict | None, license: str) -> str:
     """The model card's YAML metadata (huggingface_hub's ``ModelCardData``): languages, license, library, tags,
     datasets (a Hub dataset only), metrics, pipeline tag and, with a test record, the test BLEU/chrF with their
@@ -177,15 +201,13 @@ def card_metadata(src: Source, target: str, test: dict | None, license: str) -> 
 
     data = src.config.get("data") or {}
     langs = [x for x in (data.get("src_lang"), data.get("tgt_lang")) if isinstance(x, str)]
-    files = data.get("data_files") or []
-    hub = None if files or not isinstance(data.get("dataset"), str) else public_path(data["dataset"])
+    hub = hub_dataset(data)
     ct2 = target == "CTranslate2"
     tags = ["translation", "fastmt", "ctranslate2" if ct2 else "pegasus", *(["custom_code"] if src.cfg.ffn_norm and not ct2 else [])]
     results = []
     if test and test.get("test_bleu") is not None:
         pair = "-".join(langs)
-        name = (f"{hub} ({data.get('dataset_config') or pair}), fastmt's held-out test split" if hub else
-                f"{', '.join(public_path(f) for f in files) or 'local files'}, fastmt's held-out test split")
+        name = f"{hub or corpus_name(data)} ({data.get('dataset_config') or pair}), fastmt's held-out test split"
         for metric, key, label in (("bleu", "test_bleu", "BLEU"), ("chrf", "test_chrf", "chrF")):
             if test.get(key) is None:
                 continue
@@ -208,9 +230,8 @@ def model_card(src: Source, target: str, notes: list[str], argv: list[str], lice
     """README.md: YAML metadata (``card_metadata``), then the model, its data and split, the run's test BLEU/chrF
     with signatures, the command that made it. Paths are shown by their last component only."""
     cfg, data = src.cfg, src.config.get("data") or {}
-    files = data.get("data_files") or []
-    corpus = (f"local files {', '.join(public_path(f) for f in files)}" if files
-              else f"{public_path(str(data.get('dataset', '?')))} ({data.get('dataset_config') or data.get('src_lang', '')})")
+    corpus = corpus_name(data) + (f" ({data['dataset_config']})" if hub_dataset(data) and data.get("dataset_config")
+                                  else "")
     test = _test_record(src)
     lines = ["---", card_metadata(src, target, test, license).rstrip("\n"),
              "# base_model: none (trained from scratch by fastmt)", "---", "",
