@@ -84,7 +84,7 @@ def train_small(work: Path, data_files: list[str], steps: int, device: str,
     from train.runs.report import translation_checkpoint
 
     cfg = tiny()
-    data = toy(cache_dir=str(work / "cache"), toy_rows=max(6000, 10 * sentences), test_size=sentences) \
+    data = toy(cache_dir=str(work / "cache"), toy_rows=max(6000, 3 * sentences), test_size=sentences) \
         if not data_files else dataclasses.replace(cfg.data, data_files=tuple(data_files), cache_dir=str(work / "cache"),
                                                    num_workers=0, test_size=sentences)
     cfg = dataclasses.replace(
@@ -323,7 +323,12 @@ def main(argv: list[str] | None = None) -> int:
             src, ref, corpus = test_pairs(ckpt, files)
             note = f"{ckpt.name} (given): {model_summary(ckpt)}"
         else:
-            ckpt, src, ref = train_small(work, files, args.train_steps, device, args.sentences)
+            from data.clean import DataInputError
+
+            try:
+                ckpt, src, ref = train_small(work, files, args.train_steps, device, args.sentences)
+            except DataInputError as e:  # e.g. a test split of --sentences that leaves no training rows
+                raise SystemExit(f"bench.inference: {e}") from None
             note = f"`tiny` shape (default model.ffn_norm: off), trained here for {args.train_steps} steps"
             corpus = f"the test split of {corpus_label(files) if files else 'the toy corpus (generated)'}"
         if len(src) < args.sentences:
