@@ -137,6 +137,16 @@ def model_summary(ckpt: Path) -> str:
             f"{(saved.get('position') or {}).get('step')}")
 
 
+def check_out(out: Path) -> None:
+    """``--out`` can hold the result: a folder, or a path under a writable folder (created at the end)."""
+    parent = out
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise SystemExit(f"bench.inference: --out {out}: {parent} is {'not writable' if parent.is_dir() else 'a file'}; "
+                         f"give a folder")
+
+
 def child_env(threads: int) -> dict[str, str]:
     """The environment of an engine's process: OpenMP and MKL pinned to ``threads`` as well (CTranslate2's and
     torch's pools read them at start)."""
@@ -314,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     from bench.cli import corpus_label
 
+    check_out(args.out)  # before minutes of work, and before writing anything
     start_load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="fastmt-inference-") as tmp:
         work = Path(tmp)

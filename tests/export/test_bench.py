@@ -51,6 +51,9 @@ def test_bench_inference_defaults_and_sentence_count(trained, tmp_path):
         bench(["--ckpt", str(trained.ckpt), "--data-files", str(pairs), "--sentences", "6", "--engines", "fastmt",
                "--out", str(tmp_path / "res"), "--device", "cpu"])
     assert not (tmp_path / "res").exists()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SystemExit, match="--out"):  # said before any training or decoding
+        bench(["--out", str(tmp_path / "file"), "--engines", "fastmt", "--device", "cpu"])
     assert bench(["--sentences", "70", "--train-steps", "3", "--repeats", "2", "--beam", "1", "--engines", "fastmt",
                   "--out", str(tmp_path / "own"), "--device", "cpu"]) == 0
     text = (tmp_path / "own" / "inference-cpu.md").read_text()
