@@ -20,25 +20,27 @@ then finished as they are). The answer is the best finished hypothesis (on equal
 finished first, then the better-ranked candidate).
 With ``beam_size=1`` this is greedy decoding (the first EOS ends the sentence).
 
-How it runs: every buffer is allocated once per batch shape (rows, source width): the tokens, the
-(B, K, T) histories of live and finished hypotheses, their scores, lengths and "done" flags; each
-step is tensor work on them (top-k, gathers, a stable sort to merge finished hypotheses). The KV
-cache is never reordered: each row writes its own slot per position and ``DecodeState.rows`` keeps
-the ancestry (which row holds position j of the beam now in row r); attention gathers the filled
-positions from there. ``spans`` picks the shapes a step sees: "exact" reads the t+1 filled
-positions (eager; a new shape every step), "pow2" the next power of two >= 16 (a handful of
-shapes), "full" the whole cache (one shape); the two static modes keep the position on the device
-and sync nothing, so ``cuda_graph=True`` captures one CUDA graph per (batch shape, span) -- a decode
-bucket -- kept with the ``Decoder`` and replayed across calls: a bucket is captured once per process (the
+How it runs, two ways (``spans``). "exact" (the default without CUDA graphs: the CPU, and eager CUDA) is the eager
+path (``_LiveStream``, ``Transformer.live_step``): only the sentences still decoding are stepped (the finished ones
+leave at each "all done?" read), once a quarter of a batch is left the next batch of the call starts beside it (each
+batch at its own position, row-wise work shared), the K beams of a sentence write one cache under an ancestry mask
+(reordering beams copies no prefix), attention is PyTorch's SDPA, and every answer is read in one host read per call.
+"pow2"/"full" are the static paths: every buffer is allocated once per batch shape (rows, source width): the tokens,
+the (B, K, T) histories of live and finished hypotheses, their scores, lengths and "done" flags; each step is tensor
+work on them. The KV cache is never reordered: each row writes its own slot per position and ``DecodeState.rows``
+keeps the ancestry (which row holds position j of the beam now in row r); attention gathers the filled positions from
+there. "pow2" reads the next power of two >= 16 (a handful of shapes), "full" the whole cache (one shape); both keep
+the position on the device and sync nothing, so ``cuda_graph=True`` captures one CUDA graph per (batch shape, span) --
+a decode bucket -- kept with the ``Decoder`` and replayed across calls: a bucket is captured once per process (the
 second time a step of it runs; the first runs eagerly on the capture stream), never again unless the
 model's parameters move. Captures run in thread-local capture mode, so the DataLoader's worker and
 pin-memory threads, alive during evaluation, cannot invalidate them; each still synchronises and empties
 the allocator caches (``torch.cuda.graph``). A capture that fails twice turns the Decoder eager for good:
 ``DecodeStats`` counts the failures and the fall-back and keeps the reason, and the training records carry
-them (``train/evaluate.py``).
+them (``train/evaluate.py``). Both paths share one search rule (``_beam_update``, ``_greedy_update``).
 Host syncs: one "all done?" read every ``check_every`` steps (default: 4 on CUDA, where a read waits
 for the queued steps; every step on the CPU, where it costs nothing and stops at once), and one read
-of the answers per batch.
+of the answers per batch (static) or per call (eager).
 Decoding runs in ``torch.inference_mode`` with the model in eval mode (restored after), and with
 torch.compile'd regions (``run.compile_scope="blocks"``) forced eager: it never compiles a variant.
 """
