@@ -4,12 +4,17 @@ Hugging Face ``generate`` (``fastmt export --to hf``), same beam, GNMT alpha and
 (``floor(a * source tokens + b)``). Per engine: sentences/s, generated tokens/s, peak memory, BLEU/chrF.
 
 Each engine runs in its own child process (so each peak memory is its own: the process's max RSS on the CPU; on
-CUDA also torch's peak allocation, which CTranslate2's allocator does not report), warms up on 16 sentences, then
-translates the whole set once. With no ``--ckpt`` it first trains a small model itself (``tiny`` shape,
-``model.ffn_norm false`` so that CTranslate2 can take it) on ``--data-files`` (default: the toy corpus), for
-``--train-steps`` steps, and scores its test split; with ``--ckpt`` the test set is the first ``--sentences`` pairs of
-``--data-files`` (or of the checkpoint's own test split when its data can be rebuilt). Writes
-``<out>/inference-<device>.md`` (``--out``, default bench/results) and prints the table.
+CUDA also torch's peak allocation, which CTranslate2's allocator does not report), pinned to ``--threads`` CPU
+threads (default 1: on a machine other work keeps busy, more threads wait for each other and every figure swings),
+warms up on 16 sentences, then translates the whole set; ``--repeats`` rounds, the engines taking turns in each
+(a load that changes during the run hits all of them alike), the median time reported with its spread and the load
+average around each engine's passes. The translations are exactly ``--sentences`` sentences (fewer available is an
+error): with no ``--ckpt`` it first trains a small model itself (``tiny`` shape, the default ``model.ffn_norm``
+off) on ``--data-files`` (default: the toy corpus) for ``--train-steps`` steps with a test split of that size, and
+translates that split; with ``--ckpt`` the first ``--sentences`` pairs of ``--data-files``, or without it the
+checkpoint's own test split (its run's data rebuilt with its tokenizer; an error when that data is not here). Writes
+``<out>/inference-<device>.md`` (``--out``, default ``runs/bench``, outside the tracked results: pass
+``--out bench/results`` to update those) and prints the table.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import importlib.util
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,8 +36,20 @@ import torch
 from data.files import read_json, read_text
 
 ENGINES = ("fastmt", "fastmt-cuda-graph", "ct2-float32", "ct2-int8", "hf-generate")
-COLUMNS = ("engine", "sentences_per_s", "tokens_per_s", "seconds", "peak_rss_mb", "peak_cuda_mb", "bleu", "chrf",
-           "same_as_fastmt")
+COLUMNS = ("engine", "sentences_per_s", "tokens_per_s", "seconds", "spread_s", "sentences_per_cpu_s", "load",
+           "peak_rss_mb", "peak_cuda_mb", "bleu", "chrf", "same_as_fastmt")
+DEFAULT_OUT = Path("runs/bench")  # git-ignored: a run never rewrites the tracked bench/results unless asked
+
+
+def positive(text: str) -> int:
+    """An argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,12 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     p.add_argument("--ckpt", help="a trained checkpoint (ffn_norm false); none: train a small model first")
     p.add_argument("--data-files", nargs="+", metavar="F", help="pairs files (jsonl/parquet/tsv); none: the toy corpus")
-    p.add_argument("--out", type=Path, default=Path("bench/results"), help="folder of the markdown result")
-    p.add_argument("--sentences", type=int, default=500, help="test sentences translated by each engine")
-    p.add_argument("--beam", type=int, default=4, help="beam size (1: greedy)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                   help=f"folder of the markdown result (default {DEFAULT_OUT}; bench/results holds the tracked ones)")
+    p.add_argument("--sentences", type=positive, default=500, help="test sentences translated by each engine")
+    p.add_argument("--beam", type=positive, default=4, help="beam size (1: greedy)")
     p.add_argument("--length-penalty", type=float, default=0.6, help="GNMT alpha")
-    p.add_argument("--batch-size", type=int, default=32, help="sentences per batch (every engine)")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads per engine (0: every core)")
+    p.add_argument("--batch-size", type=positive, default=32, help="sentences per batch (every engine)")
+    p.add_argument("--threads", type=positive, default=1, help="CPU threads of each engine (default 1)")
+    p.add_argument("--repeats", type=positive, default=3, help="timed passes per engine, in turns (median reported)")
     p.add_argument("--train-steps", type=int, default=600, help="steps of the model trained without --ckpt")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of " + ",".join(ENGINES))
@@ -55,8 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 # -- the model and the test set ----------------------------------------------------------------------------
 def train_small(work: Path, data_files: list[str], steps: int, device: str,
-                threads: int) -> tuple[Path, list[str], list[str]]:
-    """A tiny-shape model trained ``steps`` steps (ffn_norm off) and its test split (sources, references)."""
+                sentences: int) -> tuple[Path, list[str], list[str]]:
+    """A tiny-shape model trained ``steps`` steps (the default ffn_norm: off) and its test split of ``sentences``
+    pairs (sources, references)."""
     import dataclasses
 
     from data.config import toy
@@ -65,13 +86,14 @@ def train_small(work: Path, data_files: list[str], steps: int, device: str,
     from train.runs.report import translation_checkpoint
 
     cfg = tiny()
-    data = toy(cache_dir=str(work / "cache"), toy_rows=6000) if not data_files else dataclasses.replace(
-        cfg.data, data_files=tuple(data_files), cache_dir=str(work / "cache"), num_workers=0)
+    data = toy(cache_dir=str(work / "cache"), toy_rows=max(6000, 3 * sentences), test_size=sentences) \
+        if not data_files else dataclasses.replace(cfg.data, data_files=tuple(data_files), cache_dir=str(work / "cache"),
+                                                   num_workers=0, test_size=sentences)
     cfg = dataclasses.replace(
-        cfg, data=data, model=dataclasses.replace(cfg.model, ffn_norm=False),
+        cfg, data=data,
         run=dataclasses.replace(cfg.run, name="inference", out_dir=str(work / "runs"), epochs=1000, max_steps=steps,
                                 max_batches_per_epoch=None, progress=False, tensorboard=False, plot=False,
-                                device=device, cpu_threads=threads or None),
+                                device=device),
         eval=dataclasses.replace(cfg.eval, every=10**6, test_at_end=False, num_samples=0))
     trainer = Trainer(cfg, log=lambda *a: None)
     trainer.fit()
@@ -79,22 +101,65 @@ def train_small(work: Path, data_files: list[str], steps: int, device: str,
     return translation_checkpoint(work / "runs" / "inference"), list(test.src_text), list(test.tgt_text)
 
 
-def test_pairs(ckpt: Path, data_files: list[str] | None) -> tuple[list[str], list[str]]:
+def test_pairs(ckpt: Path, data_files: list[str] | None) -> tuple[list[str], list[str], str]:
+    """(sources, references, what they are) of a given checkpoint: the pairs of ``--data-files`` in their order, or
+    without it the checkpoint's own test split (its run's data settings rebuilt with its tokenizer)."""
+    from bench.cli import corpus_label
     from train.cli.evaluate import read_pairs
-    from train.cli.export import load_source
+    from train.runs.checkpoint import load_checkpoint
 
-    data = load_source(ckpt).config.get("data") or {}
+    saved = load_checkpoint(ckpt)
+    data = saved.get("config", {}).get("data") or {}
     if data_files:
-        return read_pairs(data_files[0], data.get("src_lang", "en"), data.get("tgt_lang", "it"))
-    raise SystemExit("bench.inference: --ckpt needs --data-files (the test pairs)")
+        src, ref = read_pairs(data_files[0], data.get("src_lang", "en"), data.get("tgt_lang", "it"))
+        return src, ref, f"the first pairs of {corpus_label(data_files)}"
+    from data import build_data
+    from train.config import Config
+    from train.preflight import tokenizer_of
+
+    try:
+        cfg = Config.from_dict(saved["config"], where=str(ckpt))
+        bundle = build_data(cfg.data, log=lambda *a: None, tokenizer=tokenizer_of(saved, ckpt))
+    except Exception as e:  # noqa: BLE001 - its data is not here: say so, and how to give test pairs instead
+        raise SystemExit(f"bench.inference: the test split of {ckpt} cannot be rebuilt here ({type(e).__name__}: "
+                         f"{e}); give test pairs with --data-files") from None
+    test = bundle.splits["test"]
+    where = corpus_label(cfg.data.data_files) if cfg.data.data_files else str(cfg.data.dataset)
+    return list(test.src_text), list(test.tgt_text), f"the test split of {where} (the checkpoint's run's own)"
+
+
+def model_summary(ckpt: Path) -> str:
+    """The checkpoint's model and training length in a few words."""
+    from train.runs.checkpoint import load_checkpoint
+
+    saved = load_checkpoint(ckpt)
+    m, run = saved.get("config", {}).get("model") or {}, saved.get("config", {}).get("run") or {}
+    return (f"{m.get('enc_layers')}+{m.get('dec_layers')} layers, d_model {m.get('d_model')}, d_ff {m.get('d_ff')}, "
+            f"vocabulary {m.get('vocab_size')}, ffn_norm {m.get('ffn_norm')}; run {run.get('name')!r}, step "
+            f"{(saved.get('position') or {}).get('step')}")
+
+
+def check_out(out: Path) -> None:
+    """``--out`` can hold the result: a folder, or a path under a writable folder (created at the end)."""
+    parent = out
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise SystemExit(f"bench.inference: --out {out}: {parent} is {'not writable' if parent.is_dir() else 'a file'}; "
+                         f"give a folder")
+
+
+def child_env(threads: int) -> dict[str, str]:
+    """The environment of an engine's process: OpenMP and MKL pinned to ``threads`` as well (CTranslate2's and
+    torch's pools read them at start)."""
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
 
 
 # -- one engine, in a child process -------------------------------------------------------------------------
 def run_child(job_file: str) -> None:
     job = read_json(job_file, "benchmark job")
     engine, device, d = job["engine"], job["device"], job["decoding"]
-    if job["threads"]:
-        torch.set_num_threads(job["threads"])
+    torch.set_num_threads(job["threads"])
     from train import flush_denormals
 
     flush_denormals()
@@ -134,14 +199,14 @@ def run_child(job_file: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     hyps = fn(src)
     if device == "cuda":
         torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     tokens = sum(len(ids) + 1 for ids in tok.encode(hyps))  # generated tokens, EOS included
     Path(job["result"]).write_text(json.dumps({
-        "hyps": hyps, "seconds": seconds, "tokens": tokens,
+        "hyps": hyps, "seconds": seconds, "cpu_seconds": cpu_seconds, "tokens": tokens,
         "peak_rss_mb": peak_rss_mb(),
         "peak_cuda_mb": torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" and
         not engine.startswith("ct2") else None}))
@@ -180,50 +245,74 @@ def measure(args, ckpt: Path, src: list[str], ref: list[str], work: Path, device
             engines = [e for e in engines if not e.startswith(prefix)]
     for name, extra in (("ct2-float32", ["--to", "ct2"]), ("ct2-int8", ["--to", "ct2", "--quantization", "int8"]),
                         ("hf", ["--to", "hf"])):
-        if any(e.startswith(name.split("-")[0]) for e in engines) and export(
+        if any(e == name or (name == "hf" and e.startswith("hf")) for e in engines) and export(
                 ["--ckpt", str(ckpt), *extra, "--force", str(dirs[name])]) != 0:
             raise SystemExit(f"bench.inference: fastmt export {' '.join(extra)} failed")
+    passes: dict[str, list[dict]] = {e: [] for e in engines}
+    for _ in range(args.repeats):  # the engines take turns: a change of load hits every engine alike
+        for engine in engines:
+            job = work / f"{engine}.job.json"
+            result = work / f"{engine}.result.json"
+            job.write_text(json.dumps({"engine": engine, "device": device, "ckpt": str(ckpt), "src": src,
+                                       "threads": args.threads, "dirs": {k: str(v) for k, v in dirs.items()},
+                                       "result": str(result), "decoding": {
+                                           "beam": args.beam, "alpha": args.length_penalty, "a": 1.5, "b": 10,
+                                           "batch": args.batch_size}}))
+            load_before = os.getloadavg()[0]
+            subprocess.run([sys.executable, "-m", "bench.inference", "--child", str(job)], check=True,
+                           env=child_env(args.threads))
+            passes[engine].append({**read_json(result, "benchmark result", limit=4 * 2**30), "load": (load_before, os.getloadavg()[0])})
     rows, first = [], None
     for engine in engines:
-        job = work / f"{engine}.job.json"
-        result = work / f"{engine}.result.json"
-        job.write_text(json.dumps({"engine": engine, "device": device, "ckpt": str(ckpt), "src": src,
-                                   "threads": args.threads, "dirs": {k: str(v) for k, v in dirs.items()},
-                                   "result": str(result), "decoding": {
-                                       "beam": args.beam, "alpha": args.length_penalty, "a": 1.5, "b": 10,
-                                       "batch": args.batch_size}}))
-        subprocess.run([sys.executable, "-m", "bench.inference", "--child", str(job)], check=True)
-        r = read_json(result, "benchmark result", limit=4 * 2**30)
+        runs = passes[engine]
+        r = runs[0]
+        seconds = sorted(p["seconds"] for p in runs)
+        median = statistics.median(seconds)
         first = first if first is not None else r["hyps"]
         scores = corpus_scores(r["hyps"], [ref])
-        rows.append({"engine": engine, "sentences_per_s": len(src) / r["seconds"],
-                     "tokens_per_s": r["tokens"] / r["seconds"], "seconds": r["seconds"],
-                     "peak_rss_mb": r["peak_rss_mb"], "peak_cuda_mb": r["peak_cuda_mb"], "bleu": scores["bleu"],
-                     "chrf": scores["chrf"], "same_as_fastmt": sum(a == b for a, b in zip(r["hyps"], first)),
+        loads = [x for p in runs for x in p["load"]]
+        cpu = statistics.median(p["cpu_seconds"] for p in runs)
+        rows.append({"engine": engine, "sentences_per_s": len(src) / median, "tokens_per_s": r["tokens"] / median,
+                     "sentences_per_cpu_s": len(src) / cpu,
+                     "seconds": median, "spread_s": f"{seconds[0]:.3g}-{seconds[-1]:.3g}",
+                     "load": f"{min(loads):.1f}-{max(loads):.1f}", "peak_rss_mb": max(p["peak_rss_mb"] for p in runs),
+                     "peak_cuda_mb": r["peak_cuda_mb"], "bleu": scores["bleu"], "chrf": scores["chrf"],
+                     "same_as_fastmt": sum(a == b for a, b in zip(r["hyps"], first)),
+                     "same_every_pass": all(p["hyps"] == r["hyps"] for p in runs),
                      "signature": scores["bleu_signature"]})
         print(f"{engine}: {rows[-1]['sentences_per_s']:.1f} sentences/s, BLEU {scores['bleu']:.2f}", flush=True)
     return rows
 
 
-def markdown(rows: list[dict], args, n: int, corpus: str, device: str, ckpt_note: str) -> str:
+def markdown(rows: list[dict], args, n: int, corpus: str, device: str, ckpt_note: str, loads: tuple) -> str:
     from bench.harness import markdown_table, provenance, provenance_markdown
 
     prov = provenance(device)
     base = next((r for r in rows if r["engine"] == "fastmt"), rows[0])
     lines = [f"# Inference speed, side by side ({'GPU' if device == 'cuda' else 'CPU'})", "",
              f"`python -m bench.inference {' '.join(sys.argv[1:])}`", "",
-             provenance_markdown(prov, None), f"- machine: {cpu_name()}, {os.cpu_count()} cores visible (shared: load "
-             f"average {os.getloadavg()[0]:.1f} at the end); threads per engine: {args.threads or 'all'}", f"- model: {ckpt_note}", f"- test set: {n} sentences of {corpus}",
+             provenance_markdown(prov, None),
+             f"- machine: {cpu_name()}, {os.cpu_count()} cores visible, shared: load average (1 min) {loads[0]:.1f} "
+             f"at the start, {loads[1]:.1f} at the end; {args.threads} thread{'s' if args.threads > 1 else ''} per "
+             f"engine (OMP/MKL pinned too)",
+             f"- model: {ckpt_note}", f"- test set: {n} sentences, {corpus}",
              f"- decoding (every engine): beam {args.beam}, GNMT alpha {args.length_penalty:g} (CTranslate2 and HF: "
              f"n-best rescored with GNMT), max length 1.5 x source + 10 per sentence, batch {args.batch_size}",
+             f"- timing: {args.repeats} pass{'es' if args.repeats > 1 else ''} per engine after a 16-sentence warm-up, "
+             f"the engines taking turns; `seconds` is the median pass (wall clock), `spread_s` the fastest-slowest, "
+             f"`sentences_per_cpu_s` the sentences per second of the process's own CPU time (median pass: what "
+             f"waiting for a busy core does not inflate), `load` the load average range around the engine's passes",
              f"- BLEU signature: {rows[0]['signature']}", "",
              markdown_table([{k: r.get(k) for k in COLUMNS} for r in rows], COLUMNS), "",
              "`same_as_fastmt`: sentences whose translation equals fastmt's (eager) word for word. Peak RSS: the "
              "engine's whole process (Python, torch and the library included).", ""]
     for r in rows:
         if r is not base:
-            lines.append(f"- {r['engine']}: {r['sentences_per_s'] / base['sentences_per_s']:.2f}x fastmt's "
-                         f"sentences/s")
+            lines.append(f"- fastmt / {r['engine']}: {base['sentences_per_s'] / r['sentences_per_s']:.2f}x the "
+                         f"sentences/s ({base['sentences_per_cpu_s'] / r['sentences_per_cpu_s']:.2f}x per CPU second)")
+    changed = [r["engine"] for r in rows if not r["same_every_pass"]]
+    if changed:
+        lines.append(f"- translations differed between passes: {', '.join(changed)}")
     return "\n".join(lines) + "\n"
 
 
@@ -235,24 +324,38 @@ def main(argv: list[str] | None = None) -> int:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    from bench.cli import corpus_label
+
+    check_out(args.out)  # before minutes of work, and before writing anything
+    start_load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="fastmt-inference-") as tmp:
         work = Path(tmp)
         files = list(args.data_files or [])
         if args.ckpt:
-            ckpt, note = Path(args.ckpt), f"{args.ckpt}"
-            src, ref = test_pairs(ckpt, files)
+            ckpt = Path(args.ckpt)
+            src, ref, corpus = test_pairs(ckpt, files)
+            note = f"{ckpt.name} (given): {model_summary(ckpt)}"
         else:
-            ckpt, src, ref = train_small(work, files, args.train_steps, device, args.threads)
-            note = f"`tiny` shape with model.ffn_norm false, trained here for {args.train_steps} steps"
+            from data.clean import DataInputError
+
+            try:
+                ckpt, src, ref = train_small(work, files, args.train_steps, device, args.sentences)
+            except DataInputError as e:  # e.g. a test split of --sentences that leaves no training rows
+                raise SystemExit(f"bench.inference: {e}") from None
+            note = f"`tiny` shape (default model.ffn_norm: off), trained here for {args.train_steps} steps"
+            corpus = f"the test split of {corpus_label(files) if files else 'the toy corpus (generated)'}"
+        if len(src) < args.sentences:
+            raise SystemExit(f"bench.inference: --sentences {args.sentences}, but the test set has {len(src)} pairs "
+                             f"({'the first pairs of --data-files' if args.ckpt else 'its test split'}): give more "
+                             f"pairs or fewer --sentences")
         src, ref = src[: args.sentences], ref[: args.sentences]
         rows = measure(args, ckpt, src, ref, work, device)
-    from bench.cli import corpus_label
-
-    corpus = corpus_label(files) if files else "the toy corpus (generated)"
-    text = markdown(rows, args, len(src), corpus, device, note)
+    text = markdown(rows, args, len(src), corpus, device, note, (start_load, os.getloadavg()[0]))
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"inference-{'cpu' if device == 'cpu' else 'gpu'}.md"
-    path.write_text(text)
+    from data.files import atomic_write
+
+    atomic_write(path, text, what="bench result")
     print(text)
     print(f"written: {path}")
     return 0

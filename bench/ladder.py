@@ -45,6 +45,7 @@ SWITCHES: dict[str, dict[str, str]] = {
     "varlen": {"model.layout": "varlen", "model.attn_backend": "triton"},
     "packed": {"data.batching": "packed", "model.layout": "packed", "model.attn_backend": "triton"},
     "fused_norm": {"model.norm": "fused"},
+    "ffn_norm": {"model.ffn_norm": "true"},
     "sharing": {"model.sharing": "cycle_rev", "model.enc_unique": "3", "model.dec_unique": "3"},
     "cudagraphs": {"run.compile_mode": "reduce-overhead"},
     "autotune": {"run.compile_mode": "max-autotune-no-cudagraphs"},
@@ -95,6 +96,9 @@ RUNGS: tuple[Rung, ...] = (
          cpu_why="CUDA only: CUDA graphs"),
     Rung("9b", "side: compile max-autotune-no-cudagraphs", (*_MAIN, "autotune"), "7", cuda_only=True,
          cpu_why="CUDA only: Inductor's autotuning benchmarks GPU kernels"),
+    # the mid-FFN LayerNorm (off by default since CTranslate2 cannot take it): what it costs with its fused LN+GELU
+    Rung("9c", "side: mid-FFN LayerNorm (ffn_norm, fused LN+GELU)", (*_MAIN, "ffn_norm"), "7", cuda_only=True,
+         cpu_why=_FALLBACK.format("the fused LN+GELU")),
 )
 
 

@@ -428,12 +428,14 @@ def _needs_mask(causal, q, k, q_lengths, k_lengths, varlen) -> bool:
 
 
 def _auto_backend(q, k, causal, q_lengths, k_lengths, varlen) -> str:
-    """The "auto" rule. CPU: the reference. CUDA: our kernel whenever a mask is involved (lengths,
-    varlen, bottom-right causal with Tq != Tk) and it supports the dtype/head dim, since SDPA's
-    flash backend refuses masks and its fallbacks materialise them; SDPA (flash backend) when no
-    mask is needed, or when our kernel does not support the case."""
+    """The "auto" rule. CPU: PyTorch's SDPA (its fused CPU kernel) where no gradient flows (decoding, validation),
+    the reference where one does (training: its backward never meets SDPA's NaN rows of fully masked queries).
+    CUDA: our kernel whenever a mask is involved (lengths, varlen, bottom-right causal with Tq != Tk) and it
+    supports the dtype/head dim, since SDPA's flash backend refuses masks and its fallbacks materialise them;
+    SDPA (flash backend) when no mask is needed, or when our kernel does not support the case."""
     if not q.is_cuda:
-        return "reference"
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+        return "reference" if grad else "sdpa"
     if _needs_mask(causal, q, k, q_lengths, k_lengths, varlen) and triton_supports(q):
         return "triton"
     return "sdpa"
@@ -465,7 +467,8 @@ def attention(
     cu_seqlens, total)`` computed once per batch and passed to every layer; without them the stream
     kernels compute them on each call (one small device op per side).
     ``backend``: "auto", "triton", "sdpa" or "reference"; ``FASTMT_ATTN_BACKEND`` overrides "auto".
-    "auto" on CPU tensors is the reference; on CUDA it is our kernel whenever a mask is involved
+    "auto" on CPU tensors is SDPA without a gradient (decoding, validation) and the reference with one
+    (training); on CUDA it is our kernel whenever a mask is involved
     (lengths, varlen, causal with Tq != Tk) and the kernel supports the case (fp16/bf16, head dim
     in 16/32/64/128), else SDPA (its flash backend for unmasked / square-causal attention).
     "triton" raises what ``check_triton_support`` finds.

@@ -20,6 +20,9 @@ NORMS = ("fused", "torch")
 LAYOUTS = ("padded", "varlen", "packed")
 TRITON_HEAD_DIMS = ATTN_HEAD_DIMS  # what the Triton attention kernels support
 DEFAULT_VOCAB = 8000  # the data package's joint SentencePiece default
+# fields whose default changed, with the default before: a run continued from a checkpoint that holds the old
+# value keeps it when the command leaves the field at the new default (train/runs/start.py), so no run is stranded
+CHANGED_DEFAULTS = {"ffn_norm": True}
 
 
 def layer_schedule(sharing: str, layers: int, unique: int) -> list[int]:
@@ -57,7 +60,9 @@ class ModelConfig:
     max_positions: int = 512  # longest sequence (tokens incl. BOS/EOS) either side accepts
     tie_embeddings: bool = True  # one matrix for src embedding, tgt embedding and output projection
     activation: str = "gelu"  # FFN activation: "relu" | "gelu" (erf) | "gelu_tanh"
-    ffn_norm: bool = True  # mid-FFN LayerNorm: W2 act(LN(W1 x)); LN+GELU is one fused kernel
+    # mid-FFN LayerNorm: W2 act(LN(W1 x)), LN+GELU one fused kernel; off by default: CTranslate2 has no slot for it
+    # and it bought no measurable quality (README, Export); a run trained with it keeps it when continued
+    ffn_norm: bool = False
     attn_backend: str = "auto"  # kernels.attention backend: "auto" | "triton" | "sdpa" | "reference"
     norm: str = "fused"  # "fused": kernels.LayerNorm(+residual)(+GELU); "torch": nn.LayerNorm + adds
     # "padded": (B, T, D) with lengths; "varlen": padded batches run as (total, D) with cu_seqlens;

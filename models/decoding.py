@@ -20,44 +20,48 @@ then finished as they are). The answer is the best finished hypothesis (on equal
 finished first, then the better-ranked candidate).
 With ``beam_size=1`` this is greedy decoding (the first EOS ends the sentence).
 
-How it runs: every buffer is allocated once per batch shape (rows, source width): the tokens, the
-(B, K, T) histories of live and finished hypotheses, their scores, lengths and "done" flags; each
-step is tensor work on them (top-k, gathers, a stable sort to merge finished hypotheses). The KV
-cache is never reordered: each row writes its own slot per position and ``DecodeState.rows`` keeps
-the ancestry (which row holds position j of the beam now in row r); attention gathers the filled
-positions from there. ``spans`` picks the shapes a step sees: "exact" reads the t+1 filled
-positions (eager; a new shape every step), "pow2" the next power of two >= 16 (a handful of
-shapes), "full" the whole cache (one shape); the two static modes keep the position on the device
-and sync nothing, so ``cuda_graph=True`` captures one CUDA graph per (batch shape, span) -- a decode
-bucket -- kept with the ``Decoder`` and replayed across calls: a bucket is captured once per process (the
+How it runs, two ways (``spans``). "exact" (the default without CUDA graphs: the CPU, and eager CUDA) is the eager
+path (``_LiveStream``, ``Transformer.live_step``): only the sentences still decoding are stepped (the finished ones
+leave at each "all done?" read), once a quarter of a batch is left the next batch of the call starts beside it (each
+batch at its own position, row-wise work shared), the K beams of a sentence write one cache under an ancestry mask
+(reordering beams copies no prefix), attention is PyTorch's SDPA, and every answer is read in one host read per call.
+"pow2"/"full" are the static paths: every buffer is allocated once per batch shape (rows, source width): the tokens,
+the (B, K, T) histories of live and finished hypotheses, their scores, lengths and "done" flags; each step is tensor
+work on them. The KV cache is never reordered: each row writes its own slot per position and ``DecodeState.rows``
+keeps the ancestry (which row holds position j of the beam now in row r); attention gathers the filled positions from
+there. "pow2" reads the next power of two >= 16 (a handful of shapes), "full" the whole cache (one shape); both keep
+the position on the device and sync nothing, so ``cuda_graph=True`` captures one CUDA graph per (batch shape, span) --
+a decode bucket -- kept with the ``Decoder`` and replayed across calls: a bucket is captured once per process (the
 second time a step of it runs; the first runs eagerly on the capture stream), never again unless the
 model's parameters move. Captures run in thread-local capture mode, so the DataLoader's worker and
 pin-memory threads, alive during evaluation, cannot invalidate them; each still synchronises and empties
 the allocator caches (``torch.cuda.graph``). A capture that fails twice turns the Decoder eager for good:
 ``DecodeStats`` counts the failures and the fall-back and keeps the reason, and the training records carry
-them (``train/evaluate.py``).
+them (``train/evaluate.py``). Both paths share one search rule (``_beam_update``, ``_greedy_update``).
 Host syncs: one "all done?" read every ``check_every`` steps (default: 4 on CUDA, where a read waits
 for the queued steps; every step on the CPU, where it costs nothing and stops at once), and one read
-of the answers per batch.
+of the answers per batch (static) or per call (eager).
 Decoding runs in ``torch.inference_mode`` with the model in eval mode (restored after), and with
 torch.compile'd regions (``run.compile_scope="blocks"``) forced eager: it never compiles a variant.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import sys
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from einops import rearrange
 
-from models.transformer import DecodeState, Transformer
+from models.transformer import DecodeState, LiveState, Transformer
 
 SPANS = ("exact", "pow2", "full")
 
@@ -111,9 +115,11 @@ def _length_limit(model, src_len: int, max_len_ratio: float, max_len_extra: floa
 class Decoder:
     """Greedy (``beam_size=None``) or beam-search decoding of one model, reusable across calls.
 
-    ``decoder(src (B, S), src_lengths int32 (B,), active=None, stats=None) -> B lists of token ids``.
-    ``active`` (bool (B,)) marks real rows: the others (padding a batch to a fixed shape) are done
+    ``decoder(src (B, S), src_lengths int32 (B,), active=None, stats=None, host_lengths=None) -> B lists of
+    token ids``. ``active`` (bool (B,)) marks real rows: the others (padding a batch to a fixed shape) are done
     from the start and decode to []. ``stats`` (a ``DecodeStats``) gets the call's counts added.
+    ``host_lengths``: ``src_lengths`` as a list, when the caller has it (the eager path then skips the source
+    padding: no mask for a batch without any, reading no device value).
     Buffers (and CUDA graphs) are kept per (B, S, autocast dtype) and reused, so padding batches to a
     few shapes pays their set-up once; graphs are dropped when a parameter of the model moves.
     ``check_every``: steps between "all done?" reads (None: 4 on CUDA, 1 on the CPU). ``spans``:
@@ -155,18 +161,35 @@ class Decoder:
         return model
 
     def __call__(self, src: torch.Tensor, src_lengths: torch.Tensor, *, active: torch.Tensor | None = None,
-                 stats: DecodeStats | None = None) -> list[list[int]]:
+                 stats: DecodeStats | None = None, host_lengths: list[int] | None = None) -> list[list[int]]:
+        return self.decode_batches([Batch(src, src_lengths, active, host_lengths)], stats=stats)[0]
+
+    def decode_batches(self, batches: Sequence[Batch], stats: DecodeStats | None = None) -> list[list[list[int]]]:
+        """The answers of each batch, batch by batch (each batch's rows in order). Static spans decode one batch
+        after the other; "exact" lets the next batch start while the last sentences of the one before finish
+        (``_LiveStream``)."""
         stats = stats if stats is not None else DecodeStats()
+        if not batches:
+            return []
+        device = batches[0].src.device
         if self.cuda_graph and self._graphs is None:
-            self._graphs = _make_step_graphs(src.device)  # before any work: refuses a CPU src
+            self._graphs = _make_step_graphs(device)  # before any work: refuses a CPU src
+        check_every = self.check_every or (4 if device.type == "cuda" else 1)
         with _eval(self.model):
-            run = self._run_for(src)
-            run.load(src, src_lengths, active)
-            run.decode(stats, self.check_every or (4 if src.is_cuda else 1))
-            stats.batches += 1
-            stats.host_syncs += 1
+            if self.spans == "exact":
+                answers = _LiveStream(self, batches, check_every).decode(stats)
+                stats.host_syncs += 1
+            else:
+                answers = []
+                for b in batches:
+                    run = self._run_for(b.src)
+                    run.load(b.src, b.src_lengths, b.active)
+                    run.decode(stats, check_every)
+                    answers.append(run.answers())
+                    stats.host_syncs += 1
+            stats.batches += len(batches)
             stats.eager_reason = self.fallback_reason
-            return run.answers()
+            return answers
 
     def _run_for(self, src: torch.Tensor) -> _Run:
         """The buffers of this batch shape (created on first use); with graphs, dropped when the
@@ -187,8 +210,202 @@ class Decoder:
         return self._runs[key]
 
 
+class Batch(NamedTuple):
+    """One batch for ``Decoder.decode_batches``: src (B, S) int, src_lengths int32 (B,), ``active`` bool (B,) or None
+    (every row real), ``host_lengths``: src_lengths as a list when the caller has it (the eager path then reads the
+    sources without padding: no mask when none is needed, no device value read)."""
+
+    src: torch.Tensor
+    src_lengths: torch.Tensor
+    active: torch.Tensor | None = None
+    host_lengths: list[int] | None = None
+
+
+class _Group:
+    """A batch decoding in a ``_LiveStream``: its ``LiveState`` (position ``state.t``), the step count after which
+    every one of its sentences is done (``bound``: its length limit for its widest source), and the (batch, row)
+    of each of its sentences still decoding."""
+
+    def __init__(self, state: LiveState, bound: int, rows: list[tuple[int, int]]):
+        self.state, self.bound, self.rows = state, bound, rows
+
+
+class _LiveStream:
+    """``spans="exact"``: batches decoded eagerly through ``Transformer.live_step``, no buffer of a static shape.
+    At each "all done?" read the finished sentences leave (their answer rows set aside, every answer read in one
+    host read at the end). When the sentences still decoding are at most a quarter of the largest batch, the next
+    batch starts beside them as another group (at most ``GROUPS``): each group attends in its own caches at its own
+    position, the row-wise work (projections, norms, FFN, the search) runs once for all, so the last sentences of
+    a batch do not decode alone. The K beams of a sentence share one cache, where a beam's ancestry (``anc``: the
+    beam slot that wrote each of its positions) is its attention mask: reordering beams copies no prefix."""
+
+    GROUPS = 3  # batches decoding at once
+
+    def __init__(self, dec: Decoder, batches: Sequence[Batch], check_every: int):
+        model = dec.model
+        self.dec, self.ids, self.check_every = dec, dec.ids, check_every
+        self.K = K = 1 if dec.beam_size is None else dec.beam_size
+        self.device = device = batches[0].src.device
+        for b in batches:
+            if b.host_lengths is not None and len(b.host_lengths) != b.src.shape[0]:
+                raise ValueError(f"host_lengths: {len(b.host_lengths)} lengths for a batch of {b.src.shape[0]} sources")
+        self.bounds = [_length_limit(model, b.src.shape[1], dec.max_len_ratio, dec.max_len_extra) for b in batches]
+        self.pending = collections.deque(enumerate(batches))
+        self.sizes = [b.src.shape[0] for b in batches]
+        self.start_below = max(self.sizes) // 4  # the next batch starts when at most this many sentences decode
+        self.groups: list[_Group] = []
+        self.set_aside: list[tuple[list[tuple[int, int]], torch.Tensor]] = []  # (batch, row)s and answer rows
+        T = self.T = max(self.bounds)  # the search buffers' positions
+        self.forbidden = torch.tensor([self.ids["pad"], self.ids["bos"]], device=device)
+        self.length = torch.arange(T + 1, device=device)  # length[t + 1 : t + 2]: tokens generated at step t
+        pad = self.ids["pad"]
+        self.limits = torch.zeros(0, dtype=torch.long, device=device)
+        self.done = torch.zeros(0, dtype=torch.bool, device=device)
+        self.tokens = torch.zeros(0, dtype=torch.long, device=device)  # the next inputs (n*K,)
+        # every per-sentence search buffer: the row a starting sentence gets
+        if K == 1:
+            self.fresh = {"out": torch.full((1, T), pad, dtype=torch.long, device=device)}  # generated tokens
+        else:
+            alive = torch.full((1, K), -math.inf, device=device)  # cumulative log-probs of the live beams
+            alive[:, 0] = 0.0  # only beam 0 is live at the start (the others are copies of it)
+            self.fresh = {"alive": alive, "hist": torch.full((1, K, T), pad, dtype=torch.long, device=device),
+                          "fin_score": torch.full((1, K), -math.inf, dtype=torch.float64, device=device),
+                          "fin_tok": torch.full((1, K, T), pad, dtype=torch.long, device=device),
+                          "fin_len": torch.zeros(1, K, dtype=torch.long, device=device),
+                          "anc": torch.zeros(1, K, T, dtype=torch.long, device=device)}  # slot of each position
+            lp = dec.length_penalty  # GNMT length penalty of every length 0..T, float64 with python's arithmetic
+            self.penalty = torch.tensor([((5.0 + n) / 6.0) ** lp for n in range(T + 1)], dtype=torch.float64,
+                                        device=device)
+            self.rank = torch.arange(2 * K, device=device)
+            self.slots = torch.arange(K, device=device)  # (K,) beam slots
+            self.bias = None  # SDPA's additive mask values, in the queries' dtype (made with the first state)
+        for name, row in self.fresh.items():
+            setattr(self, name, row[:0])
+
+    # -- who decodes ------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """The next pending batch starts decoding, as a group of its own."""
+        model, dec, K = self.dec.model, self.dec, self.K
+        index, b = self.pending.popleft()
+        B, bound = b.src.shape[0], self.bounds[index]
+        state = model.start_live(b.src, b.src_lengths, bound, beams=K, host_lengths=b.host_lengths)
+        if K > 1 and self.bias is None:
+            like = state.caches[0][0]
+            self.bias = (torch.zeros((), dtype=like.dtype, device=self.device),
+                         torch.full((), -math.inf, dtype=like.dtype, device=self.device))
+        self.groups.append(_Group(state, bound, [(index, r) for r in range(B)]))
+        limits = _length_limits(model, b.src_lengths, dec.max_len_ratio, dec.max_len_extra)
+        done = torch.zeros(B, dtype=torch.bool, device=self.device) if b.active is None else ~b.active.to(self.device)
+        self.limits, self.done = torch.cat([self.limits, limits]), torch.cat([self.done, done])
+        self.tokens = torch.cat([self.tokens, torch.full((B * K,), self.ids["bos"], dtype=torch.long,
+                                                         device=self.device)])
+        for name, row in self.fresh.items():
+            setattr(self, name, torch.cat([getattr(self, name), row.expand(B, *row.shape[1:])]))
+
+    def answer_rows(self) -> torch.Tensor:
+        """(n, T) generated tokens (greedy) or ``_best_finished`` rows (beam) of the sentences decoding."""
+        return self.out if self.K == 1 else _best_finished(self.fin_score, self.fin_tok, self.fin_len)
+
+    def leave(self, finished: list[bool]) -> None:
+        """The ``finished`` sentences (one flag per sentence decoding, groups in order) leave: their answer rows set
+        aside, every per-sentence tensor and each group's state cut."""
+        gone = [i for i, f in enumerate(finished) if f]
+        if not gone:
+            return
+        rows = [row for g in self.groups for row in g.rows]
+        self.set_aside.append(([rows[i] for i in gone], self.answer_rows().index_select(
+            0, torch.tensor(gone, dtype=torch.long, device=self.device))))
+        start, groups = 0, []
+        for g in self.groups:
+            flags = finished[start : start + len(g.rows)]
+            start += len(g.rows)
+            stay = [i for i, f in enumerate(flags) if not f]
+            if not stay:
+                continue
+            if len(stay) < len(flags):
+                g.state.keep(stay)
+                g.rows = [g.rows[i] for i in stay]
+            groups.append(g)
+        self.groups = groups
+        keep = torch.tensor([i for i, f in enumerate(finished) if not f], dtype=torch.long, device=self.device)
+        self.limits, self.done = self.limits.index_select(0, keep), self.done.index_select(0, keep)
+        self.tokens = self.tokens.view(-1, self.K).index_select(0, keep).view(-1)
+        for name in self.fresh:
+            setattr(self, name, getattr(self, name).index_select(0, keep))
+
+    # -- one step ---------------------------------------------------------------------------------------
+    def step(self) -> None:
+        K, groups = self.K, self.groups
+        if len(groups) == 1:
+            t = groups[0].state.t
+            length = self.length[t + 1 : t + 2]  # (1,) tokens generated so far, this one included
+        else:  # (n, 1): each group's sentences at its own position
+            length = torch.cat([self.length[g.state.t + 1 : g.state.t + 2].expand(len(g.rows)) for g in groups])
+            length = length.unsqueeze(1)
+        states = [g.state for g in groups]
+        if K == 1:
+            tok = _greedy_update(self.logits(states, [None] * len(groups)), self.done, self.limits, length, self.ids)
+            if len(groups) == 1:
+                self.out[:, t] = tok
+            else:
+                self.out.scatter_(1, length - 1, tok.unsqueeze(1))
+            self.tokens = tok
+            return
+        masks, start = [], 0
+        for g in groups:
+            t, n = g.state.t, len(g.rows)
+            anc = self.anc if len(groups) == 1 else self.anc[start : start + n]
+            anc[:, :, t] = self.slots  # position t: written by each beam itself
+            seen = (anc[:, :, : t + 1].unsqueeze(3) == self.slots).view(n, 1, K, (t + 1) * K)  # slot j*K + k
+            masks.append(torch.where(seen, *self.bias))  # SDPA's additive mask
+            start += n
+        logp = torch.log_softmax(self.logits(states, masks), -1)  # (n*K, V)
+        penalty = self.penalty[length] if len(groups) > 1 else self.penalty[t + 1 : t + 2]
+        s = _beam_update(logp, self.alive, self.hist, self.fin_score, self.fin_tok, self.fin_len, self.done,
+                         self.limits, length, penalty, self.rank, self.ids["eos"])
+        self.alive, self.hist, self.fin_score, self.fin_tok, self.fin_len = (s.alive, s.hist, s.fin_score,
+                                                                              s.fin_tok, s.fin_len)
+        self.anc = self.anc.gather(1, s.parent.unsqueeze(2).expand(-1, -1, self.T))  # the parents' ancestry
+        self.tokens = s.tok.view(-1)
+
+    def logits(self, states: list[LiveState], masks: list) -> torch.Tensor:
+        """live_step with PAD and BOS made impossible: (n*K, V) fp32."""
+        logits = self.dec.model.live_step(self.tokens, states, masks)
+        logits = logits if logits.dtype == torch.float32 else logits.float()
+        return logits.index_fill_(1, self.forbidden, -math.inf)
+
+    # -- the loop ---------------------------------------------------------------------------------------
+    def decode(self, stats: DecodeStats) -> list[list[list[int]]]:
+        self.start()
+        steps = 0
+        while self.groups:
+            self.step()
+            stats.steps += 1
+            steps += 1
+            # a group at its bound is done without a read; the others are read every check_every steps
+            bounded = [g.state.t >= g.bound for g in self.groups for _ in g.rows]
+            if steps % self.check_every == 0 and not all(bounded):
+                stats.host_syncs += 1
+                finished = self.done.tolist()  # host sync: once per check_every steps
+                self.leave([f or b for f, b in zip(finished, bounded)])
+            else:
+                self.leave(bounded)
+            while self.pending and len(self.groups) < self.GROUPS and \
+                    sum(len(g.rows) for g in self.groups) <= self.start_below:
+                self.start()
+        order = [row for rows, _ in self.set_aside for row in rows]
+        tensors = [t for _, t in self.set_aside]
+        answers = (_greedy_answers(torch.cat(tensors).tolist(), self.ids) if self.K == 1  # host sync: once
+                   else _beam_answers(tensors))
+        out: list[list[list[int]]] = [[[] for _ in range(size)] for size in self.sizes]
+        for (batch, row), answer in zip(order, answers):
+            out[batch][row] = answer
+        return out
+
+
 class _Run:
-    """Static buffers of one batch shape, the step that updates them, and the loop that drives it."""
+    """Static buffers of one batch shape (``spans`` "pow2"/"full"), the step that updates them, and the loop
+    that drives it (eagerly, or by CUDA-graph replays)."""
 
     def __init__(self, dec: Decoder, B: int, T: int, rows: int, device: torch.device):
         self.dec, self.B, self.T, self.device = dec, B, T, device
@@ -222,11 +439,8 @@ class _Run:
 
     def decode(self, stats: DecodeStats, check_every: int):
         for t in range(self.T):
-            span = None
-            if self.dec.spans == "full":
-                span = self.T
-            elif self.dec.spans == "pow2":
-                span = min(self.T, max(16, 1 << t.bit_length()))  # smallest power of two >= t+1
+            # "full": the whole cache; "pow2": the smallest power of two >= t+1 (at least 16)
+            span = self.T if self.dec.spans == "full" else min(self.T, max(16, 1 << t.bit_length()))
             self._advance(span, stats)
             stats.steps += 1
             if (t + 1) % check_every == 0 and t + 1 < self.T:
@@ -341,23 +555,33 @@ class _GreedyRun(_Run):
         self.out.fill_(self.dec.ids["pad"])
 
     def step(self, span):
-        ids = self.dec.ids
-        tok = self.logits(span).argmax(-1)  # (B,)
-        tok = torch.where(self.done, ids["pad"], tok)
         length = self.state.pos  # (1,) tokens generated so far, this one included
-        self.out.index_copy_(1, length - 1, rearrange(tok, "b -> b 1"))
-        self.done |= (tok == ids["eos"]) | (length >= self.limits)
+        tok = _greedy_update(self.logits(span), self.done, self.limits, length, self.dec.ids)  # (B,)
+        self.out.index_copy_(1, length - 1, tok.unsqueeze(1))
         self.tokens.copy_(tok)
 
     def answers(self):
-        ids = self.dec.ids
-        rows = self.out.tolist()  # host sync: once per batch
-        out = []
-        for row in rows:
-            if ids["eos"] in row:
-                row = row[: row.index(ids["eos"])]
-            out.append([tok for tok in row if tok != ids["pad"]])
-        return out
+        return _greedy_answers(self.out.tolist(), self.dec.ids)  # host sync: once per batch
+
+
+def _greedy_update(logits: torch.Tensor, done: torch.Tensor, limits: torch.Tensor, length: torch.Tensor,
+                   ids: dict[str, int]) -> torch.Tensor:
+    """Greedy decoding's step rule: the next token of each row (B,) (PAD for rows already done), and ``done``
+    (bool (B,)) updated in place: EOS chosen, or ``length`` (int64 (1,), or (B, 1) per row: tokens generated with
+    this one) at the row's limit."""
+    tok = torch.where(done, ids["pad"], logits.argmax(-1))  # (B,)
+    done |= (tok == ids["eos"]) | (length.view(-1) >= limits)
+    return tok
+
+
+def _greedy_answers(rows: list[list[int]], ids: dict[str, int]) -> list[list[int]]:
+    """Each row of generated tokens (PAD after the end) up to its EOS, PAD dropped."""
+    out = []
+    for row in rows:
+        if ids["eos"] in row:
+            row = row[: row.index(ids["eos"])]
+        out.append([tok for tok in row if tok != ids["pad"]])
+    return out
 
 
 class _BeamRun(_Run):
@@ -392,56 +616,91 @@ class _BeamRun(_Run):
         self.fin_len.zero_()
 
     def step(self, span):
-        B, K, T, eos = self.B, self.K, self.T, self.dec.ids["eos"]
         logp = torch.log_softmax(self.logits(span), -1)  # (B*K, V)
-        V = logp.shape[-1]
         length = self.state.pos  # (1,) tokens generated so far, this step's included
-        penalty = self.penalty[length]  # (1,) float64
-        cand = rearrange(self.alive, "b k -> b k 1") + rearrange(logp, "(b k) v -> b k v", k=K)  # (B, K, V)
-        n = min(2 * K, K * V)
-        top_score, top_idx = rearrange(cand, "b k v -> b (k v)").topk(n, dim=-1)  # (B, n)
-        top_beam, top_tok = top_idx // V, top_idx % V
-        is_eos = top_tok == eos
-        # EOS candidates ranked within the first K finish (their history is the parent's)
-        fresh = is_eos[:, :K] & torch.isfinite(top_score[:, :K]) & ~rearrange(self.done, "b -> b 1")
-        eos_score = torch.where(fresh, top_score[:, :K].double() / penalty, -math.inf)  # (B, K)
-        eos_tok = self.hist.gather(1, rearrange(top_beam[:, :K], "b k -> b k 1").expand(-1, -1, T))
-        eos_len = (length - 1).expand(B, K)
-        # the best K non-EOS candidates live on
-        keep = (is_eos.long() * n + self.rank[:n]).topk(K, dim=-1, largest=False).indices  # (B, K) EOS last
-        alive = top_score.gather(1, keep)
-        parent, tok = top_beam.gather(1, keep), top_tok.gather(1, keep)  # (B, K)
-        hist = self.hist.gather(1, rearrange(parent, "b k -> b k 1").expand(-1, -1, T))
-        hist.index_copy_(2, length - 1, rearrange(tok, "b k -> b k 1"))
-        # a sentence at its length limit finishes its live hypotheses as they are
-        at_limit = (length >= self.limits) & ~self.done  # (B,)
-        lim_score = torch.where(rearrange(at_limit, "b -> b 1") & torch.isfinite(alive), alive.double() / penalty,
-                                -math.inf)
-        # keep the K best finished: earlier ones first on equal scores (a stable sort), then EOS, then limit
-        score = torch.cat([self.fin_score, eos_score, lim_score], 1)  # (B, 3K)
-        order = score.sort(dim=1, descending=True, stable=True).indices[:, :K]  # (B, K)
-        fin_tok = torch.cat([self.fin_tok, eos_tok, hist], 1).gather(1, rearrange(order, "b k -> b k 1")
-                                                                          .expand(-1, -1, T))
-        self.fin_len.copy_(torch.cat([self.fin_len, eos_len, length.expand(B, K)], 1).gather(1, order))
-        self.fin_score.copy_(score.gather(1, order))
-        self.fin_tok.copy_(fin_tok)
-        # done: at the limit, or K finished and the worst beats the best live one normalised now
-        worst = self.fin_score[:, K - 1]
-        best_live = alive.max(1).values.double() / penalty
-        self.done |= at_limit | (torch.isfinite(worst) & (worst >= best_live))
+        s = _beam_update(logp, self.alive, self.hist, self.fin_score, self.fin_tok, self.fin_len, self.done,
+                         self.limits, length, self.penalty[length], self.rank, self.dec.ids["eos"])
+        self.fin_len.copy_(s.fin_len)
+        self.fin_score.copy_(s.fin_score)
+        self.fin_tok.copy_(s.fin_tok)
         # the survivors: scores, histories, next inputs, and where their cached positions live
-        self.alive.copy_(alive)
-        self.hist.copy_(hist)
-        self.tokens.copy_(rearrange(tok, "b k -> (b k)"))
-        parent_row = rearrange(self.first_row + parent, "b k -> (b k)")  # (R,)
+        self.alive.copy_(s.alive)
+        self.hist.copy_(s.hist)
+        self.tokens.copy_(s.tok.view(-1))
+        parent_row = (self.first_row + s.parent).view(-1)  # (R,)
         rows = self.state.rows.index_select(0, parent_row)  # positions <= t: the parent's
-        self.state.rows.copy_(torch.where(self.col < length, rows, rearrange(self.own_row, "r -> r 1")))
+        self.state.rows.copy_(torch.where(self.col < length, rows, self.own_row.unsqueeze(1)))
 
     def answers(self):
-        best = self.fin_tok[:, 0]  # (B, T)
-        n = torch.where(torch.isfinite(self.fin_score[:, 0]), self.fin_len[:, 0], 0)  # (B,) 0: none finished
-        rows = torch.cat([rearrange(n, "b -> b 1"), best], 1).tolist()  # host sync: once per batch
-        return [row[1 : 1 + row[0]] for row in rows]
+        return _beam_answers([_best_finished(self.fin_score, self.fin_tok, self.fin_len)])
+
+
+class _Search(NamedTuple):
+    """What one step of beam search leaves: the K survivors of each sentence (scores, parent beam, token,
+    histories) and its K best finished hypotheses (scores, tokens, lengths)."""
+
+    alive: torch.Tensor  # (B, K) cumulative log-probs of the live beams
+    parent: torch.Tensor  # (B, K) the beam each survivor continues
+    tok: torch.Tensor  # (B, K) its new token
+    hist: torch.Tensor  # (B, K, T) its tokens so far
+    fin_score: torch.Tensor  # (B, K) float64, best first; -inf: none
+    fin_tok: torch.Tensor  # (B, K, T)
+    fin_len: torch.Tensor  # (B, K)
+
+
+def _beam_update(logp, alive, hist, fin_score, fin_tok, fin_len, done, limits, length, penalty, rank,
+                 eos: int) -> _Search:
+    """Beam search's step rule (module docstring) on B sentences of K beams: ``logp`` (B*K, V) log-probs of the
+    next token, the live beams (``alive`` (B, K), ``hist`` (B, K, T)), the finished ones (``fin_*``), ``done``
+    (bool (B,), updated in place), ``limits`` (B,), ``length`` (int64 (1,), or (B, 1) per sentence: tokens generated
+    with this one), ``penalty`` (float64, length's shape: its GNMT penalty), ``rank`` (arange(2K)). Tensor work only:
+    no host sync, static shapes (the CUDA-graph step and the eager live step share it)."""
+    B, K, T = hist.shape
+    V = logp.shape[-1]
+    cand = alive.unsqueeze(2) + logp.view(B, K, V)  # (B, K, V)
+    n = min(2 * K, K * V)
+    top_score, top_idx = cand.view(B, K * V).topk(n, dim=-1)  # (B, n)
+    top_beam, top_tok = top_idx // V, top_idx % V
+    is_eos = top_tok == eos
+    live = ~done  # (B,)
+    normed = top_score.double() / penalty  # (B, n) float64: each candidate's GNMT score at this length
+    ended = length - 1  # this step's position in the histories
+    # EOS candidates ranked within the first K finish (their history is the parent's)
+    fresh = is_eos[:, :K] & torch.isfinite(top_score[:, :K]) & live.unsqueeze(1)
+    eos_score = torch.where(fresh, normed[:, :K], -math.inf)  # (B, K)
+    eos_tok = hist.gather(1, top_beam[:, :K].unsqueeze(2).expand(-1, -1, T))
+    # the best K non-EOS candidates live on
+    keep = (is_eos.long() * n + rank[:n]).topk(K, dim=-1, largest=False).indices  # (B, K) EOS last
+    alive, alive_normed = top_score.gather(1, keep), normed.gather(1, keep)
+    parent, tok = top_beam.gather(1, keep), top_tok.gather(1, keep)  # (B, K)
+    hist = hist.gather(1, parent.unsqueeze(2).expand(-1, -1, T))
+    hist.scatter_(2, ended.view(-1, 1, 1).expand(B, K, 1), tok.unsqueeze(2))
+    # a sentence at its length limit finishes its live hypotheses as they are
+    at_limit = (length.view(-1) >= limits) & live  # (B,)
+    lim_score = torch.where(at_limit.unsqueeze(1) & torch.isfinite(alive), alive_normed, -math.inf)
+    # keep the K best finished: earlier ones first on equal scores (a stable sort), then EOS, then limit
+    score = torch.cat([fin_score, eos_score, lim_score], 1)  # (B, 3K)
+    order = score.sort(dim=1, descending=True, stable=True).indices[:, :K]  # (B, K)
+    fin_tok = torch.cat([fin_tok, eos_tok, hist], 1).gather(1, order.unsqueeze(2).expand(-1, -1, T))
+    fin_len = torch.cat([fin_len, ended.expand(B, K), length.expand(B, K)], 1).gather(1, order)
+    fin_score = score.gather(1, order)
+    # done: at the limit, or K finished and the worst beats the best live one normalised now (the max of the
+    # normalised scores: dividing by the positive penalty keeps their order)
+    worst = fin_score[:, K - 1]
+    done |= at_limit | (torch.isfinite(worst) & (worst >= alive_normed.max(1).values))
+    return _Search(alive, parent, tok, hist, fin_score, fin_tok, fin_len)
+
+
+def _best_finished(fin_score: torch.Tensor, fin_tok: torch.Tensor, fin_len: torch.Tensor) -> torch.Tensor:
+    """(B, 1 + T): each sentence's best finished hypothesis, its length first (0: none finished)."""
+    n = torch.where(torch.isfinite(fin_score[:, 0]), fin_len[:, 0], 0)  # (B,)
+    return torch.cat([n.unsqueeze(1), fin_tok[:, 0]], 1)
+
+
+def _beam_answers(best: list[torch.Tensor]) -> list[list[int]]:
+    """The token lists of ``_best_finished`` rows, read in one host sync."""
+    rows = torch.cat(best).tolist()  # host sync: once per batch
+    return [row[1 : 1 + row[0]] for row in rows]
 
 
 def greedy_decode(model: Transformer, src: torch.Tensor, src_lengths: torch.Tensor, *, bos_id: int, eos_id: int,

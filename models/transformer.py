@@ -33,11 +33,18 @@ Architecture (all switches in ``ModelConfig``):
   block, plus a preallocated self-attention KV cache per applied layer) ->
   ``decode_step`` one token at a time (query length 1, every filled position visible), eagerly over the
   filled prefix or over a fixed span with the position on the device (static shapes, no host sync).
+  The eager path of ``models.decoding`` uses ``start_live`` -> ``live_step`` instead: a state holds only the
+  sentences still decoding (``LiveState.keep`` drops the finished ones), the K beams of a sentence are one
+  query block of length K over one cache that all of them write (position j of beam k in slot ``j*K + k``), so a
+  beam's ancestry is an attention mask and no step copies a prefix, the cross K/V are kept once per sentence,
+  and attention is PyTorch's SDPA (its fused CPU kernel) with plain views in place of einops. One step can run
+  several states (batches at different positions): the row-wise work once for all, attention per state.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -85,6 +92,21 @@ class ResidualNorm(nn.Module):
             return self.ln(h, residual=res)  # one kernel: s = h + res, y = LN(s)
         s = h + res
         return self.ln(s), s
+
+    def plain(self, h: torch.Tensor, res: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` as one ``F.layer_norm`` call: what both the fused module's reference and nn.LayerNorm
+        compute on fp32 CPU tensors (``plain_norms``), without the kernel dispatch's checks (the live step)."""
+        s = h if res is None else h + res
+        return F.layer_norm(s, (s.shape[-1],), self.ln.weight, self.ln.bias, self.ln.eps), s
+
+
+def plain_norms(cfg: ModelConfig, x: torch.Tensor) -> bool:
+    """Whether every ``ResidualNorm`` of the model computes a plain ``F.layer_norm`` on tensors like ``x``: fp32 on
+    the CPU without autocast, with nn.LayerNorm or the fused module on its reference (``FASTMT_NORM_BACKEND`` unset,
+    auto or reference)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_autocast_enabled("cpu"):
+        return False
+    return cfg.norm == "torch" or os.environ.get("FASTMT_NORM_BACKEND", "").strip() in ("", "auto", "reference")
 
 
 class NormAct(nn.Module):
@@ -156,6 +178,26 @@ class SelfAttention(nn.Module):
         o = attention(q, keys, values, k_lengths=plan.k_lengths, backend=self.backend)  # (B, H, 1, D)
         return self.out(merge_heads(o))
 
+    def live_step(self, x: torch.Tensor, groups: list[tuple[tuple[torch.Tensor, torch.Tensor], int, torch.Tensor | None]],
+                  sizes: list[int]) -> torch.Tensor:
+        """One ``live_step`` of x (n, K, d_model), the sentences of ``groups`` one after the other (``sizes``
+        each). A group (its cache, its position t, its mask): the K beams of each of its sentences write their K/V
+        into cache slots ``t*K .. t*K+K-1`` and attend, as one query block, to the slots the mask ((n_g, 1, K,
+        (t+1)*K), SDPA's boolean or additive mask: the beam's own ancestors; None: every slot) allows."""
+        n, K, _ = x.shape
+        qkv = self.qkv(x).view(n, K, 3, self.heads, -1)  # (n, K, 3, H, D)
+        outs, start = [], 0
+        for ((keys, values), t, mask), size in zip(groups, sizes):  # keys, values: (n_g, H, T*K, D)
+            part = qkv if len(sizes) == 1 else qkv[start : start + size]
+            q, k, v = part.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (n_g, H, K, D)
+            keys[:, :, t * K : (t + 1) * K] = k
+            values[:, :, t * K : (t + 1) * K] = v
+            end = (t + 1) * K
+            o = F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], attn_mask=mask)  # (n_g, H, K, D)
+            outs.append(o.transpose(1, 2).reshape(size, K, -1))
+            start += size
+        return self.out(outs[0] if len(outs) == 1 else torch.cat(outs))
+
 
 class CrossAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -173,6 +215,21 @@ class CrossAttention(nn.Module):
         (q,) = split_heads(self.q(x), 1, self.heads)  # (B, H, T, D) or (total_tgt, H, D)
         k, v = kv if kv is not None else self.memory_kv(memory)
         return self.out(merge_heads(attend(q, k, v, q_side, k_side, False, self.backend)))
+
+    def live_step(self, x: torch.Tensor, groups: list[tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]],
+                  sizes: list[int]) -> torch.Tensor:
+        """x (n, K, d_model), the sentences of ``groups`` one after the other (``sizes`` each): the K beams of each
+        sentence attend to its encoder K/V (n_g, H, S, D); a group's mask (n_g, 1, 1, S): SDPA's additive mask, -inf
+        past the source (None: every position is real)."""
+        n, K, _ = x.shape
+        q = self.q(x).view(n, K, self.heads, -1)  # (n, K, H, D)
+        outs, start = [], 0
+        for ((keys, values), mask), size in zip(groups, sizes):
+            part = (q if len(sizes) == 1 else q[start : start + size]).transpose(1, 2)  # (n_g, H, K, D)
+            o = F.scaled_dot_product_attention(part, keys, values, attn_mask=mask)  # (n_g, H, K, D)
+            outs.append(o.transpose(1, 2).reshape(size, K, -1))
+            start += size
+        return self.out(outs[0] if len(outs) == 1 else torch.cat(outs))
 
 
 class FeedForward(nn.Module):
@@ -236,6 +293,17 @@ class DecoderBlock(nn.Module):
         x, res = self.norm_cross(h, res)
         h = self.cross_attn(x, None, ALL_QUERIES, src, kv=cross_kv)
         x, res = self.norm_ffn(h, res)
+        return self.ffn(x), res
+
+    def live_step(self, h, res, layer: int, block: int, states: list[LiveState], masks: list, sizes: list[int]):
+        """One ``live_step`` for h (n, K, d_model), applied layer ``layer`` (this block is unique block ``block``),
+        the sentences of ``states`` one after the other (eval mode: dropout is the identity)."""
+        norm = ResidualNorm.plain if states[0].plain_norms else ResidualNorm.__call__
+        x, res = norm(self.norm_self, h, res)
+        h = self.self_attn.live_step(x, [(s.caches[layer], s.t, m) for s, m in zip(states, masks)], sizes)
+        x, res = norm(self.norm_cross, h, res)
+        h = self.cross_attn.live_step(x, [(s.cross[block], s.cross_mask) for s in states], sizes)
+        x, res = norm(self.norm_ffn, h, res)
         return self.ffn(x), res
 
 
@@ -336,6 +404,58 @@ class DecodeState:
             c.reorder(index)
         self.cross_kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.cross_kv]
         self.src = Side(self.src.lengths.index_select(0, index), None, None, None)
+
+
+class LiveState:
+    """What ``live_step`` needs for the n sentences still decoding, each with ``beams`` (K) hypotheses:
+    per applied layer one self-attention (K, V) pair (n, H, max_len*K, D), position j of beam k in slot
+    ``j*K + k``; per unique block the cross (K, V) (n, H, S, D) once per sentence; ``src_bias`` (n, 1, 1, S),
+    0 at the real source tokens and -inf past them (SDPA's additive mask, in the cache's dtype); ``t``, the
+    input position of the next step (a host int). ``src_lengths``: the source lengths as the host knows them
+    (optional): the cross-attention then reads only the longest live source's positions, and no mask when
+    every live source has that length (``cross``, ``cross_mask``: what it reads). The buffers are made once:
+    ``keep`` moves the kept sentences up in place and the tensors above are views of their first n rows."""
+
+    def __init__(self, caches: list[tuple[torch.Tensor, torch.Tensor]], cross_kv: list[tuple[torch.Tensor, torch.Tensor]],
+                 src_bias: torch.Tensor, beams: int, max_len: int, src_lengths: list[int] | None = None):
+        self._buffers = [t for pair in (*caches, *cross_kv) for t in pair] + [src_bias]
+        self._layers = len(caches)
+        self.beams, self.max_len, self.t = beams, max_len, 0
+        self.src_lengths = None if src_lengths is None else list(src_lengths)
+        self.plain_norms = False  # every norm a plain F.layer_norm (``plain_norms``): set by ``start_live``
+        self._views(src_bias.shape[0])
+
+    def _views(self, n: int) -> None:
+        """The first n rows of every buffer, and what the cross-attention reads."""
+        rows = [b[:n] for b in self._buffers]
+        pairs = list(zip(rows[:-1:2], rows[1:-1:2]))
+        self.caches, self.cross_kv, self.src_bias = pairs[: self._layers], pairs[self._layers :], rows[-1]
+        self.cross, self.cross_mask = self.cross_kv, self.src_bias
+        if self.src_lengths:
+            width = max(self.src_lengths)
+            self.cross = [(k[:, :, :width], v[:, :, :width]) for k, v in self.cross_kv]
+            self.cross_mask = None if min(self.src_lengths) == width else self.src_bias[..., :width]
+
+    def __len__(self) -> int:
+        """The sentences decoding."""
+        return self.src_bias.shape[0]
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep sentences ``rows`` (ascending) and drop the others: the kept ones move up in place, caches by
+        their filled slots only (the rest is never read before a step writes it); none moves when only the last
+        sentences left."""
+        m = len(rows)
+        if rows != list(range(m)):
+            index = torch.tensor(rows, dtype=torch.long, device=self.src_bias.device)
+            filled = self.t * self.beams
+            for i, buf in enumerate(self._buffers):
+                if i < 2 * self._layers:  # a self-attention cache: (n, H, T*K, D)
+                    buf[:m, :, :filled] = buf[:, :, :filled].index_select(0, index)
+                else:
+                    buf[:m] = buf[: self.src_bias.shape[0]].index_select(0, index)
+        if self.src_lengths is not None:
+            self.src_lengths = [self.src_lengths[r] for r in rows]
+        self._views(m)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -504,11 +624,7 @@ class Transformer(nn.Module):
         for B*repeat rows (each source's rows consecutive: beams). The encoder and cross K/V run on the
         B sources once. ``state``: refill that state in place (same shapes) instead of allocating, so
         that its tensors keep their addresses (a captured CUDA graph reads them)."""
-        if max_len > self.cfg.max_positions:
-            raise ValueError(f"max_len={max_len} > max_positions={self.cfg.max_positions}")
-        src_side = Side(src_lengths, None, None, None)
-        pos = self.src_pos if self.cfg.positions == "learned" else None
-        memory = self.encoder(self._embed(src, src_side, self.src_embed, pos), src_side)  # (B, S, d)
+        memory = self._decoding_memory(src, src_lengths, max_len)  # (B, S, d)
         cross_kv = [tuple(repeat_rows(x, repeat) for x in blk.cross_attn.memory_kv(memory))
                     for blk in self.decoder.blocks]  # one (K, V) per unique block, (B*repeat, H, S, D) each
         lengths = repeat_rows(src_lengths, repeat)
@@ -525,11 +641,68 @@ class Transformer(nn.Module):
             state.t = 0
             return state
         B, cfg, dev = lengths.shape[0], self.cfg, memory.device
-        # the dtype the decoder's linears produce (autocast's, when it is on), so writes need no cast
-        dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else memory.dtype
+        dtype = self._cache_dtype(memory)
         caches = [KVCache(B, cfg.n_heads, max_len, cfg.head_dim, dtype, dev) for _ in self.decoder.schedule]
         # the state owns its lengths (a later refill writes into them, never into the caller's tensor)
         return DecodeState(caches, cross_kv, Side(lengths.clone(), None, None, None), max_len)
+
+    def _decoding_memory(self, src: torch.Tensor, src_lengths: torch.Tensor, max_len: int) -> torch.Tensor:
+        """The encoder states (B, S, d_model) of a padded batch to decode ``max_len`` positions from."""
+        if max_len > self.cfg.max_positions:
+            raise ValueError(f"max_len={max_len} > max_positions={self.cfg.max_positions}")
+        src_side = Side(src_lengths, None, None, None)
+        pos = self.src_pos if self.cfg.positions == "learned" else None
+        return self.encoder(self._embed(src, src_side, self.src_embed, pos), src_side)
+
+    def _cache_dtype(self, memory: torch.Tensor) -> torch.dtype:
+        """The dtype the decoder's linears produce (autocast's, when it is on), so cache writes need no cast."""
+        dev = memory.device.type
+        return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else memory.dtype
+
+    def start_live(self, src: torch.Tensor, src_lengths: torch.Tensor, max_len: int, beams: int = 1,
+                   host_lengths: list[int] | None = None) -> LiveState:
+        """Encode src (B, S) (padded layout) once and set up ``live_step`` decoding of ``max_len`` decoder
+        input positions for ``beams`` hypotheses per sentence. ``host_lengths``: ``src_lengths`` as the host
+        knows them, if it does (see ``LiveState``)."""
+        memory = self._decoding_memory(src, src_lengths, max_len)  # (B, S, d)
+        B, S, cfg = src.shape[0], src.shape[1], self.cfg
+        cross_kv = [blk.cross_attn.memory_kv(memory) for blk in self.decoder.blocks]  # (B, H, S, D) each, per block
+        dtype = self._cache_dtype(memory)
+        real = (torch.arange(S, device=src.device) < src_lengths.to(torch.long)[:, None]).view(B, 1, 1, S)
+        src_bias = torch.zeros(B, 1, 1, S, dtype=dtype, device=src.device).masked_fill_(~real, -math.inf)
+        shape = (B, cfg.n_heads, max_len * beams, cfg.head_dim)
+        # unfilled: a step reads only the slots it and the steps before it wrote
+        caches = [(torch.empty(shape, dtype=dtype, device=memory.device),
+                   torch.empty(shape, dtype=dtype, device=memory.device)) for _ in self.decoder.schedule]
+        state = LiveState(caches, cross_kv, src_bias, beams, max_len, host_lengths)
+        state.plain_norms = plain_norms(cfg, memory)
+        return state
+
+    def live_step(self, tokens: torch.Tensor, states: list[LiveState], masks: list) -> torch.Tensor:
+        """tokens (n*K,) -> next-token logits (n*K, V): the sentences of ``states`` one after the other (the K beams
+        of each sentence consecutive), each state's at its own position ``t``, advanced. ``masks``: per state,
+        (n_g, 1, K, (t+1)*K), boolean or additive, the cache slots each beam may see (its ancestors: see
+        ``LiveState``); None: every slot (greedy decoding, K = 1). The row-wise work (norms, projections, FFN)
+        runs once for every sentence; attention per state."""
+        K = states[0].beams
+        n, sizes = tokens.shape[0] // K, [len(s) for s in states]
+        for s in states:
+            if s.t >= s.max_len:
+                raise ValueError(f"live_step: position {s.t} is past the cache (max_len={s.max_len})")
+        table = self.tgt_pos.weight if self.cfg.positions == "learned" else self.pos_table
+        x = self.tgt_embed(tokens).view(n, K, -1) * self.embed_scale  # (n, K, d)
+        if len(states) == 1:
+            x = x + table[states[0].t]
+        else:  # each state's rows get its position
+            x = x + torch.cat([table[s.t].expand(size, 1, -1) for s, size in zip(states, sizes)])
+        h, res = x, None
+        for layer, i in enumerate(self.decoder.schedule):
+            h, res = self.decoder.blocks[i].live_step(h, res, layer, i, states, masks, sizes)
+        final = self.decoder.final_norm
+        y, _ = final.plain(h, res) if states[0].plain_norms else final(h, res)
+        for s in states:
+            s.t += 1
+        return self._project(y).view(n * K, -1)
 
     def decode_step(self, tokens: torch.Tensor, state: DecodeState, span: int | None = None) -> torch.Tensor:
         """tokens (B,) at position ``state.pos`` -> next-token logits (B, V); advances the position.

@@ -1,5 +1,5 @@
-"""The export tests' models: one tiny model trained 80 steps on the toy corpus (once per session: an untrained
-model repeats one token and proves nothing), and checkpoints of other architectures made from its checkpoint with
+"""The export tests' models: one tiny model trained 80 steps on the toy corpus with the default architecture
+switches (once per session: an untrained model repeats one token and proves nothing), and checkpoints of other architectures made from its checkpoint with
 random-init weights whose LayerNorms are perturbed (so every position and token matters)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from tests.utils import quiet, tiny_trainer, torch_threads
 
-BASE_MODEL = {"ffn_norm": False, "d_model": 64, "n_heads": 4, "d_ff": 128, "dropout": 0.0}
+BASE_MODEL = {"d_model": 64, "n_heads": 4, "d_ff": 128, "dropout": 0.0}  # ffn_norm: the default (off)
 TRAIN = dict(epochs=40, max_steps=80, every=1000, keep_last=2)
 
 
@@ -30,7 +30,8 @@ def trained(toy_bundle, tmp_path_factory) -> Trained:
 
     tmp = tmp_path_factory.mktemp("export")
     with torch_threads(1):
-        tr = tiny_trainer(toy_bundle, tmp, name="base", model=BASE_MODEL, log=quiet, **TRAIN)
+        # the final test writes the run's test record (the model card's scores)
+        tr = tiny_trainer(toy_bundle, tmp, name="base", model=BASE_MODEL, log=quiet, test_at_end=True, **TRAIN)
         tr.fit()
     run_dir = tmp / "runs" / "base"
     test = toy_bundle.splits["test"]

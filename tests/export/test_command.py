@@ -123,6 +123,12 @@ def test_evaluate_and_translate_the_ct2_folder(trained, tmp_path, capsys):
         records[name] = json.loads((tmp_path / f"{name}.hyp.json").read_text())
         records[name]["hyps"] = hyp.read_text()
     assert records["ct2"]["bleu"] == records["ckpt"]["bleu"] and records["ct2"]["hyps"] == records["ckpt"]["hyps"]
+    # what ran: the engine, the type its weights are stored in, what it computed in, its CPU threads
+    assert {k: records["ckpt"][k] for k in ("engine", "quantization", "compute", "threads")} == {
+        "engine": "fastmt", "quantization": "float32", "compute": "fp32", "threads": torch.get_num_threads()}
+    assert {k: records["ct2"][k] for k in ("engine", "quantization", "threads")} == {
+        "engine": "ctranslate2", "quantization": "float32", "threads": torch.get_num_threads()}
+    assert records["ct2"]["decoding"]["precision"] is None  # fastmt's autocast flag: not what CTranslate2 ran
     assert records["ct2"]["bleu_signature"] == records["ckpt"]["bleu_signature"]
     assert records["ct2-flag"]["hyps"] == records["ckpt"]["hyps"] and records["ckpt"]["bleu"] > 0
     capsys.readouterr()
@@ -130,3 +136,25 @@ def test_evaluate_and_translate_the_ct2_folder(trained, tmp_path, capsys):
     assert capsys.readouterr().out.splitlines() == records["ckpt"]["hyps"].splitlines()[:4]
     assert translate(["--ckpt", str(trained.ckpt), "--engine", "ct2", "--device", "cpu", "x"]) == 2
     assert "--engine ct2" in capsys.readouterr().err
+
+
+def test_evaluate_records_the_ct2_quantization_and_refuses_precision(trained, tmp_path, capsys):
+    """An int8 folder's record says int8 (the landed tree said fp32: the checkpoint's precision), with the threads it
+    ran on; --precision, which CTranslate2 does not take, is refused in one line before anything is decoded."""
+    from train.cli.evaluate import main as evaluate
+
+    out = tmp_path / "int8"
+    assert export(["--ckpt", str(trained.ckpt), "--to", "ct2", "--quantization", "int8", str(out)]) == 0
+    (tmp_path / "src.txt").write_text("".join(s + "\n" for s in trained.src[:8]))
+    (tmp_path / "ref.txt").write_text("".join(s + "\n" for s in trained.ref[:8]))
+    argv = ["--ckpt", str(out), "--src", str(tmp_path / "src.txt"), "--ref", str(tmp_path / "ref.txt"), "--beam", "1",
+            "--device", "cpu", "--out", str(tmp_path / "h.hyp")]
+    with torch_threads(1):
+        assert evaluate(argv) == 0
+    record = json.loads((tmp_path / "h.hyp.json").read_text())
+    assert (record["engine"], record["quantization"], record["threads"]) == ("ctranslate2", "int8", 1)
+    assert record["compute"].startswith("int8")
+    assert "CTranslate2 int8" in capsys.readouterr().out
+    assert evaluate([*argv[:-2], "--out", str(tmp_path / "p.hyp"), "--precision", "bf16"]) == 2
+    err = capsys.readouterr().err
+    assert "--precision bf16" in err and "CTranslate2" in err and not (tmp_path / "p.hyp").exists()

@@ -254,14 +254,19 @@ def test_gpu_triton_refuses_fp32_by_dtype():
 
 
 def test_auto_dispatch_rule():
-    def fake(device, dtype=torch.bfloat16, D=64, Tq=8, Tk=8):
+    def fake(device, dtype=torch.bfloat16, D=64, Tq=8, Tk=8, requires_grad=False):
         return SimpleNamespace(is_cuda=device == "cuda", device=torch.device(device), dtype=dtype,
-                               shape=(2, 4, Tq, D))
+                               shape=(2, 4, Tq, D), requires_grad=requires_grad)
 
     lens = torch.ones(2, dtype=torch.int32)
     cpu, cuda = fake("cpu"), fake("cuda")
     k_cuda = fake("cuda", Tq=8)
-    assert _auto_backend(cpu, cpu, True, lens, None, False) == "reference"
+    # CPU: the reference where a gradient flows (training), PyTorch's fused SDPA where none does (decoding)
+    cpu_grad = fake("cpu", requires_grad=True)
+    assert _auto_backend(cpu_grad, cpu_grad, True, lens, None, False) == "reference"
+    assert _auto_backend(cpu, cpu, True, lens, None, False) == "sdpa"
+    with torch.no_grad():
+        assert _auto_backend(cpu_grad, cpu_grad, True, lens, None, False) == "sdpa"
     assert _auto_backend(cuda, k_cuda, False, None, None, False) == "sdpa"  # no mask: SDPA flash
     assert _auto_backend(cuda, k_cuda, True, None, None, False) == "sdpa"  # square causal: SDPA flash
     assert _auto_backend(cuda, fake("cuda", Tq=5), True, None, None, False) == "triton"  # bottom-right causal

@@ -10,11 +10,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from einops import rearrange, repeat
 
 from models import Transformer
+from models import decoding as decoding_module
 from models import transformer as transformer_module
-from models.decoding import Decoder, DecodeStats, _eval, _length_limits, beam_search, greedy_decode
+from models.decoding import Batch, Decoder, DecodeStats, _length_limits, beam_search, greedy_decode
+from tests.models.oracle import oracle_beam_search, oracle_greedy_decode
 from tests.utils import (
     BOS,
     EOS,
@@ -200,6 +201,123 @@ def test_padding_rows_and_reuse_across_batches(beam):
 
 
 # ----------------------------------------------------------------------------------------------
+# The eager ("exact") path: finished sentences leave, beams share a cache, SDPA, no einops
+# ----------------------------------------------------------------------------------------------
+def _record_live_steps(monkeypatch):
+    """Every live step's (rows, the cache tensors' addresses) and every einops call made inside one."""
+    import einops
+
+    from models import transformer as T
+
+    steps, einops_calls, inside = [], [], [False]
+    original = T.Transformer.live_step
+
+    def live_step(self, tokens, states, masks):
+        steps.append((tokens.shape[0], tuple(t.data_ptr() for s in states for pair in s.caches for t in pair),
+                      tuple(s.t for s in states)))
+        inside[0] = True
+        try:
+            return original(self, tokens, states, masks)
+        finally:
+            inside[0] = False
+
+    for name in ("rearrange", "repeat", "einsum", "reduce"):
+        fn = getattr(einops, name)
+
+        def spy(*a, _fn=fn, _name=name, **k):
+            if inside[0]:
+                einops_calls.append(_name)
+            return _fn(*a, **k)
+
+        for module in (einops, T, decoding_module):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, spy)
+    monkeypatch.setattr(T.Transformer, "live_step", live_step)
+    return steps, einops_calls
+
+
+@pytest.mark.parametrize("beam", [None, 4], ids=["greedy", "beam4"])
+def test_finished_sentences_leave_and_beams_share_a_cache(monkeypatch, beam):
+    """Rows shrink as sentences finish (the landed tree kept every row to the last step); between two departures
+    every step writes into the same cache tensors (reordering beams copies no prefix); no einops call in a step; the
+    answers are the oracle's."""
+    model = build_eos(40, 0, 3.0)
+    batch = make_batch(SRC_LENS, [2] * len(SRC_LENS), 40, seed=0)
+    steps, einops_calls = _record_live_steps(monkeypatch)
+    kw = dict(max_len_ratio=1.5, max_len_extra=10, **IDS)
+    args = (model, batch["src"], batch["src_lengths"])
+    if beam is None:
+        got, want = greedy_decode(*args, **kw), oracle_greedy_decode(*args, **kw)
+    else:
+        got = beam_search(*args, beam_size=beam, **kw)
+        want = oracle_beam_search(*args, beam_size=beam, **kw)
+    limits = _length_limits(model, batch["src_lengths"], 1.5, 10).tolist()
+    assert_same_hypotheses(model, batch, got, want, limits, 0.6)
+    rows = [r for r, _, _ in steps]
+    K = beam or 1
+    assert rows[0] == K * len(SRC_LENS) and rows[-1] < rows[0] and rows == sorted(rows, reverse=True), rows
+    for (r0, caches0, _), (r1, caches1, _) in zip(steps, steps[1:]):
+        assert r0 != r1 or caches0 == caches1  # same rows: the same cache tensors, written in place
+    assert einops_calls == []
+
+
+@pytest.mark.parametrize("beam,check_every", [(None, 1), (3, 1), (3, 3)], ids=["greedy", "beam3", "beam3-check3"])
+def test_next_batch_starts_beside_the_last_sentences(monkeypatch, beam, check_every):
+    """decode_batches ("exact"): once at most a quarter of a batch is left, the next batch starts beside it (two
+    groups in one step, each at its own position); every answer is the one its batch gets alone (the oracle's),
+    inactive rows decode to []."""
+    model = build_eos(40, 3, 3.0)
+    lens = [[9, 12, 5, 3, 7, 2, 12, 11], [7, 2, 6, 4, 9, 1, 5, 3], [11, 4, 8, 1, 6, 3, 2, 10]]
+    batches = [make_batch(x, [2] * len(x), 40, seed=10 + i) for i, x in enumerate(lens)]
+    active = torch.tensor([True, True, False, True, True, True, True, True])
+    steps, _ = _record_live_steps(monkeypatch)
+    dec = Decoder(model, beam_size=beam, check_every=check_every, **IDS)
+    stats = DecodeStats()
+    got = dec.decode_batches([Batch(b["src"], b["src_lengths"], active if i == 2 else None, x)
+                              for i, (b, x) in enumerate(zip(batches, lens))], stats=stats)
+    K = beam or 1
+    assert stats.batches == 3 and max(r for r, _, _ in steps) <= (8 + 8 // 4) * K
+    assert any(len(positions) > 1 for _, _, positions in steps)  # two batches in one step
+    kw = dict(max_len_ratio=1.5, max_len_extra=10, **IDS)
+    for i, (b, answers) in enumerate(zip(batches, got)):
+        args = (model, b["src"], b["src_lengths"])
+        want = oracle_greedy_decode(*args, **kw) if beam is None else oracle_beam_search(*args, beam_size=beam, **kw)
+        if i == 2:
+            assert answers[2] == []
+            want[2] = []
+        limits = _length_limits(model, b["src_lengths"], 1.5, 10).tolist()
+        assert_same_hypotheses(model, b, answers, want, limits, 0.6)
+
+
+def test_live_step_attends_with_sdpa_and_skips_the_source_mask_it_does_not_need(monkeypatch):
+    """The CPU step's attention is PyTorch's SDPA; with the lengths known on the host, a batch whose sources have
+    one length gets no cross-attention mask, and the answers are those without the hint."""
+    import torch.nn.functional as F
+
+    calls = []
+    original = F.scaled_dot_product_attention
+
+    def sdpa(q, k, v, attn_mask=None, **kw):
+        if attn_mask is None or attn_mask.shape[2] == 1:  # a cross-attention call (beam search masks its self one)
+            calls.append(attn_mask is None)
+        return original(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(transformer_module.F, "scaled_dot_product_attention", sdpa)
+    model = build_eos(40, 1, 3.0)
+    for lens, masked in (([6, 6, 6], False), ([6, 3, 5], True)):
+        batch = make_batch(lens, [2] * 3, 40, seed=4)
+        dec = Decoder(model, beam_size=3, **IDS)
+        calls.clear()
+        hinted = dec(batch["src"], batch["src_lengths"], host_lengths=lens)
+        assert calls and (calls[0] is not masked) and (masked or all(calls)), (lens, calls)
+        calls.clear()
+        assert hinted == dec(batch["src"], batch["src_lengths"]), lens
+        assert calls and not any(calls)  # without the hint every cross-attention call is masked
+    with pytest.raises(ValueError, match="host_lengths"):
+        Decoder(model, beam_size=3, **IDS)(batch["src"], batch["src_lengths"], host_lengths=[1, 2])
+
+
+# ----------------------------------------------------------------------------------------------
 # Host syncs and static shapes
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("beam", [None, 4], ids=["greedy", "beam4"])
@@ -290,99 +408,6 @@ def test_cuda_graph_decoding_equals_eager(beam):
         captured = stats.graphs
         assert graphed(src, lens, stats=stats) == want
     assert captured >= 1 and stats.graphs == captured and graphed.cuda_graph
-
-
-# ----------------------------------------------------------------------------------------------
-# The oracle: greedy and beam search as implemented before the device-side rewrite (host bookkeeping
-# every step, a growing history, every cache reordered), unchanged but for names.
-# ----------------------------------------------------------------------------------------------
-def _oracle_next_logits(model, tokens, state, forbidden):
-    logits = model.decode_step(tokens, state).float()
-    logits[:, forbidden] = -math.inf
-    return logits
-
-
-def _oracle_strip(row, eos_id, pad_id):
-    if eos_id in row:
-        row = row[: row.index(eos_id)]
-    return [tok for tok in row if tok != pad_id]
-
-
-def oracle_greedy_decode(model, src, src_lengths, *, bos_id, eos_id, pad_id, max_len_ratio=1.5, max_len_extra=10):
-    B = src.shape[0]
-    with _eval(model):
-        limits = _length_limits(model, src_lengths, max_len_ratio, max_len_extra)  # (B,)
-        steps = int(limits.max())
-        state = model.start_decoding(src, src_lengths, steps)
-        tokens = torch.full((B,), bos_id, dtype=torch.long, device=src.device)
-        done = torch.zeros(B, dtype=torch.bool, device=src.device)
-        out = []
-        for t in range(steps):
-            logits = _oracle_next_logits(model, tokens, state, [pad_id, bos_id])  # (B, V)
-            tokens = logits.argmax(-1)
-            tokens = torch.where(done, torch.full_like(tokens, pad_id), tokens)
-            out.append(tokens)
-            done = done | (tokens == eos_id) | (t + 1 >= limits)
-            if bool(done.all()):
-                break
-        rows = torch.stack(out, 1).tolist()  # (B, steps)
-    return [_oracle_strip(row, eos_id, pad_id) for row in rows]
-
-
-def oracle_beam_search(model, src, src_lengths, *, bos_id, eos_id, pad_id, beam_size=4, length_penalty=0.6,
-                       max_len_ratio=1.5, max_len_extra=10):
-    B, K, device = src.shape[0], beam_size, src.device
-
-    def score(logprob, length):
-        return logprob / (((5.0 + length) / 6.0) ** length_penalty)
-
-    with _eval(model):
-        limits = _length_limits(model, src_lengths, max_len_ratio, max_len_extra).tolist()  # B ints
-        steps = max(limits)
-        src_k = repeat(src, "b s -> (b k) s", k=K)  # every beam has its own row
-        state = model.start_decoding(src_k, repeat(src_lengths, "b -> (b k)", k=K), steps)
-        tokens = torch.full((B * K,), bos_id, dtype=torch.long, device=device)
-        scores = torch.full((B, K), -math.inf, device=device)
-        scores[:, 0] = 0.0
-        history = torch.empty(B, K, 0, dtype=torch.long, device=device)  # (B, K, t) generated so far
-        finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]
-        done = [False] * B
-        base = rearrange(torch.arange(B, device=device) * K, "b -> b 1")  # (B, 1) first row of each sentence
-        for t in range(steps):
-            logp = torch.log_softmax(_oracle_next_logits(model, tokens, state, [pad_id, bos_id]), -1)  # (B*K, V)
-            V = logp.shape[-1]
-            cand = rearrange(scores, "b k -> b k 1") + rearrange(logp, "(b k) v -> b k v", k=K)  # (B, K, V)
-            top_scores, top_idx = rearrange(cand, "b k v -> b (k v)").topk(min(2 * K, K * V), dim=-1)  # (B, 2K)
-            top_beam, top_tok = top_idx // V, top_idx % V
-            is_eos = top_tok == eos_id
-            eos_hits = (is_eos[:, :K] & torch.isfinite(top_scores[:, :K])).nonzero().tolist()
-            if eos_hits:
-                hist_cpu, sc_cpu, beam_cpu = history.tolist(), top_scores.tolist(), top_beam.tolist()
-                for b, j in eos_hits:
-                    if not done[b]:
-                        finished[b].append((score(sc_cpu[b][j], t + 1), hist_cpu[b][beam_cpu[b][j]]))
-            rank = is_eos.long() * (2 * K) + torch.arange(top_idx.shape[1], device=device)  # EOS sorted last
-            keep = rank.topk(K, dim=-1, largest=False).indices  # (B, K)
-            scores = top_scores.gather(1, keep)
-            beams, tokens = top_beam.gather(1, keep), top_tok.gather(1, keep)  # (B, K)
-            history = torch.cat([history.gather(1, repeat(beams, "b k -> b k t", t=history.shape[2])),
-                                 rearrange(tokens, "b k -> b k 1")], dim=2)
-            state.reorder(rearrange(base + beams, "b k -> (b k)"))
-            tokens = rearrange(tokens, "b k -> (b k)")
-            best_live = scores.max(1).values.tolist()  # (B,) raw log-probs of the best live beam
-            for b in range(B):
-                if done[b]:
-                    continue
-                finished[b] = sorted(finished[b], key=lambda x: -x[0])[:K]
-                if t + 1 >= limits[b]:  # out of length: finish the live hypotheses as they are
-                    sc, hist = scores[b].tolist(), history[b].tolist()
-                    finished[b].extend((score(s, t + 1), h) for s, h in zip(sc, hist) if math.isfinite(s))
-                    done[b] = True
-                elif len(finished[b]) >= K and finished[b][-1][0] >= score(best_live[b], t + 1):
-                    done[b] = True
-            if all(done):
-                break
-    return [max(f, key=lambda x: x[0])[1] if f else [] for f in finished]
 
 
 class FakeGraph:

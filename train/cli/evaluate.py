@@ -211,6 +211,7 @@ def run(args) -> int:
     from train.evaluation.decode import overlong, translate_lines
     from train.evaluation.scores import corpus_scores
     from train.export.engine import checkpoint_file as exported_weights
+    from train.export.engine import engine_record
 
     args.ckpt = checkpoint_file(args.ckpt)
     to_stdout = args.out == "-"
@@ -238,6 +239,11 @@ def run(args) -> int:
         lines = ", ".join(str(i + 1) for i, _ in cut[:10]) + (", ..." if len(cut) > 10 else "")
         print(f"note: {len(cut):,} of {len(src):,} sources are longer than the model's {limit} positions and are cut "
               f"to fit (lines {lines})", file=sys.stderr)
+    ran = engine_record(model, device, decoding.precision)  # engine, quantization, compute, threads
+    if ran["engine"] != "fastmt":  # the precision flag is fastmt's autocast: not what a CTranslate2 folder decodes in
+        decoding_record = {**decoding.as_dict(), "precision": None}
+    else:
+        decoding_record = decoding.as_dict()
     t0 = time.perf_counter()
     hyps = translate_lines(model, tok, src, device, decoding,
                            cuda_graph=bool((config.get("eval") or {}).get("cuda_graphs", True)))
@@ -249,8 +255,8 @@ def run(args) -> int:
         "refs": [str(Path(r).resolve()) for r in args.ref or []], "refs_sha256": [sha256(r) for r in args.ref or []],
         "sentences": len(src), "truncated_sources": len(cut), "max_positions": limit,
         "bleu": scores.get("bleu"), "chrf": scores.get("chrf"), "bleu_signature": scores.get("bleu_signature"),
-        "chrf_signature": scores.get("chrf_signature"), "decoding": decoding.as_dict(),
-        "decoding_from_flags": given, "device": str(device), "decode_seconds": seconds,
+        "chrf_signature": scores.get("chrf_signature"), "decoding": decoding_record,
+        "decoding_from_flags": given, "device": str(device), **ran, "decode_seconds": seconds,
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     if to_stdout:
@@ -272,7 +278,10 @@ def run(args) -> int:
         print(f"no --ref: {len(src):,} sentences translated, nothing scored", file=report)
     origin = ("the checkpoint's eval settings, what its final test used" if not given else
               f"{', '.join(given)} given; the rest from the checkpoint")
-    print(f"decoding: {decoding.describe()} ({origin}); {seconds:.1f} s on {device}", file=report)
+    threads = f", {ran['threads']} thread{'s' if ran['threads'] != 1 else ''}" if ran["threads"] else ""
+    engine = (f"fastmt, {decoding.describe()}" if ran["engine"] == "fastmt" else
+              f"CTranslate2 {ran['quantization']} (compute {ran['compute']}), {decoding.describe(precision=False)}")
+    print(f"decoding: {engine} ({origin}); {seconds:.1f} s on {device}{threads}", file=report)
     if out is not None:
         print(f"hypotheses: {out} (record: {record_path(out)})", file=report)
     return EXIT_OK

@@ -20,13 +20,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import re
 import sys
 from pathlib import Path
 
 from train.errors import EXIT_OK, UserError
-from train.export.common import EXTRA, Source, check_out, model_card, write_dir
+from train.export.common import EXTRA, LICENSE_DEFAULT, Source, check_out, model_card, write_dir
 
 TARGETS = {"ct2": ("ctranslate2",), "hf": ("transformers", "safetensors")}
+LICENSE_ID = re.compile(r"[a-z0-9][a-z0-9.+-]{0,63}")  # the form of the Hub's license ids
 
 
 def load_source(path: str | Path) -> Source:
@@ -59,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt", required=True, help="a training checkpoint, e.g. runs/<name>/checkpoints/best.pt")
     p.add_argument("--to", required=True, metavar="TARGET", help="ct2 (CTranslate2) or hf (Hugging Face)")
     p.add_argument("--quantization", metavar="Q", help="ct2 only: int8, int8_float16 or float16 (default float32)")
+    p.add_argument("--license", default=LICENSE_DEFAULT, metavar="ID",
+                   help="the model card's license, a Hub license id such as apache-2.0 or cc-by-4.0 (default "
+                        f"{LICENSE_DEFAULT}: the training data's license decides; OPUS corpora carry their sources')")
     p.add_argument("--force", action="store_true", help="replace an earlier export in OUT")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error too")
     p.add_argument("out", metavar="OUT", help="the folder to write")
@@ -76,6 +81,9 @@ def require_extra(target: str) -> None:
 
 
 def check_args(args) -> None:
+    if not LICENSE_ID.fullmatch(args.license):
+        raise UserError(f"--license {args.license!r}: give a Hub license id (lower case letters, digits, '.', '-', "
+                        f"e.g. apache-2.0, cc-by-4.0, other, unknown)")
     if args.to not in TARGETS:
         raise UserError(f"--to {args.to!r}: choose ct2 (CTranslate2) or hf (Hugging Face)")
     if args.quantization is not None:
@@ -101,21 +109,28 @@ def run(args, argv: list[str]) -> int:
         notes.append("decode it like fastmt: fastmt translate --ckpt THIS_DIR, fastmt evaluate --ckpt THIS_DIR "
                      "(fastmt_decoding.json holds the settings; CTranslate2's own length penalty is not GNMT's: "
                      "fastmt rescores the n-best with GNMT)")
+        notes.append(f"ctranslate2.Translator(DIR).translate_batch(pieces, max_input_length={src.cfg.max_positions}, "
+                     f"...): a longer source is cut to its first {src.cfg.max_positions - 1} pieces + </s>, as fastmt "
+                     f"cuts it (pieces: spm.model's, fastmt_decoding.json has every option)")
 
         def build(tmp: Path) -> None:
             ct2.write(src, tmp, args.quantization)
-            (tmp / "README.md").write_text(model_card(src, "CTranslate2", notes, argv))
+            (tmp / "README.md").write_text(model_card(src, "CTranslate2", notes, argv, args.license))
     else:
         from train.export import hf
 
         notes.append("load: AutoModelForSeq2SeqLM.from_pretrained(DIR" +
-                     (", trust_remote_code=True)" if src.cfg.ffn_norm else ")") + ", MarianTokenizer.from_pretrained(DIR)")
+                     (", trust_remote_code=True)" if src.cfg.ffn_norm else ")") + ", MarianTokenizer.from_pretrained(DIR)"
+                     + (" (model_type fastmt_pegasus: its mid-FFN LayerNorm is in modeling_fastmt.py; without "
+                        "trust_remote_code transformers refuses it)" if src.cfg.ffn_norm else " (stock Pegasus)"))
+        notes.append(f"inputs: tokenizer(texts, truncation=True) cuts a source to {src.cfg.max_positions - 1} pieces + "
+                     f"</s>, as fastmt does; generation_config.json caps the output at {src.cfg.max_positions - 1} tokens")
         notes.append("generate: HF's length penalty divides by len^alpha, fastmt's GNMT by ((5 + len) / 6)^alpha: "
                      "generation_config.json uses alpha 0; fastmt's alpha is in fastmt_decoding.json")
 
         def build(tmp: Path) -> None:
             hf.write(src, tmp)
-            (tmp / "README.md").write_text(model_card(src, "Hugging Face", notes, argv))
+            (tmp / "README.md").write_text(model_card(src, "Hugging Face", notes, argv, args.license))
 
     write_dir(out, build)
     print(f"exported {args.ckpt} -> {out} ({args.to}{', ' + args.quantization if args.quantization else ''})")

@@ -34,9 +34,10 @@ class Decoding:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def describe(self) -> str:
+    def describe(self, precision: bool = True) -> str:
+        """One line of the settings (``precision``: with the autocast precision, fastmt's own decoding's)."""
         return (f"beam {self.beam_size}, length penalty {self.length_penalty:g}, max length {self.max_len_a:g} x "
-                f"source + {self.max_len_b}, batch {self.batch_size}, {self.precision}")
+                f"source + {self.max_len_b}, batch {self.batch_size}" + (f", {self.precision}" if precision else ""))
 
 
 # what a checkpoint without these config fields gets (train.config.EvalConfig's and RunConfig's defaults)
@@ -160,23 +161,30 @@ def translate(model, tokenizer, sentences: list[str], device: torch.device, *, b
     rows = min(batch_size, 1 << (len(order) - 1).bit_length())  # fewer sentences: a power of two
     decoder = _decoder(model, tokenizer, decode, beam_size, length_penalty, max_len_ratio, max_len_extra,
                        cuda_graph, keep=fixed_shapes)
+    from models.decoding import Batch
+
     out: list[str | None] = [None] * len(sentences)
     ctx = autocast if autocast is not None else torch.autocast(device.type, enabled=False)
-    with ctx:
-        for start in range(0, len(order), rows):
-            idx = order[start : start + rows]
-            lens = [len(encoded[i]) for i in idx]
-            n_rows, width = (rows, _src_width(max(lens), max_src)) if fixed_shapes else (len(idx), max(lens))
-            src = torch.full((n_rows, width), tokenizer.pad_id, dtype=torch.int32)
-            src[len(idx) :, 0] = tokenizer.eos_id  # padding rows: an empty source, decoded to nothing
-            for row, i in enumerate(idx):
-                src[row, : lens[row]] = torch.from_numpy(encoded[i])
-            src_lengths = torch.tensor(lens + [1] * (n_rows - len(idx)), dtype=torch.int32)
-            active = torch.arange(n_rows) < len(idx)
-            hyps = decoder(src.to(device, non_blocking=True), src_lengths.to(device, non_blocking=True),
-                           active=active.to(device, non_blocking=True), stats=stats)
-            for i, text in zip(idx, tokenizer.decode(hyps[: len(idx)])):
-                out[i] = text
+    batches, members = [], []
+    for start in range(0, len(order), rows):
+        idx = order[start : start + rows]
+        lens = [len(encoded[i]) for i in idx]
+        n_rows, width = (rows, _src_width(max(lens), max_src)) if fixed_shapes else (len(idx), max(lens))
+        src = torch.full((n_rows, width), tokenizer.pad_id, dtype=torch.int32)
+        src[len(idx) :, 0] = tokenizer.eos_id  # padding rows: an empty source, decoded to nothing
+        for row, i in enumerate(idx):
+            src[row, : lens[row]] = torch.from_numpy(encoded[i])
+        host_lengths = lens + [1] * (n_rows - len(idx))
+        src_lengths = torch.tensor(host_lengths, dtype=torch.int32)
+        active = torch.arange(n_rows) < len(idx)
+        batches.append(Batch(src.to(device, non_blocking=True), src_lengths.to(device, non_blocking=True),
+                             active.to(device, non_blocking=True), host_lengths))
+        members.append(idx)
+    with ctx:  # the eager decoder overlaps a batch's last sentences with the next batch; the static one does not
+        answers = decoder.decode_batches(batches, stats=stats)
+    for idx, hyps in zip(members, answers):
+        for i, text in zip(idx, tokenizer.decode(hyps[: len(idx)])):
+            out[i] = text
     return out  # type: ignore[return-value]
 
 

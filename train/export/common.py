@@ -137,20 +137,121 @@ def _card_fields(rec: dict) -> dict:
     return out
 
 
-def model_card(src: Source, target: str, notes: list[str], argv: list[str]) -> str:
-    """A short README.md: the model, its data and split, the run's test BLEU/chrF with signatures, the command."""
-    cfg, data = src.cfg, src.config.get("data") or {}
+LICENSE_DEFAULT = "unknown"  # the model card's license when --license is not given: the training data's decides
+
+
+def public_path(value: str) -> str:
+    """A path as a shared folder may show it: its last component (never the author's folders)."""
+    return Path(value).name if (os.sep in value or (os.altsep and os.altsep in value)) else value
+
+
+# the config fields that name paths on the training machine (a Hub dataset id is a name, a local folder a path)
+PATH_FIELDS = {"data": ("data_files", "valid_files", "test_files", "cache_dir", "dataset"),
+               "run": ("out_dir", "cache_dir")}
+
+
+def public_config(config: dict) -> dict:
+    """The run config as an export records it (``fastmt_config.json``): every path field reduced to its last
+    component (``public_path``), so that the folder names none of the author's folders."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in config.items()}
+    for section, fields in PATH_FIELDS.items():
+        part = out.get(section)
+        if not isinstance(part, dict):
+            continue
+        for key in fields:
+            v = part.get(key)
+            if isinstance(v, str) and (key != "dataset" or os.path.isabs(v) or Path(v).exists()):
+                part[key] = public_path(v)
+            elif isinstance(v, (list, tuple)):
+                part[key] = [public_path(x) if isinstance(x, str) else x for x in v]
+    return out
+
+
+def shareable_spm(model_bytes: bytes) -> bytes:
+    """A SentencePiece model without the paths its trainer recorded (``trainer_spec.model_prefix`` and ``input``:
+    folders of the training machine); pieces, scores and normalisation are untouched, so it encodes the same."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(model_bytes)
+    proto.trainer_spec.ClearField("model_prefix")
+    proto.trainer_spec.ClearField("input")
+    return proto.SerializeToString()
+
+
+def hub_dataset(data: dict) -> str | None:
+    """The Hub dataset id a run read (``data.dataset`` when no local files are named and it is neither the generated
+    toy corpus nor a local folder), else None."""
+    from data.config import TOY_DATASET
+
+    dataset = data.get("dataset")
+    if data.get("data_files") or not isinstance(dataset, str) or dataset == TOY_DATASET:
+        return None
+    return None if os.path.isabs(dataset) or Path(dataset).exists() else dataset
+
+
+def corpus_name(data: dict) -> str:
+    """What a run's data was, named without the author's folders."""
+    from data.config import TOY_DATASET
+
     files = data.get("data_files") or []
-    corpus = (f"local files {', '.join(Path(f).name for f in files)}" if files
-              else f"{data.get('dataset', '?')} ({data.get('dataset_config') or data.get('src_lang', '')})")
-    lines = [f"# fastmt translator ({data.get('src_lang', '?')} -> {data.get('tgt_lang', '?')}), {target} export", "",
+    if files:
+        return f"local files {', '.join(public_path(f) for f in files)}"
+    dataset = data.get("dataset")
+    if dataset == TOY_DATASET:
+        return "fastmt's generated toy corpus"
+    return hub_dataset(data) or f"a local dataset folder {public_path(str(dataset))}"
+
+
+def card_metadata(src: Source, target: str, test: dict | None, license: str) -> str:
+    """The model card's YAML metadata (huggingface_hub's ``ModelCardData``): languages, license, library, tags,
+    datasets (a Hub dataset only), metrics, pipeline tag and, with a test record, the test BLEU/chrF with their
+    sacreBLEU signatures as ``model-index`` results. No ``base_model``: trained from scratch."""
+    from huggingface_hub import EvalResult, ModelCardData
+
+    data = src.config.get("data") or {}
+    langs = [x for x in (data.get("src_lang"), data.get("tgt_lang")) if isinstance(x, str)]
+    hub = hub_dataset(data)
+    ct2 = target == "CTranslate2"
+    tags = ["translation", "fastmt", "ctranslate2" if ct2 else "pegasus", *(["custom_code"] if src.cfg.ffn_norm and not ct2 else [])]
+    results = []
+    if test and test.get("test_bleu") is not None:
+        pair = "-".join(langs)
+        name = f"{hub or corpus_name(data)} ({data.get('dataset_config') or pair}), fastmt's held-out test split"
+        for metric, key, label in (("bleu", "test_bleu", "BLEU"), ("chrf", "test_chrf", "chrF")):
+            if test.get(key) is None:
+                continue
+            results.append(EvalResult(task_type="translation", task_name=f"Translation {pair}",
+                                      dataset_type=hub or "local", dataset_name=name, dataset_split="test",
+                                      dataset_config=data.get("dataset_config") if hub else None,
+                                      metric_type=metric, metric_name=label, metric_value=round(float(test[key]), 2),
+                                      metric_args={"signature": f"{'BLEU' if metric == 'bleu' else 'chrF2'}|"
+                                                                f"{test.get(key + '_signature')}",
+                                                   "sentences": test.get("test_sentences")}))
+    run = (src.config.get("run") or {}).get("name") or "model"
+    meta = ModelCardData(language=langs or None, license=license, library_name="ctranslate2" if ct2 else "transformers",
+                         tags=tags, datasets=[hub] if hub else None, metrics=["bleu", "chrf"],
+                         pipeline_tag="translation", model_name=f"fastmt-{'-'.join(langs)}-{public_path(run)}",
+                         eval_results=results or None)
+    return meta.to_yaml()
+
+
+def model_card(src: Source, target: str, notes: list[str], argv: list[str], license: str = LICENSE_DEFAULT) -> str:
+    """README.md: YAML metadata (``card_metadata``), then the model, its data and split, the run's test BLEU/chrF
+    with signatures, the command that made it. Paths are shown by their last component only."""
+    cfg, data = src.cfg, src.config.get("data") or {}
+    corpus = corpus_name(data) + (f" ({data['dataset_config']})" if hub_dataset(data) and data.get("dataset_config")
+                                  else "")
+    test = _test_record(src)
+    lines = ["---", card_metadata(src, target, test, license).rstrip("\n"),
+             "# base_model: none (trained from scratch by fastmt)", "---", "",
+             f"# fastmt translator ({data.get('src_lang', '?')} -> {data.get('tgt_lang', '?')}), {target} export", "",
              f"- model: {cfg.enc_layers}+{cfg.dec_layers} layers (sharing {cfg.sharing}), d_model {cfg.d_model}, "
              f"{cfg.n_heads} heads, d_ff {cfg.d_ff}, {cfg.activation}, positions {cfg.positions}, "
              f"{'tied' if cfg.tie_embeddings else 'untied'} embeddings, ffn_norm {cfg.ffn_norm}, vocabulary "
-             f"{cfg.vocab_size} (SentencePiece)",
+             f"{cfg.vocab_size} (SentencePiece), at most {cfg.max_positions} tokens per side; trained from scratch",
              f"- data: {corpus}; split: {data.get('valid_size', '?')} valid / {data.get('test_size', '?')} test "
              f"pairs held out (seed {data.get('split_seed', data.get('seed', '?'))})"]
-    test = _test_record(src)
     if test and test.get("test_bleu") is not None:
         dec = test.get("decoding") or {}
         lines.append(f"- test: BLEU {test['test_bleu']:.2f}, chrF {test.get('test_chrf') or 0:.2f} on "
@@ -159,9 +260,12 @@ def model_card(src: Source, target: str, notes: list[str], argv: list[str]) -> s
                      f"chrF2|{test.get('test_chrf_signature')}")
     else:
         lines.append("- test: no test record in the run folder (score it: fastmt evaluate --ckpt THIS_DIR --src ...)")
-    lines.append(f"- checkpoint: {src.path.resolve()} (step {(src.ckpt.get('position') or {}).get('step', '?')})")
+    run = (src.config.get("run") or {}).get("name")
+    lines.append(f"- checkpoint: {src.path.name} of run {public_path(str(run)) if run else '?'} "
+                 f"(step {(src.ckpt.get('position') or {}).get('step', '?')})")
     lines += [f"- {n}" for n in notes]
-    lines += ["", "Made by:", "", "    " + " ".join(shlex.quote(a) for a in ["fastmt", "export", *argv]), ""]
+    lines += ["", "Made by (paths shown by their last component):", "",
+              "    " + " ".join(shlex.quote(public_path(a)) for a in ["fastmt", "export", *argv]), ""]
     return "\n".join(lines)
 
 
@@ -217,7 +321,7 @@ def write_dir(out: Path, build: Callable[[Path], None]) -> None:
     old = None
     try:
         build(tmp)
-        os.chmod(tmp, 0o777 & ~umask())
+        follow_umask(tmp, umask())
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             os.replace(out, old)
@@ -268,6 +372,15 @@ def check_plain_folder(path: Path, what: str, limit: int) -> None:
         if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
             raise FileRefusedError(f"{what} {path}: {entry.name} is not a regular file of at most {limit:,} bytes "
                                    f"(a link, FIFO, device or folder): a fastmt export holds only its own files")
+
+
+def follow_umask(folder: Path, mask: int) -> None:
+    """Give ``folder`` and everything in it the modes the umask gives new files and folders: a library that writes
+    its file privately (safetensors' 0600 ``model.safetensors``) or copies a file's mode does not decide them."""
+    for path in [folder, *folder.rglob("*")]:
+        if path.is_symlink():
+            continue
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
 
 
 def write_json(path: Path, obj: Any) -> None:

@@ -8,7 +8,8 @@ stores identical arrays once), and fastmt's own position table (interleaved sin/
 learned tables). It has no mid-FFN LayerNorm: ``ffn_norm`` models are refused.
 
 Decoding: CTranslate2's ``translate_batch`` defaults differ from fastmt's (beam 2, length penalty 1, max length
-256, PAD and BOS allowed). ``CT2Translator`` sets beam size, suppresses ``<pad>``/``<s>``, gives each sentence
+256, PAD and BOS allowed). Sources are cut as fastmt cuts them: ``max_input_length = max_positions`` keeps the first
+``max_positions - 1`` pieces and the EOS (with 0, a longer source fails: the position table ends there). ``CT2Translator`` sets beam size, suppresses ``<pad>``/``<s>``, gives each sentence
 fastmt's length limit ``min(floor(a * source tokens + b), max_positions - 1)`` (sentences are decoded in groups of
 one limit: the option is per call) and, with a GNMT length penalty alpha > 0, which CTranslate2 lacks (it divides
 by len^alpha), rescores its ``beam_size`` finished hypotheses with GNMT's ((5 + len) / 6)^alpha. With alpha = 0
@@ -31,7 +32,9 @@ from train.export.common import (
     decoding_settings,
     pieces,
     position_table,
+    public_config,
     read_export_records,
+    shareable_spm,
     source_ids,
     write_json,
 )
@@ -105,17 +108,20 @@ def write(src: Source, out: Path, quantization: str | None) -> None:
     spec.save(str(out))
     settings = decoding_settings(src)
     settings["quantization"] = quantization or "float32"
+    positions = src.cfg.max_positions
     settings["ctranslate2"] = {
         "translate_batch": {"beam_size": settings["beam_size"], "length_penalty": 0.0,
-                            "suppress_sequences": [["<pad>"], ["<s>"]], "max_input_length": 0, "min_decoding_length": 0,
-                            "return_end_token": True},
-        "per_sentence": "max_decoding_length = the max length rule of the sentence; sentences of one limit "
-                        "together (fastmt.export.ct2.CT2Translator does this)",
+                            "suppress_sequences": [["<pad>"], ["<s>"]], "max_input_length": positions,
+                            "max_decoding_length": positions - 1, "min_decoding_length": 0, "return_end_token": True},
+        "max_input_length": f"{positions}: a longer source is cut to its first {positions - 1} pieces + </s>, as "
+                            f"fastmt cuts it (the position table ends there; 0 would fail past it)",
+        "per_sentence": "max_decoding_length = the max length rule of the sentence (at most "
+                        f"{positions - 1}); sentences of one limit together (fastmt.export.ct2.CT2Translator does this)",
         "gnmt": "with length_penalty > 0: num_hypotheses = beam_size, return_scores, pick the best "
                 "score / ((5 + len) / 6) ** alpha (CTranslate2's own penalty divides by len ** alpha)"}
     write_json(out / DECODING_FILE, settings)
-    write_json(out / CONFIG_FILE, src.config)
-    (out / "spm.model").write_bytes(src.tok.model_bytes())
+    write_json(out / CONFIG_FILE, public_config(src.config))
+    (out / "spm.model").write_bytes(shareable_spm(src.tok.model_bytes()))
 
 
 def is_ct2_dir(path: str | Path) -> bool:
@@ -141,7 +147,9 @@ class CT2Translator:
         self.path = path
         self.settings, self.config = read_export_records(path)  # through the one reader, bounded
         self.tok = Tokenizer(str(path / "spm.model"), inside=path)
-        self.max_positions = self.settings["max_positions"]
+        self.max_positions = int(self.settings["max_positions"])
+        self.quantization = str(self.settings.get("quantization") or "float32")  # the type model.bin stores
+        self.threads = threads  # intra_threads (0: CTranslate2's default)
         self.translator = ctranslate2.Translator(str(path), device=device, compute_type=compute_type,
                                                  intra_threads=threads)
 
@@ -157,7 +165,8 @@ class CT2Translator:
         for limit, idx in groups.items():
             results = self.translator.translate_batch(
                 self._pieces([src[k] for k in idx]), beam_size=beam_size, length_penalty=0.0, max_batch_size=batch_size,
-                max_decoding_length=limit, min_decoding_length=0, max_input_length=0, suppress_sequences=[["<pad>"], ["<s>"]],
+                max_decoding_length=limit, min_decoding_length=0, max_input_length=self.max_positions,
+                suppress_sequences=[["<pad>"], ["<s>"]],
                 return_end_token=True, return_scores=nbest > 1, num_hypotheses=nbest)
             for k, r in zip(idx, results):
                 best = r.hypotheses[0] if nbest == 1 else _gnmt_best(r.hypotheses, r.scores, length_penalty)
@@ -175,7 +184,7 @@ class CT2Translator:
 
     def score(self, src: list[list[int]], tgt: list[list[int]]) -> list[list[float]]:
         """Log-probs of each target token and its EOS given the source (ids without EOS)."""
-        results = self.translator.score_batch(self._pieces(src), self._pieces(tgt), max_input_length=0)
+        results = self.translator.score_batch(self._pieces(src), self._pieces(tgt), max_input_length=self.max_positions)
         return [list(r.log_probs) for r in results]
 
 

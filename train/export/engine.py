@@ -17,15 +17,36 @@ from train.errors import UserError
 from train.export.common import EXTRA
 
 ENGINE_KEY = "_engine"  # marks the config of an exported model (train.cli.decoding.resolve_decoding checks --engine)
+QUANTIZATION_KEY = "_quantization"  # an exported model's stored type (float32, int8, ...)
 
 
 def check_engine(args, config: dict) -> None:
-    """``--engine`` agrees with what ``--ckpt`` is (a fastmt checkpoint, or a CTranslate2 export)."""
+    """``--engine`` agrees with what ``--ckpt`` is (a fastmt checkpoint, or a CTranslate2 export), and a CTranslate2
+    folder gets no ``--precision`` (it decodes in the type its export stored: that flag would change nothing)."""
     asked, loaded = getattr(args, "engine", None), config.get(ENGINE_KEY, "fastmt")
     if asked is not None and asked != loaded:
         raise UserError(f"--engine {asked}: --ckpt {args.ckpt} is a {'CTranslate2 export' if loaded == 'ct2' else 'fastmt checkpoint'}"
                         f" ({loaded}); drop --engine or give " + ("a folder made by fastmt export --to ct2" if asked == "ct2"
                                                                   else "a training checkpoint"))
+    if loaded == "ct2" and getattr(args, "precision", None) is not None:
+        raise UserError(f"--precision {args.precision}: --ckpt {args.ckpt} is a CTranslate2 export, which decodes in the "
+                        f"type its export stored ({config.get(QUANTIZATION_KEY)}); drop --precision, or export another "
+                        f"one with fastmt export --quantization int8|int8_float16|float16")
+
+
+def engine_record(model, device, precision: str) -> dict:
+    """What decoded, for a record: ``engine`` (fastmt or ctranslate2), ``quantization`` (the type the weights are
+    stored in: fastmt's checkpoints float32; a CTranslate2 folder's from its export), ``compute`` (fastmt: the
+    autocast precision; CTranslate2: its compute type) and ``threads`` (CPU threads; None on a GPU)."""
+    import torch
+
+    cpu = device.type == "cpu"
+    if isinstance(model, CT2Model):
+        tr = model.translator
+        return {"engine": "ctranslate2", "quantization": tr.quantization, "compute": tr.translator.compute_type,
+                "threads": tr.threads if cpu else None}
+    return {"engine": "fastmt", "quantization": "float32", "compute": precision,
+            "threads": torch.get_num_threads() if cpu else None}
 
 
 def is_ct2_dir(path) -> bool:
@@ -60,7 +81,8 @@ def load_ct2(path, device):
     from train.fields import bounded, machine_capped
 
     # the run's run.cpu_threads, as train.evaluation.decode.configure_cpu sets them for fastmt's own decoding: read
-    # through the one reader, typed and bounded as the field is, capped by this machine's cores
+    # through the one reader, typed and bounded as the field is, capped by this machine's cores; without one,
+    # fastmt's own default (torch's: every physical core), never CTranslate2's hidden one
     where = f"{Path(path) / CONFIG_FILE}"
     try:
         run = (read_json(Path(path) / CONFIG_FILE, "export record", inside=path) or {}).get("run") or {}
@@ -69,9 +91,12 @@ def load_ct2(path, device):
         threads = None
     except (OSError, ValueError, AttributeError) as e:  # (the reader's refusals are ValueErrors)
         raise UserError(f"{path}: {' '.join(str(e).split())}") from None
-    translator = CT2Translator(path, device="cuda" if device.type == "cuda" else "cpu",
-                               threads=machine_capped("run.cpu_threads", threads) or 0)
-    return CT2Model(translator), translator.tok, {"config": {**translator.config, ENGINE_KEY: "ct2"}}
+    import torch
+
+    threads = machine_capped("run.cpu_threads", threads) or torch.get_num_threads()
+    translator = CT2Translator(path, device="cuda" if device.type == "cuda" else "cpu", threads=threads)
+    config = {**translator.config, ENGINE_KEY: "ct2", QUANTIZATION_KEY: translator.quantization}
+    return CT2Model(translator), translator.tok, {"config": config}
 
 
 def checkpoint_file(path: str | Path) -> Path:

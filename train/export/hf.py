@@ -4,8 +4,10 @@ Pegasus is the stock encoder-decoder closest to fastmt's model: pre-LN with a fi
 ``scale_embedding`` (sqrt(d_model)), relu/gelu/gelu_tanh (``gelu_pytorch_tanh``), tied ``shared``/``lm_head`` or
 (``tie_word_embeddings=false``) separate encoder, decoder and output matrices. Its biases are stored as zeros,
 fastmt's position table (interleaved sinusoids from position 0, or the learned tables) as its position weights,
-shared blocks unrolled, fused QKV/KV split into q/k/v. A ``model.ffn_norm`` model gets ``modeling_fastmt.py`` in
-the folder (a Pegasus subclass with the mid-FFN LayerNorm: ``trust_remote_code=True``). The tokenizer is the
+shared blocks unrolled, fused QKV/KV split into q/k/v. A ``model.ffn_norm`` model (off by default) gets
+``modeling_fastmt.py`` in the folder (a Pegasus subclass with the mid-FFN LayerNorm) and its own ``model_type``,
+``fastmt_pegasus``: it loads with ``trust_remote_code=True`` and is refused, naming that flag, without it (never
+loaded as a stock Pegasus that would drop the LayerNorms). The tokenizer is the
 stock ``MarianTokenizer`` on fastmt's SentencePiece model with an id-ordered vocabulary (source: pieces + ``</s>``,
 as fastmt). ``generation_config.json``: decoder start ``<s>`` (2), EOS ``</s>`` (3), no forced EOS, PAD and BOS
 suppressed, beam size. HF's length penalty divides by len^alpha (fastmt's GNMT: ((5 + len) / 6)^alpha), so the
@@ -31,7 +33,9 @@ from train.export.common import (
     decoding_settings,
     pieces,
     position_table,
+    public_config,
     read_export_records,
+    shareable_spm,
     source_ids,
     write_json,
 )
@@ -39,13 +43,15 @@ from train.export.common import (
 ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
 REMOTE = "modeling_fastmt"  # the remote-code module shipped for ffn_norm models
 REMOTE_CLASS = "FastmtPegasusForConditionalGeneration"
+REMOTE_CONFIG = "FastmtPegasusConfig"
+REMOTE_TYPE = "fastmt_pegasus"  # the model_type of an ffn_norm folder (what stock transformers does not know)
 
 
 def hf_config(src: Source) -> dict:
     cfg = src.cfg
     conf = {
         "architectures": [REMOTE_CLASS if cfg.ffn_norm else "PegasusForConditionalGeneration"],
-        "model_type": "pegasus", "vocab_size": cfg.vocab_size, "d_model": cfg.d_model,
+        "model_type": REMOTE_TYPE if cfg.ffn_norm else "pegasus", "vocab_size": cfg.vocab_size, "d_model": cfg.d_model,
         "encoder_layers": cfg.enc_layers, "decoder_layers": cfg.dec_layers,
         "encoder_attention_heads": cfg.n_heads, "decoder_attention_heads": cfg.n_heads,
         "encoder_ffn_dim": cfg.d_ff, "decoder_ffn_dim": cfg.d_ff, "activation_function": ACTIVATIONS[cfg.activation],
@@ -55,7 +61,10 @@ def hf_config(src: Source) -> dict:
         "fastmt_ffn_norm": cfg.ffn_norm, "fastmt_sharing": cfg.sharing, "fastmt_positions": cfg.positions,
     }
     if cfg.ffn_norm:
-        conf["auto_map"] = {"AutoModelForSeq2SeqLM": f"{REMOTE}.{REMOTE_CLASS}"}
+        # its own model type: loading it without trust_remote_code is an error naming the flag, never a stock
+        # Pegasus that drops the mid-FFN LayerNorms
+        conf["auto_map"] = {"AutoConfig": f"{REMOTE}.{REMOTE_CONFIG}",
+                            "AutoModelForSeq2SeqLM": f"{REMOTE}.{REMOTE_CLASS}"}
     return conf
 
 
@@ -128,7 +137,7 @@ def write(src: Source, out: Path) -> None:
     if src.cfg.ffn_norm:
         shutil.copyfile(Path(__file__).with_name(f"{REMOTE}.py"), out / f"{REMOTE}.py")
     spm = out / "fastmt_spm.model"
-    spm.write_bytes(src.tok.model_bytes())
+    spm.write_bytes(shareable_spm(src.tok.model_bytes()))
     vocab = out / "fastmt_vocab.json"
     vocab.write_text(json.dumps({p: i for i, p in enumerate(pieces(src.tok))}, ensure_ascii=False))
     data = src.config.get("data") or {}
@@ -144,7 +153,7 @@ def write(src: Source, out: Path) -> None:
         "early_stopping": False, "suppress_tokens": [0, 2], "max_new_tokens": src.cfg.max_positions - 1,
         "do_sample": False})
     write_json(out / DECODING_FILE, settings)
-    write_json(out / CONFIG_FILE, src.config)
+    write_json(out / CONFIG_FILE, public_config(src.config))
 
 
 @contextmanager

@@ -6,6 +6,8 @@ branch) its checkpoint decides:
 
 - **the tokenizer**: the SentencePiece model embedded in the checkpoint, never one rebuilt from the current
   data (a fine-tune's tokenizer came from another run; a retrained model could differ in its bytes);
+- **a model field whose default changed** (``model.ffn_norm``), when the command leaves it at the new default:
+  the checkpoint's value (``keep_changed_defaults``), so a run trained before the change continues as it was;
 - **the data source**, when the command names none (no data files, no ``$FASTMT_DATA_FILES``, the default
   Hub dataset): the data files / dataset the run recorded in its config (``inherit_source``);
 - **that the data is the same**: the checkpoint records the cleaned corpus' fingerprint and split digest
@@ -76,6 +78,24 @@ def inherit_source(cfg: Config, saved: dict[str, Any], *, source: bool, tokenize
     log(f"using the checkpoint's own {shown} (what made its tokenizer, or its run's data source; config.json "
         f"records them)")
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **differ))
+
+
+def keep_changed_defaults(cfg: Config, saved: dict[str, Any], log) -> Config:
+    """``cfg`` with the checkpoint's value of each model field whose default changed (``models.config.
+    CHANGED_DEFAULTS``: ``model.ffn_norm`` was on by default) when the checkpoint holds the old default and ``cfg``
+    the new one: a run trained before the change resumes, or is fine-tuned, with the architecture its weights
+    have (its config.json says so; a command that leaves the field alone gets it too)."""
+    from models.config import CHANGED_DEFAULTS, ModelConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    saved_model = saved.get("model") or {}
+    kept = {k: old for k, old in CHANGED_DEFAULTS.items()
+            if saved_model.get(k) == old and getattr(cfg.model, k) == defaults[k] != old}
+    if not kept:
+        return cfg
+    log(f"using the checkpoint's own {', '.join(f'model.{k}={v!r}' for k, v in kept.items())} (its weights have it; "
+        f"the default for new runs is now {', '.join(f'{k}={defaults[k]!r}' for k in kept)})")
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **kept))
 
 
 def files_as_recorded(cfg: Config, log) -> Config:
@@ -162,6 +182,7 @@ class RunSetup:
         saved = ckpt.get("config") or {}
         if not plan.weights_only:
             check_world_size(ckpt, self.dist.world_size, plan.ckpt_path)
+        cfg = keep_changed_defaults(cfg, saved, self.log)
         return inherit_source(cfg, saved, source=not plan.weights_only, tokenizer=own, log=self.log), own
 
     def _check_changes(self, cfg: Config, plan: RunPlan) -> ConfigChanges | None:
