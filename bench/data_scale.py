@@ -6,8 +6,10 @@ measures: wall of ``build_data``; wall of the whole child (interpreter and impor
 memory of the child's process tree while it builds (RSS summed over the tree every 20 ms from
 /proc/PID/statm, PSS every 200 ms from smaps_rollup, and ``resource.getrusage`` of the child and of its
 largest child); pairs/s per core
-(cold: pairs / wall / cores used); and the first-batch latency (``next(iter(bundle.loader("train")))``
-after the build, torch imported beforehand). ``--code DIR`` measures another checkout (e.g. the tree
+(cold: pairs / wall / cores used); the seconds of each build phase (cold: read, clean, hash, scratch files,
+group = the leakage-free split, tokenizer = its sample + training, encode, write; from the entry's meta.json,
+`data.build`); and the first-batch latency (``next(iter(bundle.loader("train")))`` after the build, torch
+imported beforehand). ``--code DIR`` measures another checkout (e.g. the tree
 before a change): the child imports ``data`` from there. Rows are appended to
 ``bench/results/data-scale-cpu.csv``; the table (``.md``) and the plot (``.png``) are rewritten from
 all rows, labelled with the machine, the load average and the code's git sha.
@@ -36,9 +38,10 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
 SIZES_M = (0.02, 0.2, 1.0, 5.0)
+BUILD_PHASES = ("read", "clean", "hash", "scratch", "group", "tokenizer", "encode", "write")  # data.build.PHASES
 COLUMNS = ("date", "code", "tag", "corpus", "pairs", "phase", "build_s", "process_s", "first_batch_s",
            "pairs_per_s_core", "cores", "rss_tree_mb", "pss_tree_mb", "maxrss_self_mb", "maxrss_child_mb",
-           "load_before", "load_after", "machine")
+           "load_before", "load_after", "machine") + tuple(f"{k}_s" for k in BUILD_PHASES)
 
 # The child: imports, build_data (timed), a marker so the parent stops sampling memory, then torch and the
 # first training batch (timed). Prints one JSON line.
@@ -48,7 +51,8 @@ t0 = time.perf_counter()
 from data import DataConfig, build_data
 cfg = DataConfig(data_files=(sys.argv[1],), cache_dir=sys.argv[2], num_workers=int(sys.argv[4]))
 t1 = time.perf_counter()
-bundle = build_data(cfg, log=lambda *a: None)
+logs = []
+bundle = build_data(cfg, log=lambda m: logs.append(m) if m.startswith("[data] built ") else None)
 t2 = time.perf_counter()
 ru_self = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 ru_child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
@@ -59,7 +63,9 @@ t3 = time.perf_counter()
 batch = next(iter(bundle.loader("train")))
 t4 = time.perf_counter()
 pairs = sum(len(s) for s in bundle.splits.values())
-print(json.dumps({"import_s": t1 - t0, "build_s": t2 - t1, "first_batch_s": t4 - t3, "pairs": pairs,
+meta = json.load(open(os.path.join(bundle.split_record["cache"], "meta.json")))
+phases = (meta.get("build") or {}).get("phases", {}) if "built " in " ".join(logs) else {}
+print(json.dumps({"phases": phases, "import_s": t1 - t0, "build_s": t2 - t1, "first_batch_s": t4 - t3, "pairs": pairs,
                   "rows": bundle.report.rows, "maxrss_self_mb": ru_self / 1024,
                   "maxrss_child_mb": ru_child / 1024, "pss_end_mb": pss_end}))
 """
@@ -203,10 +209,27 @@ def git_sha(code: Path) -> str:
 
 
 def load_rows(path: Path) -> list[dict]:
+    """The CSV's rows, every one with every column of `COLUMNS` (rows written before a column existed: "")."""
     if not path.is_file():
         return []
-    with path.open() as f:
-        return list(csv.DictReader(f))
+    with path.open(newline="") as f:
+        return [{k: r.get(k) or "" for k in COLUMNS} for r in csv.DictReader(f)]
+
+
+def append_row(path: Path, row: dict) -> None:
+    """Append ``row``; a CSV whose header lacks columns added since is rewritten with them first (old rows: "")."""
+    header = []
+    if path.is_file():
+        with path.open(newline="") as f:
+            header = next(csv.reader(f), [])
+    if header != list(COLUMNS):
+        rows = load_rows(path)
+        with path.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=COLUMNS)
+            w.writeheader()
+            w.writerows(rows)
+    with path.open("a", newline="") as f:
+        csv.DictWriter(f, fieldnames=COLUMNS).writerow(row)
 
 
 def write_table(rows: list[dict], md: Path) -> None:
@@ -236,6 +259,21 @@ def write_table(rows: list[dict], md: Path) -> None:
                      f"| {med('pss_tree_mb'):.0f} | {'' if pps is None else f'{pps:,.0f}'} | {len(rs)} "
                      f"| {min(loads):.1f}–{max(loads):.1f} |")
     lines.append("")
+    timed = [r for r in rows if r["phase"] == "cold" and any(r.get(f"{k}_s") for k in BUILD_PHASES)]
+    if timed:
+        lines += ["## Where a cold build's time goes (seconds per phase, `data.build`)", "",
+                  "read/clean/hash/scratch: pass A (parse, clean, normalise + hash, scratch files), split from its "
+                  "wall time by the workers' seconds in each step; group: the leakage-free split (streaming passes "
+                  "over the hashes); tokenizer: its sample + SentencePiece training; encode: pass B; write: the "
+                  "arrays and meta.json. Load = the 1-minute load average before → after (2 cores).", "",
+                  "| date | code | corpus | pairs | build s | " + " | ".join(BUILD_PHASES) + " | slowest | RSS tree MB "
+                  "| load |", "|---|---|---|---:|---:|" + "---:|" * len(BUILD_PHASES) + "---|---:|---|"]
+        for r in timed:
+            sec = {k: float(r[f"{k}_s"] or 0) for k in BUILD_PHASES}
+            lines.append(f"| {r['date']} | {r['code']} | {r['corpus']} | {int(r['pairs']):,} | {float(r['build_s']):.1f} | "
+                         + " | ".join(f"{sec[k]:.1f}" for k in BUILD_PHASES) + f" | {max(sec, key=sec.get)} "
+                         f"| {float(r['rss_tree_mb']):.0f} | {r['load_before']} → {r['load_after']} |")
+        lines.append("")
     for mach in sorted({r["machine"] for r in rows}):
         lines += [f"## {mach}", "",
                   "| date | code | tag | corpus | pairs | phase | build s | process s | first batch s | pairs/s/core "
@@ -396,13 +434,12 @@ def main(argv=None) -> int:
                    "pss_tree_mb": f"{rec['pss_tree_mb']:.0f}", "maxrss_self_mb": f"{rec['maxrss_self_mb']:.0f}",
                    "maxrss_child_mb": f"{rec['maxrss_child_mb']:.0f}", "load_before": load0,
                    "load_after": f"{os.getloadavg()[0]:.2f}", "machine": mach}
+            row.update({f"{k}_s": f"{rec['phases'][k]:.2f}" if k in rec["phases"] else "" for k in BUILD_PHASES})
             print("[data_scale] " + json.dumps(row), flush=True)
-            new = not csv_path.is_file()
-            with csv_path.open("a", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=COLUMNS)
-                if new:
-                    w.writeheader()
-                w.writerow(row)
+            if rec["phases"]:
+                print("[data_scale] phases (s): " + ", ".join(f"{k} {rec['phases'][k]:.1f}" for k in BUILD_PHASES
+                                                              if k in rec["phases"]), flush=True)
+            append_row(csv_path, row)
         if not a.keep:
             shutil.rmtree(cache, ignore_errors=True)
     rows = load_rows(csv_path)

@@ -41,8 +41,8 @@ from pathlib import Path
 import numpy as np
 
 from . import cache as C
-from .clean import CleanReport, DataInputError, Tally, clean_row, length_examples, length_mask
-from .encode import WordEncoder
+from .clean import MAX_EXAMPLES, CleanReport, DataInputError, Tally, clean_row, length_examples, length_mask
+from .encode import WordEncoder, string_array
 from .entry import CACHE_FORMAT, Entry, Inputs, build_workers, load_entry
 from .files import open_own
 from .sources import read_chunk, read_local, where
@@ -72,12 +72,17 @@ PHASES = ("read", "clean", "hash", "scratch", "group", "tokenizer", "encode", "w
 # ----------------------------------------------------------------------------------------------
 # Scratch files of a build (its own temp folder; read back only when this user wrote them)
 # ----------------------------------------------------------------------------------------------
-def _save(tmp: Path, name: str, a: np.ndarray) -> None:
-    np.save(Path(tmp) / name, a)
+def _scratch(tmp, name: str) -> str:
+    """A scratch file's path, a plain str: a Path would intern every (unique) file name for the process's life."""
+    return os.path.join(tmp, name)
 
 
-def _load(tmp: Path, name: str) -> np.ndarray:
-    with open_own(Path(tmp) / name) as f:
+def _save(tmp, name: str, a: np.ndarray) -> None:
+    np.save(_scratch(tmp, name), a)
+
+
+def _load(tmp, name: str) -> np.ndarray:
+    with open_own(_scratch(tmp, name)) as f:
         return np.load(f)
 
 
@@ -117,7 +122,7 @@ def _scan(job) -> dict:
                   hash64_bytes([s + b"\t" + t for s, t in zip(b_src, b_tgt)])]) if src else np.zeros((3, 0), np.uint64)
     leak = _eval_leak(h, eval_keys)
     t3 = time.perf_counter()
-    _save_texts(Path(tmp), i, b_src + b_tgt, pos)
+    _save_texts(tmp, i, b_src + b_tgt, pos)
     _save(tmp, f"a-{i}-h.npy", h)
     t4 = time.perf_counter()
     return {"read": n_read, "tally": tally, "kept": len(pos),
@@ -125,30 +130,32 @@ def _scan(job) -> dict:
             "seconds": {"read": t1 - t0, "clean": t2 - t1, "hash": t3 - t2, "scratch": t4 - t3}}
 
 
-def _save_texts(tmp: Path, i: int, enc: list[bytes], pos: list[int]) -> None:
+def _save_texts(tmp, i: int, enc: list[bytes], pos: list[int]) -> None:
     """A chunk's cleaned texts as UTF-8 back to back (``a-<i>.txt``: every source, then every target) with the
     (2n+1,) byte offsets of each text and the rows' positions: the tokenizer's sample reads only its rows, pass
-    B decodes each text once."""
+    B reads the chunk once (`_load_blob`) and decodes only the words it has not seen."""
     off = np.zeros(len(enc) + 1, dtype=np.int64)
     np.cumsum(np.fromiter(map(len, enc), np.int64, len(enc)), out=off[1:])
-    with open(tmp / f"a-{i}.txt", "wb") as f:
+    with open(_scratch(tmp, f"a-{i}.txt"), "wb") as f:
         f.write(b"".join(enc))
     _save(tmp, f"a-{i}-off.npy", off)
     _save(tmp, f"a-{i}-pos.npy", np.asarray(pos, dtype=np.int64))
 
 
-def _load_texts(tmp: Path, i: int, rows=None) -> tuple[list[str], list[str]]:
-    """(sources, targets) of chunk i's rows ``rows`` (local indices; None: all), from `_save_texts`' files
-    (read back only when this user wrote them; for ``rows``, only their bytes are read)."""
+def _load_blob(tmp, i: int) -> tuple[bytes, np.ndarray]:
+    """Chunk i's texts as `_save_texts` wrote them: the UTF-8 blob and the (2n+1,) offsets (read back only when
+    this user wrote them)."""
+    off = _load(tmp, f"a-{i}-off.npy")
+    with open_own(_scratch(tmp, f"a-{i}.txt")) as f:
+        return f.read(), off
+
+
+def _load_texts(tmp, i: int, rows) -> tuple[list[str], list[str]]:
+    """(sources, targets) of chunk i's rows ``rows`` (local indices): only their bytes are read."""
     off = _load(tmp, f"a-{i}-off.npy")
     n = (len(off) - 1) // 2
-    with open_own(Path(tmp) / f"a-{i}.txt") as f:
-        if rows is None:
-            blob = f.read()
-            o = off.tolist()
-            texts = [blob[a:b].decode() for a, b in zip(o[:-1], o[1:])]
-            return texts[:n], texts[n:]
-        rows = np.asarray(rows, dtype=np.int64)
+    rows = np.asarray(rows, dtype=np.int64)
+    with open_own(_scratch(tmp, f"a-{i}.txt")) as f:
         fd = f.fileno()
         return tuple([os.pread(fd, int(b - a), int(a)).decode() for a, b in zip(off[r].tolist(), off[r + 1].tolist())]
                      for r in (rows, n + rows))
@@ -157,7 +164,7 @@ def _load_texts(tmp: Path, i: int, rows=None) -> tuple[list[str], list[str]]:
 def _sample(job) -> tuple[list[str], list[str]]:
     """The sampled rows (local indices) of one chunk's cleaned texts."""
     i, tmp, local = job
-    return _load_texts(Path(tmp), i, local)
+    return _load_texts(tmp, i, local)
 
 
 _TOKENIZERS: dict[str, tuple[Tokenizer, WordEncoder]] = {}  # per worker process: loaded once per model file
@@ -184,15 +191,20 @@ def _encode(job) -> dict:
     whole (texts) with token arrays cut to ``max_len``."""
     i, tmp, model_file, bpe, max_len, max_ratio, dtype = job
     t0 = time.perf_counter()
-    src, tgt = _load_texts(Path(tmp), i)
+    blob, off = _load_blob(tmp, i)
+    n = (len(off) - 1) // 2
     pos = _load(tmp, f"a-{i}-pos.npy").tolist()
     labels = _load(tmp, f"a-{i}-lab.npy")
     for name in (f"a-{i}.txt", f"a-{i}-off.npy", f"a-{i}-pos.npy", f"a-{i}-h.npy", f"a-{i}-lab.npy"):
-        os.unlink(Path(tmp) / name)
+        os.unlink(_scratch(tmp, name))
+
+    def text(k: int) -> str:  # text k of the chunk (sources 0..n-1, then targets)
+        return blob[off[k]:off[k + 1]].decode()
+
     t1 = time.perf_counter()
     _, words = _worker_tokenizer(model_file, bpe)
-    ids_s, len_s = words.encode(src)
-    ids_t, len_t = words.encode(tgt)
+    ids_s, len_s = words.encode(string_array(blob, off[: n + 1]))
+    ids_t, len_t = words.encode(string_array(blob, off[n:]))
     t2 = time.perf_counter()
     off_s, off_t = np.concatenate([[0], np.cumsum(len_s)]), np.concatenate([[0], np.cumsum(len_t)])
     ls, lt = len_s + 1, len_t + 1  # incl. EOS / BOS
@@ -203,8 +215,11 @@ def _encode(job) -> dict:
         tally.add(reason, pos[train[k]], detail)
     tally.counts.update(dropped)  # every drop counted, the first MAX_EXAMPLES shown
     hi = np.maximum(ls[train], lt[train])
-    for k in np.flatnonzero(labels == -1):  # removed: in your valid/test files
-        tally.add("in_eval_files", pos[k], f"source {src[k][:50]!r}")
+    leaked = np.flatnonzero(labels == -1)  # removed: in your valid/test files
+    for k in leaked[:MAX_EXAMPLES].tolist():
+        tally.add("in_eval_files", pos[k], f"source {text(k)[:50]!r}")
+    if len(leaked) > MAX_EXAMPLES:
+        tally.counts["in_eval_files"] = len(leaked)
     keep = train[ok]
     part = {}
     part["src_ids"], part["src_len"] = _rows_of(ids_s, off_s, keep, dtype)
@@ -216,7 +231,9 @@ def _encode(job) -> dict:
     cut = max_len - 1  # subwords that fit with EOS / BOS
     for s in ("valid", "test"):
         idx = np.flatnonzero(labels == _SPLIT_CODE[s]).tolist()
-        held[s] = {"src": [src[k] for k in idx], "tgt": [tgt[k] for k in idx],
+        if not idx:  # most chunks: nothing held out (the main process keeps only the chunks that hold some)
+            continue
+        held[s] = {"src": [text(k) for k in idx], "tgt": [text(n + k) for k in idx],
                    "src_ids": [ids_s[off_s[k]:min(off_s[k + 1], off_s[k] + cut)].tolist() for k in idx],
                    "tgt_ids": [ids_t[off_t[k]:min(off_t[k + 1], off_t[k] + cut)].tolist() for k in idx],
                    "local": np.asarray(idx, dtype=np.int64),
@@ -409,8 +426,8 @@ def build_entry(cfg, inp: Inputs, key: str, tok_key: str, sets: dict, cache: Pat
             report.merge(e["tally"], lambda pos, f=f, b=bases[i]: where(f, b + pos))
             hist[: len(e["longer"])] += e["longer"]
             parts.append((e["n_train"], e["tokens"]))
-            for s in held_parts:
-                held_parts[s].append(e["held"][s])
+            for s, part in e["held"].items():
+                held_parts[s].append((i, part))
             checks_failed += e["word_check_failed"]
             clock.work(e["seconds"])
         if checks_failed:
@@ -728,7 +745,7 @@ def _assemble_train(tmp: Path, parts: list[tuple[int, tuple[int, int]]], first, 
     out, header = {}, {}
     with contextlib.ExitStack() as stack:
         for name, (dt, size) in shapes.items():
-            out[name] = stack.enter_context(open(tmp / f"train_{name}.npy", "wb"))
+            out[name] = stack.enter_context(open(_scratch(tmp, f"train_{name}.npy"), "wb"))
             np.lib.format.write_array_header_1_0(out[name], {
                 "descr": np.lib.format.dtype_to_descr(np.dtype(dt)), "fortran_order": False, "shape": (size,)})
             header[name] = out[name].tell()
@@ -743,7 +760,7 @@ def _assemble_train(tmp: Path, parts: list[tuple[int, tuple[int, int]]], first, 
                 r[side] += len(ids)
             (first[i] + _load(tmp, f"b-{i}-rows.npy")).astype(np.int64, copy=False).tofile(out["rows"])
             for name in ("src_ids", "src_len", "tgt_ids", "tgt_len", "rows"):
-                os.unlink(tmp / f"b-{i}-{name}.npy")
+                os.unlink(_scratch(tmp, f"b-{i}-{name}.npy"))
         for name, (dt, size) in shapes.items():  # the header promised exactly what was written
             wrote = out[name].tell() - header[name]
             if wrote != size * np.dtype(dt).itemsize:
@@ -752,9 +769,10 @@ def _assemble_train(tmp: Path, parts: list[tuple[int, tuple[int, int]]], first, 
     counts["train"], tokens["train"] = n, tot
 
 
-def _merge_held(parts: list[dict], first) -> dict:
+def _merge_held(parts: list[tuple[int, dict]], first) -> dict:
+    """The held-out rows of one split from the chunks that hold some: ``(chunk, its part)`` in chunk order."""
     out = {"src": [], "tgt": [], "src_ids": [], "tgt_ids": [], "rows": [], "truncated": 0}
-    for i, p in enumerate(parts):
+    for i, p in parts:
         for k in ("src", "tgt", "src_ids", "tgt_ids"):
             out[k] += p[k]
         out["rows"] += (first[i] + p["local"]).tolist()

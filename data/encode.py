@@ -66,27 +66,31 @@ class WordEncoder:
         self.ids.update(zip(words, range(n0, n1)))
         return np.arange(n0, n1, dtype=np.int64)
 
-    def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        if not texts:
+    def encode(self, texts) -> tuple[np.ndarray, np.ndarray]:
+        """``texts``: a list of str, or a pyarrow (large) string array (pass B's scratch blob, no copy)."""
+        import pyarrow as pa
+
+        if not isinstance(texts, pa.Array):
+            texts = pa.array(texts, type=pa.large_string())
+        if not len(texts):
             return np.zeros(0, np.int32), np.zeros(0, np.int64)
         if self.fast and not self.disagreed:
             ids, lens = self._by_words(texts)
             if self._agrees(texts, ids, lens):
                 return ids, lens
             self.disagreed = True
-        return self._by_sentences(texts)
+        return self._by_sentences(texts.to_pylist())
 
     def _by_sentences(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         enc = self.sp.encode(texts, out_type=int, num_threads=1)
         lens = np.fromiter(map(len, enc), np.int64, len(enc))
         return np.fromiter(itertools.chain.from_iterable(enc), np.int32, int(lens.sum())), lens
 
-    def _by_words(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        import pyarrow as pa
+    def _by_words(self, texts) -> tuple[np.ndarray, np.ndarray]:
         import pyarrow.compute as pc
 
-        words = pc.split_pattern(pa.array(texts, type=pa.large_string()), " ")  # str.split(" "): >= 1 per text
-        first = words.offsets.to_numpy()[:-1].astype(np.int64)
+        words = pc.split_pattern(texts, " ")  # str.split(" "): >= 1 word per text
+        first = _numpy(words.offsets)[:-1]
         coded = pc.dictionary_encode(words.values)
         distinct = coded.dictionary.to_pylist()
         if len(self.ids) + len(distinct) > self.cap:
@@ -96,15 +100,30 @@ class WordEncoder:
         new = np.flatnonzero(wid < 0)
         if len(new):
             wid[new] = self._add([distinct[i] for i in new.tolist()])
-        w = wid[coded.indices.to_numpy(zero_copy_only=False)]
+        w = wid[_numpy(coded.indices)]
         n_tok = self.len[w]
         ends = np.cumsum(n_tok)
-        ids = self.flat[np.repeat(self.start[w] - (ends - n_tok), n_tok) + np.arange(int(ends[-1]) if len(ends) else 0)]
-        return ids, np.add.reduceat(n_tok, first) if len(n_tok) else np.zeros(len(texts), np.int64)
+        ids = self.flat[np.repeat(self.start[w] - (ends - n_tok), n_tok) + np.arange(int(ends[-1]))]
+        return ids, np.add.reduceat(n_tok, first)
 
-    def _agrees(self, texts: list[str], ids: np.ndarray, lens: np.ndarray) -> bool:
+    def _agrees(self, texts, ids: np.ndarray, lens: np.ndarray) -> bool:
         """A fixed sample of the chunk (evenly spaced, the first and last text included) encoded whole."""
-        pick = np.unique(np.linspace(0, len(texts) - 1, min(CHECKED, len(texts))).astype(np.int64))
+        pick = np.unique(np.linspace(0, len(texts) - 1, min(CHECKED, len(texts))).astype(np.int64)).tolist()
         off = np.concatenate([[0], np.cumsum(lens)])
-        whole = self.sp.encode([texts[i] for i in pick.tolist()], out_type=int, num_threads=1)
-        return all(ids[off[i]:off[i + 1]].tolist() == w for i, w in zip(pick.tolist(), whole))
+        whole = self.sp.encode([texts[i].as_py() for i in pick], out_type=int, num_threads=1)
+        return all(ids[off[i]:off[i + 1]].tolist() == w for i, w in zip(pick, whole))
+
+
+def _numpy(arr) -> np.ndarray:
+    """A pyarrow int32/int64 array without nulls, as a numpy view (``to_numpy`` would import pandas)."""
+    dtype = {"int32": np.int32, "int64": np.int64}[str(arr.type)]
+    return np.frombuffer(arr.buffers()[1], dtype=dtype, count=arr.offset + len(arr))[arr.offset:]
+
+
+def string_array(blob: bytes, offsets: np.ndarray):
+    """The texts ``blob[offsets[k]:offsets[k + 1]]`` (UTF-8 this process wrote) as a pyarrow large string array,
+    without copying or decoding them."""
+    import pyarrow as pa
+
+    offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+    return pa.LargeStringArray.from_buffers(len(offsets) - 1, pa.py_buffer(offsets), pa.py_buffer(blob))
