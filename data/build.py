@@ -57,6 +57,7 @@ from .split import (
     in_sorted,
     mix64,
     normalise,
+    normalise_bytes,
     row_level_heldout,
     sorted_unique,
 )
@@ -117,8 +118,7 @@ def _scan(job) -> dict:
     del rows
     t2 = time.perf_counter()
     b_src, b_tgt = [x.encode() for x in src], [x.encode() for x in tgt]  # clean texts: no lone surrogates
-    h = np.stack([hash64_bytes([normalise(x).encode() for x in src]),
-                  hash64_bytes([normalise(x).encode() for x in tgt]),
+    h = np.stack([hash64_bytes(normalise_bytes(src)), hash64_bytes(normalise_bytes(tgt)),
                   hash64_bytes([s + b"\t" + t for s, t in zip(b_src, b_tgt)])]) if src else np.zeros((3, 0), np.uint64)
     leak = _eval_leak(h, eval_keys)
     t3 = time.perf_counter()

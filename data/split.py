@@ -49,11 +49,33 @@ def hash64(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
 
 
+_BLAKE8 = hashlib.blake2b(digest_size=8)  # copied per text: cheaper than building one from its arguments
+
+
 def hash64_bytes(items) -> np.ndarray:
     """`hash64` of many texts already encoded as UTF-8 bytes, as one uint64 array (the digests joined and read as
     little-endian words: no Python int per text)."""
-    blake2b = hashlib.blake2b
-    return np.frombuffer(b"".join([blake2b(x, digest_size=8).digest() for x in items]), dtype="<u8").astype(np.uint64)
+    def one(x: bytes, copy=_BLAKE8.copy) -> bytes:
+        h = copy()
+        h.update(x)
+        return h.digest()
+
+    return np.frombuffer(b"".join([one(x) for x in items]), dtype="<u8").astype(np.uint64)
+
+
+_OTHER_WHITESPACE = "\t\n\r\x0b\x0c\x1c\x1d\x1e\x1f"  # what str.split() also cuts at, in ASCII
+
+
+def normalise_bytes(texts: list[str]) -> list[bytes]:
+    """``[normalise(t).encode() for t in texts]``. When every text is ASCII with no whitespace but single inner
+    spaces (a chunk of English, often), the normal forms are the lower cases, taken in one piece: ``str.lower``
+    of ASCII texts joined by NULs is their lower cases joined by NULs."""
+    blob = "\x00".join(texts)
+    if (blob.isascii() and blob.count("\x00") == len(texts) - 1 and "  " not in blob
+            and not any(c in blob for c in _OTHER_WHITESPACE)
+            and not blob.startswith(" ") and not blob.endswith(" ") and "\x00 " not in blob and " \x00" not in blob):
+        return blob.lower().encode().split(b"\x00") if texts else []
+    return [normalise(t).encode() for t in texts]
 
 
 def mix64(x: np.ndarray, seed: int) -> np.ndarray:
