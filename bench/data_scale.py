@@ -396,6 +396,8 @@ def main(argv=None) -> int:
     p.add_argument("--work", type=Path, help="corpora and caches (default: a new private temporary folder)")
     p.add_argument("--code", type=Path, default=REPO, help="checkout whose data/ is measured")
     p.add_argument("--tag", default="after", help="label of this code in the table (e.g. before / after)")
+    p.add_argument("--code-sha", help="the table's name of --code's version (default: its git sha; a tree exported "
+                                      "with `git archive SHA data` has none)")
     p.add_argument("--workers", type=int, default=0, help="DataLoader workers of the first-batch measure")
     p.add_argument("--warm-runs", type=int, default=2, help="warm starts per size (each a row)")
     p.add_argument("--out", type=Path, default=RESULTS, help="folder of data-scale-cpu.{csv,md,png}")
@@ -421,7 +423,7 @@ def main(argv=None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     csv_path = a.out / "data-scale-cpu.csv"
     label = "stand-in corpus replicated" if a.source else "synthetic"
-    code, mach = git_sha(a.code), machine()
+    code, mach = a.code_sha or git_sha(a.code), machine()
     cores = len(os.sched_getaffinity(0))
     for size in sizes:
         pairs = int(round(size * 1e6))
