@@ -22,6 +22,7 @@ import itertools
 import numpy as np
 
 WORD_CAP = 1 << 18  # distinct words cached per process (~30 MB); the cache starts again when full
+CHAR_CAP = 1 << 23  # ... or when its words hold this many characters (a corpus of long tokens: URLs, base64)
 CHECKED = 64  # sentences per chunk also encoded whole and compared
 
 
@@ -36,14 +37,15 @@ class WordEncoder:
     boundaries); ``disagreed``: a chunk's check found a difference (every later chunk then goes sentence by
     sentence)."""
 
-    def __init__(self, sp, bpe: bool, cap: int = WORD_CAP):
-        self.sp, self.cap = sp, cap
+    def __init__(self, sp, bpe: bool, cap: int = WORD_CAP, char_cap: int = CHAR_CAP):
+        self.sp, self.cap, self.char_cap = sp, cap, char_cap
         self.fast = bpe and word_local(sp)
         self.disagreed = False
         self._reset()
 
     def _reset(self) -> None:
         self.ids: dict[str, int] = {}
+        self.chars = 0
         self.start = np.zeros(1024, dtype=np.int64)
         self.len = np.zeros(1024, dtype=np.int64)
         self.flat = np.zeros(8192, dtype=np.int32)
@@ -64,6 +66,7 @@ class WordEncoder:
         self.len[n0:n1] = lens
         self.used += tot
         self.ids.update(zip(words, range(n0, n1)))
+        self.chars += sum(map(len, words))
         return np.arange(n0, n1, dtype=np.int64)
 
     def encode(self, texts) -> tuple[np.ndarray, np.ndarray]:
@@ -93,7 +96,7 @@ class WordEncoder:
         first = _numpy(words.offsets)[:-1]
         coded = pc.dictionary_encode(words.values)
         distinct = coded.dictionary.to_pylist()
-        if len(self.ids) + len(distinct) > self.cap:
+        if len(self.ids) + len(distinct) > self.cap or self.chars > self.char_cap:
             self._reset()
         get = self.ids.get
         wid = np.fromiter(map(get, distinct, itertools.repeat(-1)), np.int64, len(distinct))

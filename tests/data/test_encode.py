@@ -53,6 +53,12 @@ def test_word_by_word_is_sentencepiece_on_whole_texts(tmp_path):
         want = _reference(sp, texts)
         assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), seed
     assert not words.disagreed and 0 < len(words.ids) <= 300 + 2 * len(_texts(4, 400))
+    long = WordEncoder(sp, bpe=True, char_cap=2000)  # long words: the cache starts again by characters too
+    for seed in range(3):
+        texts = [" ".join(f"{w}{'x' * 200}{seed}{i}" for w in t.split(" ")) for i, t in enumerate(_texts(seed, 50))]
+        got, want = long.encode(texts), _reference(sp, texts)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+        assert long.chars <= 2000 + sum(len(w) for t in texts for w in t.split(" "))
 
 
 def test_texts_from_the_scratch_blob_without_a_copy(tmp_path):
