@@ -272,7 +272,10 @@ CASES = {  # name: (rows, settings, chunk bytes)
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+SLOW_CASES = ("source_grouping", "fractions", "unigram_and_length_limits")  # their paths are also tested in-process
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES])
 def test_an_entry_is_byte_for_byte_the_branch_points_and_its_cache_is_used(tmp_path, branch_point, case):
     corpus, kw, chunk = CASES[case]
     rows = planted(2500, 5)
