@@ -6,8 +6,12 @@ measures: wall of ``build_data``; wall of the whole child (interpreter and impor
 memory of the child's process tree while it builds (RSS summed over the tree every 20 ms from
 /proc/PID/statm, PSS every 200 ms from smaps_rollup, and ``resource.getrusage`` of the child and of its
 largest child); pairs/s per core
-(cold: pairs / wall / cores used); and the first-batch latency (``next(iter(bundle.loader("train")))``
-after the build, torch imported beforehand). ``--code DIR`` measures another checkout (e.g. the tree
+(cold: pairs / wall / cores used); the CPU seconds of the build (user + system, the child and its build
+workers: what the build costs whatever the machine's load; on a shared machine wall / CPU says how much of the
+cores it got); the seconds of each build phase (cold: read, clean, hash, scratch files,
+group = the leakage-free split, tokenizer = its sample + training, encode, write; from the entry's meta.json,
+`data.build`); and the first-batch latency (``next(iter(bundle.loader("train")))`` after the build, torch
+imported beforehand). ``--code DIR`` measures another checkout (e.g. the tree
 before a change): the child imports ``data`` from there. Rows are appended to
 ``bench/results/data-scale-cpu.csv``; the table (``.md``) and the plot (``.png``) are rewritten from
 all rows, labelled with the machine, the load average and the code's git sha.
@@ -36,9 +40,10 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
 SIZES_M = (0.02, 0.2, 1.0, 5.0)
+BUILD_PHASES = ("read", "clean", "hash", "scratch", "group", "tokenizer", "encode", "write")  # data.build.PHASES
 COLUMNS = ("date", "code", "tag", "corpus", "pairs", "phase", "build_s", "process_s", "first_batch_s",
            "pairs_per_s_core", "cores", "rss_tree_mb", "pss_tree_mb", "maxrss_self_mb", "maxrss_child_mb",
-           "load_before", "load_after", "machine")
+           "load_before", "load_after", "machine") + tuple(f"{k}_s" for k in BUILD_PHASES) + ("cpu_s",)
 
 # The child: imports, build_data (timed), a marker so the parent stops sampling memory, then torch and the
 # first training batch (timed). Prints one JSON line.
@@ -47,9 +52,13 @@ import json, os, resource, sys, time
 t0 = time.perf_counter()
 from data import DataConfig, build_data
 cfg = DataConfig(data_files=(sys.argv[1],), cache_dir=sys.argv[2], num_workers=int(sys.argv[4]))
-t1 = time.perf_counter()
-bundle = build_data(cfg, log=lambda *a: None)
-t2 = time.perf_counter()
+def cpu():  # user + system seconds of this process and of its children that ended (the build's workers)
+    a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+t1, c1 = time.perf_counter(), cpu()
+logs = []
+bundle = build_data(cfg, log=lambda m: logs.append(m) if m.startswith("[data] built ") else None)
+t2, c2 = time.perf_counter(), cpu()
 ru_self = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 ru_child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
 pss_end = next(int(l.split()[1]) for l in open("/proc/self/smaps_rollup") if l.startswith("Pss:")) / 1024
@@ -59,7 +68,9 @@ t3 = time.perf_counter()
 batch = next(iter(bundle.loader("train")))
 t4 = time.perf_counter()
 pairs = sum(len(s) for s in bundle.splits.values())
-print(json.dumps({"import_s": t1 - t0, "build_s": t2 - t1, "first_batch_s": t4 - t3, "pairs": pairs,
+meta = json.load(open(os.path.join(bundle.split_record["cache"], "meta.json")))
+phases = (meta.get("build") or {}).get("phases", {}) if "built " in " ".join(logs) else {}
+print(json.dumps({"phases": phases, "import_s": t1 - t0, "build_s": t2 - t1, "cpu_s": c2 - c1, "first_batch_s": t4 - t3, "pairs": pairs,
                   "rows": bundle.report.rows, "maxrss_self_mb": ru_self / 1024,
                   "maxrss_child_mb": ru_child / 1024, "pss_end_mb": pss_end}))
 """
@@ -203,10 +214,27 @@ def git_sha(code: Path) -> str:
 
 
 def load_rows(path: Path) -> list[dict]:
+    """The CSV's rows, every one with every column of `COLUMNS` (rows written before a column existed: "")."""
     if not path.is_file():
         return []
-    with path.open() as f:
-        return list(csv.DictReader(f))
+    with path.open(newline="") as f:
+        return [{k: r.get(k) or "" for k in COLUMNS} for r in csv.DictReader(f)]
+
+
+def append_row(path: Path, row: dict) -> None:
+    """Append ``row``; a CSV whose header lacks columns added since is rewritten with them first (old rows: "")."""
+    header = []
+    if path.is_file():
+        with path.open(newline="") as f:
+            header = next(csv.reader(f), [])
+    if header != list(COLUMNS):
+        rows = load_rows(path)
+        with path.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=COLUMNS)
+            w.writeheader()
+            w.writerows(rows)
+    with path.open("a", newline="") as f:
+        csv.DictWriter(f, fieldnames=COLUMNS).writerow(row)
 
 
 def write_table(rows: list[dict], md: Path) -> None:
@@ -219,23 +247,45 @@ def write_table(rows: list[dict], md: Path) -> None:
              "the build, summed over the process tree (RSS counts shared pages once per process, PSS shares them); "
              "getrusage = max RSS of the child / of its largest child. The machine is shared: the load average "
              "before/after each run is given.", ""]
-    lines += ["## Summary: medians over the rows below, per size, code and phase", "",
-              "| pairs | phase | code (tag) | build s | peak RSS tree MB | peak PSS tree MB | pairs/s/core | runs | load |",
-              "|---:|---|---|---:|---:|---:|---:|---:|---|"]
+    lines += ["## Summary: medians over the rows below, per corpus, size, code and phase", "",
+              "CPU s: user + system seconds of the build's processes (a cost the machine's load does not change "
+              "much; recorded since issue 37); pairs/CPU-s: pairs per such second.", "",
+              "| corpus | pairs | phase | code (tag) | build s | CPU s | peak RSS tree MB | peak PSS tree MB | pairs/s/core "
+              "| pairs/CPU-s | runs | load |",
+              "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((int(r["pairs"]), r["phase"], f"{r['code']} ({r['tag']})"), []).append(r)
-    for (pairs, phase, code), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
+        groups.setdefault((r["corpus"], int(r["pairs"]), r["phase"], f"{r['code']} ({r['tag']})"), []).append(r)
+    for (corpus, pairs, phase, code), rs in sorted(groups.items()):
         def med(k, rs=rs):
             v = [float(r[k]) for r in rs if r[k] not in ("", None)]
             return float(np.median(v)) if v else None
 
         loads = [float(r["load_before"]) for r in rs] + [float(r["load_after"]) for r in rs]
-        pps = med("pairs_per_s_core")
-        lines.append(f"| {pairs:,} | {phase} | {code} | {med('build_s'):.3f} | {med('rss_tree_mb'):.0f} "
-                     f"| {med('pss_tree_mb'):.0f} | {'' if pps is None else f'{pps:,.0f}'} | {len(rs)} "
-                     f"| {min(loads):.1f}–{max(loads):.1f} |")
+        pps, cpu = med("pairs_per_s_core"), med("cpu_s")
+        per_cpu = pairs / cpu if cpu and phase == "cold" else None
+        lines.append(f"| {corpus} | {pairs:,} | {phase} | {code} | {med('build_s'):.3f} "
+                     f"| {'—' if cpu is None else f'{cpu:.1f}'} | {med('rss_tree_mb'):.0f} "
+                     f"| {med('pss_tree_mb'):.0f} | {'' if pps is None else f'{pps:,.0f}'} "
+                     f"| {'' if per_cpu is None else f'{per_cpu:,.0f}'} | {len(rs)} | {min(loads):.1f}–{max(loads):.1f} |")
     lines.append("")
+    timed = [r for r in rows if r["phase"] == "cold" and any(r.get(f"{k}_s") for k in BUILD_PHASES)]
+    if timed:
+        lines += ["## Where a cold build's time goes (seconds per phase, `data.build`)", "",
+                  "read/clean/hash/scratch: pass A (parse, clean, normalise + hash, scratch files), split from its "
+                  "wall time by the workers' seconds in each step; group: the leakage-free split (streaming passes "
+                  "over the hashes); tokenizer: its sample + SentencePiece training; encode: pass B; write: the "
+                  "arrays and meta.json. Load = the 1-minute load average before → after (2 cores).", "",
+                  "| date | code | corpus | pairs | build s | CPU s | " + " | ".join(BUILD_PHASES)
+                  + " | slowest | RSS tree MB | load |", "|---|---|---|---:|---:|---:|" + "---:|" * len(BUILD_PHASES)
+                  + "---|---:|---|"]
+        for r in timed:
+            sec = {k: float(r[f"{k}_s"] or 0) for k in BUILD_PHASES}
+            lines.append(f"| {r['date']} | {r['code']} | {r['corpus']} | {int(r['pairs']):,} | {float(r['build_s']):.1f} "
+                         f"| {f(r['cpu_s'], '.1f')} | " + " | ".join(f"{sec[k]:.1f}" for k in BUILD_PHASES)
+                         + f" | {max(sec, key=sec.get)} | {float(r['rss_tree_mb']):.0f} "
+                         f"| {r['load_before']} → {r['load_after']} |")
+        lines.append("")
     for mach in sorted({r["machine"] for r in rows}):
         lines += [f"## {mach}", "",
                   "| date | code | tag | corpus | pairs | phase | build s | process s | first batch s | pairs/s/core "
@@ -346,6 +396,8 @@ def main(argv=None) -> int:
     p.add_argument("--work", type=Path, help="corpora and caches (default: a new private temporary folder)")
     p.add_argument("--code", type=Path, default=REPO, help="checkout whose data/ is measured")
     p.add_argument("--tag", default="after", help="label of this code in the table (e.g. before / after)")
+    p.add_argument("--code-sha", help="the table's name of --code's version (default: its git sha; a tree exported "
+                                      "with `git archive SHA data` has none)")
     p.add_argument("--workers", type=int, default=0, help="DataLoader workers of the first-batch measure")
     p.add_argument("--warm-runs", type=int, default=2, help="warm starts per size (each a row)")
     p.add_argument("--out", type=Path, default=RESULTS, help="folder of data-scale-cpu.{csv,md,png}")
@@ -371,7 +423,7 @@ def main(argv=None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     csv_path = a.out / "data-scale-cpu.csv"
     label = "stand-in corpus replicated" if a.source else "synthetic"
-    code, mach = git_sha(a.code), machine()
+    code, mach = a.code_sha or git_sha(a.code), machine()
     cores = len(os.sched_getaffinity(0))
     for size in sizes:
         pairs = int(round(size * 1e6))
@@ -396,13 +448,13 @@ def main(argv=None) -> int:
                    "pss_tree_mb": f"{rec['pss_tree_mb']:.0f}", "maxrss_self_mb": f"{rec['maxrss_self_mb']:.0f}",
                    "maxrss_child_mb": f"{rec['maxrss_child_mb']:.0f}", "load_before": load0,
                    "load_after": f"{os.getloadavg()[0]:.2f}", "machine": mach}
+            row.update({f"{k}_s": f"{rec['phases'][k]:.2f}" if k in rec["phases"] else "" for k in BUILD_PHASES})
+            row["cpu_s"] = f"{rec['cpu_s']:.2f}"
             print("[data_scale] " + json.dumps(row), flush=True)
-            new = not csv_path.is_file()
-            with csv_path.open("a", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=COLUMNS)
-                if new:
-                    w.writeheader()
-                w.writerow(row)
+            if rec["phases"]:
+                print("[data_scale] phases (s): " + ", ".join(f"{k} {rec['phases'][k]:.1f}" for k in BUILD_PHASES
+                                                              if k in rec["phases"]), flush=True)
+            append_row(csv_path, row)
         if not a.keep:
             shutil.rmtree(cache, ignore_errors=True)
     rows = load_rows(csv_path)

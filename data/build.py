@@ -1,18 +1,26 @@
-"""The cold build of a corpus entry (`data.entry`), streaming and parallel.
+"""The cold build of a corpus entry (`data.entry`), streaming, parallel and in memory that does not grow with
+the corpus.
 
 Passes (each a task per input chunk of ~8 MB, `data.sources.plan_chunks`, run by ``build_workers`` forked
 processes, results merged in input order, so the output never depends on the worker count):
   A  read, clean, normalise and hash every row: per row a 64-bit hash of the normalised source and target
-     (the split's groups) and of the exact pair (the fingerprint, the tokenizer sample); the cleaned texts go
-     to a temp file per chunk, so nothing corpus-sized stays in memory.
-  -  split (`data.split`, vectorised over the per-row hashes), train pairs found in your own valid/test
-     files removed; the overlap before (the row-level split of 8c2d91d) and after is counted.
+     (the split's groups) and of the exact pair (the fingerprint, the tokenizer sample). The cleaned texts and
+     the hashes go to scratch files per chunk (``a-<i>*``): nothing corpus-sized stays in memory.
+  -  the split (`data.split.heldout_groups`): streaming passes in this process over the chunks' hash files:
+     one collects the candidate group keys and the fingerprint, a few ``scan`` the rows that share the
+     candidates' hashes (only the held-out groups are ever formed), one writes each chunk's labels (train,
+     valid, test, or removed: in your valid/test files) and counts the overlap before (the row-level split of
+     8c2d91d) and after, and draws the tokenizer's sample. State: the held-out rows and candidates, and the
+     sample, never a value per row of the corpus.
   -  SentencePiece trained on a seeded sample of ``spm_sample_pairs`` train pairs (the pairs with the
-     smallest seeded pair hash: the same sample for any chunking), or the given tokenizer.
-  B  encode each chunk; train pairs are length-filtered, valid/test pairs are kept whole (token arrays cut
-     to ``max_len``, counted); the train parts are copied into one memory-mappable array per side.
-Peak memory: one chunk per worker, plus in the main process the per-row hashes and the split's sorts
-(~130 bytes a row measured between 1 M and 5 M pairs; bench/results/data-scale-cpu.md): texts never pile up.
+     smallest seeded pair hash, ties to the earlier row: the same sample for any chunking), or the given
+     tokenizer.
+  B  encode each chunk (`data.encode.WordEncoder`: each distinct word once, in parallel over the workers);
+     train pairs are length-filtered, valid/test pairs are kept whole (token arrays cut to ``max_len``,
+     counted); the train parts are copied into one memory-mappable array per side.
+Peak memory: one chunk per worker (and its word cache), plus in this process one chunk's hashes, the held-out
+rows and the tokenizer's sample; the row-level split of the overlap record holds 4 bytes a row for a moment.
+The time of each phase is logged and kept in meta.json's ``build`` (bench/results/data-scale-cpu.md).
 
 The entry is a folder of .npy arrays (opened with ``mmap_mode="r"`` by `data.entry.load_entry`: a warm
 start maps them and reads nothing corpus-sized; DataLoader workers share the pages), texts and meta.json.
@@ -33,20 +41,24 @@ from pathlib import Path
 import numpy as np
 
 from . import cache as C
-from .clean import CleanReport, DataInputError, Tally, clean_row, length_examples, length_mask
+from .clean import MAX_EXAMPLES, CleanReport, DataInputError, Tally, clean_row, length_examples, length_mask
+from .encode import WordEncoder, string_array
 from .entry import CACHE_FORMAT, Entry, Inputs, build_workers, load_entry
 from .files import load_npy, open_own
 from .sources import read_chunk, read_local, where
 from .split import (
     HELDOUT_MAX_GROUP,
     NORMALISATION,
-    assign,
-    group_keys,
+    KeySet,
+    SmallestKeys,
     hash64,
+    hash64_bytes,
+    heldout_groups,
     in_sorted,
     mix64,
     normalise,
-    row_level_split,
+    normalise_bytes,
+    row_level_heldout,
     sorted_unique,
 )
 from .tokenizer import Tokenizer, train_spm
@@ -54,16 +66,47 @@ from .workers import ignore_stop_signals
 
 _SPLIT_CODE = {"train": 0, "valid": 1, "test": 2}
 _LEN_CAP = 4096  # train length histograms (for the length hints) clip here
+_SAMPLE_SEED = 0x5EED  # xor-ed into split_seed: the tokenizer sample's order of pairs
+PHASES = ("read", "clean", "hash", "scratch", "group", "tokenizer", "encode", "write")
+
+
+# ----------------------------------------------------------------------------------------------
+# Scratch files of a build (its own temp folder; read back only when this user wrote them)
+# ----------------------------------------------------------------------------------------------
+def _scratch(tmp, name: str) -> str:
+    """A scratch file's path, a plain str: a Path would intern every (unique) file name for the process's life."""
+    return os.path.join(tmp, name)
+
+
+def _save(tmp, name: str, a: np.ndarray) -> None:
+    np.save(_scratch(tmp, name), a)
+
+
+def _load(tmp, name: str) -> np.ndarray:
+    """A scratch array `_save` wrote, through the one reader (read back only when this user wrote it)."""
+    return load_npy(_scratch(tmp, name), "scratch array", own=True, mmap=False)
+
+
+def _eval_leak(h: np.ndarray, eval_keys: tuple[KeySet, KeySet] | None) -> np.ndarray | None:
+    """Rows (of one chunk's hashes ``h``) whose normalised source, or target, is in your valid/test files (None:
+    no such files). ``eval_keys``: the files' source and target hashes (targets empty with split_grouping
+    source)."""
+    if eval_keys is None:
+        return None
+    return eval_keys[0].contains(h[0]) | eval_keys[1].contains(h[1])
 
 
 # ----------------------------------------------------------------------------------------------
 # Worker tasks (module level: they run in forked processes)
 # ----------------------------------------------------------------------------------------------
 def _scan(job) -> dict:
-    """Pass A on one chunk: parse, clean, hash; cleaned texts + positions to ``tmp/a-<i>.*`` (`_save_texts`)."""
-    i, chunk, src_lang, tgt_lang, tmp = job
+    """Pass A on one chunk: parse, clean, hash; cleaned texts, positions and hashes to ``tmp/a-<i>*``
+    (`_save_texts`). Returns the counts, the rejects and the seconds of each step."""
+    i, chunk, src_lang, tgt_lang, tmp, eval_keys = job
+    t0 = time.perf_counter()
     rows = read_chunk(chunk, src_lang, tgt_lang)
-    tally, src, tgt, pos = rows.rejects, [], [], []
+    t1 = time.perf_counter()
+    tally, src, tgt, pos, n_read = rows.rejects, [], [], [], rows.read
     for p, row in zip(rows.positions, rows.translation):
         got = clean_row(row, src_lang, tgt_lang)
         if got[0] is None:
@@ -72,78 +115,99 @@ def _scan(job) -> dict:
         src.append(got[0])
         tgt.append(got[1])
         pos.append(p)
-    n = len(src)
-    h_src = np.fromiter((hash64(normalise(s)) for s in src), np.uint64, n)
-    h_tgt = np.fromiter((hash64(normalise(t)) for t in tgt), np.uint64, n)
-    h_pair = np.fromiter((hash64(f"{s}\t{t}") for s, t in zip(src, tgt)), np.uint64, n)
-    _save_texts(Path(tmp), i, src, tgt, pos)
-    return {"read": rows.read, "tally": tally, "h_src": h_src, "h_tgt": h_tgt, "h_pair": h_pair}
+    del rows
+    t2 = time.perf_counter()
+    b_src, b_tgt = [x.encode() for x in src], [x.encode() for x in tgt]  # clean texts: no lone surrogates
+    h = np.stack([hash64_bytes(normalise_bytes(src)), hash64_bytes(normalise_bytes(tgt)),
+                  hash64_bytes([s + b"\t" + t for s, t in zip(b_src, b_tgt)])]) if src else np.zeros((3, 0), np.uint64)
+    leak = _eval_leak(h, eval_keys)
+    t3 = time.perf_counter()
+    _save_texts(tmp, i, b_src + b_tgt, pos)
+    _save(tmp, f"a-{i}-h.npy", h)
+    t4 = time.perf_counter()
+    return {"read": n_read, "tally": tally, "kept": len(pos),
+            "leaked": 0 if leak is None else int(leak.sum()),
+            "seconds": {"read": t1 - t0, "clean": t2 - t1, "hash": t3 - t2, "scratch": t4 - t3}}
 
 
-def _save_texts(tmp: Path, i: int, src: list[str], tgt: list[str], pos: list[int]) -> None:
+def _save_texts(tmp, i: int, enc: list[bytes], pos: list[int]) -> None:
     """A chunk's cleaned texts as UTF-8 back to back (``a-<i>.txt``: every source, then every target) with the
-    (2n+1,) byte offsets of each text and the rows' positions: the tokenizer's sample decodes only its rows,
-    pass B decodes each text once."""
-    enc = [x.encode() for x in src] + [x.encode() for x in tgt]
+    (2n+1,) byte offsets of each text and the rows' positions: the tokenizer's sample reads only its rows, pass
+    B reads the chunk once (`_load_blob`) and decodes only the words it has not seen."""
     off = np.zeros(len(enc) + 1, dtype=np.int64)
     np.cumsum(np.fromiter(map(len, enc), np.int64, len(enc)), out=off[1:])
-    with open(tmp / f"a-{i}.txt", "wb") as f:
+    with open(_scratch(tmp, f"a-{i}.txt"), "wb") as f:
         f.write(b"".join(enc))
-    np.save(tmp / f"a-{i}-off.npy", off)
-    np.save(tmp / f"a-{i}-pos.npy", np.asarray(pos, dtype=np.int64))
+    _save(tmp, f"a-{i}-off.npy", off)
+    _save(tmp, f"a-{i}-pos.npy", np.asarray(pos, dtype=np.int64))
 
 
-def _load_texts(tmp: Path, i: int, rows=None) -> tuple[list[str], list[str]]:
-    """(sources, targets) of chunk i's rows ``rows`` (local indices; None: all), from `_save_texts`' files
-    (read back only when this user wrote them)."""
-    off = load_npy(tmp / f"a-{i}-off.npy", "scratch array", own=True, mmap=False)
+def _load_blob(tmp, i: int) -> tuple[bytes, np.ndarray]:
+    """Chunk i's texts as `_save_texts` wrote them: the UTF-8 blob and the (2n+1,) offsets (read back only when
+    this user wrote them)."""
+    off = _load(tmp, f"a-{i}-off.npy")
+    with open_own(_scratch(tmp, f"a-{i}.txt")) as f:
+        return f.read(), off
+
+
+def _load_texts(tmp, i: int, rows) -> tuple[list[str], list[str]]:
+    """(sources, targets) of chunk i's rows ``rows`` (local indices): only their bytes are read."""
+    off = _load(tmp, f"a-{i}-off.npy")
     n = (len(off) - 1) // 2
-    with open_own(tmp / f"a-{i}.txt") as f:
-        blob = f.read()
-    if rows is None:
-        o = off.tolist()
-        texts = [blob[a:b].decode() for a, b in zip(o[:-1], o[1:])]
-        return texts[:n], texts[n:]
     rows = np.asarray(rows, dtype=np.int64)
-    side = [[blob[a:b].decode() for a, b in zip(off[r].tolist(), off[r + 1].tolist())] for r in (rows, n + rows)]
-    return side[0], side[1]
+    with open_own(_scratch(tmp, f"a-{i}.txt")) as f:
+        fd = f.fileno()
+        return tuple([os.pread(fd, int(b - a), int(a)).decode() for a, b in zip(off[r].tolist(), off[r + 1].tolist())]
+                     for r in (rows, n + rows))
 
 
 def _sample(job) -> tuple[list[str], list[str]]:
     """The sampled rows (local indices) of one chunk's cleaned texts."""
     i, tmp, local = job
-    return _load_texts(Path(tmp), i, local)
+    return _load_texts(tmp, i, local)
 
 
-_TOKENIZERS: dict[str, Tokenizer] = {}  # per worker process: loaded once per model file
+_TOKENIZERS: dict[str, tuple[Tokenizer, WordEncoder]] = {}  # per worker process: loaded once per model file
 
 
-def _worker_tokenizer(model_file: str) -> Tokenizer:
+def _worker_tokenizer(model_file: str, bpe: bool) -> tuple[Tokenizer, WordEncoder]:
     if model_file not in _TOKENIZERS:
-        _TOKENIZERS[model_file] = Tokenizer(model_file, num_threads=1)
+        tok = Tokenizer(model_file, num_threads=1)
+        _TOKENIZERS[model_file] = tok, WordEncoder(tok.sp, bpe)
     return _TOKENIZERS[model_file]
 
 
-def _flat(ids: list[list[int]], keep, dtype) -> tuple[np.ndarray, np.ndarray]:
-    """Concatenated ids and int32 lengths of the rows ``keep`` of ``ids``."""
-    sel = [ids[k] for k in keep]
-    lens = np.fromiter(map(len, sel), np.int32, len(sel))
-    return np.fromiter(itertools.chain.from_iterable(sel), dtype, int(lens.sum())), lens
+def _rows_of(ids: np.ndarray, off: np.ndarray, keep: np.ndarray, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """The ids of the texts ``keep`` (``ids`` back to back, text k at ``off[k]:off[k+1]``) back to back, and
+    their int32 lengths."""
+    lens = (off[keep + 1] - off[keep]).astype(np.int64)
+    ends = np.cumsum(lens)
+    at = np.repeat(off[keep] - (ends - lens), lens) + np.arange(int(ends[-1]) if len(ends) else 0)
+    return ids[at].astype(dtype), lens.astype(np.int32)
 
 
 def _encode(job) -> dict:
     """Pass B on one chunk: encode; train rows length-filtered into part files; valid/test rows returned
     whole (texts) with token arrays cut to ``max_len``."""
-    i, tmp, labels, model_file, max_len, max_ratio, dtype = job
-    src, tgt = _load_texts(Path(tmp), i)
-    pos = load_npy(Path(tmp) / f"a-{i}-pos.npy", "scratch array", own=True, mmap=False).tolist()
-    for name in (f"a-{i}.txt", f"a-{i}-off.npy", f"a-{i}-pos.npy"):
-        os.unlink(Path(tmp) / name)
-    sp = _worker_tokenizer(model_file).sp
-    ids_s = sp.encode(src, out_type=int, num_threads=1)
-    ids_t = sp.encode(tgt, out_type=int, num_threads=1)
-    ls = np.fromiter(map(len, ids_s), np.int64, len(src)) + 1  # incl. EOS / BOS
-    lt = np.fromiter(map(len, ids_t), np.int64, len(tgt)) + 1
+    i, tmp, model_file, bpe, max_len, max_ratio, dtype = job
+    t0 = time.perf_counter()
+    blob, off = _load_blob(tmp, i)
+    n = (len(off) - 1) // 2
+    pos = _load(tmp, f"a-{i}-pos.npy").tolist()
+    labels = _load(tmp, f"a-{i}-lab.npy")
+    for name in (f"a-{i}.txt", f"a-{i}-off.npy", f"a-{i}-pos.npy", f"a-{i}-h.npy", f"a-{i}-lab.npy"):
+        os.unlink(_scratch(tmp, name))
+
+    def text(k: int) -> str:  # text k of the chunk (sources 0..n-1, then targets)
+        return blob[off[k]:off[k + 1]].decode()
+
+    t1 = time.perf_counter()
+    _, words = _worker_tokenizer(model_file, bpe)
+    ids_s, len_s = words.encode(string_array(blob, off[: n + 1]))
+    ids_t, len_t = words.encode(string_array(blob, off[n:]))
+    t2 = time.perf_counter()
+    off_s, off_t = np.concatenate([[0], np.cumsum(len_s)]), np.concatenate([[0], np.cumsum(len_t)])
+    ls, lt = len_s + 1, len_t + 1  # incl. EOS / BOS
     train = np.flatnonzero(labels == 0)
     ok, dropped = length_mask(ls[train], lt[train], max_len, max_ratio)
     tally = Tally()
@@ -151,24 +215,33 @@ def _encode(job) -> dict:
         tally.add(reason, pos[train[k]], detail)
     tally.counts.update(dropped)  # every drop counted, the first MAX_EXAMPLES shown
     hi = np.maximum(ls[train], lt[train])
-    for k in np.flatnonzero(labels == -1):  # removed: in your valid/test files
-        tally.add("in_eval_files", pos[k], f"source {src[k][:50]!r}")
+    leaked = np.flatnonzero(labels == -1)  # removed: in your valid/test files
+    for k in leaked[:MAX_EXAMPLES].tolist():
+        tally.add("in_eval_files", pos[k], f"source {text(k)[:50]!r}")
+    if len(leaked) > MAX_EXAMPLES:
+        tally.counts["in_eval_files"] = len(leaked)
     keep = train[ok]
     part = {}
-    part["src_ids"], part["src_len"] = _flat(ids_s, keep, dtype)
-    part["tgt_ids"], part["tgt_len"] = _flat(ids_t, keep, dtype)
+    part["src_ids"], part["src_len"] = _rows_of(ids_s, off_s, keep, dtype)
+    part["tgt_ids"], part["tgt_len"] = _rows_of(ids_t, off_t, keep, dtype)
     part["rows"] = keep.astype(np.int64)
     for name, a in part.items():
-        np.save(Path(tmp) / f"b-{i}-{name}.npy", a)
+        _save(tmp, f"b-{i}-{name}.npy", a)
     held = {}
     cut = max_len - 1  # subwords that fit with EOS / BOS
     for s in ("valid", "test"):
-        idx = np.flatnonzero(labels == _SPLIT_CODE[s])
-        held[s] = {"src": [src[k] for k in idx], "tgt": [tgt[k] for k in idx],
-                   "src_ids": [ids_s[k][:cut] for k in idx], "tgt_ids": [ids_t[k][:cut] for k in idx],
-                   "local": idx, "truncated": int(((ls[idx] > max_len) | (lt[idx] > max_len)).sum())}
+        idx = np.flatnonzero(labels == _SPLIT_CODE[s]).tolist()
+        if not idx:  # most chunks: nothing held out (the main process keeps only the chunks that hold some)
+            continue
+        held[s] = {"src": [text(k) for k in idx], "tgt": [text(n + k) for k in idx],
+                   "src_ids": [ids_s[off_s[k]:min(off_s[k + 1], off_s[k] + cut)].tolist() for k in idx],
+                   "tgt_ids": [ids_t[off_t[k]:min(off_t[k + 1], off_t[k] + cut)].tolist() for k in idx],
+                   "local": np.asarray(idx, dtype=np.int64),
+                   "truncated": int(sum(ls[k] > max_len or lt[k] > max_len for k in idx))}
+    t3 = time.perf_counter()
     return {"tally": tally, "n_train": len(keep), "tokens": (int(part["src_len"].sum()), int(part["tgt_len"].sum())),
-            "held": held, "longer": np.bincount(np.minimum(hi, _LEN_CAP), minlength=_LEN_CAP + 1)}
+            "held": held, "longer": np.bincount(np.minimum(hi, _LEN_CAP)), "word_check_failed": words.disagreed,
+            "seconds": {"scratch": t1 - t0, "encode": t2 - t1, "write": t3 - t2}}
 
 
 def _worker_init(parent: int) -> None:
@@ -192,24 +265,29 @@ START_METHOD = "fork"  # of the build workers ("spawn" works too: a Hub dataset 
 
 
 class _Runner:
-    """Runs a task over jobs in input order: in this process (one worker or one job) or in forked workers."""
+    """Runs a task over jobs, results in input order: in this process (one worker or one job) or in forked
+    workers. `imap` yields each result as its turn comes, so nothing waits for a whole pass in memory."""
 
     def __init__(self, workers: int):
         self.workers, self.pool = workers, None
 
-    def map(self, fn, jobs: list) -> list:
+    def imap(self, fn, jobs: list):
         if self.workers <= 1 or len(jobs) <= 1:
-            return [fn(j) for j in jobs]
+            yield from map(fn, jobs)
+            return
         if self.pool is None:
             method = START_METHOD if START_METHOD in multiprocessing.get_all_start_methods() else None
             ctx = multiprocessing.get_context(method)
             self.pool = cf.ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_worker_init,
                                                initargs=(os.getpid(),))
         try:
-            return list(self.pool.map(fn, jobs))
+            yield from self.pool.map(fn, jobs)
         except cf.process.BrokenProcessPool:
             raise RuntimeError("a data build worker process died (killed by a signal or out of memory); "
                                "run again: the build restarts from the beginning") from None
+
+    def map(self, fn, jobs: list) -> list:
+        return list(self.imap(fn, jobs))
 
     def close(self) -> None:
         if self.pool is not None:
@@ -282,46 +360,37 @@ def build_entry(cfg, inp: Inputs, key: str, tok_key: str, sets: dict, cache: Pat
     t0 = time.perf_counter()
     tmp = C.temp_dir(cache, key)
     run = _Runner(build_workers(cfg))
+    clock = _Clock()
     try:
         evals = {s: read_eval_files(files, s, cfg.src_lang, cfg.tgt_lang) for s, files in inp.evals.items()}
-        phases, t_phase = {}, time.perf_counter()
-
-        def phase(name: str) -> None:
-            nonlocal t_phase
-            phases[name] = time.perf_counter() - t_phase
-            t_phase = time.perf_counter()
-
+        eval_hashes = {s: (_text_hashes(es), _text_hashes(et)) for s, (es, et) in evals.items()}
+        eval_keys = None
+        if eval_hashes:
+            both = cfg.split_grouping == "source_target"
+            eval_keys = (KeySet(np.concatenate([h[0] for h in eval_hashes.values()])),
+                         KeySet(np.concatenate([h[1] for h in eval_hashes.values()]) if both else np.zeros(0)))
+        clock.lap("read")
         # ---- pass A
-        scans = run.map(_scan, [(i, c, cfg.src_lang, cfg.tgt_lang, str(tmp)) for i, c in enumerate(inp.chunks)])
+        jobs = [(i, c, cfg.src_lang, cfg.tgt_lang, str(tmp), eval_keys) for i, c in enumerate(inp.chunks)]
         report = CleanReport()
-        lines_before = [0] * len(inp.files)
-        bases = []
-        for c, sc in zip(inp.chunks, scans):
+        lines_before, reads, kept = [0] * len(inp.files), [0] * len(inp.files), [0] * len(inp.files)
+        bases, kept_chunk, n_leaked = [], [], 0
+        for c, sc in zip(inp.chunks, run.imap(_scan, jobs)):
             f = inp.files[c.file]
             bases.append(lines_before[c.file] + 1 if f.unit == "line" else c.base)
             lines_before[c.file] += sc["read"]
+            reads[c.file] += sc["read"]
+            kept[c.file] += sc["kept"]
             report.rows += sc["read"]
             report.merge(sc["tally"], lambda pos, f=f, b=bases[-1]: where(f, b + pos))
-        kept_chunk = np.array([len(sc["h_src"]) for sc in scans], dtype=np.int64)
-        first = np.concatenate([[0], np.cumsum(kept_chunk)])  # clean-row index of each chunk's first row
-        reads = [sum(sc["read"] for c, sc in zip(inp.chunks, scans) if c.file == k) for k in range(len(inp.files))]
-        kept = [int(sum(len(sc["h_src"]) for c, sc in zip(inp.chunks, scans) if c.file == k)) for k in range(len(inp.files))]
+            kept_chunk.append(sc["kept"])
+            n_leaked += sc["leaked"]
+            clock.work(sc["seconds"])
+        clock.share(("read", "clean", "hash", "scratch"))
         _per_file_check(inp, reads, kept, report)
-        h_src = np.concatenate([sc.pop("h_src") for sc in scans])
-        h_tgt = np.concatenate([sc.pop("h_tgt") for sc in scans])
-        h_pair = np.concatenate([sc.pop("h_pair") for sc in scans])
-        n = len(h_src)
-        fingerprint = C.digest([cfg.src_lang, cfg.tgt_lang, hashlib.sha256(h_pair.tobytes()).hexdigest()])
-        phase("read+clean+hash")
-        # ---- split
-        labels = np.zeros(n, dtype=np.int8)
-        leak = np.zeros(n, dtype=bool)
-        eval_hashes = {s: (_text_hashes(es), _text_hashes(et)) for s, (es, et) in evals.items()}
-        for e_src, e_tgt in eval_hashes.values():
-            leak |= in_sorted(h_src, sorted_unique(e_src))
-            if cfg.split_grouping == "source_target":
-                leak |= in_sorted(h_tgt, sorted_unique(e_tgt))
-        n_free = int((~leak).sum())
+        first = np.concatenate([[0], np.cumsum(kept_chunk, dtype=np.int64)])  # clean-row index of each chunk's first row
+        n = int(first[-1])
+        n_free = n - n_leaked
         if n == 0 or n_free == 0:
             raise DataInputError(
                 f"all {n:,} clean training pairs share a normalised source or target with data.valid_files / "
@@ -332,56 +401,57 @@ def build_entry(cfg, inp: Inputs, key: str, tok_key: str, sets: dict, cache: Pat
             raise DataInputError(
                 f"valid_size={cfg.valid_size} ({n_valid}) + test_size={cfg.test_size} ({n_test}) leave no training "
                 f"rows out of {n_free} clean rows; lower them (floats are fractions)")
-        if leak.any():
-            free = np.flatnonzero(~leak)
-            keys = group_keys(h_src[free], h_tgt[free], cfg.split_grouping)
-            labels[free] = assign(keys, n_test, n_valid, cfg.split_seed)
-        else:  # no copies of the hashes (the split's memory peak)
-            keys = group_keys(h_src, h_tgt, cfg.split_grouping)
-            labels[:] = assign(keys, n_test, n_valid, cfg.split_seed)
-        labels[leak] = -1  # removed: their source/target is in your valid/test files
-        olap = _overlaps(cfg, eval_hashes, labels, h_src, h_tgt, n_test, n_valid)
-        del keys
-        phase("split")
+        # ---- the split
+        hashes = _Hashes(tmp, first, eval_keys)
+        sample_k = cfg.spm_sample_pairs if tokenizer is None else None  # a given tokenizer: no sample
+        split = _split(cfg, hashes, n, n_test, n_valid, eval_hashes, sample_k)
+        clock.lap("group")
         # ---- tokenizer
         if tokenizer is not None:
             model_file = tmp / "given-spm.model"
             model_file.write_bytes(tokenizer.model_bytes())
-            tok = tokenizer
+            tok, bpe = tokenizer, False  # a model from elsewhere: encoded sentence by sentence
         else:
-            tok = _tokenizer(cfg, cache, tok_key, sets["tokenizer"], labels, h_pair, first, run, tmp, log)
-            model_file = Path(tok.model_file)
-        del h_pair
+            tok = _tokenizer(cfg, cache, tok_key, sets["tokenizer"], split["sample"], first, run, tmp, log)
+            model_file, bpe = Path(tok.model_file), sets["tokenizer"]["model_type"] == "bpe"
         dtype = "uint16" if tok.vocab_size <= 1 << 16 else "int32"
-        phase("tokenizer")
+        clock.lap("tokenizer")
         # ---- pass B
-        jobs = [(i, str(tmp), labels[first[i]:first[i + 1]], str(model_file), cfg.max_len, cfg.max_len_ratio, dtype)
+        jobs = [(i, str(tmp), str(model_file), bpe, cfg.max_len, cfg.max_len_ratio, dtype)
                 for i in range(len(inp.chunks))]
-        encoded = run.map(_encode, jobs)
         hist = np.zeros(_LEN_CAP + 1, dtype=np.int64)
-        for i, e in enumerate(encoded):
+        parts, held_parts, checks_failed = [], {"valid": [], "test": []}, 0
+        for i, e in enumerate(run.imap(_encode, jobs)):
             f = inp.files[inp.chunks[i].file]
             report.merge(e["tally"], lambda pos, f=f, b=bases[i]: where(f, b + pos))
-            hist += e.pop("longer")
+            hist[: len(e["longer"])] += e["longer"]
+            parts.append((e["n_train"], e["tokens"]))
+            for s, part in e["held"].items():
+                held_parts[s].append((i, part))
+            checks_failed += e["word_check_failed"]
+            clock.work(e["seconds"])
+        if checks_failed:
+            log(f"[data] warning: encoding word by word disagreed with SentencePiece on a checked sentence in "
+                f"{checks_failed} chunk{'s' * (checks_failed != 1)}; those were encoded sentence by sentence")
+        clock.share(("scratch", "encode", "write"), into={"scratch": "encode"})
         dropped = {r: report.dropped[r] for r in ("too_long", "length_ratio")}
         report.dropped_by_split = {"train": dropped, "valid": {"too_long": 0, "length_ratio": 0},
                                    "test": {"too_long": 0, "length_ratio": 0}}
-        n_train_before = int((labels == 0).sum())
-        n_train = sum(e["n_train"] for e in encoded)
+        n_train_before = split["n_train"]
+        n_train = sum(p[0] for p in parts)
         if n_train == 0:
             raise DataInputError(
                 f"every one of the {n_train_before:,} training pairs is over the length limits "
                 f"({dropped['too_long']:,} too_long with max_len={cfg.max_len}, {dropped['length_ratio']:,} "
                 f"length_ratio with max_len_ratio={cfg.max_len_ratio:g}); {length_hint(hist, dropped)}")
         counts, tokens = {}, {}
-        phase("encode")
-        _assemble_train(tmp, encoded, first, dtype, counts, tokens)
+        _assemble_train(tmp, parts, first, dtype, counts, tokens)
         truncated = {}
         for s in ("valid", "test"):
             if s in evals:
                 held = _encode_eval(tok, evals[s], cfg.max_len)
             else:
-                held = _merge_held([e["held"][s] for e in encoded], first)
+                held = _merge_held(held_parts[s], first)
             truncated[s] = held.pop("truncated")
             _save_held(tmp, s, held, dtype, counts, tokens)
         meta = {
@@ -390,27 +460,29 @@ def build_entry(cfg, inp: Inputs, key: str, tok_key: str, sets: dict, cache: Pat
             "length_hint": length_hint(hist, dropped) if n_train_before else "",
             "train_before_length_filter": n_train_before,
             "record": {
-                "source": inp.label, "paths": list(inp.paths), "fingerprint": fingerprint,
-                "split_digest": C.digest(hashlib.sha256(labels.tobytes()).hexdigest()),
+                "source": inp.label, "paths": list(inp.paths), "fingerprint": split["fingerprint"],
+                "split_digest": split["digest"],
                 "split_seed": cfg.split_seed, "valid_size": cfg.valid_size, "test_size": cfg.test_size,
                 "grouping": cfg.split_grouping, "normalisation": NORMALISATION, "heldout_max_group": HELDOUT_MAX_GROUP,
                 "eval_files": {s: list(f) for s, f in inp.evals.items()},
-                "removed_for_eval_files": int(leak.sum()),
-                "overlap": olap, "truncated": truncated,  # then "rows_before_length_filter" and "sizes", derived
+                "removed_for_eval_files": n_leaked,
+                "overlap": split["overlap"], "truncated": truncated,  # then "rows_before_length_filter" and "sizes", derived
                 "asked": {"valid": n_valid, "test": n_test},  # rows the settings asked for (of the clean rows)
                 "spm_sample_pairs": None if tokenizer is not None else cfg.spm_sample_pairs,
             },
         }
+        clock.lap("write")
+        meta["build"] = {"seconds": round(time.perf_counter() - t0, 3), "phases": clock.rounded(),
+                         "workers": run.workers, "chunks": len(inp.chunks)}
         C.write_json(tmp / "meta.json", meta)
         final = cache / f"corpus-{key}"
         C.publish(tmp, final)
-        phase("write")
         n_tok = sum(v["src"] + v["tgt"] for v in tokens.values())
         procs = min(run.workers, len(inp.chunks))
         how = f"{procs} processes" if procs > 1 else "this process"
         log(f"[data] built {n:,} clean pairs ({n_tok:,} subwords) in {len(inp.chunks)} chunk"
             f"{'s' * (len(inp.chunks) != 1)} with {how} in {time.perf_counter() - t0:.1f} s ("
-            + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()) + f") -> {final}")
+            + ", ".join(f"{k} {v:.1f} s" for k, v in clock.phases.items()) + f") -> {final}")
     finally:
         run.close()
         _TOKENIZERS.clear()  # in-process runs: a later build may retrain a model at the same path
@@ -421,9 +493,209 @@ def build_entry(cfg, inp: Inputs, key: str, tok_key: str, sets: dict, cache: Pat
     return entry
 
 
-def _tokenizer(cfg, cache: Path, tok_key: str, spm_set: dict, labels, h_pair, first, run: _Runner, tmp: Path,
+class _Clock:
+    """Seconds per phase of a build. `lap` gives the time since the last lap to one phase; the parallel passes
+    give theirs to their steps in proportion to the seconds the workers spent in each (`work`, `share`)."""
+
+    def __init__(self):
+        self.phases = dict.fromkeys(PHASES, 0.0)
+        self.t = time.perf_counter()
+        self.worked: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] += now - self.t
+        self.t = now
+
+    def work(self, seconds: dict) -> None:
+        for k, v in seconds.items():
+            self.worked[k] = self.worked.get(k, 0.0) + v
+
+    def share(self, steps: tuple[str, ...], into: dict | None = None) -> None:
+        now = time.perf_counter()
+        wall, total = now - self.t, sum(self.worked.get(k, 0.0) for k in steps) or 1.0
+        for k in steps:
+            self.phases[(into or {}).get(k, k)] += wall * self.worked.get(k, 0.0) / total
+        self.t, self.worked = now, {}
+
+    def rounded(self) -> dict:
+        return {k: round(v, 3) for k, v in self.phases.items()}
+
+
+class _Hashes:
+    """The per-row hashes of pass A, chunk by chunk from the scratch files: ``(i, h, free)`` with ``h`` (3, n_i)
+    uint64 (normalised source, normalised target, pair) and ``free`` the rows not removed for your valid/test
+    files (None: every row)."""
+
+    def __init__(self, tmp: Path, first: np.ndarray, eval_keys):
+        self.tmp, self.first, self.eval_keys = tmp, first, eval_keys
+
+    def __iter__(self):
+        for i in range(len(self.first) - 1):
+            h = _load(self.tmp, f"a-{i}-h.npy")
+            leak = _eval_leak(h, self.eval_keys)
+            yield i, h, None if leak is None else ~leak
+
+    def scan(self, src_keys: KeySet, tgt_keys: KeySet, cap: int):
+        """`data.split.heldout_groups`' scan: the free rows whose source hash is in ``src_keys`` or target hash in
+        ``tgt_keys``, the first ``cap`` rows per key and side (row order)."""
+        seen = [np.zeros(len(src_keys), np.int64), np.zeros(len(tgt_keys), np.int64)]
+        rows, hs, ht = [], [], []
+        for i, h, free in self:
+            keep = np.zeros(h.shape[1], dtype=bool)
+            for side, keys in ((0, src_keys), (1, tgt_keys)):
+                if not len(keys):
+                    continue
+                hit = keys.contains(h[side])
+                if free is not None:
+                    hit &= free
+                at = np.flatnonzero(hit)
+                if not len(at):
+                    continue
+                k = keys.index(h[side][at])
+                order = np.argsort(k, kind="stable")
+                ks = k[order]
+                starts = np.r_[0, np.flatnonzero(ks[1:] != ks[:-1]) + 1]
+                rank = np.arange(len(ks)) - np.repeat(starts, np.diff(np.r_[starts, len(ks)]))
+                ok = seen[side][ks] + rank < cap
+                keep[at[order[ok]]] = True
+                np.add.at(seen[side], ks, 1)
+            local = np.flatnonzero(keep)
+            rows.append(self.first[i] + local)
+            hs.append(h[0][local])
+            ht.append(h[1][local])
+        cat = np.concatenate
+        return cat(rows) if rows else np.zeros(0, np.int64), cat(hs) if hs else np.zeros(0, np.uint64), \
+            cat(ht) if ht else np.zeros(0, np.uint64)
+
+
+class _Overlap:
+    """How many held-out rows have a normalised source (target) that some train row also has: the held-out
+    rows' hashes are kept, the train rows stream by chunk (`see`)."""
+
+    def __init__(self, h_src: np.ndarray, h_tgt: np.ndarray):
+        self.held = (np.asarray(h_src, dtype=np.uint64), np.asarray(h_tgt, dtype=np.uint64))
+        self.keys = (KeySet(self.held[0]), KeySet(self.held[1]))
+        self.found: tuple[list, list] = ([], [])
+
+    def see(self, h_src: np.ndarray, h_tgt: np.ndarray) -> None:
+        for side, h in enumerate((h_src, h_tgt)):
+            hit = h[self.keys[side].contains(h)]
+            if len(hit):
+                self.found[side].append(sorted_unique(hit))
+
+    def result(self) -> dict:
+        def hits(side: int) -> int:
+            found = sorted_unique(np.concatenate(self.found[side])) if self.found[side] else np.zeros(0, np.uint64)
+            return int(in_sorted(self.held[side], found).sum())
+
+        return {"rows": len(self.held[0]), "source": hits(0), "target": hits(1)}
+
+
+class _Sample:
+    """The ``k`` train rows with the smallest seeded pair hash (ties: the earlier row), from rows streamed in
+    row order (``k`` 0: every row; None: none)."""
+
+    def __init__(self, k: int | None, seed: int):
+        self.k, self.seed = k, seed ^ _SAMPLE_SEED
+        self.key, self.rows = np.zeros(0, np.uint64), np.zeros(0, np.int64)  # kept, ascending by (key, row)
+        self.buf: list[tuple[np.ndarray, np.ndarray]] = []
+        self.n_buf = 0
+
+    def add(self, h_pair: np.ndarray, rows: np.ndarray) -> None:
+        if self.k is None:
+            return
+        if not self.k:
+            self.buf.append((np.zeros(0, np.uint64), rows))
+            return
+        key = mix64(h_pair, self.seed)
+        if len(self.key) == self.k:
+            less = key < self.key[-1]  # an equal key is a later row: it loses the tie
+            key, rows = key[less], rows[less]
+        if len(key):
+            self.buf.append((key, rows))
+            self.n_buf += len(key)
+            if self.n_buf >= self.k:
+                self._merge()
+
+    def _merge(self) -> None:
+        key = np.concatenate([self.key] + [b[0] for b in self.buf])
+        rows = np.concatenate([self.rows] + [b[1] for b in self.buf])
+        order = np.lexsort((rows, key))[: self.k]
+        self.key, self.rows, self.buf, self.n_buf = key[order], rows[order], [], 0
+
+    def picked(self) -> np.ndarray:
+        """The sampled rows, ascending."""
+        if not self.k:  # every train row (0), or none (None)
+            return np.concatenate([b[1] for b in self.buf]) if self.buf else np.zeros(0, np.int64)
+        self._merge()
+        return np.sort(self.rows)
+
+
+def _split(cfg, hashes: _Hashes, n: int, n_test: int, n_valid: int, eval_hashes: dict, sample_k: int | None) -> dict:
+    """The split from the hash files: writes each chunk's labels (``a-<i>-lab.npy``: 0 train, 1 valid, 2 test,
+    -1 removed for your valid/test files) and returns the corpus fingerprint, the split digest, the train count
+    before the length filter, the overlap record and the tokenizer's sample (rows)."""
+    seed, grouping = cfg.split_seed, cfg.split_grouping
+    rl = dict(zip(("test", "valid"), row_level_heldout(n, n_test, n_valid, seed))) if n_test + n_valid else {}
+    k = 2 * (n_test + n_valid) + 1024
+    held = None
+    while held is None:
+        # pass 1: the candidate group keys (and, once, the fingerprint and the row-level split's held-out hashes)
+        cands = SmallestKeys(k, seed)
+        fp = hashlib.sha256()
+        rl_h = {s: ([], []) for s in rl}
+        for i, h, free in hashes:
+            cands.add(h[0] if free is None else h[0][free])
+            fp.update(h[2].tobytes())
+            lo, hi = hashes.first[i], hashes.first[i + 1]
+            for s, rows in rl.items():
+                local = rows[(rows >= lo) & (rows < hi)] - lo
+                rl_h[s][0].append(h[0][local])
+                rl_h[s][1].append(h[1][local])
+        held = heldout_groups(hashes.scan, cands, n_test, n_valid, grouping)
+        k *= 4  # rare: the candidates held fewer rows than asked (many groups over HELDOUT_MAX_GROUP)
+    # pass 3: labels, split digest, overlaps, the tokenizer's sample
+    before, after = {}, {}
+    for s in ("valid", "test"):
+        if s in eval_hashes:
+            before[s] = _Overlap(*eval_hashes[s])
+            after[s] = _Overlap(*eval_hashes[s])
+        else:
+            before[s] = _Overlap(*(np.concatenate(x) for x in rl_h[s])) if s in rl else _Overlap([], [])
+            after[s] = _Overlap(held[s][1], held[s][2])
+    rl_all = np.sort(np.concatenate(list(rl.values()))) if rl else np.zeros(0, np.int64)
+    digest, sample, n_train = hashlib.sha256(), _Sample(sample_k, seed), 0
+    for i, h, free in hashes:
+        lo, hi = hashes.first[i], hashes.first[i + 1]
+        labels = np.zeros(hi - lo, dtype=np.int8)
+        if free is not None:
+            labels[~free] = -1
+        for s in ("valid", "test"):
+            rows = held[s][0]
+            labels[rows[(rows >= lo) & (rows < hi)] - lo] = _SPLIT_CODE[s]
+        _save(hashes.tmp, f"a-{i}-lab.npy", labels)
+        digest.update(labels.tobytes())
+        train = np.flatnonzero(labels == 0)
+        n_train += len(train)
+        rl_train = np.ones(hi - lo, dtype=bool)  # the row-level split's train rows: every row it did not hold out
+        rl_train[rl_all[(rl_all >= lo) & (rl_all < hi)] - lo] = False
+        for s in ("valid", "test"):
+            if s in eval_hashes:  # your own files: "before" is the whole corpus, "after" this train split
+                before[s].see(h[0], h[1])
+            else:
+                before[s].see(h[0][rl_train], h[1][rl_train])
+            after[s].see(h[0][train], h[1][train])
+        sample.add(h[2][train], lo + train)
+    return {"fingerprint": C.digest([cfg.src_lang, cfg.tgt_lang, fp.hexdigest()]),
+            "digest": C.digest(digest.hexdigest()), "n_train": n_train, "sample": sample.picked(),
+            "overlap": {"before": {s: before[s].result() for s in ("valid", "test")},
+                        "after": {s: after[s].result() for s in ("valid", "test")}}}
+
+
+def _tokenizer(cfg, cache: Path, tok_key: str, spm_set: dict, pick: np.ndarray, first, run: _Runner, tmp: Path,
                log) -> Tokenizer:
-    """The cached ``spm-<tok_key>`` model, or one trained on the seeded sample of train pairs."""
+    """The cached ``spm-<tok_key>`` model, or one trained on the sampled train pairs ``pick`` (clean-row indices)."""
     out = cache / f"spm-{tok_key}"
     threads = cfg.spm_threads or build_workers(cfg)
     with C.locked(cache, tok_key, log, "this tokenizer"):
@@ -434,17 +706,14 @@ def _tokenizer(cfg, cache: Path, tok_key: str, spm_set: dict, labels, h_pair, fi
                 return Tokenizer(out / "spm.model", tok_key, threads, inside=cache)
             except (OSError, ValueError, RuntimeError, TypeError) as e:
                 C.discard(out, f"{type(e).__name__}: {str(e)[:120]}", log)
-        train = np.flatnonzero(labels == 0)
-        k = cfg.spm_sample_pairs or len(train)
-        if k < len(train):
-            sk = mix64(h_pair[train], cfg.split_seed ^ 0x5EED)
-            pick = np.sort(train[np.argpartition(sk, k - 1)[:k]])
-        else:
-            pick = train
         chunk_of = np.searchsorted(first, pick, side="right") - 1
         jobs = [(i, str(tmp), pick[chunk_of == i] - first[i]) for i in range(len(first) - 1)]
-        parts = run.map(_sample, jobs)
-        texts = [t for s, _ in parts for t in s] + [t for _, t in parts for t in t]
+        srcs, tgts = [], []
+        for s, t in run.imap(_sample, jobs):
+            srcs += s
+            tgts += t
+        texts = srcs + tgts
+        del srcs, tgts
         spm_tmp = C.temp_dir(cache, tok_key)
         try:
             train_spm(texts, spm_set, spm_tmp, threads, cfg)
@@ -463,59 +732,35 @@ def _text_hashes(texts: list[str]) -> np.ndarray:
     return np.fromiter((hash64(normalise(x)) for x in texts), np.uint64, len(texts))
 
 
-def _overlaps(cfg, eval_hashes: dict, labels, h_src, h_tgt, n_test: int, n_valid: int) -> dict:
-    """Valid/test rows whose normalised source/target occurs in train: "after" this split, and "before":
-    the row-level split of 8c2d91d (same sizes and seed) for a split taken from the corpus, or the whole
-    corpus (before the in_eval_files removal) for your own files."""
-    def hits(held, train_hashes) -> int:
-        # searches the train hashes in the (small) sorted held-out set instead of sorting train: one pass, no sort
-        found = train_hashes[in_sorted(train_hashes, sorted_unique(held))]
-        return int(in_sorted(held, sorted_unique(found)).sum())
-
-    def count(s_held, t_held, train) -> dict:
-        return {"rows": len(s_held), "source": hits(s_held, h_src[train]), "target": hits(t_held, h_tgt[train])}
-
-    row_level = row_level_split(len(labels), n_test, n_valid, cfg.split_seed)
-    out = {"before": {}, "after": {}}
-    for s, code in (("valid", 1), ("test", 2)):
-        if s in eval_hashes:
-            hs, ht = eval_hashes[s]
-            out["before"][s] = count(hs, ht, slice(None))
-        else:
-            hs, ht = h_src[labels == code], h_tgt[labels == code]
-            out["before"][s] = count(h_src[row_level == code], h_tgt[row_level == code], row_level == 0)
-        out["after"][s] = count(hs, ht, labels == 0)
-    return out
-
-
-def _assemble_train(tmp: Path, encoded: list[dict], first, dtype: str, counts: dict, tokens: dict) -> None:
-    """Append the train parts (in chunk order) to one array file per side, plus offsets and clean-row
-    indices: written through plain file writes, one part in memory at a time (a memory map of the whole
-    arrays would count every written page in this process's resident memory: ~90 bytes a pair)."""
-    n = sum(e["n_train"] for e in encoded)
-    tot = {"src": sum(e["tokens"][0] for e in encoded), "tgt": sum(e["tokens"][1] for e in encoded)}
+def _assemble_train(tmp: Path, parts: list[tuple[int, tuple[int, int]]], first, dtype: str, counts: dict,
+                    tokens: dict) -> None:
+    """Append the train parts (in chunk order; ``parts``: each one's pairs and (src, tgt) subwords) to one array
+    file per side, plus offsets and clean-row indices: written through plain file writes, one part in memory at
+    a time (a memory map of the whole arrays would count every written page in this process's resident memory:
+    ~90 bytes a pair)."""
+    n = sum(p[0] for p in parts)
+    tot = {"src": sum(p[1][0] for p in parts), "tgt": sum(p[1][1] for p in parts)}
     shapes = {"src_ids": (dtype, tot["src"]), "tgt_ids": (dtype, tot["tgt"]), "src_off": (np.int64, n + 1),
               "tgt_off": (np.int64, n + 1), "rows": (np.int64, n)}
     out, header = {}, {}
     with contextlib.ExitStack() as stack:
         for name, (dt, size) in shapes.items():
-            out[name] = stack.enter_context(open(tmp / f"train_{name}.npy", "wb"))
+            out[name] = stack.enter_context(open(_scratch(tmp, f"train_{name}.npy"), "wb"))
             np.lib.format.write_array_header_1_0(out[name], {
                 "descr": np.lib.format.dtype_to_descr(np.dtype(dt)), "fortran_order": False, "shape": (size,)})
             header[name] = out[name].tell()
         r = {"src": 0, "tgt": 0}
         for side in ("src", "tgt"):
             np.zeros(1, np.int64).tofile(out[f"{side}_off"])
-        for i in range(len(encoded)):
+        for i in range(len(parts)):
             for side in ("src", "tgt"):
-                ids, lens = (load_npy(tmp / f"b-{i}-{side}_{a}.npy", "scratch array", own=True, mmap=False)
-                             for a in ("ids", "len"))
+                ids, lens = _load(tmp, f"b-{i}-{side}_ids.npy"), _load(tmp, f"b-{i}-{side}_len.npy")
                 ids.astype(dtype, copy=False).tofile(out[f"{side}_ids"])
                 (r[side] + np.cumsum(lens, dtype=np.int64)).tofile(out[f"{side}_off"])
                 r[side] += len(ids)
-            (first[i] + load_npy(tmp / f"b-{i}-rows.npy", "scratch array", own=True, mmap=False)).astype(np.int64, copy=False).tofile(out["rows"])
+            (first[i] + _load(tmp, f"b-{i}-rows.npy")).astype(np.int64, copy=False).tofile(out["rows"])
             for name in ("src_ids", "src_len", "tgt_ids", "tgt_len", "rows"):
-                os.unlink(tmp / f"b-{i}-{name}.npy")
+                os.unlink(_scratch(tmp, f"b-{i}-{name}.npy"))
         for name, (dt, size) in shapes.items():  # the header promised exactly what was written
             wrote = out[name].tell() - header[name]
             if wrote != size * np.dtype(dt).itemsize:
@@ -524,9 +769,10 @@ def _assemble_train(tmp: Path, encoded: list[dict], first, dtype: str, counts: d
     counts["train"], tokens["train"] = n, tot
 
 
-def _merge_held(parts: list[dict], first) -> dict:
+def _merge_held(parts: list[tuple[int, dict]], first) -> dict:
+    """The held-out rows of one split from the chunks that hold some: ``(chunk, its part)`` in chunk order."""
     out = {"src": [], "tgt": [], "src_ids": [], "tgt_ids": [], "rows": [], "truncated": 0}
-    for i, p in enumerate(parts):
+    for i, p in parts:
         for k in ("src", "tgt", "src_ids", "tgt_ids"):
             out[k] += p[k]
         out["rows"] += (first[i] + p["local"]).tolist()

@@ -300,19 +300,26 @@ def _read_lines(c: Chunk, out: ChunkRows, src_lang: str, tgt_lang: str, *, tsv: 
         data = fh.read(c.hi - c.lo)
     if c.lo == 0:
         data = data.removeprefix(_BOM)
-    lines = data.split(b"\n")
+    try:  # one decode for the chunk (no UTF-8 sequence spans a newline); a bad byte: each line on its own
+        lines, decoded = data.decode("utf-8").split("\n"), True
+    except UnicodeDecodeError:
+        lines, decoded = data.split(b"\n"), False
     if lines and not lines[-1]:
         lines.pop()  # the text after the last newline: nothing
     out.read = len(lines)
     bad = out.rejects.add
     for n, line in enumerate(lines):
-        line = line.rstrip(b"\r")
-        try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError as e:
-            near = line[max(0, e.start - 20) : e.start + 20].decode("utf-8", "backslashreplace")
-            bad("bad_encoding", n, f"byte 0x{line[e.start]:02x} (byte {e.start + 1} of the line) is not UTF-8, near: {near}")
-            continue
+        if decoded:
+            text = line.rstrip("\r")
+        else:
+            line = line.rstrip(b"\r")
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                near = line[max(0, e.start - 20) : e.start + 20].decode("utf-8", "backslashreplace")
+                bad("bad_encoding", n, f"byte 0x{line[e.start]:02x} (byte {e.start + 1} of the line) is not UTF-8, "
+                                       f"near: {near}")
+                continue
         if not text.strip():
             bad("blank_line", n, "empty or whitespace only")
             continue

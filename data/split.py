@@ -14,6 +14,15 @@ would otherwise fill a test set); a held-out split can exceed its size by less t
 Appending rows to a corpus never moves an earlier train row into valid/test unless an appended row links
 it to a held-out group (a shared normalised source or target): the held-out sets are the groups with the
 smallest keys, and more rows only lower the cut. Earlier valid/test rows may move to train.
+
+At scale (`heldout_groups`): only the held-out groups are ever formed. The groups come in ``mix64(key)`` order
+and a key is a source hash, so the groups that can come first have their key among the unique source hashes
+with the smallest ``mix64`` (`SmallestKeys`, one streaming pass). Each candidate's group is grown from the rows
+that share its hashes (`heldout_groups`' ``scan``: a streaming pass over the per-row hashes on disk, at most
+``max_group + 1`` rows kept per hash) until it is closed or known to be over ``max_group``; the candidates
+whose own hash is their group's key, in ``mix64`` order, are exactly the first groups of `assign`'s order, so
+the same rows are held out (tested against `group_keys` + `assign`). Memory follows the held-out sizes, not
+the corpus; groups never held out (the whole train split) are never built.
 """
 
 from __future__ import annotations
@@ -38,6 +47,35 @@ def normalise(text: str) -> str:
 def hash64(text: str) -> int:
     """A stable 64-bit hash of ``text`` (blake2b, not Python's salted ``hash``)."""
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
+
+
+_BLAKE8 = hashlib.blake2b(digest_size=8)  # copied per text: cheaper than building one from its arguments
+
+
+def hash64_bytes(items) -> np.ndarray:
+    """`hash64` of many texts already encoded as UTF-8 bytes, as one uint64 array (the digests joined and read as
+    little-endian words: no Python int per text)."""
+    def one(x: bytes, copy=_BLAKE8.copy) -> bytes:
+        h = copy()
+        h.update(x)
+        return h.digest()
+
+    return np.frombuffer(b"".join([one(x) for x in items]), dtype="<u8").astype(np.uint64)
+
+
+_OTHER_WHITESPACE = "\t\n\r\x0b\x0c\x1c\x1d\x1e\x1f"  # what str.split() also cuts at, in ASCII
+
+
+def normalise_bytes(texts: list[str]) -> list[bytes]:
+    """``[normalise(t).encode() for t in texts]``. When every text is ASCII with no whitespace but single inner
+    spaces (a chunk of English, often), the normal forms are the lower cases, taken in one piece: ``str.lower``
+    of ASCII texts joined by NULs is their lower cases joined by NULs."""
+    blob = "\x00".join(texts)
+    if (blob.isascii() and blob.count("\x00") == len(texts) - 1 and "  " not in blob
+            and not any(c in blob for c in _OTHER_WHITESPACE)
+            and not blob.startswith(" ") and not blob.endswith(" ") and "\x00 " not in blob and " \x00" not in blob):
+        return blob.lower().encode().split(b"\x00") if texts else []
+    return [normalise(t).encode() for t in texts]
 
 
 def mix64(x: np.ndarray, seed: int) -> np.ndarray:
@@ -140,11 +178,135 @@ def assign(keys: np.ndarray, n_test: int, n_valid: int, seed: int,
     return out
 
 
+def row_level_heldout(n: int, n_test: int, n_valid: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(test rows, valid rows), each sorted, of the split 8c2d91d made (a seeded permutation of rows, no
+    grouping): the "before" of the overlap record. ``Generator.permutation(n)`` is ``shuffle(arange(n))``, and
+    the shuffle draws the same numbers for any item size: shuffling int32 gives the same rows in half the
+    memory (4 bytes a row, for a moment)."""
+    perm = np.arange(n, dtype=np.int32 if n < 2**31 else np.int64)
+    np.random.default_rng(seed).shuffle(perm)
+    test, valid = np.sort(perm[:n_test]).astype(np.int64), np.sort(perm[n_test : n_test + n_valid]).astype(np.int64)
+    del perm
+    return test, valid
+
+
 def row_level_split(n: int, n_test: int, n_valid: int, seed: int) -> np.ndarray:
-    """The split 8c2d91d made (a seeded permutation of rows, no grouping), as 0/1/2 per row: the "before" of
-    the overlap record."""
+    """`row_level_heldout` as 0/1/2 per row (n bytes: for small corpora and tests)."""
     out = np.zeros(n, dtype=np.int8)
-    perm = np.random.default_rng(seed).permutation(n)
-    out[perm[:n_test]] = 2
-    out[perm[n_test : n_test + n_valid]] = 1
+    test, valid = row_level_heldout(n, n_test, n_valid, seed)
+    out[test], out[valid] = 2, 1
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The held-out groups of a corpus too large for `group_keys` in memory
+# ----------------------------------------------------------------------------------------------
+class KeySet:
+    """A sorted set of 64-bit keys and a fast membership test (`in_sorted` with its low-bit table built once,
+    for the many streaming passes that test every row against the same keys)."""
+
+    def __init__(self, keys: np.ndarray):
+        self.keys = sorted_unique(np.asarray(keys, dtype=np.uint64))
+        bits = min(24, max(10, int(len(self.keys)).bit_length() + 6))
+        self.mask = np.uint64((1 << bits) - 1)
+        self.table = np.zeros(1 << bits, dtype=bool)
+        self.table[(self.keys & self.mask).astype(np.intp)] = True
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def contains(self, values: np.ndarray) -> np.ndarray:
+        values = np.asarray(values, dtype=np.uint64)
+        if len(self.keys) == 0:
+            return np.zeros(len(values), dtype=bool)
+        out = self.table[(values & self.mask).astype(np.intp)]
+        maybe = np.flatnonzero(out)
+        if len(maybe):
+            i = np.minimum(np.searchsorted(self.keys, values[maybe]), len(self.keys) - 1)
+            out[maybe] = self.keys[i] == values[maybe]
+        return out
+
+    def index(self, values: np.ndarray) -> np.ndarray:
+        """Positions in `keys` of ``values`` (each one a member)."""
+        return np.searchsorted(self.keys, np.asarray(values, dtype=np.uint64))
+
+
+class SmallestKeys:
+    """The ``k`` distinct 64-bit values with the smallest ``mix64(value, seed)`` among all values `add` ed (a
+    streaming pass; memory ~16 bytes x k). ``complete``: fewer than ``k`` distinct values were seen, so every
+    one of them is kept."""
+
+    def __init__(self, k: int, seed: int):
+        self.k, self.seed = max(1, int(k)), seed
+        self.m = np.zeros(0, dtype=np.uint64)  # mix64 of the kept values, ascending
+        self.h = np.zeros(0, dtype=np.uint64)
+
+    def add(self, values: np.ndarray) -> None:
+        h = np.asarray(values, dtype=np.uint64)
+        m = mix64(h, self.seed)
+        if len(self.m) == self.k:
+            keep = m <= self.m[-1]
+            m, h = m[keep], h[keep]
+        if len(m) == 0:
+            return
+        m, h = np.concatenate([self.m, m]), np.concatenate([self.h, h])
+        order = np.argsort(m, kind="stable")
+        m, h = m[order], h[order]
+        first = np.r_[True, m[1:] != m[:-1]]  # mix64 is a bijection: equal m, equal value
+        self.m, self.h = m[first][: self.k], h[first][: self.k]
+
+    @property
+    def complete(self) -> bool:
+        return len(self.m) < self.k
+
+
+def heldout_groups(scan, cands: SmallestKeys, n_test: int, n_valid: int, grouping: str,
+                   max_group: int = HELDOUT_MAX_GROUP) -> dict | None:
+    """`assign`'s test and valid rows without the corpus' groups in memory: ``{"test": (rows, h_src, h_tgt),
+    "valid": (...)}`` (row numbers ascending, with their hashes), or None when the candidates ``cands`` (the
+    source hashes of the free rows with the smallest ``mix64``) end before the held-out sizes are reached (the
+    caller asks again with more). ``scan(src_keys, tgt_keys, cap)`` returns ``(rows, h_src, h_tgt)`` of the free
+    rows whose source hash is in the `KeySet` ``src_keys`` or whose target hash is in ``tgt_keys``, at most
+    ``cap`` rows per key and side (a key with more is in a group over ``max_group`` anyway)."""
+    empty, none = np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int64)
+    if n_test + n_valid == 0:
+        return {"test": (none, empty, empty), "valid": (none, empty, empty)}
+    if len(cands.h) == 0:  # no free row at all
+        return {"test": (none, empty, empty), "valid": (none, empty, empty)}
+    rows, hs, ht = none, empty, empty
+    asked_s, asked_t = empty, empty
+    new_s, new_t = sorted_unique(cands.h), empty
+    while len(new_s) or len(new_t):
+        r, s, t = scan(KeySet(new_s), KeySet(new_t), max_group + 1)
+        rows, at = np.unique(np.concatenate([rows, r]), return_index=True)
+        hs, ht = np.concatenate([hs, s])[at], np.concatenate([ht, t])[at]
+        asked_s = sorted_unique(np.concatenate([asked_s, new_s]))
+        asked_t = sorted_unique(np.concatenate([asked_t, new_t]))
+        keys = group_keys(hs, ht, grouping)  # the groups of the rows found so far
+        _, inv, size = np.unique(keys, return_inverse=True, return_counts=True)
+        small = size[inv] <= max_group
+        if grouping == "source":  # a source hash's rows are its group: closed by the first scan
+            break
+        # a small group is whole once every hash of its rows has been scanned for (each one's rows all came back)
+        new_s = sorted_unique(hs[small][~in_sorted(hs[small], asked_s)])
+        new_t = sorted_unique(ht[small][~in_sorted(ht[small], asked_t)])
+    # the groups whose key is a candidate, in mix64 order: the first groups of `assign`'s order
+    ok = sorted_unique(keys[small])
+    ok = ok[in_sorted(ok, sorted_unique(cands.h))]
+    rank = np.empty(len(ok), dtype=np.int64)
+    rank[np.argsort(mix64(ok, cands.seed), kind="stable")] = np.arange(len(ok))
+    member = small & in_sorted(keys, ok)
+    row_rank = rank[np.searchsorted(ok, keys[member])]
+    csum = np.cumsum(np.bincount(row_rank, minlength=len(ok)))
+    total = int(csum[-1]) if len(csum) else 0
+    if not cands.complete and total < n_test:
+        return None
+    n_t = min(int(np.searchsorted(csum, n_test, side="left")) + 1 if n_test else 0, len(ok))
+    got = int(csum[n_t - 1]) if n_t else 0
+    if not cands.complete and total < got + n_valid:
+        return None
+    n_v = int(np.searchsorted(csum, got + n_valid, side="left")) + 1 if n_valid else n_t
+    n_v = min(max(n_v, n_t), len(ok))
+    code = np.zeros(len(rows), dtype=np.int8)
+    code[member] = np.where(row_rank < n_t, 2, np.where(row_rank < n_v, 1, 0))
+    return {s: (rows[code == c], hs[code == c], ht[code == c]) for s, c in (("test", 2), ("valid", 1))}

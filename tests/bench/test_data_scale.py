@@ -29,7 +29,12 @@ def test_data_scale_measures_a_cold_and_a_warm_start(tmp_path):
         assert float(r["build_s"]) > 0 and float(r["process_s"]) >= float(r["build_s"])
         assert float(r["first_batch_s"]) > 0 and float(r["rss_tree_mb"]) > 0 and r["machine"]
     assert float(cold["pairs_per_s_core"]) > 0 and warm["pairs_per_s_core"] == ""
-    assert "5,000" in (out / "data-scale-cpu.md").read_text()
+    phases = ("read", "clean", "hash", "scratch", "group", "tokenizer", "encode", "write")  # where a cold build's time goes
+    assert all(float(cold[f"{k}_s"]) >= 0 for k in phases) and all(warm[f"{k}_s"] == "" for k in phases)
+    assert sum(float(cold[f"{k}_s"]) for k in phases) <= float(cold["build_s"])  # parts of the build's wall time
+    assert float(cold["cpu_s"]) > 0 and "phases (s): read " in run.stdout
+    table = (out / "data-scale-cpu.md").read_text()
+    assert "5,000" in table and "Where a cold build's time goes" in table
     assert (out / "data-scale-cpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert {p.name: p.stat().st_mtime_ns for p in results.iterdir()} == before
 
@@ -45,3 +50,21 @@ def test_the_default_work_folder_is_made_for_each_run():
     finally:
         first.rmdir()
         second.rmdir()
+
+
+def test_a_results_file_written_before_the_phase_columns_keeps_its_rows(tmp_path):
+    """bench/results/data-scale-cpu.csv predates the per-phase columns: appending rewrites its header, old rows get
+    empty phase cells, nothing is lost."""
+    from bench.data_scale import COLUMNS, append_row, load_rows
+
+    old_columns = [c for c in COLUMNS if not c.endswith("_s") or c in ("build_s", "process_s", "first_batch_s")]
+    path = tmp_path / "data-scale-cpu.csv"
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=old_columns)
+        w.writeheader()
+        w.writerow({c: "7" for c in old_columns})
+    append_row(path, {c: "8" for c in COLUMNS})
+    rows = load_rows(path)
+    assert [r["date"] for r in rows] == ["7", "8"] and rows[0]["encode_s"] == "" and rows[1]["encode_s"] == "8"
+    with path.open(newline="") as f:
+        assert next(csv.reader(f)) == list(COLUMNS)

@@ -1,4 +1,5 @@
-"""The cold build reads each chunk's cleaned texts back once (pass B); the tokenizer's sample reads only its rows."""
+"""The cold build reads each chunk's cleaned texts back once (pass B, as one blob); the tokenizer's sample reads
+only its rows."""
 
 import pickle
 
@@ -12,13 +13,18 @@ def test_each_chunk_decoded_once_and_the_sample_reads_only_its_rows(tmp_path, mo
     files = write_jsonl(tmp_path / "d.jsonl", make_rows(600))
     monkeypatch.setattr(data.sources, "CHUNK_BYTES", 4096)  # ~20 chunks
     monkeypatch.setattr(pickle, "load", lambda *a, **k: (_ for _ in ()).throw(AssertionError("unpickled")))
-    reads, real = [], B._load_texts
+    reads, real_texts, real_blob = [], B._load_texts, B._load_blob
 
-    def counted(tmp, i, rows=None):
-        reads.append((i, None if rows is None else len(rows)))
-        return real(tmp, i, rows)
+    def counted(tmp, i, rows):
+        reads.append((i, len(rows)))
+        return real_texts(tmp, i, rows)
+
+    def whole(tmp, i):
+        reads.append((i, None))
+        return real_blob(tmp, i)
 
     monkeypatch.setattr(B, "_load_texts", counted)
+    monkeypatch.setattr(B, "_load_blob", whole)
     logs = []
     b = build_data(cfg_for(tmp_path, files, build_workers=1, spm_sample_pairs=150, vocab_size=350), log=logs.append)
     whole = [i for i, n in reads if n is None]
