@@ -8,13 +8,37 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
-BATCHING_MODES = ("fixed", "dynamic", "sorted", "token_bucket", "packed")
-SPM_MODELS = ("bpe", "unigram")
-OVERLONG_POLICIES = ("error", "truncate")
-SPLIT_GROUPINGS = ("source_target", "source")
+from train.declare import (
+    EPOCH,
+    MAX_BATCH_TOKENS,
+    MAX_BUILD_WORKERS,
+    MAX_COUNT,
+    MAX_LENGTH,
+    MAX_THREADS,
+    MAX_VOCAB,
+    MAX_WORKERS,
+    RESOURCE,
+    SAFE,
+    SEED,
+    Bounds,
+    declare,
+    refused,
+)
+
+Batching = Literal["fixed", "dynamic", "sorted", "token_bucket", "packed"]
+SpmModel = Literal["bpe", "unigram"]
+Overlong = Literal["error", "truncate"]
+SplitGrouping = Literal["source_target", "source"]
+BATCHING_MODES, SPM_MODELS = get_args(Batching), get_args(SpmModel)
+OVERLONG_POLICIES, SPLIT_GROUPINGS = get_args(Overlong), get_args(SplitGrouping)
+# where the data comes from: a resume may name it again (the tokenizer key, which hashes the cleaned data, the
+# split and the SentencePiece settings, is compared: train/runs/resume.py check_tokenizer)
+SOURCE = SAFE
+OWN_DATA = refused("the run's split and tokenizer were made with it: another value is another run's data")
 DATA_FILES_ENV = "FASTMT_DATA_FILES"  # several paths separated by os.pathsep (':' on POSIX, ';' on Windows)
 TOY_DATASET = "toy"  # dataset name of the generated toy corpus (data/toy.py)
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -50,52 +74,66 @@ class DataConfig:
     # --- source (HF datasets) ---
     # Hub id, used when no local data_files are given; "toy": the generated en-it toy corpus (data/toy.py),
     # written once into cache_dir (it then wins over $FASTMT_DATA_FILES, which only replaces the Hub)
-    dataset: str = "Helsinki-NLP/opus_books"
-    dataset_config: str | None = "en-it"  # Hub config name
-    hf_split: str = "train"  # Hub split to read (opus_books has only "train"; we split it ourselves)
+    dataset: str = declare("Helsinki-NLP/opus_books", SOURCE)
+    dataset_config: str | None = declare("en-it", SOURCE)  # Hub config name
+    # Hub split to read (opus_books has only "train"; we split it ourselves)
+    hf_split: str = declare("train", SOURCE)
     # local jsonl/json/parquet/tsv files, each item one path (never split on spaces or commas); if empty,
     # $FASTMT_DATA_FILES (paths separated by os.pathsep, ':' on POSIX)
-    data_files: tuple[str, ...] = ()
-    src_lang: str = "en"  # key of the source side in {"translation": {...}} (tsv: first column)
-    tgt_lang: str = "it"  # key of the target side (tsv: second column)
-    toy_rows: int = 1500  # dataset="toy": rows generated (row i is the same for any toy_rows)
+    data_files: tuple[str, ...] = declare((), SOURCE)
+    src_lang: str = declare("en", SOURCE)  # key of the source side in {"translation": {...}} (tsv: first column)
+    tgt_lang: str = declare("it", SOURCE)  # key of the target side (tsv: second column)
+    # dataset="toy": rows generated (row i is the same for any toy_rows)
+    toy_rows: int = declare(1500, SOURCE, Bounds(1, 10**8, why="rows generated in memory"))
     # --- cleaning of TRAIN pairs (lengths in subword tokens, incl. EOS on src / BOS on tgt); valid and test
     # are never filtered: an over-long pair keeps its texts, its token arrays are cut to max_len (counted) ---
-    max_len: int = 256  # drop train pairs with either side longer than this
-    max_len_ratio: float = 3.0  # drop train pairs whose longer side is > ratio x the shorter side
+    max_len: int = declare(256, EPOCH, Bounds(2, MAX_LENGTH))  # drop train pairs with either side longer than this
+    # drop train pairs whose longer side is > ratio x the shorter side
+    max_len_ratio: float = declare(3.0, EPOCH, Bounds(1, None, inf_ok="inf keeps every length ratio"))
     # --- split (leakage-free: whole groups of pairs sharing a normalised source go to one split) ---
-    valid_size: int | float = (
-        1000  # int >= 0: rows (0: no valid split); float in [0, 1): fraction of clean rows
-    )
-    test_size: int | float = 1000  # same convention as valid_size
-    split_seed: int = 0  # seed of the group hash that orders groups into test, valid, train
+    # int >= 0: rows (0: no valid split); float in [0, 1): fraction of clean rows
+    valid_size: int | float = declare(1000, SOURCE, Bounds(0, MAX_COUNT))
+    test_size: int | float = declare(1000, SOURCE, Bounds(0, MAX_COUNT))  # same convention as valid_size
+    split_seed: int = declare(0, SOURCE, SEED)  # seed of the group hash that orders groups into test, valid, train
     # "source_target": a group is all pairs linked by a shared normalised source OR target (measured on the
     # stand-in corpus: ~2 % of valid/test targets otherwise occur in train); "source": shared source only
-    split_grouping: str = "source_target"
-    valid_files: tuple[str, ...] = ()  # your own validation rows (same formats), used whole and in order
-    test_files: tuple[str, ...] = ()  # your own test rows, used whole and in order (never filtered)
+    split_grouping: SplitGrouping = declare("source_target", OWN_DATA)
+    # your own validation rows (same formats), used whole and in order
+    valid_files: tuple[str, ...] = declare((), OWN_DATA)
+    # your own test rows, used whole and in order (never filtered)
+    test_files: tuple[str, ...] = declare((), OWN_DATA)
     # --- SentencePiece (one joint vocabulary, learned from a seeded sample of the train split) ---
-    vocab_size: int = 8000  # requested size; small corpora may yield fewer pieces
-    spm_model: str = "bpe"  # "bpe" | "unigram"
-    character_coverage: float = 0.9995  # rare characters beyond this go through byte fallback
-    spm_sample_pairs: int = 100_000  # train pairs (both sides) SentencePiece learns from; 0 = all
-    spm_threads: int = 0  # SentencePiece training threads; 0 = all cores
-    build_workers: int = 0  # processes that read, clean and encode a cold build; 0 = all cores, 1 = in-process
+    # requested size; small corpora may yield fewer pieces
+    vocab_size: int = declare(8000, SOURCE, Bounds(300, MAX_VOCAB))
+    spm_model: SpmModel = declare("bpe", SOURCE)  # "bpe" | "unigram"
+    # rare characters beyond this go through byte fallback
+    character_coverage: float = declare(0.9995, SOURCE, Bounds(0, 1, lo_open=True))
+    # train pairs (both sides) SentencePiece learns from; 0 = all
+    spm_sample_pairs: int = declare(100_000, OWN_DATA, Bounds(0, MAX_COUNT))
+    # SentencePiece training threads; 0 = all cores
+    spm_threads: int = declare(0, SAFE, Bounds(0, MAX_THREADS, machine="cores", why=RESOURCE))
+    # processes that read, clean and encode a cold build; 0 = all cores, 1 = in-process
+    build_workers: int = declare(0, SAFE, Bounds(0, MAX_BUILD_WORKERS, why="processes forked for a build"))
     # --- batching ---
-    batching: str = "token_bucket"  # "fixed" | "dynamic" | "sorted" | "token_bucket" | "packed"
+    batching: Batching = declare("token_bucket", EPOCH)  # "fixed" | "dynamic" | "sorted" | "token_bucket" | "packed"
     # token_bucket: budget of padded src+tgt tokens per batch (~ the seed's real tokens/step);
     # packed: the stream capacity C_src + C_tgt (split by the train token totals, each rounded up to 64)
-    max_tokens: int = 2048
-    batch_size: int = 32  # fixed / dynamic / sorted: sentences per batch
-    seq_len: int = 256  # fixed: every sequence padded to this length
-    overlong: str = "error"  # fixed: sequences longer than seq_len -> "error" or "truncate" (counted)
-    pad_multiple: int = 1  # dynamic/sorted/token_bucket: padded lengths rounded up to a multiple of this
-    seed: int = 0  # batch shuffling; each epoch draws from (seed, epoch)
+    max_tokens: int = declare(2048, EPOCH, Bounds(1, MAX_BATCH_TOKENS, why="tokens allocated per batch"))
+    batch_size: int = declare(32, EPOCH, Bounds(1, MAX_LENGTH))  # fixed / dynamic / sorted: sentences per batch
+    seq_len: int = declare(256, EPOCH, Bounds(1, MAX_LENGTH))  # fixed: every sequence padded to this length
+    # fixed: sequences longer than seq_len -> "error" or "truncate" (counted)
+    overlong: Overlong = declare("error", EPOCH)
+    # dynamic/sorted/token_bucket: padded lengths rounded up to a multiple of this
+    pad_multiple: int = declare(1, EPOCH, Bounds(1, 4096))
+    seed: int = declare(0, EPOCH, SEED)  # batch shuffling; each epoch draws from (seed, epoch)
     # --- loader ---
-    num_workers: int = 2  # DataLoader worker processes (0 = main process)
-    pin_memory: bool = True  # pinned host memory (only when CUDA is available)
-    prefetch_factor: int = 4  # batches prefetched per worker
-    cache_dir: str = field(default_factory=lambda: str(REPO_ROOT / ".cache" / "fastmt"))  # tokenizer + arrays
+    # DataLoader worker processes (0 = main process)
+    num_workers: int = declare(2, SAFE, Bounds(0, MAX_WORKERS, why="processes forked for loading"))
+    pin_memory: bool = declare(True, SAFE)  # pinned host memory (only when CUDA is available)
+    # batches prefetched per worker
+    prefetch_factor: int = declare(4, SAFE, Bounds(1, 64, why="batches held in memory per worker"))
+    # tokenizer + arrays
+    cache_dir: str = declare(resume=SAFE, factory=lambda: str(REPO_ROOT / ".cache" / "fastmt"))
 
     def __post_init__(self):
         self.data_files = parse_data_files(self.data_files)

@@ -10,19 +10,33 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from kernels import ATTN_BACKENDS, ATTN_HEAD_DIMS  # what kernels.attention accepts (kernels/__init__.py)
+from train.declare import (
+    ARCH,
+    DERIVED,
+    MAX_FF,
+    MAX_LAYERS,
+    MAX_POSITIONS,
+    MAX_VOCAB,
+    MAX_WIDTH,
+    SAFE,
+    Bounds,
+    declare,
+    refused,
+)
 
-SHARING = ("none", "all", "cycle", "cycle_rev")
-POSITIONS = ("sinusoidal", "learned")
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
-NORMS = ("fused", "torch")
-LAYOUTS = ("padded", "varlen", "packed")
+Sharing = Literal["none", "all", "cycle", "cycle_rev"]
+Positions = Literal["sinusoidal", "learned"]
+Activation = Literal["relu", "gelu", "gelu_tanh"]
+Norm = Literal["fused", "torch"]
+Layout = Literal["padded", "varlen", "packed"]
+AttnBackend = Literal[ATTN_BACKENDS]
+SHARING, POSITIONS, ACTIVATIONS = get_args(Sharing), get_args(Positions), get_args(Activation)
+NORMS, LAYOUTS = get_args(Norm), get_args(Layout)
 TRITON_HEAD_DIMS = ATTN_HEAD_DIMS  # what the Triton attention kernels support
 DEFAULT_VOCAB = 8000  # the data package's joint SentencePiece default
-# fields whose default changed, with the default before: a run continued from a checkpoint that holds the old
-# value keeps it when the command leaves the field at the new default (train/runs/start.py), so no run is stranded
-CHANGED_DEFAULTS = {"ffn_norm": True}
 
 
 def layer_schedule(sharing: str, layers: int, unique: int) -> list[int]:
@@ -45,30 +59,41 @@ def layer_schedule(sharing: str, layers: int, unique: int) -> list[int]:
 
 @dataclass
 class ModelConfig:
-    vocab_size: int  # joint source/target vocabulary, incl. pad/unk/bos/eos: a run takes its tokenizer's (set data.vocab_size)
-    pad_id: int = 0  # padding token id: a run takes its tokenizer's (0)
-    d_model: int = 512  # residual stream width (shared by encoder and decoder: cross-attention needs it)
-    n_heads: int = 8  # attention heads per layer; head dim = d_model // n_heads
-    d_ff: int = 2048  # FFN hidden width
-    enc_layers: int = 6  # encoder layers applied
-    dec_layers: int = 6  # decoder layers applied
-    enc_unique: int | None = None  # unique encoder blocks; None = what `sharing` implies (none: enc_layers, all: 1)
-    dec_unique: int | None = None  # unique decoder blocks; None = what `sharing` implies (none: dec_layers, all: 1)
-    sharing: str = "none"  # "none" | "all" (one block repeated) | "cycle" (ABCABC) | "cycle_rev" (ABCCBA)
-    dropout: float = 0.1  # embedding + residual-branch dropout (no attention-probability dropout)
-    positions: str = "sinusoidal"  # "sinusoidal" (fixed) | "learned" (one table per side)
-    max_positions: int = 512  # longest sequence (tokens incl. BOS/EOS) either side accepts
-    tie_embeddings: bool = True  # one matrix for src embedding, tgt embedding and output projection
-    activation: str = "gelu"  # FFN activation: "relu" | "gelu" (erf) | "gelu_tanh"
+    # joint source/target vocabulary, incl. pad/unk/bos/eos: a run takes its tokenizer's (set data.vocab_size)
+    vocab_size: int = declare(resume=DERIVED, bounds=Bounds(1, MAX_VOCAB))
+    pad_id: int = declare(0, DERIVED, Bounds(0, MAX_VOCAB))  # padding token id: a run takes its tokenizer's (0)
+    # residual stream width (shared by encoder and decoder: cross-attention needs it)
+    d_model: int = declare(512, ARCH, Bounds(1, MAX_WIDTH))
+    n_heads: int = declare(8, ARCH, Bounds(1, 1024))  # attention heads per layer; head dim = d_model // n_heads
+    d_ff: int = declare(2048, ARCH, Bounds(1, MAX_FF))  # FFN hidden width
+    enc_layers: int = declare(6, ARCH, Bounds(1, MAX_LAYERS))  # encoder layers applied
+    dec_layers: int = declare(6, ARCH, Bounds(1, MAX_LAYERS))  # decoder layers applied
+    # unique encoder blocks; None = what `sharing` implies (none: enc_layers, all: 1)
+    enc_unique: int | None = declare(None, ARCH, Bounds(1, MAX_LAYERS))
+    # unique decoder blocks; None = what `sharing` implies (none: dec_layers, all: 1)
+    dec_unique: int | None = declare(None, ARCH, Bounds(1, MAX_LAYERS))
+    # "none" | "all" (one block repeated) | "cycle" (ABCABC) | "cycle_rev" (ABCCBA)
+    sharing: Sharing = declare("none", ARCH)
+    # embedding + residual-branch dropout (no attention-probability dropout)
+    dropout: float = declare(0.1, SAFE, Bounds(0, 1, hi_open=True))
+    positions: Positions = declare("sinusoidal", ARCH)  # "sinusoidal" (fixed) | "learned" (one table per side)
+    # longest sequence (tokens incl. BOS/EOS) either side accepts
+    max_positions: int = declare(512, ARCH, Bounds(1, MAX_POSITIONS))
+    # one matrix for src embedding, tgt embedding and output projection
+    tie_embeddings: bool = declare(True, ARCH)
+    activation: Activation = declare("gelu", ARCH)  # FFN activation: "relu" | "gelu" (erf) | "gelu_tanh"
     # mid-FFN LayerNorm: W2 act(LN(W1 x)), LN+GELU one fused kernel; off by default: CTranslate2 has no slot for it
     # and it bought no measurable quality (README, Export); a run trained with it keeps it when continued
-    ffn_norm: bool = False
-    attn_backend: str = "auto"  # kernels.attention backend: "auto" | "triton" | "sdpa" | "reference"
-    norm: str = "fused"  # "fused": kernels.LayerNorm(+residual)(+GELU); "torch": nn.LayerNorm + adds
+    ffn_norm: bool = declare(False, ARCH, was=True)
+    # kernels.attention backend: "auto" | "triton" | "sdpa" | "reference"
+    attn_backend: AttnBackend = declare("auto", SAFE)
+    # "fused": kernels.LayerNorm(+residual)(+GELU); "torch": nn.LayerNorm + adds
+    norm: Norm = declare("fused", SAFE)
     # "padded": (B, T, D) with lengths; "varlen": padded batches run as (total, D) with cu_seqlens;
     # "packed": data.batching="packed" streams, (1, C) -> (C, D) with cu_seqlens and positions from the batch
-    layout: str = "padded"
-    checkpointing: bool = False  # activation checkpointing per applied block while training
+    layout: Layout = declare("padded", refused("it pairs with data.batching, the plan the checkpoint's position "
+                                               "indexes: change both in a new run (--init-from)"))
+    checkpointing: bool = declare(False, SAFE)  # activation checkpointing per applied block while training
 
     def __post_init__(self):
         def need(cond: bool, msg: str):

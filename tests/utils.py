@@ -234,10 +234,10 @@ def clone_as(model: Transformer, **kw) -> Transformer:
 
 
 def _fields(cfg: ModelConfig) -> dict:
-    return {k: getattr(cfg, k) for k in ("d_model", "n_heads", "d_ff", "enc_layers", "dec_layers",
-                                         "enc_unique", "dec_unique", "sharing", "positions", "tie_embeddings",
-                                         "activation", "ffn_norm", "norm", "layout", "attn_backend",
-                                         "max_positions")}
+    """Every field of ``cfg`` but those set from the tokenizer (their declarations say which)."""
+    from train.declare import declaration
+
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if declaration(f).resume.kind != "derived"}
 
 
 def logits_and_grads(model: Transformer, batch: dict, forward=None):

@@ -24,29 +24,62 @@ from typing import Any, Literal
 
 from data import DataConfig
 from models import ModelConfig, get_preset
+from train.declare import (
+    MAX_BEAM,
+    MAX_COUNT,
+    MAX_DECODE_BATCH,
+    MAX_LENGTH,
+    MAX_THREADS,
+    REPLAN,
+    RESOURCE,
+    SAFE,
+    SEED,
+    Bounds,
+    Resume,
+    declare,
+    refused,
+)
 from train.overrides import apply_overrides, build_dataclass, require_finite, resolved_hints
 from train.runs.folder import validate_run_name
 
 Precision = Literal["bf16", "fp16", "fp32"]
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+# what a resume may not change, and why (the other fields' classes are in their declarations)
+OPTIMIZER_STATE = refused("the optimizer state belongs to the saved optimizer")
+RNG_STATE = refused("the random state comes from the checkpoint, so a new seed would be ignored")
+BEST_SO_FAR = refused("best.pt so far was chosen by the saved metric")
+PRECISION = Resume("safe", "the fp16 loss scaler's state cannot move to or from another precision", ("fp16",))
 
 
 @dataclass
 class OptimConfig:
-    name: Literal["lion", "adamw", "adam"] = "lion"  # lion: lion-pytorch (seeds); adam/adamw: torch
-    lr: float = 1e-4  # peak learning rate (OneCycle max_lr / inverse-sqrt peak)
-    betas: tuple[float, float] = (0.9, 0.99)  # (beta1, beta2); Lion's defaults; use (0.9, 0.98) for Adam
-    eps: float = 1e-8  # Adam/AdamW epsilon (unused by Lion)
-    weight_decay: float = 1e-2  # decoupled decay on weight matrices only (never biases, norms, embeddings)
-    schedule: Literal["onecycle", "inverse_sqrt", "constant"] = "onecycle"  # learning-rate schedule
-    pct_start: float = 0.28  # OneCycle: fraction of the steps spent warming up (seeds: ~28 %)
-    div_factor: float = 100.0  # OneCycle: initial lr = lr / div_factor (seeds: 1e-4 -> 1e-6)
-    final_div_factor: float = 100.0  # OneCycle: final lr = initial lr / final_div_factor (-> 1e-8)
-    three_phase: bool = False  # OneCycle: symmetric warm-up/down then annihilation (S16 used True)
-    anneal: Literal["linear", "cos"] = "linear"  # OneCycle anneal strategy (seeds: linear)
-    warmup_steps: int = 4000  # inverse_sqrt: linear warm-up steps, then lr * sqrt(warmup / step)
-    grad_clip: float | None = 1.0  # max global grad norm after unscale; None = no clipping
-    accum_steps: int = 1  # micro-batches per optimizer step (loss normalised by their real target tokens)
-    label_smoothing: float = 0.1  # training cross-entropy smoothing (seeds: 0.1); validation uses 0
+    # lion: lion-pytorch (seeds); adam/adamw: torch
+    name: Literal["lion", "adamw", "adam"] = declare("lion", OPTIMIZER_STATE)
+    # peak learning rate (OneCycle max_lr / inverse-sqrt peak)
+    lr: float = declare(1e-4, REPLAN, Bounds(0, None, lo_open=True))
+    # (beta1, beta2); Lion's defaults; use (0.9, 0.98) for Adam
+    betas: tuple[float, float] = declare((0.9, 0.99), REPLAN, Bounds(0, 1, hi_open=True))
+    eps: float = declare(1e-8, REPLAN, Bounds(0, 1, lo_open=True))  # Adam/AdamW epsilon (unused by Lion)
+    # decoupled decay on weight matrices only (never biases, norms, embeddings)
+    weight_decay: float = declare(1e-2, REPLAN, Bounds(0, None))
+    # learning-rate schedule
+    schedule: Literal["onecycle", "inverse_sqrt", "constant"] = declare("onecycle", REPLAN)
+    # OneCycle: fraction of the steps spent warming up (seeds: ~28 %)
+    pct_start: float = declare(0.28, REPLAN, Bounds(0, 1, lo_open=True, hi_open=True))
+    # OneCycle: initial lr = lr / div_factor (seeds: 1e-4 -> 1e-6)
+    div_factor: float = declare(100.0, REPLAN, Bounds(1, 1e12))
+    # OneCycle: final lr = initial lr / final_div_factor (-> 1e-8)
+    final_div_factor: float = declare(100.0, REPLAN, Bounds(1, 1e12))
+    three_phase: bool = declare(False, REPLAN)  # OneCycle: symmetric warm-up/down then annihilation (S16 used True)
+    anneal: Literal["linear", "cos"] = declare("linear", REPLAN)  # OneCycle anneal strategy (seeds: linear)
+    # inverse_sqrt: linear warm-up steps, then lr * sqrt(warmup / step)
+    warmup_steps: int = declare(4000, REPLAN, Bounds(1, MAX_COUNT))
+    # max global grad norm after unscale; None = no clipping
+    grad_clip: float | None = declare(1.0, SAFE, Bounds(0, None, lo_open=True))
+    # micro-batches per optimizer step (loss normalised by their real target tokens)
+    accum_steps: int = declare(1, REPLAN, Bounds(1, 4096, why="micro-batches per step"))
+    # training cross-entropy smoothing (seeds: 0.1); validation uses 0
+    label_smoothing: float = declare(0.1, SAFE, Bounds(0, 1, hi_open=True))
 
     def __post_init__(self):
         require_finite(self, "optim")
@@ -76,43 +109,51 @@ class OptimConfig:
 
 @dataclass
 class RunConfig:
-    name: str = "run"  # run folder: <out_dir>/<name>/ (metrics.jsonl, tensorboard, checkpoints, plot)
-    out_dir: str = "runs"  # parent folder of all runs
-    epochs: int = 18  # passes over the training split (seeds: 18)
-    max_steps: int | None = None  # stop after this many optimizer steps in total (None: epochs decide)
+    # run folder: <out_dir>/<name>/ (metrics.jsonl, tensorboard, checkpoints, plot)
+    name: str = declare("run", SAFE)
+    out_dir: str = declare("runs", SAFE)  # parent folder of all runs
+    epochs: int = declare(18, REPLAN, Bounds(1, 10**6))  # passes over the training split (seeds: 18)
+    # stop after this many optimizer steps in total (None: epochs decide)
+    max_steps: int | None = declare(None, REPLAN, Bounds(1, MAX_COUNT))
     # smoke runs: an "epoch" is the first N micro-batches of the epoch's shuffled plan (a different random
     # subset every epoch); None = the whole training split, the honest definition
-    max_batches_per_epoch: int | None = None
+    max_batches_per_epoch: int | None = declare(None, REPLAN, Bounds(1, MAX_COUNT))
     # stop at a step boundary once this many seconds have passed since process start, then evaluate (the
     # frontier benchmark's equal-wall-time budget); the schedule is still planned for `epochs`
-    max_wall_seconds: float | None = None
-    seed: int = 0  # torch/numpy/python seed for init and dropout (data order has data.seed)
-    device: Literal["auto", "cuda", "cpu"] = "auto"  # auto: cuda when available
+    max_wall_seconds: float | None = declare(None, SAFE, Bounds(0, 10**9, lo_open=True))
+    # torch/numpy/python seed for init and dropout (data order has data.seed)
+    seed: int = declare(0, RNG_STATE, SEED)
+    device: Literal["auto", "cuda", "cpu"] = declare("auto", SAFE)  # auto: cuda when available
     # CPU runs: torch.set_num_threads(n); None = torch's default: every physical core this process may use
     # (its CPU affinity), or $OMP_NUM_THREADS when set
-    cpu_threads: int | None = None
-    precision: Precision = "bf16"  # autocast dtype; fp16 adds a GradScaler; fp32 = no autocast
-    compile: bool | None = None  # torch.compile the training forward; None: on for CUDA, off for CPU
+    cpu_threads: int | None = declare(None, SAFE, Bounds(1, MAX_THREADS, machine="cores", why=RESOURCE))
+    precision: Precision = declare("bf16", PRECISION)  # autocast dtype; fp16 adds a GradScaler; fp32 = no autocast
+    compile: bool | None = declare(None, SAFE)  # torch.compile the training forward; None: on for CUDA, off for CPU
     # "blocks": regional compilation, one compiled code object per block type (reused by every layer and
     # shared block) plus the loss; "model": the whole loss module as one graph
-    compile_scope: Literal["blocks", "model"] = "blocks"
+    compile_scope: Literal["blocks", "model"] = declare("blocks", SAFE)
     # reduce-overhead: CUDA graphs (replays with no per-kernel host cost; needs static shapes: packed batches)
-    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
-    compile_backend: str = "inductor"  # torch.compile backend ("aot_eager" in CPU tests)
+    compile_mode: CompileMode = declare("default", SAFE)
+    compile_backend: str = declare("inductor", SAFE)  # torch.compile backend ("aot_eager" in CPU tests)
     # None: automatic dynamic (a dim seen changing turns symbolic: ~2 graphs for token buckets, whose
     # B, S and T all vary); False: one graph per (B, S, T), sensible only with fixed padding.
-    compile_dynamic: bool | None = None
+    compile_dynamic: bool | None = declare(None, SAFE)
     # persistent Inductor / Triton caches (a warm start compiles in seconds); they hold code, so private: ""
     # is $XDG_CACHE_HOME/fastmt/compile (else ~/.cache/fastmt/compile, mode 0700); a folder others can write is refused
-    cache_dir: str = ""
-    log_every: int = 50  # host sync: the loss and the skipped-step counters are read every N optimizer steps
-    nonfinite_guard: bool = True  # skip steps with a non-finite loss or gradient, decided on the device (no sync)
-    max_nonfinite: int = 5  # stop (with a checkpoint) after this many non-finite steps in a row (checked at logs)
-    keep_last: int = 2  # epoch checkpoints kept besides best.pt (older ones deleted)
-    peak_flops: float | None = None  # accelerator peak for MFU; None: the table in models/flops.py (none on CPU)
-    tensorboard: bool = True  # also write TensorBoard scalars under the run folder
-    progress: bool = True  # tqdm progress bar (rank 0)
-    plot: bool = True  # write curves.png (loss and BLEU by epoch) at the end
+    cache_dir: str = declare("", SAFE)
+    # host sync: the loss and the skipped-step counters are read every N optimizer steps
+    log_every: int = declare(50, SAFE, Bounds(1, MAX_COUNT))
+    # skip steps with a non-finite loss or gradient, decided on the device (no sync)
+    nonfinite_guard: bool = declare(True, SAFE)
+    # stop (with a checkpoint) after this many non-finite steps in a row (checked at logs)
+    max_nonfinite: int = declare(5, SAFE, Bounds(1, 10**6))
+    # epoch checkpoints kept besides best.pt (older ones deleted)
+    keep_last: int = declare(2, SAFE, Bounds(1, 10**4, why="checkpoints kept on disk"))
+    # accelerator peak for MFU; None: the table in models/flops.py (none on CPU)
+    peak_flops: float | None = declare(None, SAFE, Bounds(0, 1e21, lo_open=True))
+    tensorboard: bool = declare(True, SAFE)  # also write TensorBoard scalars under the run folder
+    progress: bool = declare(True, SAFE)  # tqdm progress bar (rank 0)
+    plot: bool = declare(True, SAFE)  # write curves.png (loss and BLEU by epoch) at the end
 
     def __post_init__(self):
         require_finite(self, "run")
@@ -136,25 +177,34 @@ class RunConfig:
 
 @dataclass
 class EvalConfig:
-    every: int = 1  # evaluate after every N epochs (and always after the last one)
-    valid_loss: bool = True  # un-smoothed validation loss (one forward pass over the valid split)
-    decode: Literal["beam", "greedy"] = "beam"  # decoding for validation BLEU during training (test: beam)
-    beam_size: int = 4  # beam size for validation/test BLEU
-    max_sentences: int | None = 500  # validation sentences decoded for BLEU/chrF, N spread evenly over the split (None: all); test: all
-    batch_size: int = 128  # sentences per decoding batch
-    max_len_a: float = 1.5  # decoding max length = a * source length + b
-    max_len_b: int = 10  # see max_len_a
-    length_penalty: float = 0.6  # GNMT length penalty alpha of beam search
-    cuda_graphs: bool = True  # CUDA: replay each decoding step as a CUDA graph (fixed shapes; captured once)
+    every: int = declare(1, SAFE, Bounds(1, 10**6))  # evaluate after every N epochs (and always after the last one)
+    valid_loss: bool = declare(True, SAFE)  # un-smoothed validation loss (one forward pass over the valid split)
+    # decoding for validation BLEU during training (test: beam)
+    decode: Literal["beam", "greedy"] = declare("beam", SAFE)
+    # beam size for validation/test BLEU
+    beam_size: int = declare(4, SAFE, Bounds(1, MAX_BEAM, why="hypotheses per sentence, allocated together"))
+    # validation sentences decoded for BLEU/chrF, N spread evenly over the split (None: all); test: all
+    max_sentences: int | None = declare(500, SAFE, Bounds(1, MAX_COUNT))
+    # sentences per decoding batch
+    batch_size: int = declare(128, SAFE, Bounds(1, MAX_DECODE_BATCH, why="sentences decoded at once"))
+    # decoding max length = a * source length + b
+    max_len_a: float = declare(1.5, SAFE, Bounds(0, 16, why="tokens decoded per source token"))
+    max_len_b: int = declare(10, SAFE, Bounds(0, MAX_LENGTH))  # see max_len_a
+    length_penalty: float = declare(0.6, SAFE, Bounds(0, 100))  # GNMT length penalty alpha of beam search
+    # CUDA: replay each decoding step as a CUDA graph (fixed shapes; captured once)
+    cuda_graphs: bool = declare(True, SAFE)
     # the objective: wall seconds from process start to the first validation BLEU >= each threshold
-    bleu_thresholds: tuple[float, ...] = (20.0, 28.0, 35.0, 37.0, 37.6)
-    patience: int | None = None  # early stop after this many evaluations without a new best (None: off)
-    best_metric: Literal["bleu", "valid_loss"] = "bleu"  # what best.pt maximises (bleu) / minimises (loss)
+    bleu_thresholds: tuple[float, ...] = declare((20.0, 28.0, 35.0, 37.0, 37.6), SAFE, Bounds(0, 100))
+    # early stop after this many evaluations without a new best (None: off)
+    patience: int | None = declare(None, SAFE, Bounds(1, 10**6))
+    # what best.pt maximises (bleu) / minimises (loss)
+    best_metric: Literal["bleu", "valid_loss"] = declare("bleu", BEST_SO_FAR)
     # at the end, average the weights of the last K epoch checkpoints and keep the average as best.pt if its
     # validation BLEU beats the best single checkpoint (0: off; needs run.keep_last >= K)
-    average_last: int = 0
-    test_at_end: bool = True  # score the whole test split (BLEU/chrF/loss) with best.pt's weights at the end
-    num_samples: int = 3  # sample translations printed per evaluation
+    average_last: int = declare(0, SAFE, Bounds(0, 10**4))
+    # score the whole test split (BLEU/chrF/loss) with best.pt's weights at the end
+    test_at_end: bool = declare(True, SAFE)
+    num_samples: int = declare(3, SAFE, Bounds(0, 1000))  # sample translations printed per evaluation
 
     def __post_init__(self):
         require_finite(self, "eval")
@@ -276,10 +326,12 @@ def check_consistency(cfg: Config) -> None:
                          "keeps): pass --eval.valid_loss true or --eval.best_metric bleu")
 
 
-def load_config_file(path: str | Path, base: Config | None = None) -> Config:
+def load_config_file(path: str | Path, base: Config | None = None, log=None) -> Config:
     """The ``Config`` of a JSON file as ``--print-config`` (and each run folder's ``config.json``) writes it.
-    Fields the file leaves out take ``base``'s values (the ``--preset``); without a base the file must give
-    every field. Errors name the file and the key (``ValueError``/``TypeError``) or the line (bad JSON)."""
+    Fields the file leaves out take ``base``'s values (the ``--preset``); without a base a hand-written file must
+    give every field, and a run folder's own ``config.json`` (written by an earlier fastmt, before a field existed)
+    takes the declared default of each field it lacks, said in one line to ``log``. Errors name the file and the
+    key (``ValueError``/``TypeError``) or the line (bad JSON)."""
     from data.files import RECORD_MAX, FileRefusedError, read_text
 
     path = Path(path)
@@ -307,11 +359,28 @@ def load_config_file(path: str | Path, base: Config | None = None) -> Config:
         missing = [f"{s.name}.{f.name}" for s in dataclasses.fields(Config)
                    for f in dataclasses.fields(resolved_hints(Config)[s.name])
                    if not isinstance(d.get(s.name), dict) or f.name not in d[s.name]]
-        if missing:
-            shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        if missing and path.name == "config.json" and _in_run_folder(path):
+            if log is not None:
+                from train.runs.resume import missing_default
+
+                taken = ", ".join(f"{k}={missing_default(k)!r}" for k in missing)
+                log(f"{path} was written by an earlier fastmt and lacks {taken}: taken as declared (the defaults, "
+                    f"what that fastmt did)")
+        elif missing:
             raise ValueError(f"{path}: no value for {shown}: give every field (what --print-config writes) or "
                              f"add --preset P to take the preset's values for the fields the file leaves out")
     return Config.from_dict(d, where=str(path), base=base)
+
+
+def _in_run_folder(path: Path) -> bool:
+    """``path`` is the ``config.json`` of a folder fastmt made (a run marker, or an earlier fastmt's run files)."""
+    from train.runs.folder import RunFolderError, folder_state
+
+    try:
+        return folder_state(path.parent) == "run"
+    except (RunFolderError, OSError):
+        return False
 
 
 # torch.compile modes that replay compiled regions as CUDA graphs (torch._inductor.list_mode_options(mode) sets

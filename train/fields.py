@@ -23,150 +23,49 @@ import typing
 from collections.abc import Iterable
 from typing import Any, Literal
 
-# str fields whose dataclass accepts a closed set of values (the others take any string).
-# Literal-typed fields carry their choices in their annotation and need no entry here.
-# tests/train/test_cli_fields.py checks that every str field outside this table really takes any string.
+from train.declare import MAX_HYPOTHESES, Bounds, Declaration, Resume, declaration
+
+
+# ---------------------------------------------------------------------------------------------
+# Bounds: every numeric field's range, declared with the field (train/declare.py) and applied to every source of a
+# value (the command line, --config, a run's config.json, a checkpoint, an export folder's records): `check_bounds`
+# on a Config (Config.__post_init__ calls it), `bounded` on one value read from a file.
+# ---------------------------------------------------------------------------------------------
+@functools.cache
+def _declared() -> dict[str, Declaration]:
+    """``{"section.field": Declaration}`` of every field of ``train.config.Config`` (imported when first asked:
+    train.config imports this module)."""
+    from train.config import Config
+
+    out = {}
+    for section, cls in sections(Config):
+        for f in dataclasses.fields(cls):
+            d = declaration(f)
+            if d is None:
+                raise TypeError(f"{section}.{f.name} ({cls.__name__}) is not declared: write it with "
+                                f"train.declare.declare(default, resume class, bounds) (docs/ARCHITECTURE.md)")
+            out[f"{section}.{f.name}"] = d
+    return out
 
 
 @functools.cache
-def _str_choices() -> dict[str, tuple[str, ...]]:
-    from data import config as D
-    from models import config as M
-
-    table = {
-        "data.batching": "BATCHING_MODES",
-        "data.spm_model": "SPM_MODELS",
-        "data.overlong": "OVERLONG_POLICIES",
-        "data.split_grouping": "SPLIT_GROUPINGS",
-        "model.sharing": "SHARING",
-        "model.positions": "POSITIONS",
-        "model.activation": "ACTIVATIONS",
-        "model.attn_backend": "ATTN_BACKENDS",
-        "model.norm": "NORMS",
-        "model.layout": "LAYOUTS",
-    }
-    modules = {"data": D, "model": M}
-    # a constant the module does not (yet) define is left out: the field then shows no choices
-    return {key: tuple(getattr(modules[key.partition(".")[0]], const)) for key, const in table.items()
-            if hasattr(modules[key.partition(".")[0]], const)}
+def bounds_table() -> dict[str, Bounds]:
+    """``{"section.field": Bounds}`` of every field declared with bounds."""
+    return {k: d.bounds for k, d in _declared().items() if d.bounds is not None}
 
 
-# float fields where an infinite value has a meaning (the others refuse inf as well as NaN)
-INF_OK = {"data.max_len_ratio": "inf keeps every length ratio"}
+@functools.cache
+def inf_ok() -> dict[str, str]:
+    """Float fields where an infinite value has a meaning (the others refuse inf as well as NaN): ``{key: meaning}``."""
+    return {k: b.inf_ok for k, b in bounds_table().items() if b.inf_ok}
 
 
-# ---------------------------------------------------------------------------------------------
-# Bounds: every numeric field's range, declared once here and applied to every source of a value (the command
-# line, --config, a run's config.json, a checkpoint, an export folder's records): `check_bounds` on a Config
-# (Config.__post_init__ calls it), `bounded` on one value read from a file.
-# ---------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Bounds:
-    lo: float | None = None  # smallest value allowed (None: no lower bound)
-    hi: float | None = None  # largest value allowed (None: no upper bound)
-    lo_open: bool = False  # the value must be > lo (not >= lo)
-    hi_open: bool = False  # the value must be < hi
-    # a resource the machine limits: "cores" = also at most the cores this process may use, applied where the value
-    # is used (`machine_capped`: a checkpoint written on a larger machine still loads here)
-    machine: str | None = None
-    why: str = ""  # what the upper bound protects, said when a value is refused
-
-    def problem(self, v: float) -> str | None:
-        """Why ``v`` is out of range (None: in range)."""
-        if self.lo is not None and (v < self.lo or self.lo_open and v == self.lo):
-            return f"must be {'>' if self.lo_open else '>='} {self.lo:g}"
-        if self.hi is not None and (v > self.hi or self.hi_open and v == self.hi):
-            return f"must be {'<' if self.hi_open else '<='} {self.hi:g}" + (f" ({self.why})" if self.why else "")
-        return None
-
-    def text(self) -> str:
-        """The range as ``--help-fields`` shows it, e.g. ``[1, 64]``, ``(0, 1)``, ``>= 0``."""
-        if self.lo is not None and self.hi is not None:
-            return f"{'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
-        if self.lo is not None:
-            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
-        return f"{'<' if self.hi_open else '<='} {self.hi:g}" if self.hi is not None else ""
-
-
-MAX_THREADS = 1024  # threads a run or a decoding may ask for (and never more than the machine's cores)
-MAX_WORKERS = 64  # DataLoader worker processes (each a forked copy of the process)
-MAX_BUILD_WORKERS = 256  # processes of a cold data build
-MAX_LAYERS = 1024  # applied layers per stack: far above any model fastmt trains
-MAX_BEAM = 64  # decoding beam
-MAX_DECODE_BATCH = 4096  # sentences per decoding batch
-MAX_HYPOTHESES = 8192  # beam x decoding batch: hypotheses decoded at once (their logits are allocated together)
-MAX_LENGTH = 2**16  # tokens of a sequence (max_len, seq_len, a decoding's length bonus)
-MAX_POSITIONS = 2**20  # the model's position table
-MAX_VOCAB = 2**20  # SentencePiece pieces
-MAX_WIDTH = 2**16  # d_model
-MAX_FF = 2**18  # d_ff
-MAX_BATCH_TOKENS = 2**22  # a batch's token budget
-MAX_COUNT = 10**12  # steps, rows, sentences
-SEED = Bounds(-(2**63), 2**64 - 1, why="a 64-bit seed")
-_RES = "a resource of this machine"
-BOUNDS: dict[str, Bounds] = {
-    "data.toy_rows": Bounds(1, 10**8, why="rows generated in memory"),
-    "data.max_len": Bounds(2, MAX_LENGTH),
-    "data.max_len_ratio": Bounds(1, None),
-    "data.valid_size": Bounds(0, MAX_COUNT),
-    "data.test_size": Bounds(0, MAX_COUNT),
-    "data.split_seed": SEED,
-    "data.vocab_size": Bounds(300, MAX_VOCAB),
-    "data.character_coverage": Bounds(0, 1, lo_open=True),
-    "data.spm_sample_pairs": Bounds(0, MAX_COUNT),
-    "data.spm_threads": Bounds(0, MAX_THREADS, machine="cores", why=_RES),
-    "data.build_workers": Bounds(0, MAX_BUILD_WORKERS, why="processes forked for a build"),
-    "data.max_tokens": Bounds(1, MAX_BATCH_TOKENS, why="tokens allocated per batch"),
-    "data.batch_size": Bounds(1, MAX_LENGTH),
-    "data.seq_len": Bounds(1, MAX_LENGTH),
-    "data.pad_multiple": Bounds(1, 4096),
-    "data.seed": SEED,
-    "data.num_workers": Bounds(0, MAX_WORKERS, why="processes forked for loading"),
-    "data.prefetch_factor": Bounds(1, 64, why="batches held in memory per worker"),
-    "model.vocab_size": Bounds(1, MAX_VOCAB),
-    "model.pad_id": Bounds(0, MAX_VOCAB),
-    "model.d_model": Bounds(1, MAX_WIDTH),
-    "model.n_heads": Bounds(1, 1024),
-    "model.d_ff": Bounds(1, MAX_FF),
-    "model.enc_layers": Bounds(1, MAX_LAYERS),
-    "model.dec_layers": Bounds(1, MAX_LAYERS),
-    "model.enc_unique": Bounds(1, MAX_LAYERS),
-    "model.dec_unique": Bounds(1, MAX_LAYERS),
-    "model.dropout": Bounds(0, 1, hi_open=True),
-    "model.max_positions": Bounds(1, MAX_POSITIONS),
-    "optim.lr": Bounds(0, None, lo_open=True),
-    "optim.betas": Bounds(0, 1, hi_open=True),
-    "optim.eps": Bounds(0, 1, lo_open=True),
-    "optim.weight_decay": Bounds(0, None),
-    "optim.pct_start": Bounds(0, 1, lo_open=True, hi_open=True),
-    "optim.div_factor": Bounds(1, 1e12),
-    "optim.final_div_factor": Bounds(1, 1e12),
-    "optim.warmup_steps": Bounds(1, MAX_COUNT),
-    "optim.grad_clip": Bounds(0, None, lo_open=True),
-    "optim.accum_steps": Bounds(1, 4096, why="micro-batches per step"),
-    "optim.label_smoothing": Bounds(0, 1, hi_open=True),
-    "run.epochs": Bounds(1, 10**6),
-    "run.max_steps": Bounds(1, MAX_COUNT),
-    "run.max_batches_per_epoch": Bounds(1, MAX_COUNT),
-    "run.max_wall_seconds": Bounds(0, 10**9, lo_open=True),
-    "run.seed": SEED,
-    "run.cpu_threads": Bounds(1, MAX_THREADS, machine="cores", why=_RES),
-    "run.log_every": Bounds(1, MAX_COUNT),
-    "run.max_nonfinite": Bounds(1, 10**6),
-    "run.keep_last": Bounds(1, 10**4, why="checkpoints kept on disk"),
-    "run.peak_flops": Bounds(0, 1e21, lo_open=True),
-    "eval.every": Bounds(1, 10**6),
-    "eval.beam_size": Bounds(1, MAX_BEAM, why="hypotheses per sentence, allocated together"),
-    "eval.max_sentences": Bounds(1, MAX_COUNT),
-    "eval.batch_size": Bounds(1, MAX_DECODE_BATCH, why="sentences decoded at once"),
-    "eval.max_len_a": Bounds(0, 16, why="tokens decoded per source token"),
-    "eval.max_len_b": Bounds(0, MAX_LENGTH),
-    "eval.length_penalty": Bounds(0, 100),
-    "eval.bleu_thresholds": Bounds(0, 100),
-    "eval.patience": Bounds(1, 10**6),
-    "eval.average_last": Bounds(0, 10**4),
-    "eval.num_samples": Bounds(0, 1000),
-}
+def __getattr__(name: str) -> Any:  # BOUNDS and INF_OK read as the tables they always were, derived when first read
+    if name == "BOUNDS":
+        return bounds_table()
+    if name == "INF_OK":
+        return inf_ok()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _numbers(value: Any) -> list[Any]:
@@ -176,11 +75,11 @@ def _numbers(value: Any) -> list[Any]:
 def bounds_problem(key: str, value: Any) -> str | None:
     """Why ``value`` is outside ``key``'s `BOUNDS` (None: within, or no bounds, or None / not a number: the type
     check says that)."""
-    b = BOUNDS.get(key)
+    b = bounds_table().get(key)
     if b is None:
         return None
     for v in _numbers(value):
-        if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf")) and not (key in INF_OK and v > 0)):
+        if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf")) and not (key in inf_ok() and v > 0)):
             return f"{key}={_cut(value)} must be a finite number"  # (NaN compares false with every bound)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             why = b.problem(v)
@@ -281,13 +180,18 @@ def type_problem(value: Any, tp: Any) -> str | None:
     """Why ``value`` (read from JSON or a checkpoint) does not have annotation ``tp`` (None: it does)."""
     if typing.get_origin(tp) is tuple and isinstance(value, list):
         value = tuple(value)
-    return None if check_type(value, tp) else f"is not {article(type_name(tp))}"
+    if check_type(value, tp):
+        return None
+    choices = _literal_args(tp)
+    if choices is not None and isinstance(value, str):
+        return f"is not one of {list(choices)}" + did_you_mean(value, [str(c) for c in choices])
+    return f"is not {article(type_name(tp))}"
 
 
 def machine_capped(key: str, value: int | None, log=None) -> int | None:
     """``value`` of a resource field capped by this machine (`Bounds.machine`: ``"cores"`` = the cores this process
     may use); said in one line to ``log`` when it was lowered."""
-    b = BOUNDS.get(key)
+    b = bounds_table().get(key)
     if value is None or b is None or b.machine != "cores":
         return value
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -313,6 +217,8 @@ class FieldInfo:
     help: str  # the field's comment in its dataclass
     choices: tuple[Any, ...] | None  # closed set of values, or None
     bounds: Bounds | None = None  # the numeric range (`BOUNDS`), or None
+    resume: Resume | None = None  # whether a resume may change it (train/declare.py)
+    was: tuple[Any, ...] = ()  # (the default before it changed,) or ()
 
     @property
     def section(self) -> str:
@@ -403,7 +309,6 @@ def sections(cfg_cls: type) -> list[tuple[str, type]]:
 @functools.cache
 def field_infos(cfg_cls: type) -> dict[str, FieldInfo]:
     """``{"section.field": FieldInfo}`` for every field of every section of ``cfg_cls`` (``Config``)."""
-    choices = _str_choices()
     out: dict[str, FieldInfo] = {}
     for section, cls in sections(cfg_cls):
         hints = typing.get_type_hints(cls)
@@ -412,7 +317,8 @@ def field_infos(cfg_cls: type) -> dict[str, FieldInfo]:
             key = f"{section}.{f.name}"
             tp = hints[f.name]
             literal = _literal_args(tp)
-            out[key] = FieldInfo(key, tp, docs.get(f.name, ""), literal or choices.get(key), BOUNDS.get(key))
+            d = _declared()[key]
+            out[key] = FieldInfo(key, tp, docs.get(f.name, ""), literal, d.bounds, d.resume, d.was)
     return out
 
 

@@ -164,12 +164,12 @@ def build_dataclass(cls, values: dict[str, Any], section: str, *, where: str = "
         if typing.get_origin(tp) is tuple and isinstance(v, list):
             v = tuple(v)
         shown = _shown(v)
-        if not check_type(v, tp):
-            raise TypeError(f"{at}{section}.{k}={shown} is not {article(type_name(tp))}")
         allowed = (choices or {}).get(k)
         if allowed is not None and isinstance(v, str) and v not in allowed:
             raise ValueError(f"{at}{section}.{k}={shown} is not one of {list(allowed)}"
                              + did_you_mean(v, [str(c) for c in allowed]))
+        if not check_type(v, tp):
+            raise TypeError(f"{at}{section}.{k}={shown} is not {article(type_name(tp))}")
         kwargs[k] = v
     try:
         return cls(**kwargs)

@@ -1,5 +1,5 @@
 """One set of bounds (issue 35): every numeric config field carries its range in the field schema
-(``train/fields.py`` ``BOUNDS``) and it applies to every source of a value: the command line, ``--config``, a run
+(declared with each field, ``train/declare.py``; ``train/fields.py`` ``BOUNDS`` derived) and it applies to every source of a value: the command line, ``--config``, a run
 folder's ``config.json``, a checkpoint, an export folder's records. Resource fields are capped by the machine, and a
 model is built on the meta device, its size checked, before training allocates it as before inference.
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.security.conftest import capped, forged_checkpoint, legacy_run, one_error_line
-from train import fields
+from train import declare, fields
 from train.config import Config, get_config, load_config_file
 
 
@@ -63,8 +63,8 @@ def test_the_bounds_let_every_preset_through():
 
 def test_the_hypotheses_decoded_at_once_are_bounded_together(tmp_path):
     cfg = get_config("tiny").to_dict()
-    cfg["eval"].update(beam_size=fields.MAX_BEAM, batch_size=4096)
-    assert fields.MAX_BEAM * 4096 > fields.MAX_HYPOTHESES
+    cfg["eval"].update(beam_size=declare.MAX_BEAM, batch_size=4096)
+    assert declare.MAX_BEAM * 4096 > declare.MAX_HYPOTHESES
     with pytest.raises(ValueError, match="hypotheses decoded at once"):
         Config.from_dict(cfg)
 
@@ -89,7 +89,7 @@ def test_decoding_flags_are_bounded_as_their_fields(tmp_path):
     from tests.security.conftest import LEGACY_CKPT
 
     r = capped(["-m", "train.translate", "--ckpt", str(LEGACY_CKPT), "--device", "cpu", "--beam", "100000", "x"])
-    one_error_line(r, "--beam", str(fields.MAX_BEAM))
+    one_error_line(r, "--beam", str(declare.MAX_BEAM))
 
 
 def test_threads_from_an_export_folder_are_bounded(tmp_path):
@@ -123,7 +123,7 @@ def test_a_config_workers_file_never_forks_thousands(tmp_path):
 
     with pytest.raises(SystemExit) as e:
         resolve_config(["--config", str(run / "config.json"), "--resume", "auto"])
-    assert e.value.code == 2 and fields.MAX_WORKERS < 5000
+    assert e.value.code == 2 and declare.MAX_WORKERS < 5000
 
 
 # ----------------------------------------------------------------------------------------------

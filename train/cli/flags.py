@@ -187,7 +187,7 @@ def resolve_config(argv: list[str] | None = None, *, log=None, parser: argparse.
         overrides["run.max_steps"] = str(args.max_steps)
     try:
         base = get_config(preset) if preset else None
-        cfg = load_config_file(args.config, base) if args.config else base
+        cfg = load_config_file(args.config, base, log=log) if args.config else base
         cfg = apply_overrides(cfg, overrides)
     except (ValueError, TypeError) as e:
         _fail(parser, args, e)

@@ -68,7 +68,7 @@ def check_model_config(cfg, state: dict[str, Any], path) -> int:
 def _meta_model(cfg, where):
     """``Transformer(cfg)`` on the meta device (shapes, no memory), its layer counts bounded first."""
     from models import Transformer
-    from train.fields import MAX_LAYERS
+    from train.declare import MAX_LAYERS
 
     layers = max(n for n in (cfg.enc_layers, cfg.dec_layers, cfg.enc_unique, cfg.dec_unique) if n is not None)
     if layers > MAX_LAYERS:

@@ -1,7 +1,8 @@
 """Honest resumes: every config field is compared with the checkpoint's, and each change is either applied
 for real or refused.
 
-Three kinds of field (``classify``):
+Each field declares its class beside its type (``declare(default, SAFE | REPLAN | EPOCH | DERIVED | refused(why))``,
+train/declare.py); ``classify`` reads it:
 
 - **safe**: evaluation, logging, patience, wall limits, compilation, workers, ... — applied from the next
   step or evaluation on, and listed in the log and the ``resume`` record of ``metrics.jsonl``;
@@ -16,10 +17,14 @@ Three kinds of field (``classify``):
 
 Data source fields (files, dataset, languages, split, vocabulary) are checked through the tokenizer's key,
 which hashes the cleaned data, the split and the SentencePiece settings (``check_tokenizer``).
+
+A field the checkpoint's config lacks (written by a fastmt before the field existed) held its declared default: it
+is compared as that value, said in one line and recorded (``ConfigChanges.defaulted``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from dataclasses import dataclass, field
@@ -28,36 +33,6 @@ from typing import Any
 import torch
 
 from train.errors import UserError
-
-# fields a resumed run may change: applied from the next step or evaluation on
-SAFE = {
-    # where the data comes from: its content is compared through the tokenizer key
-    "data": {"dataset", "dataset_config", "hf_split", "data_files", "src_lang", "tgt_lang", "toy_rows",
-             "valid_size", "test_size", "split_seed", "vocab_size", "spm_model", "character_coverage",
-             "cache_dir", "num_workers", "pin_memory", "prefetch_factor", "spm_threads", "build_workers"},
-    "model": {"dropout", "attn_backend", "norm", "checkpointing"},
-    "optim": {"grad_clip", "label_smoothing"},
-    "run": {"name", "out_dir", "max_wall_seconds", "device", "cpu_threads", "compile", "compile_scope",
-            "compile_mode", "compile_backend", "compile_dynamic", "cache_dir", "log_every", "nonfinite_guard",
-            "max_nonfinite", "keep_last", "peak_flops", "tensorboard", "progress", "plot"},
-}
-# applied by writing the optimizer's parameter groups and re-planning the schedule from the current step
-REPLAN = {
-    "optim": {"lr", "betas", "eps", "weight_decay", "schedule", "pct_start", "div_factor", "final_div_factor",
-              "three_phase", "anneal", "warmup_steps", "accum_steps"},
-    "run": {"epochs", "max_steps", "max_batches_per_epoch"},
-}
-# the epoch's batch plan: re-planned at an epoch boundary, refused mid-epoch (the position indexes the plan)
-PLAN = {"data": {"max_len", "max_len_ratio", "batching", "max_tokens", "batch_size", "seq_len", "overlong",
-                 "pad_multiple", "seed"}}
-# set from the tokenizer, never by the user
-DERIVED = {"model": {"vocab_size", "pad_id"}}
-WHY_REFUSED = {
-    "optim.name": "the optimizer state belongs to the saved optimizer",
-    "run.seed": "the random state comes from the checkpoint, so a new seed would be ignored",
-    "run.precision": "the fp16 loss scaler's state cannot move to or from another precision",
-    "eval.best_metric": "best.pt so far was chosen by the saved metric",
-}
 
 
 class ResumeConfigError(UserError):
@@ -68,23 +43,31 @@ def _same(a: Any, b: Any) -> bool:
     return json.dumps(a, default=str, sort_keys=True) == json.dumps(b, default=str, sort_keys=True)
 
 
-def _in(table: dict[str, set[str]], name: str) -> bool:
-    section, _, key = name.partition(".")
-    return key in table.get(section, ())
+def _info(name: str):
+    from train.config import Config
+    from train.fields import field_infos
+
+    return field_infos(Config).get(name)
 
 
 def classify(name: str, old: Any, new: Any, *, epoch_boundary: bool) -> str:
-    """"safe", "replan" or "refuse" for a change of field ``name`` (``section.field``) from ``old`` to ``new``."""
-    section = name.partition(".")[0]
-    if section == "eval":
-        return "refuse" if name == "eval.best_metric" else "safe"
-    if name == "run.precision":
-        return "refuse" if "fp16" in (old, new) else "safe"
-    if _in(SAFE, name):
-        return "safe"
-    if _in(REPLAN, name) or (_in(PLAN, name) and epoch_boundary):
-        return "replan"
-    return "refuse"
+    """"safe", "replan" or "refuse" for a change of field ``name`` (``section.field``) from ``old`` to ``new``: its
+    declared resume class (train/declare.py). A name no field has is refused."""
+    info = _info(name)
+    if info is None or info.resume is None:
+        return "refuse"
+    return info.resume.classify(old, new, epoch_boundary=epoch_boundary)
+
+
+def missing_default(name: str) -> Any:
+    """What a field a checkpoint's config lacks (written by a fastmt before the field existed) held: its declared
+    default, the behaviour of the code before the field was added."""
+    from train.config import Config
+    from train.declare import default_of
+    from train.fields import sections
+
+    section, _, key = name.partition(".")
+    return default_of({f.name: f for f in dataclasses.fields(dict(sections(Config))[section])}[key])
 
 
 @dataclass
@@ -94,18 +77,24 @@ class ConfigChanges:
     safe: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     replan: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     refused: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    # fields the checkpoint's config lacks (an older fastmt): {name: the declared default taken for it}
+    defaulted: dict[str, Any] = field(default_factory=dict)
 
     def record(self) -> dict[str, Any]:
-        """JSON-ready: ``{"applied": {name: [old, new]}, "replanned": {...}}``."""
-        return {"applied": {k: list(v) for k, v in self.safe.items()},
-                "replanned": {k: list(v) for k, v in self.replan.items()}}
+        """JSON-ready: ``{"applied": {name: [old, new]}, "replanned": {...}}`` (+ ``"defaulted": {name: value}``)."""
+        out = {"applied": {k: list(v) for k, v in self.safe.items()},
+               "replanned": {k: list(v) for k, v in self.replan.items()}}
+        if self.defaulted:
+            out["defaulted"] = dict(self.defaulted)
+        return out
 
 
 def compare_configs(saved: dict[str, Any], now: dict[str, Any], *, epoch_boundary: bool,
                     only: set[str] | None = None) -> ConfigChanges:
     """Every field of ``now`` (``Config.to_dict()``) against ``saved`` (the checkpoint's), sorted into
-    ``ConfigChanges``. Fields in ``DERIVED`` are skipped; ``only``: compare these sections only. A field
-    the checkpoint does not know (an older fastmt) counts as a change from None."""
+    ``ConfigChanges``. Fields declared ``DERIVED`` are skipped; ``only``: compare these sections only. A field
+    the checkpoint does not know (written by an older fastmt) held its declared default (``changes.defaulted``),
+    so adding a field never strands a run."""
     changes = ConfigChanges()
     for section, fields in now.items():
         if only is not None and section not in only:
@@ -113,9 +102,15 @@ def compare_configs(saved: dict[str, Any], now: dict[str, Any], *, epoch_boundar
         old_section = saved.get(section) or {}
         for key, new in fields.items():
             name = f"{section}.{key}"
-            if key in DERIVED.get(section, ()) or _same(old_section.get(key), new):
+            info = _info(name)
+            if info is not None and info.resume is not None and info.resume.kind == "derived":
                 continue
-            old = old_section.get(key)
+            if key in old_section:
+                old = old_section[key]
+            else:
+                old = changes.defaulted[name] = json.loads(json.dumps(missing_default(name), default=str))
+            if _same(old, new):
+                continue
             kind = classify(name, old, new, epoch_boundary=epoch_boundary)
             getattr(changes, {"safe": "safe", "replan": "replan", "refuse": "refused"}[kind])[name] = (old, new)
     return changes
@@ -125,8 +120,9 @@ def refusal(changes: ConfigChanges, *, where: str, position: dict[str, Any], how
     """One line naming each refused field with its old and new value, why, and what to do instead."""
     parts = []
     for name, (old, new) in sorted(changes.refused.items()):
-        why = WHY_REFUSED.get(name)
-        if why is None and _in(PLAN, name):
+        info = _info(name)
+        why = info.resume.why if info is not None and info.resume is not None else "no such field"
+        if info is not None and info.resume is not None and info.resume.kind == "epoch":
             why = f"the checkpoint is mid-epoch (batch {position.get('batch_index')}): the position indexes this plan"
         parts.append(f"{name} {old!r} -> {new!r}" + (f" ({why})" if why else ""))
     return ResumeConfigError(f"{where}: cannot change " + "; ".join(parts) + f". {how}")

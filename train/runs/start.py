@@ -81,21 +81,31 @@ def inherit_source(cfg: Config, saved: dict[str, Any], *, source: bool, tokenize
 
 
 def keep_changed_defaults(cfg: Config, saved: dict[str, Any], log) -> Config:
-    """``cfg`` with the checkpoint's value of each model field whose default changed (``models.config.
-    CHANGED_DEFAULTS``: ``model.ffn_norm`` was on by default) when the checkpoint holds the old default and ``cfg``
-    the new one: a run trained before the change resumes, or is fine-tuned, with the architecture its weights
-    have (its config.json says so; a command that leaves the field alone gets it too)."""
-    from models.config import CHANGED_DEFAULTS, ModelConfig
+    """``cfg`` with the checkpoint's value of each model field whose default changed (declared with ``was=``:
+    ``model.ffn_norm`` was on by default) when the checkpoint holds the old default and ``cfg`` the new one: a run
+    trained before the change resumes, or is fine-tuned, with the architecture its weights have (its config.json
+    says so; a command that leaves the field alone gets it too)."""
+    from models.config import ModelConfig
+    from train.declare import declaration
 
-    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    fields = dataclasses.fields(ModelConfig)
+    defaults = {f.name: f.default for f in fields}
+    changed = {f.name: declaration(f).was[0] for f in fields if declaration(f) and declaration(f).was}
     saved_model = saved.get("model") or {}
-    kept = {k: old for k, old in CHANGED_DEFAULTS.items()
+    kept = {k: old for k, old in changed.items()
             if saved_model.get(k) == old and getattr(cfg.model, k) == defaults[k] != old}
     if not kept:
         return cfg
     log(f"using the checkpoint's own {', '.join(f'model.{k}={v!r}' for k, v in kept.items())} (its weights have it; "
         f"the default for new runs is now {', '.join(f'{k}={defaults[k]!r}' for k in kept)})")
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **kept))
+
+
+def defaulted_line(defaulted: dict[str, Any]) -> str:
+    """The one line that says which fields a checkpoint lacked and the declared defaults taken for them."""
+    shown = ", ".join(f"{k}={v!r}" for k, v in sorted(defaulted.items()))
+    return (f"the checkpoint was written by an earlier fastmt and lacks {shown}: taken as declared (the defaults, "
+            f"what that fastmt did); recorded in metrics.jsonl")
 
 
 def files_as_recorded(cfg: Config, log) -> Config:
@@ -193,6 +203,9 @@ class RunSetup:
         pos = ckpt["position"]
         if plan.weights_only:
             arch = compare_configs(ckpt["config"], cfg.to_dict(), epoch_boundary=True, only={"model"})
+            if arch.defaulted:
+                self.log(defaulted_line(arch.defaulted))
+                self.defaulted = arch.defaulted  # recorded with the run's "init" record
             if arch.refused:
                 raise refusal(arch, where=f"--init-from {plan.ckpt_path}", position=pos,
                               how="Its weights need the checkpoint's model: use its run's preset and model.* settings")
@@ -241,7 +254,9 @@ class RunSetup:
         pos = plan.ckpt["position"]
         origin = {"checkpoint": str(plan.ckpt_path), "step": pos["step"], "epoch": pos["epoch"]}
         if plan.mode in ("branch", "init"):
-            self.metrics.log({"kind": plan.mode, **origin, "parent": self.parent})
+            defaulted = getattr(self, "defaulted", None) if plan.mode == "init" else None
+            self.metrics.log({"kind": plan.mode, **origin, "parent": self.parent,
+                              **({"defaulted": defaulted} if defaulted else {})})
         if plan.mode == "branch":  # the lineage's epochs so far, so the curves show the whole run
             for rec in plan.ckpt.get("history", []):
                 self.metrics.log({**rec, "inherited_from": self.parent["run_id"]})
@@ -256,6 +271,8 @@ class RunSetup:
         pos = plan.ckpt["position"]
         self.log(f"resumed from {plan.ckpt_path}: {where_stopped(pos)}")
         show = lambda d: ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in sorted(d.items()))  # noqa: E731
+        if changes.defaulted:
+            self.log(defaulted_line(changes.defaulted))
         if changes.safe:
             self.log(f"resume: applied (checkpoint -> now): {show(changes.safe)}")
         if schedule is not None:
