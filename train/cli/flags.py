@@ -274,9 +274,18 @@ def format_fields(cfg, only: Sequence[str] = (), preset: str | None = None) -> s
             value = getattr(obj, info.name)
             out.append(f"  --{key} {info.type_text()} = {_shown(value)}")
             bound = f" (range {info.bounds.text()})" if info.bounds is not None and info.bounds.text() else ""
-            out.append(f"      {info.help or '(no description)'}{bound}")
+            out.append(f"      {info.help or '(no description)'}{bound}; on --resume: {_resume_text(info.resume)}")
         out.append("")
     return "\n".join(out).rstrip() + "\n"
+
+
+def _resume_text(resume) -> str:
+    """A field's resume class (train/declare.py) as ``--help-fields`` says it."""
+    if resume.kind == "safe":
+        return "may change" + (f" (not to or from {', '.join(map(str, resume.refuse_values))})"
+                               if resume.refuse_values else "")
+    return {"replan": "may change (the schedule is re-planned)", "epoch": "may change at an epoch boundary",
+            "derived": "set from the tokenizer"}.get(resume.kind, f"fixed ({resume.why})")
 
 
 def _print_fields(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

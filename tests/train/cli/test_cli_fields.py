@@ -72,8 +72,13 @@ def test_help_fields_groups_every_field_by_section(capsys):
         if line.startswith("  --"):
             key = line.split()[0][2:]
             bound = INFOS[key].bounds
-            assert lines[i + 1].strip() == INFOS[key].help + (f" (range {bound.text()})" if bound else "")
+            help_line, _, resume = lines[i + 1].strip().rpartition("; on --resume: ")
+            assert help_line == INFOS[key].help + (f" (range {bound.text()})" if bound else "")
+            kind = INFOS[key].resume.kind  # the field's declared resume class, said
+            assert resume.startswith({"safe": "may change", "replan": "may change (the schedule", "epoch":
+                                      "may change at an epoch", "derived": "set from", "refuse": "fixed ("}[kind])
     assert "(range [1, 64])" in lines[lines.index(next(x for x in lines if x.startswith("  --eval.beam_size"))) + 1]
+    assert "fixed (the optimizer state" in lines[lines.index(next(x for x in lines if x.startswith("  --optim.name"))) + 1]
 
 
 def test_help_fields_of_one_section(capsys):
