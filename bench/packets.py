@@ -253,11 +253,16 @@ def check_out(folder: Path) -> list[str]:
 # -- landing a call's results ---------------------------------------------------------------------------------
 def _safe_members(tar: tarfile.TarFile) -> list[tarfile.TarInfo]:
     """Regular files with relative paths that stay below the extraction folder (the archive is foreign)."""
-    keep = []
+    keep, skipped = [], []
     for m in tar.getmembers():
         parts = Path(m.name).parts
         if m.isfile() and parts and not Path(m.name).is_absolute() and ".." not in parts:
             keep.append(m)
+        elif not m.isdir():
+            skipped.append(m.name)
+    if skipped:
+        print(f"{tar.name}: left out {len(skipped)} member(s) that are not plain files below the folder: "
+              f"{', '.join(map(repr, skipped[:5]))}", file=sys.stderr)
     return keep
 
 
@@ -373,6 +378,14 @@ def main(argv: list[str] | None = None) -> int:
     rc.add_argument("--caches", default="")
     rc.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
+    try:
+        return _run(a)
+    except (OSError, ValueError) as e:  # a damaged record or file: one line naming it (data.files' errors do)
+        print(f"bench.packets {a.cmd}: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+
+
+def _run(a: argparse.Namespace) -> int:
     if a.cmd == "plan":
         print("\n".join(plan_lines()))
     elif a.cmd == "table":

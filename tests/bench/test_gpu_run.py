@@ -640,7 +640,17 @@ def test_the_code_hash_follows_the_files_a_packet_measures(tmp_path):
     assert P.code_hash(p3, root) != before
 
 
-def test_land_puts_a_calls_results_under_bench_results_and_appends_the_record(tmp_path):
+def test_a_damaged_packet_record_is_one_line_naming_it(tmp_path, capsys):
+    from bench import packets as P
+
+    records = tmp_path / "packets.jsonl"
+    records.write_text('{"packet": "packet1"}\n{"broken\n')
+    assert P.main(["next", "--records", str(records)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{records}:2" in err and "not valid JSON" in err
+
+
+def test_land_puts_a_calls_results_under_bench_results_and_appends_the_record(tmp_path, capsys):
     import io
     import tarfile
 
@@ -665,6 +675,7 @@ def test_land_puts_a_calls_results_under_bench_results_and_appends_the_record(tm
     assert (dest / "bench/results/quality-h200.md").read_text() == "# q" and (dest / "summary.txt").is_file()
     assert (dest / "runs/default-x/metrics.jsonl").is_file()
     assert not (tmp_path / "escape.txt").exists() and not list(root.rglob("escape.txt"))
+    assert "left out 1 member(s)" in capsys.readouterr().err  # and said so
     [line] = (root / "bench/results/packets.jsonl").read_text().splitlines()
     assert json.loads(line) == {**rec, "results": "bench/results/gpu-2026-11-27-h200-abcdef1-packet1"}
     with pytest.raises(SystemExit, match="exists"):  # never over a landed folder
