@@ -26,6 +26,10 @@ Architecture (all switches in ``ModelConfig``):
   (the LayerNorms carry the biases). ReLU has no fused form: LN kernel, then ``F.relu``.
 - ``norm="torch"`` swaps every kernel LayerNorm for ``nn.LayerNorm`` + explicit adds + F.gelu: the
   same math and the same parameter names (state dicts load across the switch).
+- Components chosen by name (norm, activation, attention backend, positions) come from one registry each through
+  ``models.components``' factories (``norm_for``, ``activation_for``, ``attention_for``, ``positions_for``), the
+  layouts from ``LAYOUTS`` below; every module takes the ``ModelConfig``. An unknown name fails when the model is
+  built, naming the choices.
 - Parameter sharing: each stack holds a ModuleList of its unique blocks and applies them following
   ``cfg.schedule(side)``; a shared block is one module object called several times.
 - Decoding runs padded batches in every layout (the weights do not depend on it): ``start_decoding``

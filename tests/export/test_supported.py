@@ -13,10 +13,10 @@ import torch
 
 from models import ModelConfig, Transformer
 from tests.export.conftest import BASE_MODEL, variant_checkpoint
+from tests.export.test_command import _refused
 from tests.export.test_equivalence import VARIANTS
 from tests.utils import tiny_config
 from train.cli.export import TARGETS, load_source
-from train.cli.export import main as export
 from train.config import Config
 from train.errors import UserError
 from train.export.common import Source
@@ -34,6 +34,19 @@ def test_every_model_field_is_classified_for_every_target():
             assert allowed in (ANY, TRAINING_ONLY) or isinstance(allowed, (set, frozenset)) and allowed, (target, name)
             if isinstance(allowed, (set, frozenset)) and choices.get(name):  # a closed set: only declared choices
                 assert allowed <= set(choices[name]), (target, name, allowed, choices[name])
+
+
+def test_activation_tables_are_the_supported_values():
+    """Each exporter's own activation table holds exactly what the target states it supports."""
+    from train.export import ct2, hf
+
+    assert set(ct2.ACTIVATIONS) == SUPPORTED["ct2"]["activation"]
+    assert set(hf.ACTIVATIONS) == SUPPORTED["hf"]["activation"]
+    from ctranslate2.specs import common_spec
+    from transformers.activations import ACT2FN
+
+    assert all(hasattr(common_spec.Activation, v) for v in ct2.ACTIVATIONS.values())
+    assert all(v in ACT2FN for v in hf.ACTIVATIONS.values())
 
 
 def test_every_supported_value_is_one_the_equivalence_tests_export():
@@ -111,15 +124,6 @@ def test_unclassified_field_and_unsupported_value_refused(target):
     assert [p[0] for p in unsupported(target, dataclasses.replace(ModelConfig(vocab_size=48), ffn_norm=0))] == \
         ["ffn_norm"]
     refuse_unsupported(target, ModelConfig(vocab_size=48), "C.pt")  # the defaults export
-
-
-def _refused(capsys, argv, *words) -> str:
-    assert export(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert "error:" in err and "Traceback" not in err and len(err.splitlines()) == 1, err
-    for w in words:
-        assert w in err, err
-    return err
 
 
 @pytest.mark.parametrize("target", sorted(SUPPORTED))

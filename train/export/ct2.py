@@ -43,6 +43,8 @@ from train.export.common import (
 from train.export.supported import refuse_unsupported
 
 QUANTIZATIONS = ("int8", "int8_float16", "float16")
+# model.activation -> ctranslate2.specs.common_spec.Activation's member (keys: supported.SUPPORTED["ct2"]["activation"])
+ACTIVATIONS = {"relu": "RELU", "gelu": "GELU", "gelu_tanh": "GELUTanh"}
 EPS = 1e-5  # fastmt's LayerNorm epsilon (kernels.layernorm, nn.LayerNorm's default)
 
 
@@ -62,8 +64,7 @@ def build_spec(src: Source):
     from ctranslate2.specs import common_spec, transformer_spec
 
     cfg, model = src.cfg, src.model
-    act = {"relu": common_spec.Activation.RELU, "gelu": common_spec.Activation.GELU,
-           "gelu_tanh": common_spec.Activation.GELUTanh}[cfg.activation]
+    act = getattr(common_spec.Activation, ACTIVATIONS[cfg.activation])
     spec = transformer_spec.TransformerSpec.from_config((cfg.enc_layers, cfg.dec_layers), cfg.n_heads,
                                                         pre_norm=True, activation=act)
     enc, dec = spec.encoder, spec.decoder

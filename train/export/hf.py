@@ -42,6 +42,7 @@ from train.export.common import (
 )
 from train.export.supported import refuse_unsupported
 
+# model.activation -> transformers' ACT2FN name (keys: supported.SUPPORTED["hf"]["activation"])
 ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
 REMOTE = "modeling_fastmt"  # the remote-code module shipped for ffn_norm models
 REMOTE_CLASS = "FastmtPegasusForConditionalGeneration"
