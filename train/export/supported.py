@@ -43,8 +43,12 @@ SUPPORTED: dict[str, dict[str, Any]] = {
 }
 
 # how to get an exportable model, where a field's refusal has more to say than the supported values
+_PAD = ("the tokenizer decides it: both targets name id 0 <pad>, as fastmt's own SentencePiece training does; train "
+        "with a tokenizer fastmt made")
 FIXES = {("ct2", "ffn_norm"): "train an exportable model with --model.ffn_norm false (or export it with --to hf, "
-                               "which ships a subclass for it)"}
+                               "which ships a subclass for it)",
+         ("ct2", "pad_id"): _PAD, ("hf", "pad_id"): _PAD}
+UNCLASSIFIED = "nothing: the exporters do not classify this field"
 
 
 def _holds(allowed: set, value: Any) -> bool:
@@ -59,7 +63,7 @@ def unsupported(target: str, cfg) -> list[tuple[str, Any, str]]:
     for f in dataclasses.fields(cfg):
         value, allowed = getattr(cfg, f.name), table.get(f.name)
         if allowed is None:
-            out.append((f.name, value, "nothing: the exporters do not classify this field (train/export/supported.py)"))
+            out.append((f.name, value, UNCLASSIFIED))
         elif isinstance(allowed, (set, frozenset)) and not _holds(allowed, value):
             out.append((f.name, value, " or ".join(sorted(map(repr, allowed)))))
     return out
@@ -73,8 +77,11 @@ def refuse_unsupported(target: str, cfg, what: str) -> None:
         return
     name, value, allowed = problems[0]
     others = [t for t in SUPPORTED if t != target and not any(p[0] == name for p in unsupported(t, cfg))]
-    fix = FIXES.get((target, name)) or (f"export it with --to {others[0]}, which supports it, or train with "
-                                        f"another --model.{name}" if others else f"train with another --model.{name}")
+    if allowed == UNCLASSIFIED:
+        fix = "train/export/supported.py must state what the exporters make of it before a model with it exports"
+    else:
+        fix = FIXES.get((target, name)) or (f"export it with --to {others[0]}, which supports it, or train with "
+                                            f"another --model.{name}" if others else f"train with another --model.{name}")
     more = f" (and {len(problems) - 1} more field(s): {', '.join(p[0] for p in problems[1:])})" if problems[1:] else ""
     raise UserError(f"--to {target}: {what} has model.{name}={value!r}, which {NAMES[target]} export cannot "
                     f"represent (it supports {allowed}){more}; {fix}")
