@@ -33,7 +33,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-MODES = ("fixed", "dynamic", "sorted", "token_bucket", "packed")
 PACK_MULTIPLE = 64  # packed capacities are multiples of this (attention tile / tensor-core friendly)
 PACK_SLOT_SLACK = 1.5  # real slots = ceil(slack x the pairs an average-length stream holds)
 PACK_LOOKAHEAD = 32  # pairs searched for one that still fits before a packed batch is closed
@@ -126,7 +125,7 @@ def pack_layout_from_totals(n: int, s_tot: int, t_tot: int, max_tokens: int, max
 
 @dataclass(frozen=True)
 class BatchSpec:
-    mode: str = "token_bucket"  # one of MODES
+    mode: str = "token_bucket"  # one of MODES (the modes PLANNERS has a planner for)
     batch_size: int = 32  # sentences per batch (fixed / dynamic / sorted)
     max_tokens: int = 2048  # padded src+tgt tokens per batch (token_bucket)
     seq_len: int = 256  # padded length of both sides (fixed)
@@ -179,24 +178,11 @@ def plan_batches(
         raise ValueError("lengths must be >= 1 (they include EOS / BOS)")
     if n and world_size > n:
         raise ValueError(f"world_size={world_size} > {n} examples: some rank would get no batch")
+    planner = PLANNERS.get(spec.mode)
+    if planner is None:  # a BatchSpec checks its mode: this is one built around that check
+        raise ValueError(f"batching mode {spec.mode!r} has no planner; choose one of {MODES}")
     rng = np.random.default_rng([seed, epoch]) if shuffle else None
-
-    if spec.mode in ("fixed", "dynamic"):
-        order = rng.permutation(n) if shuffle else np.arange(n)
-        batches = _chunks(order, spec.batch_size)
-    elif spec.mode == "sorted":
-        perm = rng.permutation(n) if shuffle else np.arange(n)
-        order = perm[np.lexsort((tgt_len[perm], src_len[perm]))]  # stable: ties keep the random order
-        batches = _chunks(order, spec.batch_size)
-    elif spec.mode == "token_bucket":
-        batches = _token_buckets(src_len, tgt_len, spec, rng)
-    else:
-        if spec.pack is None:
-            raise ValueError(
-                "batching mode 'packed' needs BatchSpec.pack = pack_layout(train src/tgt lengths, max_tokens, "
-                "max_len), derived once per run (DataBundle.spec does this)"
-            )
-        batches = _pack(src_len, tgt_len, spec.pack, rng)
+    batches = planner(src_len, tgt_len, spec, rng)
     if shuffle:
         batches = [batches[i] for i in rng.permutation(len(batches))]
     batches = _divisible(batches, world_size)
@@ -205,6 +191,29 @@ def plan_batches(
 
 def _chunks(order: np.ndarray, size: int) -> list[np.ndarray]:
     return [order[i : i + size] for i in range(0, len(order), size)]
+
+
+def _random_chunks(src_len, tgt_len, spec: BatchSpec, rng) -> list[np.ndarray]:
+    """fixed, dynamic: ``batch_size`` sentences in a random order (in order without ``rng``)."""
+    n = len(src_len)
+    return _chunks(rng.permutation(n) if rng is not None else np.arange(n), spec.batch_size)
+
+
+def _sorted_chunks(src_len, tgt_len, spec: BatchSpec, rng) -> list[np.ndarray]:
+    """sorted: by (src, tgt) length with random ties, cut into ``batch_size`` chunks."""
+    n = len(src_len)
+    perm = rng.permutation(n) if rng is not None else np.arange(n)
+    order = perm[np.lexsort((tgt_len[perm], src_len[perm]))]  # stable: ties keep the random order
+    return _chunks(order, spec.batch_size)
+
+
+def _packed(src_len, tgt_len, spec: BatchSpec, rng) -> list[np.ndarray]:
+    if spec.pack is None:
+        raise ValueError(
+            "batching mode 'packed' needs BatchSpec.pack = pack_layout(train src/tgt lengths, max_tokens, "
+            "max_len), derived once per run (DataBundle.spec does this)"
+        )
+    return _pack(src_len, tgt_len, spec.pack, rng)
 
 
 def _token_buckets(src_len, tgt_len, spec: BatchSpec, rng) -> list[np.ndarray]:
@@ -290,6 +299,12 @@ def _pack(src_len, tgt_len, layout: PackLayout, rng, lookahead: int = PACK_LOOKA
     if cur:
         batches.append(np.array(cur, dtype=np.int64))
     return batches
+
+
+# batching mode -> (src_len, tgt_len, spec, rng or None) -> the epoch's batches (before the batch order shuffle)
+PLANNERS = {"fixed": _random_chunks, "dynamic": _random_chunks, "sorted": _sorted_chunks,
+            "token_bucket": _token_buckets, "packed": _packed}
+MODES = tuple(PLANNERS)
 
 
 def hilbert_index(x: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -207,7 +207,7 @@ class DataBundle:
         seq_len = None
         if spec.mode == "fixed":
             over = int(((sp.src_lengths > spec.seq_len) | (sp.tgt_lengths > spec.seq_len)).sum())
-            if over and self.cfg.overlong == "error":
+            if over and self.cfg.overlong != "truncate":  # "error", and any value but the one that truncates
                 raise ValueError(
                     f"{over} {split} pairs are longer than seq_len={spec.seq_len} (fixed batching); "
                     f"raise seq_len to >= max_len={self.cfg.max_len}, or set overlong='truncate'"

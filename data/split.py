@@ -32,6 +32,8 @@ import unicodedata
 
 import numpy as np
 
+from .config import SPLIT_GROUPINGS
+
 NORMALISATION = "NFKC + casefold + whitespace collapsed"
 HELDOUT_MAX_GROUP = 32  # groups with more rows always train (see the module docstring)
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -133,6 +135,8 @@ def group_keys(h_src: np.ndarray, h_tgt: np.ndarray, grouping: str) -> np.ndarra
     """Per row, the key of its group: the smallest source hash among the rows linked to it by a shared
     normalised source (``grouping="source"``: the row's own source hash) or, with "source_target", by a chain
     of shared sources or targets (connected components: min-label propagation with pointer jumping)."""
+    if grouping not in SPLIT_GROUPINGS:  # the config checks it: this is a caller around that check
+        raise ValueError(f"split_grouping={grouping!r} is not one of {SPLIT_GROUPINGS}")
     h_src = np.asarray(h_src, dtype=np.uint64)
     if grouping == "source" or len(h_src) == 0:
         return h_src.copy()

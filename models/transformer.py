@@ -26,6 +26,10 @@ Architecture (all switches in ``ModelConfig``):
   (the LayerNorms carry the biases). ReLU has no fused form: LN kernel, then ``F.relu``.
 - ``norm="torch"`` swaps every kernel LayerNorm for ``nn.LayerNorm`` + explicit adds + F.gelu: the
   same math and the same parameter names (state dicts load across the switch).
+- Components chosen by name (norm, activation, attention backend, positions) come from one registry each through
+  ``models.components``' factories (``norm_for``, ``activation_for``, ``attention_for``, ``positions_for``), the
+  layouts from ``LAYOUTS`` below; every module takes the ``ModelConfig``. An unknown name fails when the model is
+  built, naming the choices.
 - Parameter sharing: each stack holds a ModuleList of its unique blocks and applies them following
   ``cfg.schedule(side)``; a shared block is one module object called several times.
 - Decoding runs padded batches in every layout (the weights do not depend on it): ``start_decoding``
@@ -44,7 +48,7 @@ Architecture (all switches in ``ModelConfig``):
 from __future__ import annotations
 
 import math
-import os
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -53,9 +57,9 @@ from einops import rearrange
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from kernels import LayerNorm as FusedLayerNorm
 from kernels import attention
 from kernels.packed_attention import segment_ids
+from models.components import activation_for, attention_for, norm_class, norm_for, pick, positions_for
 from models.config import ModelConfig
 
 
@@ -75,75 +79,50 @@ ALL_QUERIES = Side(None, None, None, None)  # padded layout, every query positio
 
 
 # ----------------------------------------------------------------------------------------------
-# Norms: the fused kernel or plain PyTorch, one interface
+# Norms: the registry's module (models/components.py) on the residual stream
 # ----------------------------------------------------------------------------------------------
 class ResidualNorm(nn.Module):
     """``forward(h, res) -> (LN(h + res), h + res)``; ``res=None`` means the stream is ``h``."""
 
-    def __init__(self, dim: int, norm: str):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.fused = norm == "fused"
-        self.ln = FusedLayerNorm(dim) if self.fused else nn.LayerNorm(dim)
+        self.ln = norm_for(cfg, cfg.d_model)
 
     def forward(self, h: torch.Tensor, res: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if res is None:
             return self.ln(h), h
-        if self.fused:
-            return self.ln(h, residual=res)  # one kernel: s = h + res, y = LN(s)
-        s = h + res
-        return self.ln(s), s
+        return self.ln(h, residual=res)  # fused: one kernel computes s = h + res and y = LN(s)
 
     def plain(self, h: torch.Tensor, res: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward`` as one ``F.layer_norm`` call: what both the fused module's reference and nn.LayerNorm
-        compute on fp32 CPU tensors (``plain_norms``), without the kernel dispatch's checks (the live step)."""
+        """``forward`` as one PyTorch call (the norm module's ``plain``): what the module computes on fp32 CPU tensors
+        when ``plain_norms`` says so, without the kernel dispatch's checks (the live step)."""
         s = h if res is None else h + res
-        return F.layer_norm(s, (s.shape[-1],), self.ln.weight, self.ln.bias, self.ln.eps), s
+        return self.ln.plain(s), s
 
 
 def plain_norms(cfg: ModelConfig, x: torch.Tensor) -> bool:
-    """Whether every ``ResidualNorm`` of the model computes a plain ``F.layer_norm`` on tensors like ``x``: fp32 on
-    the CPU without autocast, with nn.LayerNorm or the fused module on its reference (``FASTMT_NORM_BACKEND`` unset,
-    auto or reference)."""
+    """Whether every ``ResidualNorm`` of the model computes its ``plain`` form on tensors like ``x``: fp32 on the CPU
+    without autocast, with a norm module whose ``plain`` is then exact (``plain_exact``: PyTorch's always, the fused
+    module's on its reference, ``FASTMT_NORM_BACKEND`` unset, auto or reference)."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_autocast_enabled("cpu"):
         return False
-    return cfg.norm == "torch" or os.environ.get("FASTMT_NORM_BACKEND", "").strip() in ("", "auto", "reference")
+    return norm_class(cfg).plain_exact()
 
 
 class NormAct(nn.Module):
-    """``act(LN(x))``: the fused LN+GELU kernel, or nn.LayerNorm + the activation."""
+    """``act(LN(x))`` over the FFN's d_ff features: the fused LN+GELU kernel, or the norm then the activation."""
 
-    def __init__(self, dim: int, norm: str, activation: str):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.activation = activation
-        self.fused_act = norm == "fused" and activation in ("gelu", "gelu_tanh")
-        if norm == "fused":
-            self.ln = FusedLayerNorm(dim, activation=activation if self.fused_act else None)
-        else:
-            self.ln = nn.LayerNorm(dim)
+        self.ln = norm_for(cfg, cfg.d_ff, activation=cfg.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.ln(x)
-        return y if self.fused_act else activate(y, self.activation)
-
-
-def activate(x: torch.Tensor, activation: str) -> torch.Tensor:
-    if activation == "relu":
-        return F.relu(x)
-    return F.gelu(x, approximate="tanh" if activation == "gelu_tanh" else "none")
+        return self.ln(x)
 
 
 # ----------------------------------------------------------------------------------------------
 # Sublayers
 # ----------------------------------------------------------------------------------------------
-def attend(q, k, v, q_side: Side, k_side: Side, causal: bool, backend: str) -> torch.Tensor:
-    """kernels.attention on (B, H, T, D) tensors (padded) or (total, H, D) tensors (varlen)."""
-    if q.dim() == 3:
-        return attention(q, k, v, causal=causal, cu_seqlens_q=q_side.cu_seqlens, cu_seqlens_k=k_side.cu_seqlens,
-                         max_seqlen_q=q_side.max_len, max_seqlen_k=k_side.max_len, backend=backend,
-                         segment_ids_q=q_side.segment_ids, segment_ids_k=k_side.segment_ids)
-    return attention(q, k, v, causal=causal, q_lengths=q_side.lengths, k_lengths=k_side.lengths, backend=backend)
-
-
 def split_heads(x: torch.Tensor, n: int, heads: int) -> tuple[torch.Tensor, ...]:
     """(B, T, n*H*D) -> n x (B, H, T, D), or (total, n*H*D) -> n x (total, H, D)."""
     if x.dim() == 3:
@@ -162,12 +141,13 @@ class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, causal: bool):
         super().__init__()
         self.heads, self.causal, self.backend = cfg.n_heads, causal, cfg.attn_backend
+        self.attend = attention_for(cfg)
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor, side: Side) -> torch.Tensor:
         q, k, v = split_heads(self.qkv(x), 3, self.heads)  # 3 x (B, H, T, D) or (total, H, D)
-        return self.out(merge_heads(attend(q, k, v, side, side, self.causal, self.backend)))
+        return self.out(merge_heads(self.attend(q, k, v, side, side, self.causal)))
 
     def step(self, x: torch.Tensor, cache: KVCache, plan: StepPlan) -> torch.Tensor:
         """One decoding step: x (B, 1, d_model) at position ``plan.pos``; writes its K/V to the cache."""
@@ -202,7 +182,7 @@ class SelfAttention(nn.Module):
 class CrossAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.heads, self.backend = cfg.n_heads, cfg.attn_backend
+        self.heads, self.attend = cfg.n_heads, attention_for(cfg)
         self.q = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.kv = nn.Linear(cfg.d_model, 2 * cfg.d_model, bias=False)
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
@@ -214,7 +194,7 @@ class CrossAttention(nn.Module):
     def forward(self, x, memory, q_side: Side, k_side: Side, kv=None) -> torch.Tensor:
         (q,) = split_heads(self.q(x), 1, self.heads)  # (B, H, T, D) or (total_tgt, H, D)
         k, v = kv if kv is not None else self.memory_kv(memory)
-        return self.out(merge_heads(attend(q, k, v, q_side, k_side, False, self.backend)))
+        return self.out(merge_heads(self.attend(q, k, v, q_side, k_side, False)))
 
     def live_step(self, x: torch.Tensor, groups: list[tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]],
                   sizes: list[int]) -> torch.Tensor:
@@ -235,14 +215,14 @@ class CrossAttention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.activation = cfg.activation
+        self.activate = activation_for(cfg)
         self.w1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
-        self.act = NormAct(cfg.d_ff, cfg.norm, cfg.activation) if cfg.ffn_norm else None
+        self.act = NormAct(cfg) if cfg.ffn_norm else None
         self.w2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.w1(x)  # (..., d_ff)
-        h = self.act(h) if self.act is not None else activate(h, self.activation)
+        h = self.act(h) if self.act is not None else self.activate(h)
         return self.w2(h)
 
 
@@ -252,9 +232,9 @@ class FeedForward(nn.Module):
 class EncoderBlock(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.norm_attn = ResidualNorm(cfg.d_model, cfg.norm)
+        self.norm_attn = ResidualNorm(cfg)
         self.attn = SelfAttention(cfg, causal=False)
-        self.norm_ffn = ResidualNorm(cfg.d_model, cfg.norm)
+        self.norm_ffn = ResidualNorm(cfg)
         self.ffn = FeedForward(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
@@ -269,11 +249,11 @@ class EncoderBlock(nn.Module):
 class DecoderBlock(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.norm_self = ResidualNorm(cfg.d_model, cfg.norm)
+        self.norm_self = ResidualNorm(cfg)
         self.self_attn = SelfAttention(cfg, causal=True)
-        self.norm_cross = ResidualNorm(cfg.d_model, cfg.norm)
+        self.norm_cross = ResidualNorm(cfg)
         self.cross_attn = CrossAttention(cfg)
-        self.norm_ffn = ResidualNorm(cfg.d_model, cfg.norm)
+        self.norm_ffn = ResidualNorm(cfg)
         self.ffn = FeedForward(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
@@ -308,14 +288,14 @@ class DecoderBlock(nn.Module):
 
 
 class Stack(nn.Module):
-    """Unique blocks, the schedule that applies them, and the stack's final LayerNorm."""
+    """One side's unique blocks (``block(cfg)`` each), the schedule that applies them, and the final norm."""
 
-    def __init__(self, blocks: list[nn.Module], schedule: list[int], d_model: int, norm: str, checkpointing: bool):
+    def __init__(self, cfg: ModelConfig, side: str, block: Callable[[ModelConfig], nn.Module]):
         super().__init__()
-        self.blocks = nn.ModuleList(blocks)
-        self.schedule = list(schedule)  # unique-block index per applied layer
-        self.final_norm = ResidualNorm(d_model, norm)
-        self.checkpointing = checkpointing
+        self.blocks = nn.ModuleList([block(cfg) for _ in range(cfg.unique_blocks(side))])
+        self.schedule = cfg.schedule(side)  # unique-block index per applied layer
+        self.final_norm = ResidualNorm(cfg)
+        self.checkpointing = cfg.checkpointing
 
     def forward(self, h: torch.Tensor, *args) -> torch.Tensor:
         res = None
@@ -327,14 +307,6 @@ class Stack(nn.Module):
                 h, res = block(h, res, *args)
         y, _ = self.final_norm(h, res)
         return y
-
-
-def sinusoids(n: int, dim: int) -> torch.Tensor:
-    """(n, dim) table: [sin(p w_i), cos(p w_i)] interleaved, w_i = 10000^(-2i/dim)."""
-    pos = torch.arange(n, dtype=torch.float32)[:, None]  # (n, 1)
-    freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * (-math.log(10000.0) / dim))  # (dim/2,)
-    angles = pos * freq  # (n, dim/2)
-    return rearrange(torch.stack([angles.sin(), angles.cos()], dim=-1), "n k two -> n (k two)")[:, :dim]
 
 
 class StepPlan(NamedTuple):
@@ -474,17 +446,12 @@ class Transformer(nn.Module):
         else:
             self.tgt_embed = nn.Embedding(V, d)
             self.lm_head = nn.Linear(d, V, bias=False)
-        if cfg.positions == "learned":
-            self.src_pos = nn.Embedding(cfg.max_positions, d)
-            self.tgt_pos = nn.Embedding(cfg.max_positions, d)
-        else:
-            self.register_buffer("pos_table", sinusoids(cfg.max_positions, d), persistent=False)
+        self.src_pos, self.tgt_pos = positions_for(cfg), positions_for(cfg)  # learned: src_pos.weight, tgt_pos.weight
         self.drop = nn.Dropout(cfg.dropout)
         self._token_indices: dict[tuple[int, torch.device], torch.Tensor] = {}  # packed: arange per stream length
-        self.encoder = Stack([EncoderBlock(cfg) for _ in range(cfg.unique_blocks("enc"))], cfg.schedule("enc"),
-                             d, cfg.norm, cfg.checkpointing)
-        self.decoder = Stack([DecoderBlock(cfg) for _ in range(cfg.unique_blocks("dec"))], cfg.schedule("dec"),
-                             d, cfg.norm, cfg.checkpointing)
+        pick(LAYOUTS, "model.layout", cfg.layout)  # an unknown layout fails here, not at the first batch
+        self.encoder = Stack(cfg, "enc", EncoderBlock)
+        self.decoder = Stack(cfg, "dec", DecoderBlock)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -497,18 +464,24 @@ class Transformer(nn.Module):
             nn.init.normal_(emb.weight, std=d**-0.5)
         if self.lm_head is not None:
             nn.init.normal_(self.lm_head.weight, std=d**-0.5)
-        if self.cfg.positions == "learned":
-            nn.init.normal_(self.src_pos.weight, std=0.02)
-            nn.init.normal_(self.tgt_pos.weight, std=0.02)
+        self.src_pos.reset_parameters()  # learned: N(0, 0.02^2); sinusoids: fixed
+        self.tgt_pos.reset_parameters()
 
     # -- pieces ---------------------------------------------------------------------------------
     def _side(self, tokens, lengths, cu_seqlens, max_len) -> Side:
-        if self.cfg.layout == "padded":
-            return Side(lengths, None, None, None)
-        if self.cfg.layout == "packed":  # the batch's segments as they are: no gather, static shapes
-            total = tokens.numel()
-            return Side(lengths, cu_seqlens, max_len, None,
-                        segment_ids(cu_seqlens, total, self._token_index(total, tokens.device)))
+        """The Side of one side of a batch, in the model's layout (``LAYOUTS``)."""
+        return LAYOUTS[self.cfg.layout](self, tokens, lengths, cu_seqlens, max_len)
+
+    def _padded_side(self, tokens, lengths, cu_seqlens, max_len) -> Side:
+        return Side(lengths, None, None, None)
+
+    def _packed_side(self, tokens, lengths, cu_seqlens, max_len) -> Side:
+        """The batch's segments as they are: no gather, static shapes."""
+        total = tokens.numel()
+        return Side(lengths, cu_seqlens, max_len, None, segment_ids(cu_seqlens, total, self._token_index(total, tokens.device)))
+
+    def _varlen_side(self, tokens, lengths, cu_seqlens, max_len) -> Side:
+        """A padded batch's real tokens gathered into one (total,) stream."""
         B, T = tokens.shape
         if cu_seqlens is None:
             cu_seqlens = F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
@@ -528,7 +501,7 @@ class Transformer(nn.Module):
             cached = self._token_indices[key] = torch.arange(total, dtype=torch.int32, device=device)
         return cached
 
-    def _embed(self, tokens, side: Side, table: nn.Embedding, pos_table: nn.Embedding | None,
+    def _embed(self, tokens, side: Side, table: nn.Embedding, pos_table: nn.Module,
                positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) -> (B, T, d_model), or (total, d_model) in the varlen layout; packed:
         tokens and ``positions`` (1, C) -> (C, d_model)."""
@@ -544,7 +517,7 @@ class Transformer(nn.Module):
                 tokens = rearrange(tokens, "b t -> (b t)")[side.index]  # (total,)
                 pos = rearrange(pos, "b t -> (b t)")[side.index]
         x = table(tokens) * self.embed_scale
-        x = x + (pos_table(pos) if pos_table is not None else self.pos_table[pos])
+        x = x + pos_table(pos)
         return self.drop(x)
 
     def output_weight(self) -> torch.Tensor:
@@ -581,8 +554,7 @@ class Transformer(nn.Module):
         """Encoder states (B, S, d_model) (padded), (total_src, d_model) (varlen) or (C_src, d_model)
         (packed), and the src Side."""
         side = self._side(src, src_lengths, cu_seqlens_src, max_src_len)
-        pos = self.src_pos if self.cfg.positions == "learned" else None
-        return self.encoder(self._embed(src, side, self.src_embed, pos, src_pos), side), side
+        return self.encoder(self._embed(src, side, self.src_embed, self.src_pos, src_pos), side), side
 
     # -- training forward ---------------------------------------------------------------------------
     def forward(self, src, tgt_in, src_lengths, tgt_lengths, cu_seqlens_src=None, cu_seqlens_tgt=None,
@@ -607,8 +579,7 @@ class Transformer(nn.Module):
                              f"build the model with layout='packed' for data batching='packed'")
         memory, src_side = self.encode(src, src_lengths, cu_seqlens_src, max_src_len, src_pos)
         tgt_side = self._side(tgt_in, tgt_lengths, cu_seqlens_tgt, max_tgt_len)
-        pos = self.tgt_pos if self.cfg.positions == "learned" else None
-        h = self.decoder(self._embed(tgt_in, tgt_side, self.tgt_embed, pos, tgt_pos), memory, tgt_side, src_side)
+        h = self.decoder(self._embed(tgt_in, tgt_side, self.tgt_embed, self.tgt_pos, tgt_pos), memory, tgt_side, src_side)
         if packed:
             h = rearrange(h, "c d -> 1 c d")  # (1, C_tgt, d)
         elif tgt_side.index is not None:  # re-pad (total_tgt, d) -> (B, T, d), zeros at padded positions
@@ -651,8 +622,7 @@ class Transformer(nn.Module):
         if max_len > self.cfg.max_positions:
             raise ValueError(f"max_len={max_len} > max_positions={self.cfg.max_positions}")
         src_side = Side(src_lengths, None, None, None)
-        pos = self.src_pos if self.cfg.positions == "learned" else None
-        return self.encoder(self._embed(src, src_side, self.src_embed, pos), src_side)
+        return self.encoder(self._embed(src, src_side, self.src_embed, self.src_pos), src_side)
 
     def _cache_dtype(self, memory: torch.Tensor) -> torch.dtype:
         """The dtype the decoder's linears produce (autocast's, when it is on), so cache writes need no cast."""
@@ -689,7 +659,7 @@ class Transformer(nn.Module):
         for s in states:
             if s.t >= s.max_len:
                 raise ValueError(f"live_step: position {s.t} is past the cache (max_len={s.max_len})")
-        table = self.tgt_pos.weight if self.cfg.positions == "learned" else self.pos_table
+        table = self.tgt_pos.weight
         x = self.tgt_embed(tokens).view(n, K, -1) * self.embed_scale  # (n, K, d)
         if len(states) == 1:
             x = x + table[states[0].t]
@@ -726,13 +696,17 @@ class Transformer(nn.Module):
         gather = None if state.rows is None else KVCache.gather_index(state.rows, self.cfg.n_heads, span)
         plan = StepPlan(state.pos, span, k_lengths, gather)
         x = self.tgt_embed(rearrange(tokens, "b -> b 1")) * self.embed_scale  # (B, 1, d)
-        x = x + (self.tgt_pos(state.pos) if self.cfg.positions == "learned" else self.pos_table[state.pos])
+        x = x + self.tgt_pos(state.pos)
         h, res = x, None
         for layer, i in enumerate(self.decoder.schedule):
             h, res = self.decoder.blocks[i].step(h, res, state.caches[layer], state.cross_kv[i], state.src, plan)
         y, _ = self.decoder.final_norm(h, res)
         state.pos.add_(1)
         return rearrange(self._project(y), "b 1 v -> b v")
+
+
+# the layouts (model.layout): how a batch side becomes a Side
+LAYOUTS = {"padded": Transformer._padded_side, "varlen": Transformer._varlen_side, "packed": Transformer._packed_side}
 
 
 def repeat_rows(x: torch.Tensor, n: int) -> torch.Tensor:

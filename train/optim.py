@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from itertools import repeat
 from operator import attrgetter, is_
 
 import torch
 from torch import nn
 
+from models.components import pick
 from train.config import OptimConfig
 
 
@@ -125,16 +127,25 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device
     groups = [g for g in param_groups(model, cfg.weight_decay) if g["params"]]
     flat = FlatParams(groups)
     opt_groups = [{"params": [f], "weight_decay": g["weight_decay"]} for f, g in zip(flat.flat, groups)]
-    if cfg.name == "lion":
-        from kernels.lion import Lion
+    return pick(OPTIMIZERS, "optim.name", cfg.name)(opt_groups, cfg), flat
 
-        opt = Lion(opt_groups, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-    else:
-        # fused: one multi-tensor kernel per step (CUDA and CPU) that reads found_inf on the device.
-        # Adam's weight decay is coupled L2 (the baseline uses none); AdamW's is decoupled.
-        cls = torch.optim.AdamW if cfg.name == "adamw" else torch.optim.Adam
-        opt = cls(opt_groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, fused=True)
-    return opt, flat
+
+def _lion(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
+    from kernels.lion import Lion
+
+    return Lion(groups, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+
+
+def _torch_adam(cls: type[torch.optim.Optimizer]) -> Callable[[list[dict], OptimConfig], torch.optim.Optimizer]:
+    """torch's fused ``cls``: one multi-tensor kernel per step (CUDA and CPU) that reads found_inf on the device."""
+    return lambda groups, cfg: cls(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                                   fused=True)
+
+
+# optim.name -> the optimizer over flat groups. Adam's weight decay is coupled L2 (the baseline uses none); AdamW's
+# is decoupled.
+OPTIMIZERS: dict[str, Callable[[list[dict], OptimConfig], torch.optim.Optimizer]] = {
+    "lion": _lion, "adamw": _torch_adam(torch.optim.AdamW), "adam": _torch_adam(torch.optim.Adam)}
 
 
 def onecycle_pct_start(cfg: OptimConfig, total_steps: int) -> float:
@@ -147,32 +158,46 @@ def onecycle_pct_start(cfg: OptimConfig, total_steps: int) -> float:
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
-    """A per-optimizer-step scheduler, stepped after every optimizer step (skipped steps included: the
-    non-finite guard decides on the device, and a rare skipped step changes the schedule by one step),
-    never past ``total_steps`` (OneCycle extrapolates to a negative lr, then raises). A run of fewer
-    than 3 steps (4 for three-phase OneCycle) gets a constant lr: OneCycle has no room to cycle."""
+    """A per-optimizer-step scheduler (``SCHEDULES[cfg.schedule]``), stepped after every optimizer step (skipped
+    steps included: the non-finite guard decides on the device, and a rare skipped step changes the schedule by one
+    step), never past ``total_steps``. A schedule name without an entry is a ValueError naming the choices."""
     if total_steps < 1:
         raise ValueError(f"total_steps={total_steps} must be >= 1 (no training batches?)")
-    if cfg.schedule == "onecycle" and total_steps < (4 if cfg.three_phase else 3):
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)  # too short to cycle: constant
-    if cfg.schedule == "onecycle":
-        return torch.optim.lr_scheduler.OneCycleLR(
-            optimizer,
-            max_lr=cfg.lr,
-            total_steps=total_steps,
-            pct_start=onecycle_pct_start(cfg, total_steps),
-            anneal_strategy=cfg.anneal,
-            div_factor=cfg.div_factor,
-            final_div_factor=cfg.final_div_factor,
-            three_phase=cfg.three_phase,
-            cycle_momentum=False,  # keep the configured betas fixed
-        )
-    if cfg.schedule == "inverse_sqrt":
-        w = cfg.warmup_steps
+    return pick(SCHEDULES, "optim.schedule", cfg.schedule)(optimizer, cfg, total_steps)
 
-        def inv_sqrt(step: int) -> float:  # step counts completed optimizer steps, 0-based
-            s = step + 1
-            return min(s / w, math.sqrt(w / s))
 
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, inv_sqrt)
+def _constant(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+
+def _onecycle(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
+    """OneCycle (it extrapolates to a negative lr past ``total_steps``, then raises). A run of fewer than 3 steps
+    (4 for three-phase) gets a constant lr: OneCycle has no room to cycle."""
+    if total_steps < (4 if cfg.three_phase else 3):
+        return _constant(optimizer, cfg, total_steps)
+    return torch.optim.lr_scheduler.OneCycleLR(
+        optimizer,
+        max_lr=cfg.lr,
+        total_steps=total_steps,
+        pct_start=onecycle_pct_start(cfg, total_steps),
+        anneal_strategy=cfg.anneal,
+        div_factor=cfg.div_factor,
+        final_div_factor=cfg.final_div_factor,
+        three_phase=cfg.three_phase,
+        cycle_momentum=False,  # keep the configured betas fixed
+    )
+
+
+def _inverse_sqrt(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
+    """Linear warm-up over ``warmup_steps``, then lr * sqrt(warmup / step)."""
+    w = cfg.warmup_steps
+
+    def inv_sqrt(step: int) -> float:  # step counts completed optimizer steps, 0-based
+        s = step + 1
+        return min(s / w, math.sqrt(w / s))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, inv_sqrt)
+
+
+# optim.schedule -> (optimizer, cfg, total_steps) -> the scheduler
+SCHEDULES = {"onecycle": _onecycle, "inverse_sqrt": _inverse_sqrt, "constant": _constant}

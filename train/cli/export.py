@@ -5,6 +5,8 @@ vocabulary, fastmt's SentencePiece model (``spm.model``) and ``fastmt_decoding.j
 settings (beam size, GNMT alpha, the max length rule a * source tokens + b, suppressed ``<pad>``/``<s>``) and the
 ``translate_batch`` options that reproduce them. ``fastmt translate``/``evaluate --ckpt OUT`` decode it with them.
 A ``model.ffn_norm`` model is refused (CTranslate2 has no mid-FFN LayerNorm; train with ``--model.ffn_norm false``).
+Each target states the model option values it represents (train/export/supported.py); any other value, or a model
+field the table does not know, is refused in one line naming it before anything is written.
 
 ``--to hf``: ``config.json`` (Pegasus), ``model.safetensors``, the MarianTokenizer files, ``generation_config.json``
 and, for ``ffn_norm`` models, ``modeling_fastmt.py`` (load with ``trust_remote_code=True``).
@@ -26,6 +28,7 @@ from pathlib import Path
 
 from train.errors import EXIT_OK, UserError
 from train.export.common import EXTRA, LICENSE_DEFAULT, Source, check_out, model_card, write_dir
+from train.export.supported import refuse_unsupported
 
 TARGETS = {"ct2": ("ctranslate2",), "hf": ("transformers", "safetensors")}
 LICENSE_ID = re.compile(r"[a-z0-9][a-z0-9.+-]{0,63}")  # the form of the Hub's license ids
@@ -101,11 +104,11 @@ def run(args, argv: list[str]) -> int:
     check_out(out, args.force, args.ckpt)
     require_extra(args.to)
     src = load_source(args.ckpt)
+    refuse_unsupported(args.to, src.cfg, str(args.ckpt))  # before anything is written
     notes: list[str] = []
     if args.to == "ct2":
         from train.export import ct2
 
-        ct2.refuse_ffn_norm(src)
         notes.append("decode it like fastmt: fastmt translate --ckpt THIS_DIR, fastmt evaluate --ckpt THIS_DIR "
                      "(fastmt_decoding.json holds the settings; CTranslate2's own length penalty is not GNMT's: "
                      "fastmt rescores the n-best with GNMT)")

@@ -59,12 +59,20 @@ def applied_blocks(stack) -> list:
 
 def position_table(model, side: str) -> np.ndarray:
     """(max_positions, d_model) float32: what position p adds on ``side`` ("src"/"tgt"): the learned table, or
-    fastmt's sinusoids (interleaved sin/cos pairs, position 0 first)."""
-    if model.cfg.positions == "learned":
-        table = getattr(model, f"{side}_pos").weight
-    else:
-        table = model.pos_table
-    return table.detach().float().cpu().numpy().copy()
+    fastmt's sinusoids (interleaved sin/cos pairs, position 0 first): the weight of the side's positions module
+    (models.components.positions_for)."""
+    return arr(getattr(model, f"{side}_pos").weight)
+
+
+def layer_norm(norm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gain, bias) of a ``ResidualNorm``/``NormAct`` whose module the norm registry built as a LayerNorm
+    (``models.components.LAYER_NORMS``); any other normalisation is refused, never written as a LayerNorm."""
+    from models.components import LAYER_NORMS
+
+    if not isinstance(norm.ln, LAYER_NORMS):
+        raise UserError(f"export: the model's norm {type(norm.ln).__name__} is not a LayerNorm, which is all the "
+                        f"export targets represent (train/export/supported.py)")
+    return norm.ln.weight, norm.ln.bias
 
 
 def arr(t: torch.Tensor) -> np.ndarray:

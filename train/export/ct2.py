@@ -5,7 +5,8 @@ The spec holds fastmt's model exactly: pre-LN with a final LayerNorm per stack (
 embedding scale, bias-free linears (the spec's biases are omitted), fused QKV (self) and fused KV (cross) in
 fastmt's row order ([q; k; v], heads contiguous), tied or untied embeddings, shared blocks unrolled (``optimize``
 stores identical arrays once), and fastmt's own position table (interleaved sin/cos pairs from position 0, or the
-learned tables). It has no mid-FFN LayerNorm: ``ffn_norm`` models are refused.
+learned tables). It has no mid-FFN LayerNorm: ``ffn_norm`` models are refused (train/export/supported.py: what each
+target represents).
 
 Decoding: CTranslate2's ``translate_batch`` defaults differ from fastmt's (beam 2, length penalty 1, max length
 256, PAD and BOS allowed). Sources are cut as fastmt cuts them: ``max_input_length = max_positions`` keeps the first
@@ -30,6 +31,7 @@ from train.export.common import (
     arr,
     by_length_limit,
     decoding_settings,
+    layer_norm,
     pieces,
     position_table,
     public_config,
@@ -38,20 +40,17 @@ from train.export.common import (
     source_ids,
     write_json,
 )
+from train.export.supported import refuse_unsupported
 
 QUANTIZATIONS = ("int8", "int8_float16", "float16")
+# model.activation -> ctranslate2.specs.common_spec.Activation's member (keys: supported.SUPPORTED["ct2"]["activation"])
+ACTIVATIONS = {"relu": "RELU", "gelu": "GELU", "gelu_tanh": "GELUTanh"}
 EPS = 1e-5  # fastmt's LayerNorm epsilon (kernels.layernorm, nn.LayerNorm's default)
 
 
-def refuse_ffn_norm(src: Source) -> None:
-    if src.cfg.ffn_norm:
-        raise UserError(f"--to ct2: {src.path} has model.ffn_norm=true (a LayerNorm inside each FFN), which "
-                        f"CTranslate2's Transformer has no slot for; train an exportable model with --model.ffn_norm "
-                        f"false (or export it with --to hf, which ships a subclass for it)")
-
-
 def _ln(spec, norm) -> None:
-    spec.gamma, spec.beta = arr(norm.ln.weight), arr(norm.ln.bias)
+    gain, bias = layer_norm(norm)
+    spec.gamma, spec.beta = arr(gain), arr(bias)
 
 
 def _ffn(spec, block) -> None:
@@ -65,8 +64,7 @@ def build_spec(src: Source):
     from ctranslate2.specs import common_spec, transformer_spec
 
     cfg, model = src.cfg, src.model
-    act = {"relu": common_spec.Activation.RELU, "gelu": common_spec.Activation.GELU,
-           "gelu_tanh": common_spec.Activation.GELUTanh}[cfg.activation]
+    act = getattr(common_spec.Activation, ACTIVATIONS[cfg.activation])
     spec = transformer_spec.TransformerSpec.from_config((cfg.enc_layers, cfg.dec_layers), cfg.n_heads,
                                                         pre_norm=True, activation=act)
     enc, dec = spec.encoder, spec.decoder
@@ -101,7 +99,7 @@ def build_spec(src: Source):
 
 def write(src: Source, out: Path, quantization: str | None) -> None:
     """Save the CTranslate2 model of ``src`` into the (empty, temp) folder ``out`` with its decoding settings."""
-    refuse_ffn_norm(src)
+    refuse_unsupported("ct2", src.cfg, str(src.path))
     spec = build_spec(src)
     spec.validate()
     spec.optimize(quantization=quantization)

@@ -31,6 +31,7 @@ from train.export.common import (
     applied_blocks,
     by_length_limit,
     decoding_settings,
+    layer_norm,
     pieces,
     position_table,
     public_config,
@@ -39,7 +40,9 @@ from train.export.common import (
     source_ids,
     write_json,
 )
+from train.export.supported import refuse_unsupported
 
+# model.activation -> transformers' ACT2FN name (keys: supported.SUPPORTED["hf"]["activation"])
 ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
 REMOTE = "modeling_fastmt"  # the remote-code module shipped for ffn_norm models
 REMOTE_CLASS = "FastmtPegasusForConditionalGeneration"
@@ -82,7 +85,8 @@ def state_dict(src: Source) -> dict[str, torch.Tensor]:
     sd: dict[str, torch.Tensor] = {}
 
     def ln(name, norm):
-        sd[f"{name}.weight"], sd[f"{name}.bias"] = _t(norm.ln.weight), _t(norm.ln.bias)
+        gain, bias = layer_norm(norm)
+        sd[f"{name}.weight"], sd[f"{name}.bias"] = _t(gain), _t(bias)
 
     def linear(name, weight):
         sd[f"{name}.weight"], sd[f"{name}.bias"] = _t(weight), _zeros(weight.shape[0])
@@ -131,6 +135,7 @@ def write(src: Source, out: Path) -> None:
     from safetensors.torch import save_file
     from transformers import MarianTokenizer
 
+    refuse_unsupported("hf", src.cfg, str(src.path))
     settings = decoding_settings(src)
     write_json(out / "config.json", hf_config(src))
     save_file(state_dict(src), str(out / "model.safetensors"), metadata={"format": "pt"})
