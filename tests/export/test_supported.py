@@ -108,14 +108,14 @@ def _spec_arrays(ct2, src: Source) -> dict:
 
 
 # ModelConfig as it is once a field is added that the exporters have not classified
-NewField = dataclasses.make_dataclass("NewField", [("norm_kind", str, "rmsnorm")], bases=(ModelConfig,))
+NewField = dataclasses.make_dataclass("NewField", [("qk_norm", bool, True)], bases=(ModelConfig,))
 
 
 @pytest.mark.parametrize("target", sorted(SUPPORTED))
 def test_unclassified_field_and_unsupported_value_refused(target):
     cfg = NewField(vocab_size=48)
-    assert [p[0] for p in unsupported(target, cfg)] == ["norm_kind"]
-    with pytest.raises(UserError, match=rf"--to {target}: C.pt has model\.norm_kind='rmsnorm'.*do not classify"):
+    assert [p[0] for p in unsupported(target, cfg)] == ["qk_norm"]
+    with pytest.raises(UserError, match=rf"--to {target}: C.pt has model\.qk_norm=True.*do not classify"):
         refuse_unsupported(target, cfg, "C.pt")
     bad = ModelConfig(vocab_size=48, pad_id=1)  # both targets name id 0 as <pad>
     with pytest.raises(UserError, match=rf"--to {target}: C.pt has model\.pad_id=1.*supports 0\)"):
