@@ -3,8 +3,8 @@
 The model (models/transformer.py), the exporters (train/export/) and the tests build or look up a component
 only through these:
 
-- ``norm_for(cfg, dim, activation=None)``: the normalisation module (``NORMS[kind][cfg.norm]``; today the one kind
-  ``"layernorm"``, on the fused kernel or PyTorch). Every norm module has the fused kernel's interface,
+- ``norm_for(cfg, dim, activation=None)``: the normalisation module (``NORMS[cfg.norm_kind][cfg.norm]``: ``"layernorm"``
+  on the fused kernel or PyTorch, ``"rmsnorm"`` on PyTorch). Every norm module has the fused kernel's interface,
   ``forward(x, residual=None) -> y`` or ``(y, x + residual)``, applies ``activation`` after the norm (fused into the
   kernel where it can be), and ``plain(s)``: the norm of ``s`` as one PyTorch call (the live decoding step).
 - ``activation_for(cfg)``: the FFN activation, a function of one tensor (``ACTIVATIONS[cfg.activation]``).
@@ -129,15 +129,24 @@ class FusedNorm(FusedLayerNorm):
 
 
 # the normalisations, each with the backends (model.norm) that compute it: a kind a backend lacks is refused
+class TorchRMSNorm(TorchNorm, nn.RMSNorm):
+    """``nn.RMSNorm`` (eps 1e-5, as the LayerNorms) with the fused kernel's interface."""
+
+    def __init__(self, dim: int, activation: str | None = None):
+        super().__init__(dim, activation)
+        self.eps = 1e-5
+
+
 NORMS: dict[str, dict[str, type[nn.Module]]] = {
     "layernorm": {"fused": FusedNorm, "torch": TorchLayerNorm},
+    "rmsnorm": {"torch": TorchRMSNorm},
 }
 LAYER_NORMS = tuple(NORMS["layernorm"].values())  # what an exporter reads as a LayerNorm (weight, bias, eps 1e-5)
 
 
 def norm_kind(cfg) -> str:
-    """The normalisation ``cfg`` names: ``cfg.norm_kind`` once ModelConfig declares it, LayerNorm before."""
-    return getattr(cfg, "norm_kind", "layernorm")
+    """The normalisation ``cfg`` names (``model.norm_kind``)."""
+    return cfg.norm_kind
 
 
 def norm_class(cfg) -> type[nn.Module]:

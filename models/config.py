@@ -31,6 +31,7 @@ Sharing = Literal["none", "all", "cycle", "cycle_rev"]
 Positions = Literal["sinusoidal", "learned"]
 Activation = Literal["relu", "gelu", "gelu_tanh"]
 Norm = Literal["fused", "torch"]
+NormKind = Literal["layernorm", "rmsnorm"]
 Layout = Literal["padded", "varlen", "packed"]
 AttnBackend = Literal[ATTN_BACKENDS]
 SHARING, POSITIONS, ACTIVATIONS = get_args(Sharing), get_args(Positions), get_args(Activation)
@@ -89,6 +90,9 @@ class ModelConfig:
     attn_backend: AttnBackend = declare("auto", SAFE)
     # "fused": kernels.LayerNorm(+residual)(+GELU); "torch": nn.LayerNorm + adds
     norm: Norm = declare("fused", SAFE)
+    # "layernorm" | "rmsnorm" (nn.RMSNorm, eps 1e-5, no bias: model.norm "torch" only, the fused kernel is a LayerNorm;
+    # neither export target represents it)
+    norm_kind: NormKind = declare("layernorm", ARCH)
     # "padded": (B, T, D) with lengths; "varlen": padded batches run as (total, D) with cu_seqlens;
     # "packed": data.batching="packed" streams, (1, C) -> (C, D) with cu_seqlens and positions from the batch
     layout: Layout = declare("padded", refused("it pairs with data.batching, the plan the checkpoint's position "
@@ -112,6 +116,9 @@ class ModelConfig:
             need(v in allowed, f"{name}={v!r} is not one of {allowed}")
         need(isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0,
              f"dropout={self.dropout!r} must be in [0, 1)")
+        need(self.norm_kind == "layernorm" or self.norm == "torch",
+             f"norm_kind={self.norm_kind!r} runs on norm='torch' only (the fused kernel computes a LayerNorm): pass "
+             f"--model.norm torch")
         need(self.d_model % self.n_heads == 0,
              f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; pick n_heads dividing d_model")
         need(not (self.layout == "packed" and self.attn_backend == "sdpa"),

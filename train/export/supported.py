@@ -32,6 +32,7 @@ _BOTH: dict[str, Any] = {
     "positions": {"sinusoidal", "learned"},  # the table itself is exported
     "tie_embeddings": {True, False},
     "activation": {"relu", "gelu", "gelu_tanh"},
+    "norm_kind": {"layernorm"},  # Pegasus and CTranslate2's Transformer have LayerNorms only
     "dropout": TRAINING_ONLY, "attn_backend": TRAINING_ONLY, "norm": TRAINING_ONLY, "layout": TRAINING_ONLY,
     "checkpointing": TRAINING_ONLY,
 }
