@@ -62,8 +62,9 @@ class OptimConfig:
     eps: float = declare(1e-8, REPLAN, Bounds(0, 1, lo_open=True))  # Adam/AdamW epsilon (unused by Lion)
     # decoupled decay on weight matrices only (never biases, norms, embeddings)
     weight_decay: float = declare(1e-2, REPLAN, Bounds(0, None))
-    # learning-rate schedule
-    schedule: Literal["onecycle", "inverse_sqrt", "constant"] = declare("onecycle", REPLAN)
+    # learning-rate schedule; cosine: linear warm-up over warmup_steps (at most the run), then half a cosine that
+    # ends just above 0 at the last step
+    schedule: Literal["onecycle", "inverse_sqrt", "cosine", "constant"] = declare("onecycle", REPLAN)
     # OneCycle: fraction of the steps spent warming up (seeds: ~28 %)
     pct_start: float = declare(0.28, REPLAN, Bounds(0, 1, lo_open=True, hi_open=True))
     # OneCycle: initial lr = lr / div_factor (seeds: 1e-4 -> 1e-6)
@@ -72,7 +73,7 @@ class OptimConfig:
     final_div_factor: float = declare(100.0, REPLAN, Bounds(1, 1e12))
     three_phase: bool = declare(False, REPLAN)  # OneCycle: symmetric warm-up/down then annihilation (S16 used True)
     anneal: Literal["linear", "cos"] = declare("linear", REPLAN)  # OneCycle anneal strategy (seeds: linear)
-    # inverse_sqrt: linear warm-up steps, then lr * sqrt(warmup / step)
+    # inverse_sqrt, cosine: linear warm-up steps (inverse_sqrt: then lr * sqrt(warmup / step))
     warmup_steps: int = declare(4000, REPLAN, Bounds(1, MAX_COUNT))
     # max global grad norm after unscale; None = no clipping
     grad_clip: float | None = declare(1.0, SAFE, Bounds(0, None, lo_open=True))

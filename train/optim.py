@@ -199,5 +199,19 @@ def _inverse_sqrt(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_step
     return torch.optim.lr_scheduler.LambdaLR(optimizer, inv_sqrt)
 
 
+def _cosine(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
+    """Linear warm-up over ``warmup_steps`` (at most ``total_steps``) to lr, then half a cosine over the rest of the
+    plan: step s (0-based) after the warm-up w has lr * (1 + cos(pi * (s + 1 - w) / (total - w + 1))) / 2, so no
+    step, first or last, runs at lr 0."""
+    w = min(cfg.warmup_steps, total_steps)
+
+    def cosine(step: int) -> float:
+        if step < w:
+            return (step + 1) / w
+        return 0.5 * (1.0 + math.cos(math.pi * (step + 1 - w) / (total_steps - w + 1)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, cosine)
+
+
 # optim.schedule -> (optimizer, cfg, total_steps) -> the scheduler
-SCHEDULES = {"onecycle": _onecycle, "inverse_sqrt": _inverse_sqrt, "constant": _constant}
+SCHEDULES = {"onecycle": _onecycle, "inverse_sqrt": _inverse_sqrt, "cosine": _cosine, "constant": _constant}
