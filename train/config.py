@@ -361,11 +361,13 @@ def load_config_file(path: str | Path, base: Config | None = None, log=None) -> 
                    for f in dataclasses.fields(resolved_hints(Config)[s.name])
                    if not isinstance(d.get(s.name), dict) or f.name not in d[s.name]]
         shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
-        if missing and path.name == "config.json" and _in_run_folder(path):
-            if log is not None:
-                from train.runs.resume import missing_default
+        from train.runs.resume import missing_default
 
-                taken = ", ".join(f"{k}={missing_default(k)!r}" for k in missing)
+        defaults = {k: missing_default(k) for k in missing}
+        if missing and dataclasses.MISSING not in defaults.values() and path.name == "config.json" \
+                and _in_run_folder(path):
+            if log is not None:
+                taken = ", ".join(f"{k}={v!r}" for k, v in defaults.items())
                 log(f"{path} was written by an earlier fastmt and lacks {taken}: taken as declared (the defaults, "
                     f"what that fastmt did)")
         elif missing:

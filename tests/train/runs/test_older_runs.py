@@ -102,6 +102,15 @@ def test_an_older_run_continues_from_its_config_json_and_is_fine_tuned(tmp_path,
     mine.write_text((run / "config.json").read_text())
     with pytest.raises(ValueError, match="no value for"):
         load_config_file(mine)
+    # a field with no default (the vocabulary, which the tokenizer sets) cannot be taken as declared: still refused
+    damaged = json.loads((run / "config.json").read_text())
+    del damaged["model"]["vocab_size"]
+    (run / "config.json").write_text(json.dumps(damaged))
+    with pytest.raises(ValueError, match=r"no value for .*model\.vocab_size"):
+        load_config_file(run / "config.json")
+    _as_older_fastmt(run)  # back as the older fastmt wrote it
+    damaged["model"]["vocab_size"] = tr.cfg.model.vocab_size
+    (run / "config.json").write_text(json.dumps(damaged))
 
     # the run's own values where the file has them (the test's tiny settings), the run longer
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, epochs=2),
