@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal, get_args
 
-from train.declare import (
+from data.declare import (
     EPOCH,
     MAX_BATCH_TOKENS,
     MAX_BUILD_WORKERS,

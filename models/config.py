@@ -12,8 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from kernels import ATTN_BACKENDS, ATTN_HEAD_DIMS  # what kernels.attention accepts (kernels/__init__.py)
-from train.declare import (
+from data.declare import (
     ARCH,
     DERIVED,
     MAX_FF,
@@ -26,6 +25,7 @@ from train.declare import (
     declare,
     refused,
 )
+from kernels import ATTN_BACKENDS, ATTN_HEAD_DIMS  # what kernels.attention accepts (kernels/__init__.py)
 
 Sharing = Literal["none", "all", "cycle", "cycle_rev"]
 Positions = Literal["sinusoidal", "learned"]

@@ -235,7 +235,7 @@ def clone_as(model: Transformer, **kw) -> Transformer:
 
 def _fields(cfg: ModelConfig) -> dict:
     """Every field of ``cfg`` but those set from the tokenizer (their declarations say which)."""
-    from train.declare import declaration
+    from data.declare import declaration
 
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if declaration(f).resume.kind != "derived"}
 

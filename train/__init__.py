@@ -2,7 +2,7 @@
 
 Three wings, each file one job and the path telling which (docs/ARCHITECTURE.md):
 
-- the engine, here at the top level: ``config`` (+ ``overrides``, ``fields``: each field's type, choices and help),
+- the engine, here at the top level: ``config`` (+ ``overrides``, ``fields``: each field's type, choices and help, ``bounds``),
   ``loop`` (``Trainer``), ``step``, ``optim``, ``loss``, ``compile``, ``distributed``, ``epoch_end``, ``objective``,
   ``preflight``, ``errors``, and ``evaluation/`` (the library: decoding, BLEU/chrF scoring, loading a checkpoint);
 - ``train.runs``: a run folder from claim to prune (folder, lock, plan, start, resume, checkpoint, metrics, report,

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from data import DataConfig
-from models import ModelConfig, get_preset
-from train.declare import (
+from data.declare import (
     MAX_BEAM,
     MAX_COUNT,
     MAX_DECODE_BATCH,
@@ -39,6 +39,7 @@ from train.declare import (
     declare,
     refused,
 )
+from models import ModelConfig, get_preset
 from train.overrides import apply_overrides, build_dataclass, require_finite, resolved_hints
 from train.runs.folder import validate_run_name
 
@@ -233,12 +234,12 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)  # validation, BLEU thresholds, early stop, test
 
     def __post_init__(self):
-        from train.fields import INF_OK, check_bounds
+        from train.fields import check_bounds, inf_ok
 
         # the data and model sections validate themselves; non-finite floats are refused here for them
-        require_finite(self.data, "data", INF_OK)
-        require_finite(self.model, "model", INF_OK)
-        check_bounds(self)  # every field's bounds (train/fields.py BOUNDS), whatever the source of its value
+        require_finite(self.data, "data", inf_ok(type(self)))
+        require_finite(self.model, "model", inf_ok(type(self)))
+        check_bounds(self)  # every field's declared bounds (data/declare.py), whatever the source of its value
         check_consistency(self)
         # activation checkpointing recomputes a block's forward inside the backward; under torch's CUDA-graph
         # trees that replay sees tensors die that the recording kept (pytorch#154306, open in 2.11-2.13): the
@@ -361,9 +362,9 @@ def load_config_file(path: str | Path, base: Config | None = None, log=None) -> 
                    for f in dataclasses.fields(resolved_hints(Config)[s.name])
                    if not isinstance(d.get(s.name), dict) or f.name not in d[s.name]]
         shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
-        from train.runs.resume import missing_default
+        from train.fields import missing_default
 
-        defaults = {k: missing_default(k) for k in missing}
+        defaults = {k: missing_default(Config, k) for k in missing}
         if missing and dataclasses.MISSING not in defaults.values() and path.name == "config.json" \
                 and _in_run_folder(path):
             if log is not None:
@@ -377,13 +378,10 @@ def load_config_file(path: str | Path, base: Config | None = None, log=None) -> 
 
 
 def _in_run_folder(path: Path) -> bool:
-    """``path`` is the ``config.json`` of a folder fastmt made (a run marker, or an earlier fastmt's run files)."""
-    from train.runs.folder import RunFolderError, folder_state
-
-    try:
-        return folder_state(path.parent) == "run"
-    except (RunFolderError, OSError):
-        return False
+    """``path`` is the ``config.json`` of a folder that looks like a fastmt run: a run marker, metrics or checkpoints
+    beside it (judged by name only: whether the folder is a run fastmt may write, and whether its marker is sound, is
+    decided later, by the run folder's own checks; a missing field only takes its declared default here)."""
+    return any(os.path.lexists(path.parent / name) for name in ("run.json", "metrics.jsonl", "checkpoints"))
 
 
 # torch.compile modes that replay compiled regions as CUDA graphs (torch._inductor.list_mode_options(mode) sets
@@ -496,3 +494,4 @@ def get_config(preset: str) -> Config:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     return PRESETS[preset]()
+

@@ -15,7 +15,6 @@ import difflib
 import functools
 import inspect
 import io
-import os
 import textwrap
 import tokenize
 import types
@@ -23,63 +22,52 @@ import typing
 from collections.abc import Iterable
 from typing import Any, Literal
 
-from train.declare import MAX_HYPOTHESES, Bounds, Declaration, Resume, declaration
+from data.declare import MAX_HYPOTHESES, Bounds, Declaration, Resume, declaration, default_of
 
 
 # ---------------------------------------------------------------------------------------------
-# Bounds: every numeric field's range, declared with the field (train/declare.py) and applied to every source of a
+# Bounds: every numeric field's range, declared with the field (data/declare.py) and applied to every source of a
 # value (the command line, --config, a run's config.json, a checkpoint, an export folder's records): `check_bounds`
 # on a Config (Config.__post_init__ calls it), `bounded` on one value read from a file.
 # ---------------------------------------------------------------------------------------------
 @functools.cache
-def _declared() -> dict[str, Declaration]:
-    """``{"section.field": Declaration}`` of every field of ``train.config.Config`` (imported when first asked:
-    train.config imports this module)."""
-    from train.config import Config
-
+def _declared(cfg_cls: type) -> dict[str, Declaration]:
+    """``{"section.field": Declaration}`` of every field of ``cfg_cls`` (``Config``): each must be declared."""
     out = {}
-    for section, cls in sections(Config):
+    for section, cls in sections(cfg_cls):
         for f in dataclasses.fields(cls):
             d = declaration(f)
             if d is None:
                 raise TypeError(f"{section}.{f.name} ({cls.__name__}) is not declared: write it with "
-                                f"train.declare.declare(default, resume class, bounds) (docs/ARCHITECTURE.md)")
+                                f"data.declare.declare(default, resume class, bounds) (docs/ARCHITECTURE.md)")
             out[f"{section}.{f.name}"] = d
     return out
 
 
-@functools.cache
-def bounds_table() -> dict[str, Bounds]:
-    """``{"section.field": Bounds}`` of every field declared with bounds."""
-    return {k: d.bounds for k, d in _declared().items() if d.bounds is not None}
+def inf_ok(cfg_cls: type) -> dict[str, str]:
+    """Float fields of ``cfg_cls`` where an infinite value has a meaning (the others refuse inf as NaN): ``{key:
+    meaning}``."""
+    return {k: d.bounds.inf_ok for k, d in _declared(cfg_cls).items() if d.bounds is not None and d.bounds.inf_ok}
 
 
-@functools.cache
-def inf_ok() -> dict[str, str]:
-    """Float fields where an infinite value has a meaning (the others refuse inf as well as NaN): ``{key: meaning}``."""
-    return {k: b.inf_ok for k, b in bounds_table().items() if b.inf_ok}
-
-
-def __getattr__(name: str) -> Any:  # BOUNDS and INF_OK read as the tables they always were, derived when first read
-    if name == "BOUNDS":
-        return bounds_table()
-    if name == "INF_OK":
-        return inf_ok()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def missing_default(cfg_cls: type, name: str) -> Any:
+    """What field ``name`` (``section.field``) of ``cfg_cls`` held in a run written before it existed: its declared
+    default (the behaviour of the code before the field was added); ``dataclasses.MISSING`` for one with no default."""
+    section, _, key = name.partition(".")
+    return default_of({f.name: f for f in dataclasses.fields(dict(sections(cfg_cls))[section])}[key])
 
 
 def _numbers(value: Any) -> list[Any]:
     return list(value) if isinstance(value, (tuple, list)) else [value]
 
 
-def bounds_problem(key: str, value: Any) -> str | None:
-    """Why ``value`` is outside ``key``'s `BOUNDS` (None: within, or no bounds, or None / not a number: the type
-    check says that)."""
-    b = bounds_table().get(key)
+def bounds_problem(key: str, value: Any, b: Bounds | None) -> str | None:
+    """Why ``value`` of field ``key`` is outside its bounds ``b`` (None: within, or no bounds, or None / not a number:
+    the type check says that)."""
     if b is None:
         return None
     for v in _numbers(value):
-        if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf")) and not (key in inf_ok() and v > 0)):
+        if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf")) and not (b.inf_ok and v > 0)):
             return f"{key}={_cut(value)} must be a finite number"  # (NaN compares false with every bound)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             why = b.problem(v)
@@ -98,7 +86,7 @@ def check_bounds(cfg, where: str = "") -> None:
     its field's bounds, or more hypotheses decoded at once than `MAX_HYPOTHESES`."""
     at = f"{where}: " if where else ""
     for info in field_infos(type(cfg)).values():
-        problem = bounds_problem(info.key, getattr(getattr(cfg, info.section), info.name))
+        problem = bounds_problem(info.key, getattr(getattr(cfg, info.section), info.name), info.bounds)
         if problem:
             raise ValueError(f"{at}{problem}")
     ev = cfg.eval
@@ -113,31 +101,6 @@ def hypotheses_problem(beam: Any, batch: Any, beam_name: str, batch_name: str) -
         return (f"{beam_name}={beam} x {batch_name}={batch} = {beam * batch:,} hypotheses decoded at once, at most "
                 f"{MAX_HYPOTHESES:,} (their logits are allocated together): lower one of them")
     return None
-
-
-def bounded(key: str, value: Any, where: str, tp: Any = None) -> Any:
-    """``value`` of field ``key`` read from a file (a checkpoint's config, an export's record), if it has type ``tp``
-    (the field's annotation; None: not checked) and lies within the field's bounds; else ``ValueError`` naming
-    ``where``, the field and the value."""
-    if tp is not None:
-        problem = type_problem(value, tp)
-        if problem:
-            raise ValueError(f"{where}: {key}={_cut(value)} {problem}")
-    problem = bounds_problem(key, value)
-    if problem:
-        raise ValueError(f"{where}: {problem}")
-    return value
-
-
-def check_section(cls: type, section: str, values: Any, where: str) -> None:
-    """`bounded` for every field of dataclass ``cls`` that ``values`` (one section read from a file, a dict) holds,
-    typed by its annotation; unknown keys are left to the dataclass."""
-    if not isinstance(values, dict):
-        raise ValueError(f"{where}: {section} is a {type(values).__name__}, not an object of fields")
-    hints = typing.get_type_hints(cls)
-    for name, value in values.items():
-        if name in hints:
-            bounded(f"{section}.{name}", value, where, hints[name])
 
 
 def type_name(tp: Any) -> str:
@@ -188,19 +151,6 @@ def type_problem(value: Any, tp: Any) -> str | None:
     return f"is not {article(type_name(tp))}"
 
 
-def machine_capped(key: str, value: int | None, log=None) -> int | None:
-    """``value`` of a resource field capped by this machine (`Bounds.machine`: ``"cores"`` = the cores this process
-    may use); said in one line to ``log`` when it was lowered."""
-    b = bounds_table().get(key)
-    if value is None or b is None or b.machine != "cores":
-        return value
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if value > cores:
-        if log is not None:
-            log(f"note: {key}={value} is more than the {cores} cores this process may use: {cores} used")
-        return cores
-    return value
-
 SECTION_HELP = {
     "data": "corpus, cleaning, split, tokenizer, batching (data/config.py)",
     "model": "architecture and kernel switches (models/config.py)",
@@ -217,7 +167,7 @@ class FieldInfo:
     help: str  # the field's comment in its dataclass
     choices: tuple[Any, ...] | None  # closed set of values, or None
     bounds: Bounds | None = None  # the numeric range (`BOUNDS`), or None
-    resume: Resume | None = None  # whether a resume may change it (train/declare.py)
+    resume: Resume | None = None  # whether a resume may change it (data/declare.py)
     was: tuple[Any, ...] = ()  # (the default before it changed,) or ()
 
     @property
@@ -317,7 +267,7 @@ def field_infos(cfg_cls: type) -> dict[str, FieldInfo]:
             key = f"{section}.{f.name}"
             tp = hints[f.name]
             literal = _literal_args(tp)
-            d = _declared()[key]
+            d = _declared(cfg_cls)[key]
             out[key] = FieldInfo(key, tp, docs.get(f.name, ""), literal, d.bounds, d.resume, d.was)
     return out
 

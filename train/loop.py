@@ -33,12 +33,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from train.bounds import machine_capped
 from train.compile import compile_for_training, compiles, configure_caches
 from train.config import Config, check_consistency
 from train.distributed import DistInfo, all_reduce_max, barrier, init_distributed
 from train.epoch_end import EpochEnd, NonFiniteLossError
 from train.errors import UserError
-from train.fields import machine_capped
 from train.loss import SummedCrossEntropy
 from train.objective import BleuClock, WallSplit, process_seconds
 from train.optim import build_optimizer, build_scheduler

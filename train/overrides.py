@@ -4,7 +4,7 @@
 annotation (int, float, bool, str, Literal, Optional, tuple), refuses unknown names with the closest valid
 ones ("did you mean"), and rebuilds each section with ``dataclasses.replace`` so ``__post_init__``
 validation runs again. ``build_dataclass`` does the same for values read from JSON (``--config`` files,
-checkpoints). Float values must be finite (NaN never makes sense; inf only where ``fields.INF_OK`` says).
+checkpoints). Float values must be finite (NaN never makes sense; inf only where a field's bounds say (``Bounds.inf_ok``)).
 
 Path lists (``data.data_files``, a ``tuple[str, ...]``) are never split on spaces or commas: each
 occurrence of the flag is one path (``--data.data_files a.jsonl --data.data_files "b c.jsonl"``), or the
@@ -197,7 +197,7 @@ def apply_overrides(cfg, overrides: Mapping[str, str | Sequence[str]]):
 
     A value is the flag's text; a list of texts is the flag given several times, which only path lists
     (``tuple[str, ...]`` fields) accept: one path per occurrence."""
-    from train.fields import INF_OK, did_you_mean, field_infos
+    from train.fields import did_you_mean, field_infos
 
     infos = field_infos(type(cfg))
     per_section: dict[str, dict[str, Any]] = {}
@@ -217,7 +217,7 @@ def apply_overrides(cfg, overrides: Mapping[str, str | Sequence[str]]):
         texts = [text] if isinstance(text, str) else list(text)
         if len(texts) > 1 and not _is_str_tuple(info.type):
             raise ValueError(f"--{key} given {len(texts)} times ({', '.join(map(repr, texts))}): give it once")
-        parsed = [parse_value(t, info.type, f"--{key}", choices=info.choices, inf_ok=key in INF_OK) for t in texts]
+        parsed = [parse_value(t, info.type, f"--{key}", choices=info.choices, inf_ok=bool(info.bounds and info.bounds.inf_ok)) for t in texts]
         value = tuple(p for v in parsed for p in v) if _is_str_tuple(info.type) else parsed[0]
         per_section.setdefault(info.section, {})[info.name] = value
     new = {}

@@ -1,5 +1,5 @@
 """One set of bounds (issue 35): every numeric config field carries its range in the field schema
-(declared with each field, ``train/declare.py``; ``train/fields.py`` ``BOUNDS`` derived) and it applies to every source of a value: the command line, ``--config``, a run
+(declared with each field, ``data/declare.py``; ``train/bounds.py`` ``BOUNDS`` derived) and it applies to every source of a value: the command line, ``--config``, a run
 folder's ``config.json``, a checkpoint, an export folder's records. Resource fields are capped by the machine, and a
 model is built on the meta device, its size checked, before training allocates it as before inference.
 
@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from data import declare
 from tests.security.conftest import capped, forged_checkpoint, legacy_run, one_error_line
-from train import declare, fields
+from train import bounds, fields
 from train.config import Config, get_config, load_config_file
 
 
@@ -24,7 +25,7 @@ def test_every_numeric_field_declares_its_bounds():
     INFOS = fields.field_infos(Config)
     numeric = [k for k, i in INFOS.items() if any(t in i.type_text() for t in ("int", "float"))]
     assert numeric and all(INFOS[k].bounds is not None for k in numeric), [k for k in numeric if not INFOS[k].bounds]
-    assert set(fields.BOUNDS) <= set(INFOS)  # no bound for a field that does not exist
+    assert set(bounds.BOUNDS) <= set(INFOS)  # no bound for a field that does not exist
 
 
 # ----------------------------------------------------------------------------------------------

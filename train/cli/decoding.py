@@ -55,15 +55,16 @@ def _parse(flag: str, value: str, kind: type):
 def resolve_decoding(args: argparse.Namespace, config: dict[str, Any]) -> tuple[Decoding, list[str]]:
     """The ``Decoding`` of parsed flags over the checkpoint's ``config`` dict, and the flags that were given.
     Bad values raise ``UserError`` naming the flag and the value."""
+    from train.bounds import BOUNDS, bounded
     from train.export.engine import check_engine
-    from train.fields import BOUNDS, bounded, hypotheses_problem
+    from train.fields import hypotheses_problem
 
     check_engine(args, config)
     values, given = {}, []
     for flag, (name, (section, key), kind, _, _) in _OPTIONS.items():
         raw = getattr(args, name)
         field = f"{section}.{key}"
-        if raw is None:  # the checkpoint's value: typed and bounded as the field is (train/fields.py BOUNDS)
+        if raw is None:  # the checkpoint's value: typed and bounded as the field is (train/bounds.py BOUNDS)
             part = config.get(section) or {}
             value = part.get(key, DECODING_DEFAULTS[name]) if isinstance(part, dict) else part
             try:

@@ -280,7 +280,7 @@ def format_fields(cfg, only: Sequence[str] = (), preset: str | None = None) -> s
 
 
 def _resume_text(resume) -> str:
-    """A field's resume class (train/declare.py) as ``--help-fields`` says it."""
+    """A field's resume class (data/declare.py) as ``--help-fields`` says it."""
     if resume.kind == "safe":
         return "may change" + (f" (not to or from {', '.join(map(str, resume.refuse_values))})"
                                if resume.refuse_values else "")

@@ -52,8 +52,8 @@ def configure_cpu(device: torch.device, config: dict[str, Any], where: str = "th
     if device.type != "cpu":
         return
     from train import flush_denormals
+    from train.bounds import bounded, machine_capped
     from train.errors import UserError
-    from train.fields import bounded, machine_capped
 
     flush_denormals()
     try:  # a value from a file: typed and bounded as the field is, then capped by this machine's cores

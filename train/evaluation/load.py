@@ -67,8 +67,8 @@ def check_model_config(cfg, state: dict[str, Any], path) -> int:
 
 def _meta_model(cfg, where):
     """``Transformer(cfg)`` on the meta device (shapes, no memory), its layer counts bounded first."""
+    from data.declare import MAX_LAYERS
     from models import Transformer
-    from train.declare import MAX_LAYERS
 
     layers = max(n for n in (cfg.enc_layers, cfg.dec_layers, cfg.enc_unique, cfg.dec_unique) if n is not None)
     if layers > MAX_LAYERS:
@@ -110,8 +110,8 @@ def load_for_inference(ckpt_path: str | Path, device: str | torch.device = "cpu"
     (missing, unreadable, without a tokenizer, asking for code, a config that disagrees with its tensors)
     raises ``UserError`` naming it, before the model is allocated."""
     from models import ModelConfig, Transformer
+    from train.bounds import check_section
     from train.export.engine import is_ct2_dir, load_ct2
-    from train.fields import check_section
     from train.preflight import tokenizer_of
     from train.runs.checkpoint import load_checkpoint
 

@@ -353,7 +353,7 @@ def read_export_records(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     a regular file (the libraries that read model.bin and the vocabularies open them by name: a FIFO there would
     hang them); ``max_positions`` bounded as the model field is. A refusal is one line (``UserError``)."""
     from data.files import CHECKPOINT_MAX, read_json
-    from train.fields import bounded
+    from train.bounds import bounded
 
     path = Path(path)
     try:

@@ -76,9 +76,9 @@ def load_ct2(path, device):
         raise UserError(f"{path} is a CTranslate2 model: decoding it needs ctranslate2, which does not import here "
                         f"({e}): {EXTRA}") from None
     from data.files import read_json
+    from train.bounds import bounded, machine_capped
     from train.export.common import CONFIG_FILE
     from train.export.ct2 import CT2Translator
-    from train.fields import bounded, machine_capped
 
     # the run's run.cpu_threads, as train.evaluation.decode.configure_cpu sets them for fastmt's own decoding: read
     # through the one reader, typed and bounded as the field is, capped by this machine's cores; without one,

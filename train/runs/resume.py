@@ -2,7 +2,7 @@
 for real or refused.
 
 Each field declares its class beside its type (``declare(default, SAFE | REPLAN | EPOCH | DERIVED | refused(why))``,
-train/declare.py); ``classify`` reads it:
+data/declare.py); ``classify`` reads it:
 
 - **safe**: evaluation, logging, patience, wall limits, compilation, workers, ... — applied from the next
   step or evaluation on, and listed in the log and the ``resume`` record of ``metrics.jsonl``;
@@ -24,7 +24,6 @@ is compared as that value, said in one line and recorded (``ConfigChanges.defaul
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import warnings
 from dataclasses import dataclass, field
@@ -52,22 +51,11 @@ def _info(name: str):
 
 def classify(name: str, old: Any, new: Any, *, epoch_boundary: bool) -> str:
     """"safe", "replan" or "refuse" for a change of field ``name`` (``section.field``) from ``old`` to ``new``: its
-    declared resume class (train/declare.py). A name no field has is refused."""
+    declared resume class (data/declare.py). A name no field has is refused."""
     info = _info(name)
     if info is None or info.resume is None:
         return "refuse"
     return info.resume.classify(old, new, epoch_boundary=epoch_boundary)
-
-
-def missing_default(name: str) -> Any:
-    """What a field a checkpoint's config lacks (written by a fastmt before the field existed) held: its declared
-    default, the behaviour of the code before the field was added."""
-    from train.config import Config
-    from train.declare import default_of
-    from train.fields import sections
-
-    section, _, key = name.partition(".")
-    return default_of({f.name: f for f in dataclasses.fields(dict(sections(Config))[section])}[key])
 
 
 @dataclass
@@ -108,7 +96,10 @@ def compare_configs(saved: dict[str, Any], now: dict[str, Any], *, epoch_boundar
             if key in old_section:
                 old = old_section[key]
             else:
-                old = changes.defaulted[name] = json.loads(json.dumps(missing_default(name), default=str))
+                from train.config import Config
+                from train.fields import missing_default
+
+                old = changes.defaulted[name] = json.loads(json.dumps(missing_default(Config, name), default=str))
             if _same(old, new):
                 continue
             kind = classify(name, old, new, epoch_boundary=epoch_boundary)

@@ -85,8 +85,8 @@ def keep_changed_defaults(cfg: Config, saved: dict[str, Any], log) -> Config:
     ``model.ffn_norm`` was on by default) when the checkpoint holds the old default and ``cfg`` the new one: a run
     trained before the change resumes, or is fine-tuned, with the architecture its weights have (its config.json
     says so; a command that leaves the field alone gets it too)."""
+    from data.declare import declaration
     from models.config import ModelConfig
-    from train.declare import declaration
 
     fields = dataclasses.fields(ModelConfig)
     defaults = {f.name: f.default for f in fields}

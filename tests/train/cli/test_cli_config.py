@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from train.bounds import INF_OK
 from train.cli.flags import resolve_config
 from train.config import PRESETS, Config, get_config, load_config_file
-from train.fields import INF_OK, field_infos, is_float_type
+from train.fields import field_infos, is_float_type
 
 REPO = Path(__file__).resolve().parents[3]
 FLOAT_FIELDS = sorted(k for k, i in field_infos(Config).items() if is_float_type(i.type))

@@ -11,9 +11,9 @@ import json
 import pytest
 import torch
 
+from data.declare import declaration, default_of
 from tests.utils import records, tiny_config, tiny_trainer
 from train.config import Config, get_config, load_config_file
-from train.declare import declaration, default_of
 from train.fields import field_infos, sections
 from train.loop import Trainer
 from train.runs.checkpoint import step_checkpoints
@@ -47,7 +47,7 @@ def test_every_field_is_declared_with_a_resume_class():
     for section, cls in sections(Config):
         for f in dataclasses.fields(cls):
             d = declaration(f)
-            assert d is not None, f"{section}.{f.name} is not declared (train/declare.py)"
+            assert d is not None, f"{section}.{f.name} is not declared (data/declare.py)"
             assert d.resume.kind in ("safe", "replan", "epoch", "derived", "refuse"), (section, f.name)
             if d.resume.kind == "refuse":
                 assert d.resume.why, f"{section}.{f.name}: a refused field says why"

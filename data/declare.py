@@ -19,7 +19,8 @@ Every field of the config dataclasses (``data/config.py``, ``models/config.py``,
 and the tests read these declarations; nothing else lists fields. A field a run's records lack (written by an
 older fastmt) takes its declared default when the run is continued, so adding a field never strands a run.
 
-Stdlib only: the data and model configs import it without importing the training engine.
+Stdlib only, and in ``data/``: the lowest package the three config modules share (``models/`` and ``data/`` import
+nothing from ``train/``, tests/test_imports.py).
 """
 
 from __future__ import annotations
