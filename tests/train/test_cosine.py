@@ -51,6 +51,7 @@ def test_a_resume_that_replans_the_cosine_continues_on_its_curve():
     sched = replan_scheduler(opt, cfg, 40, 17)  # a resume at step 17 of the same plan
     got = [opt.param_groups[0]["lr"]]
     for _ in range(40 - 17 - 1):
+        opt.step()
         sched.step()
         got.append(opt.param_groups[0]["lr"])
     assert got == pytest.approx(whole[17:], rel=1e-12)
