@@ -1,4 +1,5 @@
-"""What every config field is: its type, choices, default and one-line help, read from the config classes.
+"""What every config field is: its type, choices, default, bounds, resume class and one-line help, read from the
+config classes (each field is declared once, ``data/declare.py``).
 
 The help text is each field's own comment in its dataclass (``data/config.py``, ``models/config.py``,
 ``train/config.py``): the trailing comment on the field's line(s), else the comment lines right above it.
