@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     log = (lambda *x: print(*x, file=sys.stderr)) if args.json else print
     log(f"{parser.prog}: the data of {f'preset {args.preset!r}' if args.preset else args.config} as training "
         f"reads it (batching {cfg.data.batching}, max_len {cfg.data.max_len}, max_tokens {cfg.data.max_tokens})")
-    from train.errors import UserError
+    from train.errors import EXIT_ABORTED, UserError
 
     try:
         cfg, tokenizer = continued_data(cfg, args, log)
@@ -46,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     except (DataInputError, FileNotFoundError, HubUnavailableError, UserError) as e:  # the message, no traceback
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C during a cold build: its temp entry is already removed, nothing else written
+        print(f"{parser.prog}: interrupted (Ctrl-C): stopped at once; an unfinished data build left nothing in the "
+              f"cache", file=sys.stderr)
+        return EXIT_ABORTED
     s = collect(bundle, args.epoch)
     print(json.dumps(s) if args.json else format_table(s))
     return 0

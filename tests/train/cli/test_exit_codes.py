@@ -81,3 +81,18 @@ def test_ctrl_c_in_translate_exits_130_after_the_lines_it_translated(finished_ru
             proc.wait()
     assert proc.returncode == EXIT_ABORTED, err[-2000:]
     assert first.endswith("\n") and "Traceback" not in err
+
+
+def test_ctrl_c_during_a_stats_data_build_exits_130_in_one_line(tmp_path, monkeypatch, capsys):
+    """``fastmt stats`` interrupted while it builds the data (the build itself removes its temp entry): the exit code
+    of a Ctrl-C in a reading command, one line, no traceback."""
+    import data
+    from train.cli.stats import main as stats_main
+
+    def interrupted_build(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(data, "build_data", interrupted_build)
+    rc = stats_main(["--preset", "tiny", "--data.dataset", "toy", "--data.cache_dir", str(tmp_path / "cache")])
+    err = capsys.readouterr().err
+    assert rc == EXIT_ABORTED and "interrupted (Ctrl-C)" in err and "Traceback" not in err
