@@ -153,8 +153,8 @@ def _layer_norm_fwd_kernel(
         tl.store(S_ptr + rows64[:, None] * stride_s_row + cols[None, :], s, mask=mask)
         x = s.to(tl.float32)  # normalise exactly the s the backward will read
 
-    # IEEE division (div_rn): Triton's fp32 `/` is the GPU's approximate div.full.f32 (2 ulp), which made
-    # the mean of a one-column row differ from x (H200, 2026-11-27) and rstd = 1/sqrt(eps) amplified it in dx
+    # IEEE division (div_rn): Triton's fp32 `/` is the GPU's approximate div.full.f32 (2 ulp). Tried against the
+    # one-column dx error seen on the H200 (2026-11-27), which persists with it: open (bench/results/*layernorm-n1)
     mean = tl.math.div_rn(tl.sum(x, axis=1), N * 1.0)  # (ROWS,) fp32
     xc = tl.where(mask, x - mean[:, None], 0.0)
     var = tl.math.div_rn(tl.sum(xc * xc, axis=1), N * 1.0)  # two-pass variance: the row is in registers anyway

@@ -119,8 +119,8 @@ def check_tile(f):
     assert f["st_v4"] > 0, (tile, f["st"])
     assert 0 <= f["shared"] <= H100_MAX_SHARED, (tile, f["shared"])
     # Row means (mean, var; the backward's mean(g), mean(g x_hat)) divide by N with IEEE division: Triton's
-    # fp32 `/` is div.full.f32 on the GPU (2 ulp), which made x - mean nonzero for one-column rows and
-    # rstd = 1/sqrt(eps) blew it up in dx (H200, 2026-11-27; the interpreter divides exactly and never saw it).
+    # fp32 `/` is div.full.f32 on the GPU (2 ulp). (It was suspected of the one-column dx error on the H200,
+    # 2026-11-27; the error persists with div_rn, so the cause is elsewhere and still open.)
     # The only approximate division left is the forward's rstd = 1 / sqrt(var + eps).
     assert f["div_rn"] > 0, (tile, f["div_rn"])
     if f["which"] == "bwd":
