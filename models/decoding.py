@@ -47,6 +47,7 @@ torch.compile'd regions (``run.compile_scope="blocks"``) forced eager: it never 
 
 from __future__ import annotations
 
+import array
 import collections
 import functools
 import math
@@ -125,13 +126,17 @@ class Decoder:
     ``check_every``: steps between "all done?" reads (None: 4 on CUDA, 1 on the CPU). ``spans``:
     "exact" | "pow2" | "full" (None: "pow2" with ``cuda_graph``, else "exact"). ``cuda_graph``:
     replay each step from a CUDA graph (CUDA tensors; a capture that fails twice falls back to eager
-    decoding with a warning, counted in ``stats`` and kept in ``fallback_reason``). The model is held by a
+    decoding with a warning, counted in ``stats`` and kept in ``fallback_reason``). ``host_search`` ("exact"
+    only; None: on for CPU tensors): the search runs on the host between the eager steps (``_HostStream``), the
+    same rule in Python floats, every sentence leaving at the step it is done (``check_every`` has no use there:
+    reading a CPU tensor waits for nothing); off, it is tensor work (``_LiveStream``). The model is held by a
     weak reference.
     """
 
     def __init__(self, model: Transformer, *, bos_id: int, eos_id: int, pad_id: int, beam_size: int | None = 4,
                  length_penalty: float = 0.6, max_len_ratio: float = 1.5, max_len_extra: int = 10,
-                 check_every: int | None = None, spans: str | None = None, cuda_graph: bool = False):
+                 check_every: int | None = None, spans: str | None = None, cuda_graph: bool = False,
+                 host_search: bool | None = None):
         if beam_size is not None and beam_size < 1:
             raise ValueError(f"beam_size={beam_size} must be >= 1 (or None for greedy decoding)")
         if check_every is not None and check_every < 1:
@@ -143,11 +148,15 @@ class Decoder:
             raise ValueError(f"spans={spans!r} must be one of {SPANS}")
         if cuda_graph and spans == "exact":
             raise ValueError("cuda_graph=True needs static shapes: spans='pow2' or 'full', not 'exact'")
+        if host_search and spans != "exact":
+            raise ValueError(f"host_search=True runs the search on the host between eager steps: spans='exact', "
+                             f"not {spans!r}")
         self._model = weakref.ref(model)  # a weak reference: a cache of decoders keyed by model can free both
         self.beam_size, self.length_penalty = beam_size, length_penalty
         self.ids = dict(bos=bos_id, eos=eos_id, pad=pad_id)
         self.max_len_ratio, self.max_len_extra = max_len_ratio, max_len_extra
         self.check_every, self.spans, self.cuda_graph = check_every, spans, cuda_graph
+        self.host_search = host_search
         self._runs: dict[tuple, _Run] = {}
         self._params: tuple[int, ...] = ()
         self._graphs: StepGraphs | None = None  # the capture machinery, made at the first graph call
@@ -176,7 +185,10 @@ class Decoder:
             self._graphs = _make_step_graphs(device)  # before any work: refuses a CPU src
         check_every = self.check_every or (4 if device.type == "cuda" else 1)
         with _eval(self.model):
-            if self.spans == "exact":
+            if self.spans == "exact" and (self.host_search if self.host_search is not None else
+                                          device.type == "cpu"):
+                answers = _HostStream(self, batches, check_every).decode(stats)
+            elif self.spans == "exact":
                 answers = _LiveStream(self, batches, check_every).decode(stats)
                 stats.host_syncs += 1
             else:
@@ -401,6 +413,213 @@ class _LiveStream:
         for (batch, row), answer in zip(order, answers):
             out[batch][row] = answer
         return out
+
+
+class _Sentence:
+    """One sentence's search on the host (``_HostStream``): where its answer goes (batch, row), its length limit,
+    whether it is done, per live hypothesis its cumulative log-prob (``alive``, python floats holding float32 values)
+    and tokens (``hist``: a chain ``(last token, the chain before it)``, None when empty, so a step adds a token
+    without copying the prefix; greedy: the token list), and ``fin``: its best finished hypotheses (normalised
+    score, chain), best first, at most K, finite scores only."""
+
+    __slots__ = ("where", "limit", "done", "alive", "hist", "fin")
+
+    def __init__(self, where: tuple[int, int], limit: int, done: bool, K: int):
+        self.where, self.limit, self.done = where, limit, done
+        self.alive = [0.0] + [-math.inf] * (K - 1)  # only beam 0 is live at the start
+        self.hist: list = [None] * K if K > 1 else [[]]
+        self.fin: list[tuple[float, tuple | None]] = []
+
+
+def _chain_tokens(chain: tuple | None) -> list[int]:
+    """The tokens of a ``_Sentence`` chain, first to last."""
+    out = []
+    while chain is not None:
+        out.append(chain[0])
+        chain = chain[1]
+    return out[::-1]
+
+
+def _score(entry: tuple[float, tuple | None]) -> float:
+    return -entry[0]
+
+
+def _host_beam_step(s: _Sentence, scores: list[float], ids: list[int], V: int, K: int, eos: int, length: int,
+                    penalty: float) -> list[int]:
+    """``_beam_update``'s rule for one sentence, on the host: ``scores``/``ids`` its best ``min(2K, K*V)``
+    continuations (torch's topk over its (K*V,) candidates, flat index ``beam*V + token``), ``length`` the tokens
+    generated with this one and ``penalty`` its GNMT penalty (python float64, as the device rule's float64
+    tensors). Updates ``s``; returns the beam each survivor continues. The same comparisons in the same order:
+    EOS among the first K finish (finite, the sentence live), the best K others live on (EOS last), at its limit
+    a live sentence finishes its live hypotheses; the K best finished kept by a stable sort (earlier first on
+    equal scores); done as the device rule says (``max(a) / p`` is ``max(a / p)``: dividing by the positive
+    penalty keeps the order). Most steps of most sentences have no EOS among the first K and no limit: the first K
+    live on and nothing finishes."""
+    live, hist = not s.done, s.hist
+    cand = [divmod(i, V) for i in ids]  # (beam, token) by rank
+    finished = None
+    if all(tok != eos for _, tok in cand[:K]):
+        keep = range(K)
+    else:
+        finished = list(s.fin)
+        if live:
+            finished += [(scores[r] / penalty, hist[b]) for r, (b, tok) in enumerate(cand[:K])
+                         if tok == eos and math.isfinite(scores[r])]
+        keep = [r for r, (_, tok) in enumerate(cand) if tok != eos]
+        if len(keep) < K:  # a vocabulary too small for K others: EOS candidates live on, by rank
+            keep += [r for r, (_, tok) in enumerate(cand) if tok == eos]
+        keep = keep[:K]
+    parents = [cand[r][0] for r in keep]
+    s.alive = alive = [scores[r] for r in keep]
+    s.hist = [(cand[r][1], hist[cand[r][0]]) for r in keep]
+    at_limit = live and length >= s.limit
+    if at_limit:  # its live hypotheses finish as they are
+        finished = list(s.fin) if finished is None else finished
+        finished += [(a / penalty, h) for a, h in zip(alive, s.hist) if math.isfinite(a)]
+    if finished is not None:
+        finished.sort(key=_score)  # stable: on equal scores the earlier first
+        s.fin = finished[:K]
+    if at_limit or (len(s.fin) == K and s.fin[-1][0] >= max(alive) / penalty):
+        s.done = True
+    return parents
+
+
+def _host_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 1-D tensor of python ints (int64) or floats (float32) through an ``array`` (a few times faster than
+    ``torch.tensor`` of a list: a step builds some of these)."""
+    if not values:
+        return torch.empty(0, dtype=dtype, device=device)
+    code = "q" if dtype == torch.long else "f"
+    return torch.frombuffer(array.array(code, values), dtype=dtype).to(device)
+
+
+class _HostStream(_LiveStream):
+    """``_LiveStream`` with the search on the host (``Decoder(host_search=...)``; the default for CPU tensors): a
+    step's device work is the model, the log-softmax and one top-``2K`` over each sentence's candidates; the rule
+    (``_host_beam_step``, greedy: the argmax) runs in Python on what that top-k read, with no tensor work per rule
+    (the device rule is some 40 small tensor operations a step, most of a CPU step's time on a small model). Every
+    sentence leaves at the step it is done. The ancestry mask is one additive (rows, T*K) buffer per group, its
+    rows gathered by parent (one ``index_select``, which also drops the rows that left); every ``COMPACT_EVERY``
+    steps the caches of each group keep only the slots a live beam attends to (``compact``: a step's attention then
+    reads far fewer slots than ``K * (t + 1)``, the cost that grows with the output's length)."""
+
+    COMPACT_EVERY = 8  # steps
+
+    def __init__(self, dec: Decoder, batches: Sequence[Batch], check_every: int):
+        super().__init__(dec, batches, check_every)
+        self.sents: list[_Sentence] = []
+        self.answers: list[list[list[int]]] = [[[] for _ in range(size)] for size in self.sizes]
+        self.masks: list[torch.Tensor] = []  # per group (rows, T_g*K): the additive ancestry mask (beam search)
+        self.alive_t = torch.zeros(0, self.K)
+        self.own: torch.Tensor | None = None  # (K, K): a step's own slots, 0 on the diagonal, -inf elsewhere
+        self.penalties = self.penalty.tolist() if self.K > 1 else []  # float64 GNMT penalty of each length
+
+    def start(self) -> None:
+        model, dec, K = self.dec.model, self.dec, self.K
+        index, b = self.pending.popleft()
+        B, bound = b.src.shape[0], self.bounds[index]
+        state = model.start_live(b.src, b.src_lengths, bound, beams=K, host_lengths=b.host_lengths)
+        self.groups.append(_Group(state, bound, [(index, r) for r in range(B)]))
+        limits = _length_limits(model, b.src_lengths, dec.max_len_ratio, dec.max_len_extra).tolist()
+        active = [True] * B if b.active is None else b.active.tolist()
+        self.sents += [_Sentence((index, r), limits[r], not active[r], K) for r in range(B)]
+        self.tokens = torch.cat([self.tokens, torch.full((B * K,), self.ids["bos"], dtype=torch.long,
+                                                         device=self.device)])
+        if K > 1:
+            like = state.caches[0][0]
+            if self.own is None:
+                self.own = torch.full((K, K), -math.inf, dtype=like.dtype, device=self.device).fill_diagonal_(0.0)
+                self.alive_t = self.alive_t.to(self.device)
+            self.masks.append(torch.empty(B * K, bound * K, dtype=like.dtype, device=self.device))
+            self.alive_t = torch.cat([self.alive_t, _host_tensor([a for s in self.sents[-B:] for a in s.alive],
+                                                                  torch.float32, self.device).view(B, K)])
+
+    def step(self) -> None:
+        K, V, groups, eos = self.K, None, self.groups, self.ids["eos"]
+        states, masks = [g.state for g in groups], []
+        lengths = [g.state.t + 1 for g in groups for _ in g.rows]  # tokens generated with this step's, per sentence
+        if K > 1:
+            for g, mask in zip(groups, self.masks):
+                u = g.state.slots
+                rows = mask.view(-1, K, mask.shape[1])
+                rows[:, :, u : u + K] = self.own  # this step's K slots: each beam sees its own
+                masks.append(rows[:, :, : u + K].unsqueeze(1))  # (n_g, 1, K, u+K)
+        logits = self.logits(states, masks if K > 1 else [None] * len(groups))
+        if K == 1:
+            for s, tok, length in zip(self.sents, logits.argmax(-1).tolist(), lengths):
+                tok = self.ids["pad"] if s.done else tok
+                s.hist[0].append(tok)
+                s.done = s.done or tok == eos or length >= s.limit
+            parents = None
+        else:
+            n, V = len(self.sents), logits.shape[1]
+            cand = torch.log_softmax(logits, -1).view(n, K, V).add_(self.alive_t.unsqueeze(2))
+            top_score, top_idx = cand.view(n, K * V).topk(min(2 * K, K * V), dim=-1)
+            penalty = self.penalties
+            parents = [_host_beam_step(s, sc, ix, V, K, eos, length, penalty[length])
+                       for s, sc, ix, length in zip(self.sents, top_score.tolist(), top_idx.tolist(), lengths)]
+        self.leave_done(parents)
+
+    def leave_done(self, parents: list[list[int]] | None) -> None:
+        """The sentences done leave (their answers kept); every group's state and mask keep the others' rows, the
+        mask's rows in the order of the survivors' parents; the next inputs from the survivors' last tokens."""
+        K, start, groups, masks, sents = self.K, 0, [], [], []
+        for gi, g in enumerate(self.groups):
+            mine = self.sents[start : start + len(g.rows)]
+            stay = [i for i, s in enumerate(mine) if not s.done]
+            for s in mine:
+                if s.done:
+                    self.answers[s.where[0]][s.where[1]] = self.answer(s)
+            if stay:
+                if len(stay) < len(mine):  # each hole in the first rows takes one of the last rows: few move
+                    m = len(stay)
+                    order = list(range(m))
+                    for hole, last in zip([i for i in range(m) if mine[i].done], [i for i in stay if i >= m]):
+                        order[hole] = last
+                    stay = order
+                    g.state.keep(stay)
+                    g.rows = [g.rows[i] for i in stay]
+                if K > 1:
+                    rows = [i * K + p for i in stay for p in parents[start + i]]
+                    masks.append(self.masks[gi].index_select(0, _host_tensor(rows, torch.long, self.device)))
+                    if g.state.t % self.COMPACT_EVERY == 0:
+                        self.compact(g.state, masks[-1])
+                groups.append(g)
+                sents += [mine[i] for i in stay]
+            start += len(mine)
+        self.groups, self.masks, self.sents = groups, masks, sents
+        if K > 1:
+            self.tokens = _host_tensor([h[0] for s in sents for h in s.hist], torch.long, self.device)
+            self.alive_t = _host_tensor([a for s in sents for a in s.alive], torch.float32, self.device).view(-1, K)
+        else:
+            self.tokens = _host_tensor([s.hist[0][-1] for s in sents], torch.long, self.device)
+
+    def compact(self, state: LiveState, mask: torch.Tensor) -> None:
+        """Keep in the caches only the slots some live beam of the sentence attends to (most slots die: each step
+        adds K, and beams soon share their prefix; the group keeps its widest count), the mask's columns alike."""
+        K, u = self.K, state.slots
+        n = mask.shape[0] // K
+        live = (mask[:, :u] == 0).view(n, K, u).any(1)  # (n, u)
+        m = int(live.sum(1).max())
+        if m > u * 3 // 4:  # not worth the copy
+            return
+        order = torch.sort(live.logical_not().to(torch.uint8), dim=1, stable=True).indices[:, :m]  # live first
+        state.compact(order)
+        mask[:, :m] = mask.view(n, K, -1)[:, :, :u].gather(2, order.unsqueeze(1).expand(n, K, m)).view(n * K, m)
+
+    def answer(self, s: _Sentence) -> list[int]:
+        if self.K > 1:
+            return _chain_tokens(s.fin[0][1]) if s.fin else []
+        return _greedy_answers([s.hist[0]], self.ids)[0]
+
+    def decode(self, stats: DecodeStats) -> list[list[list[int]]]:
+        self.start()
+        while self.groups:
+            self.step()
+            stats.steps += 1
+            while self.pending and len(self.groups) < self.GROUPS and len(self.sents) <= self.start_below:
+                self.start()
+        return self.answers
 
 
 class _Run:
@@ -706,24 +925,26 @@ def _beam_answers(best: list[torch.Tensor]) -> list[list[int]]:
 def greedy_decode(model: Transformer, src: torch.Tensor, src_lengths: torch.Tensor, *, bos_id: int, eos_id: int,
                   pad_id: int, max_len_ratio: float = 1.5, max_len_extra: int = 10, check_every: int | None = None,
                   spans: str | None = None, cuda_graph: bool = False, active: torch.Tensor | None = None,
-                  stats: DecodeStats | None = None) -> list[list[int]]:
+                  stats: DecodeStats | None = None, host_search: bool | None = None) -> list[list[int]]:
     """src (B, S) int, src_lengths int32 (B,) -> B lists of token ids (no BOS/EOS). ``check_every``,
-    ``spans``, ``cuda_graph``, ``active``, ``stats``: see ``Decoder`` (a fresh one per call)."""
+    ``spans``, ``cuda_graph``, ``active``, ``stats``, ``host_search``: see ``Decoder`` (a fresh one per call)."""
     dec = Decoder(model, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, beam_size=None, max_len_ratio=max_len_ratio,
-                  max_len_extra=max_len_extra, check_every=check_every, spans=spans, cuda_graph=cuda_graph)
+                  max_len_extra=max_len_extra, check_every=check_every, spans=spans, cuda_graph=cuda_graph,
+                  host_search=host_search)
     return dec(src, src_lengths, active=active, stats=stats)
 
 
 def beam_search(model: Transformer, src: torch.Tensor, src_lengths: torch.Tensor, *, bos_id: int, eos_id: int,
                 pad_id: int, beam_size: int = 4, length_penalty: float = 0.6, max_len_ratio: float = 1.5,
                 max_len_extra: int = 10, check_every: int | None = None, spans: str | None = None,
-                cuda_graph: bool = False,
-                active: torch.Tensor | None = None, stats: DecodeStats | None = None) -> list[list[int]]:
+                cuda_graph: bool = False, active: torch.Tensor | None = None, stats: DecodeStats | None = None,
+                host_search: bool | None = None) -> list[list[int]]:
     """src (B, S) int, src_lengths int32 (B,) -> B lists of token ids (no BOS/EOS), the best hypothesis each.
-    ``check_every``, ``spans``, ``cuda_graph``, ``active``, ``stats``: see ``Decoder`` (a fresh one per call)."""
+    ``check_every``, ``spans``, ``cuda_graph``, ``active``, ``stats``, ``host_search``: see ``Decoder`` (a fresh
+    one per call)."""
     if beam_size is None or beam_size < 1:
         raise ValueError(f"beam_search: beam_size={beam_size} must be >= 1")
     dec = Decoder(model, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, beam_size=beam_size,
                   length_penalty=length_penalty, max_len_ratio=max_len_ratio, max_len_extra=max_len_extra,
-                  check_every=check_every, spans=spans, cuda_graph=cuda_graph)
+                  check_every=check_every, spans=spans, cuda_graph=cuda_graph, host_search=host_search)
     return dec(src, src_lengths, active=active, stats=stats)

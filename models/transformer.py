@@ -161,18 +161,18 @@ class SelfAttention(nn.Module):
     def live_step(self, x: torch.Tensor, groups: list[tuple[tuple[torch.Tensor, torch.Tensor], int, torch.Tensor | None]],
                   sizes: list[int]) -> torch.Tensor:
         """One ``live_step`` of x (n, K, d_model), the sentences of ``groups`` one after the other (``sizes``
-        each). A group (its cache, its position t, its mask): the K beams of each of its sentences write their K/V
-        into cache slots ``t*K .. t*K+K-1`` and attend, as one query block, to the slots the mask ((n_g, 1, K,
-        (t+1)*K), SDPA's boolean or additive mask: the beam's own ancestors; None: every slot) allows."""
+        each). A group (its cache, its filled slots u, its mask): the K beams of each of its sentences write their
+        K/V into cache slots ``u .. u+K-1`` and attend, as one query block, to the slots the mask ((n_g, 1, K, u+K),
+        SDPA's boolean or additive mask: the beam's own ancestors; None: every slot) allows."""
         n, K, _ = x.shape
         qkv = self.qkv(x).view(n, K, 3, self.heads, -1)  # (n, K, 3, H, D)
         outs, start = [], 0
-        for ((keys, values), t, mask), size in zip(groups, sizes):  # keys, values: (n_g, H, T*K, D)
+        for ((keys, values), u, mask), size in zip(groups, sizes):  # keys, values: (n_g, H, T*K, D)
             part = qkv if len(sizes) == 1 else qkv[start : start + size]
             q, k, v = part.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (n_g, H, K, D)
-            keys[:, :, t * K : (t + 1) * K] = k
-            values[:, :, t * K : (t + 1) * K] = v
-            end = (t + 1) * K
+            keys[:, :, u : u + K] = k
+            values[:, :, u : u + K] = v
+            end = u + K
             o = F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], attn_mask=mask)  # (n_g, H, K, D)
             outs.append(o.transpose(1, 2).reshape(size, K, -1))
             start += size
@@ -280,7 +280,7 @@ class DecoderBlock(nn.Module):
         the sentences of ``states`` one after the other (eval mode: dropout is the identity)."""
         norm = ResidualNorm.plain if states[0].plain_norms else ResidualNorm.__call__
         x, res = norm(self.norm_self, h, res)
-        h = self.self_attn.live_step(x, [(s.caches[layer], s.t, m) for s, m in zip(states, masks)], sizes)
+        h = self.self_attn.live_step(x, [(s.caches[layer], s.slots, m) for s, m in zip(states, masks)], sizes)
         x, res = norm(self.norm_cross, h, res)
         h = self.cross_attn.live_step(x, [(s.cross[block], s.cross_mask) for s in states], sizes)
         x, res = norm(self.norm_ffn, h, res)
@@ -380,8 +380,9 @@ class DecodeState:
 
 class LiveState:
     """What ``live_step`` needs for the n sentences still decoding, each with ``beams`` (K) hypotheses:
-    per applied layer one self-attention (K, V) pair (n, H, max_len*K, D), position j of beam k in slot
-    ``j*K + k``; per unique block the cross (K, V) (n, H, S, D) once per sentence; ``src_bias`` (n, 1, 1, S),
+    per applied layer one self-attention (K, V) pair (n, H, max_len*K, D), each step's K beams writing the next K
+    slots (``slots``: those filled; position j of beam k in slot ``j*K + k`` until ``compact`` keeps only the slots
+    a live beam attends to); per unique block the cross (K, V) (n, H, S, D) once per sentence; ``src_bias`` (n, 1, 1, S),
     0 at the real source tokens and -inf past them (SDPA's additive mask, in the cache's dtype); ``t``, the
     input position of the next step (a host int). ``src_lengths``: the source lengths as the host knows them
     (optional): the cross-attention then reads only the longest live source's positions, and no mask when
@@ -392,7 +393,7 @@ class LiveState:
                  src_bias: torch.Tensor, beams: int, max_len: int, src_lengths: list[int] | None = None):
         self._buffers = [t for pair in (*caches, *cross_kv) for t in pair] + [src_bias]
         self._layers = len(caches)
-        self.beams, self.max_len, self.t = beams, max_len, 0
+        self.beams, self.max_len, self.t, self.slots = beams, max_len, 0, 0
         self.src_lengths = None if src_lengths is None else list(src_lengths)
         self.plain_norms = False  # every norm a plain F.layer_norm (``plain_norms``): set by ``start_live``
         self._views(src_bias.shape[0])
@@ -413,21 +414,35 @@ class LiveState:
         return self.src_bias.shape[0]
 
     def keep(self, rows: list[int]) -> None:
-        """Keep sentences ``rows`` (ascending) and drop the others: the kept ones move up in place, caches by
-        their filled slots only (the rest is never read before a step writes it); none moves when only the last
-        sentences left."""
+        """Keep sentences ``rows`` (distinct; row i of the state becomes old row ``rows[i]``) and drop the others:
+        only the rows that move are copied, caches by their filled slots only (the rest is never read before a step
+        writes it). Ascending rows move every row after the first one that left; filling each hole with one of the
+        last rows (``_HostStream``) moves one row per sentence that left; none moves when only the last left."""
         m = len(rows)
-        if rows != list(range(m)):
-            index = torch.tensor(rows, dtype=torch.long, device=self.src_bias.device)
-            filled = self.t * self.beams
+        moved = [i for i, r in enumerate(rows) if r != i]
+        if moved:
+            device = self.src_bias.device
+            dst = torch.tensor(moved, dtype=torch.long, device=device)
+            src = torch.tensor([rows[i] for i in moved], dtype=torch.long, device=device)
+            filled = self.slots
             for i, buf in enumerate(self._buffers):
-                if i < 2 * self._layers:  # a self-attention cache: (n, H, T*K, D)
-                    buf[:m, :, :filled] = buf[:, :, :filled].index_select(0, index)
-                else:
-                    buf[:m] = buf[: self.src_bias.shape[0]].index_select(0, index)
+                part = buf[:, :, :filled] if i < 2 * self._layers else buf  # a self-attention cache: (n, H, T*K, D)
+                part.index_copy_(0, dst, part.index_select(0, src))
         if self.src_lengths is not None:
             self.src_lengths = [self.src_lengths[r] for r in rows]
         self._views(m)
+
+    def compact(self, order: torch.Tensor) -> None:
+        """Keep, per sentence, the filled self-attention slots ``order`` (int64 (n, m)) as slots ``0 .. m-1``: a step
+        then attends over m + K slots instead of ``slots`` + K. Whoever masks the slots moves its mask alike."""
+        n, m = order.shape
+        _, H, width, D = self._buffers[0].shape  # every self-attention cache: (rows, H, T*K, D)
+        first = (torch.arange(n, device=order.device).view(n, 1, 1) * H + torch.arange(H, device=order.device)
+                 .view(1, H, 1)) * width  # (n, H, 1): row (sentence, head)'s first slot in the flat (rows*H*T*K, D)
+        index = (first + order.view(n, 1, m)).view(-1)  # index_select: a few times faster than gather here
+        for buf in self._buffers[: 2 * self._layers]:
+            buf[:n, :, :m] = buf.view(-1, D).index_select(0, index).view(n, H, m, D)
+        self.slots = m
 
 
 # ----------------------------------------------------------------------------------------------
@@ -672,6 +687,7 @@ class Transformer(nn.Module):
         y, _ = final.plain(h, res) if states[0].plain_norms else final(h, res)
         for s in states:
             s.t += 1
+            s.slots += K
         return self._project(y).view(n * K, -1)
 
     def decode_step(self, tokens: torch.Tensor, state: DecodeState, span: int | None = None) -> torch.Tensor:

@@ -155,6 +155,9 @@ def test_beam_search_matches_previous_implementation(vocab, gain, beam, lp, rati
     got = beam_search(*args, spans=spans, check_every=check_every, **kw)
     limits = _length_limits(model, batch["src_lengths"], ratio, extra).tolist()
     assert_same_hypotheses(model, batch, got, want, limits, lp)
+    if spans == "exact":  # the CPU default is the host search: the device one on the eager path too
+        device = beam_search(*args, spans=spans, check_every=check_every, host_search=False, **kw)
+        assert_same_hypotheses(model, batch, device, want, limits, lp)
 
 
 def test_comparison_covers_eos_and_limit_endings():
@@ -261,8 +264,9 @@ def test_finished_sentences_leave_and_beams_share_a_cache(monkeypatch, beam):
     assert einops_calls == []
 
 
+@pytest.mark.parametrize("host_search", [None, False], ids=["host", "device"])
 @pytest.mark.parametrize("beam,check_every", [(None, 1), (3, 1), (3, 3)], ids=["greedy", "beam3", "beam3-check3"])
-def test_next_batch_starts_beside_the_last_sentences(monkeypatch, beam, check_every):
+def test_next_batch_starts_beside_the_last_sentences(monkeypatch, beam, check_every, host_search):
     """decode_batches ("exact"): once at most a quarter of a batch is left, the next batch starts beside it (two
     groups in one step, each at its own position); every answer is the one its batch gets alone (the oracle's),
     inactive rows decode to []."""
@@ -271,7 +275,7 @@ def test_next_batch_starts_beside_the_last_sentences(monkeypatch, beam, check_ev
     batches = [make_batch(x, [2] * len(x), 40, seed=10 + i) for i, x in enumerate(lens)]
     active = torch.tensor([True, True, False, True, True, True, True, True])
     steps, _ = _record_live_steps(monkeypatch)
-    dec = Decoder(model, beam_size=beam, check_every=check_every, **IDS)
+    dec = Decoder(model, beam_size=beam, check_every=check_every, host_search=host_search, **IDS)
     stats = DecodeStats()
     got = dec.decode_batches([Batch(b["src"], b["src_lengths"], active if i == 2 else None, x)
                               for i, (b, x) in enumerate(zip(batches, lens))], stats=stats)
@@ -331,11 +335,13 @@ def test_host_syncs_once_per_check(cuda_like_kernels, beam, spans):
     args = (model, batch["src"], batch["src_lengths"])
     kw = dict(max_len_ratio=1.5, max_len_extra=10, **IDS)
     check_every, stats = 4, DecodeStats()
+    kw["host_search"] = False  # the tensor search, as on CUDA (a CPU call defaults to the host search)
     with SyncCounter(aten=False) as counter:
         if beam is None:
             greedy_decode(*args, check_every=check_every, spans=spans, stats=stats, **kw)
         else:
             beam_search(*args, beam_size=beam, check_every=check_every, spans=spans, stats=stats, **kw)
+    del kw["host_search"]
     assert stats.steps >= 8
     assert counter.host_reads() == stats.host_syncs <= stats.steps // check_every + 1, (counter.events, stats)
     with SyncCounter(aten=False) as oracle:
