@@ -25,6 +25,9 @@ path (``_LiveStream``, ``Transformer.live_step``): only the sentences still deco
 leave at each "all done?" read), once a quarter of a batch is left the next batch of the call starts beside it (each
 batch at its own position, row-wise work shared), the K beams of a sentence write one cache under an ancestry mask
 (reordering beams copies no prefix), attention is PyTorch's SDPA, and every answer is read in one host read per call.
+On CPU tensors (``host_search``, the default there) the search itself runs on the host (``_HostStream``): the same
+rule in Python floats on one top-2K read per step, a sentence leaving at the step it is done, and every few steps
+the shared caches keep only the slots a live beam attends to.
 "pow2"/"full" are the static paths: every buffer is allocated once per batch shape (rows, source width): the tokens,
 the (B, K, T) histories of live and finished hypotheses, their scores, lengths and "done" flags; each step is tensor
 work on them. The KV cache is never reordered: each row writes its own slot per position and ``DecodeState.rows``
@@ -180,6 +183,9 @@ class Decoder:
         stats = stats if stats is not None else DecodeStats()
         if not batches:
             return []
+        if any(b.src.shape[0] == 0 for b in batches):  # a batch of no sentence answers nothing, decodes nothing
+            rest = iter(self.decode_batches([b for b in batches if b.src.shape[0]], stats))
+            return [[] if b.src.shape[0] == 0 else next(rest) for b in batches]
         device = batches[0].src.device
         if self.cuda_graph and self._graphs is None:
             self._graphs = _make_step_graphs(device)  # before any work: refuses a CPU src

@@ -166,3 +166,16 @@ def test_live_state_compact_and_keep_move_exactly_what_they_say():
         assert torch.equal(b[0, :, :3], old[2, :, :3]) and torch.equal(b[1, :, :3], old[1, :, :3])
     for b, old in zip(state._buffers[2:], before[2:]):
         assert torch.equal(b[0], old[2]) and torch.equal(b[1], old[1])
+
+
+@pytest.mark.parametrize("kw", [dict(beam_size=4), dict(beam_size=None), dict(beam_size=4, spans="pow2"),
+                                dict(beam_size=4, host_search=False)], ids=["host", "greedy", "pow2", "device"])
+def test_a_batch_of_no_sentence_answers_nothing(kw):
+    """An empty batch (alone, or between others) decodes to no answer on every path (it crashed every path before)."""
+    model = build_eos(40, 0, 3.0)
+    batch = make_batch([9, 1, 5], [2] * 3, 40, seed=0)
+    dec = Decoder(model, **kw, **IDS)
+    src, lengths = batch["src"], batch["src_lengths"]
+    assert dec(src[:0], lengths[:0]) == []
+    empty, full = decoding_module.Batch(src[:0], lengths[:0]), decoding_module.Batch(src, lengths)
+    assert dec.decode_batches([empty, full, empty]) == [[], dec(src, lengths), []]
