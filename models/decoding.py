@@ -275,12 +275,18 @@ class _LiveStream:
         self.set_aside: list[tuple[list[tuple[int, int]], torch.Tensor]] = []  # (batch, row)s and answer rows
         T = self.T = max(self.bounds)  # the search buffers' positions
         self.forbidden = torch.tensor([self.ids["pad"], self.ids["bos"]], device=device)
+        self.tokens = torch.zeros(0, dtype=torch.long, device=device)  # the next inputs (n*K,)
+        self.penalties = []  # beam search: the GNMT length penalty of every length 0..T, python's float64 arithmetic
+        if K > 1:
+            self.penalties = [((5.0 + n) / 6.0) ** dec.length_penalty for n in range(T + 1)]
+        self._search_buffers()
+
+    def _search_buffers(self) -> None:
+        """The tensor search's per-sentence buffers (each with the row a starting sentence gets) and constants."""
+        K, T, device, pad = self.K, self.T, self.device, self.ids["pad"]
         self.length = torch.arange(T + 1, device=device)  # length[t + 1 : t + 2]: tokens generated at step t
-        pad = self.ids["pad"]
         self.limits = torch.zeros(0, dtype=torch.long, device=device)
         self.done = torch.zeros(0, dtype=torch.bool, device=device)
-        self.tokens = torch.zeros(0, dtype=torch.long, device=device)  # the next inputs (n*K,)
-        # every per-sentence search buffer: the row a starting sentence gets
         if K == 1:
             self.fresh = {"out": torch.full((1, T), pad, dtype=torch.long, device=device)}  # generated tokens
         else:
@@ -291,9 +297,7 @@ class _LiveStream:
                           "fin_tok": torch.full((1, K, T), pad, dtype=torch.long, device=device),
                           "fin_len": torch.zeros(1, K, dtype=torch.long, device=device),
                           "anc": torch.zeros(1, K, T, dtype=torch.long, device=device)}  # slot of each position
-            lp = dec.length_penalty  # GNMT length penalty of every length 0..T, float64 with python's arithmetic
-            self.penalty = torch.tensor([((5.0 + n) / 6.0) ** lp for n in range(T + 1)], dtype=torch.float64,
-                                        device=device)
+            self.penalty = torch.tensor(self.penalties, dtype=torch.float64, device=device)
             self.rank = torch.arange(2 * K, device=device)
             self.slots = torch.arange(K, device=device)  # (K,) beam slots
             self.bias = None  # SDPA's additive mask values, in the queries' dtype (made with the first state)
@@ -511,14 +515,13 @@ class _HostStream(_LiveStream):
 
     COMPACT_EVERY = 8  # steps
 
-    def __init__(self, dec: Decoder, batches: Sequence[Batch], check_every: int):
-        super().__init__(dec, batches, check_every)
+    def _search_buffers(self) -> None:
+        """The host search's: the sentences decoding, the answers, each group's mask, the live scores."""
         self.sents: list[_Sentence] = []
         self.answers: list[list[list[int]]] = [[[] for _ in range(size)] for size in self.sizes]
         self.masks: list[torch.Tensor] = []  # per group (rows, T_g*K): the additive ancestry mask (beam search)
-        self.alive_t = torch.zeros(0, self.K)
+        self.alive_t = torch.zeros(0, self.K, device=self.device)  # (n, K) float32: the live scores, for the step
         self.own: torch.Tensor | None = None  # (K, K): a step's own slots, 0 on the diagonal, -inf elsewhere
-        self.penalties = self.penalty.tolist() if self.K > 1 else []  # float64 GNMT penalty of each length
 
     def start(self) -> None:
         model, dec, K = self.dec.model, self.dec, self.K
@@ -535,13 +538,12 @@ class _HostStream(_LiveStream):
             like = state.caches[0][0]
             if self.own is None:
                 self.own = torch.full((K, K), -math.inf, dtype=like.dtype, device=self.device).fill_diagonal_(0.0)
-                self.alive_t = self.alive_t.to(self.device)
             self.masks.append(torch.empty(B * K, bound * K, dtype=like.dtype, device=self.device))
             self.alive_t = torch.cat([self.alive_t, _host_tensor([a for s in self.sents[-B:] for a in s.alive],
                                                                   torch.float32, self.device).view(B, K)])
 
     def step(self) -> None:
-        K, V, groups, eos = self.K, None, self.groups, self.ids["eos"]
+        K, groups, eos = self.K, self.groups, self.ids["eos"]
         states, masks = [g.state for g in groups], []
         lengths = [g.state.t + 1 for g in groups for _ in g.rows]  # tokens generated with this step's, per sentence
         if K > 1:
