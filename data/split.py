@@ -194,14 +194,6 @@ def row_level_heldout(n: int, n_test: int, n_valid: int, seed: int) -> tuple[np.
     return test, valid
 
 
-def row_level_split(n: int, n_test: int, n_valid: int, seed: int) -> np.ndarray:
-    """`row_level_heldout` as 0/1/2 per row (n bytes: for small corpora and tests)."""
-    out = np.zeros(n, dtype=np.int8)
-    test, valid = row_level_heldout(n, n_test, n_valid, seed)
-    out[test], out[valid] = 2, 1
-    return out
-
-
 # ----------------------------------------------------------------------------------------------
 # The held-out groups of a corpus too large for `group_keys` in memory
 # ----------------------------------------------------------------------------------------------

@@ -80,12 +80,6 @@ def gather_object(obj: Any) -> list[Any]:
     return out
 
 
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t
-
-
 def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)

@@ -129,11 +129,20 @@ def test_hash64_bytes_is_hash64():
 # ----------------------------------------------------------------------------------------------
 # The whole record against the in-memory algorithm (kept here as the reference)
 # ----------------------------------------------------------------------------------------------
+def row_level_split(n: int, n_test: int, n_valid: int, seed: int) -> np.ndarray:
+    """`row_level_heldout` as 0/1/2 per row (the reference's form: n bytes)."""
+    from data.split import row_level_heldout
+
+    out = np.zeros(n, dtype=np.int8)
+    test, valid = row_level_heldout(n, n_test, n_valid, seed)
+    out[test], out[valid] = 2, 1
+    return out
+
+
 def reference_record(rows, cfg, eval_rows=None):
     """What the build before issue 37 computed, in memory, from the input rows (all clean here): the labels per
     row (0 train, 1 valid, 2 test, -1 removed), the fingerprint, the split digest and the overlap record."""
     from data.cache import digest
-    from data.split import row_level_split
 
     src = [r["translation"]["en"].strip() for r in rows]
     tgt = [r["translation"]["it"].strip() for r in rows]

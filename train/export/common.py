@@ -10,7 +10,6 @@ import json
 import os
 import shlex
 import shutil
-import sys
 import tempfile
 from collections import defaultdict
 from collections.abc import Callable
@@ -396,7 +395,3 @@ def write_json(path: Path, obj: Any) -> None:
     from data.files import atomic_write
 
     atomic_write(path, json.dumps(obj, indent=2) + "\n", what="export record")
-
-
-def python_argv() -> list[str]:
-    return sys.argv[1:]

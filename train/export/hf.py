@@ -170,11 +170,6 @@ def quiet_marian():
         yield
 
 
-def is_hf_dir(path: str | Path) -> bool:
-    p = Path(path)
-    return p.is_dir() and (p / "model.safetensors").is_file() and (p / DECODING_FILE).is_file()
-
-
 class HFTranslator:
     """An exported HF folder decoded with ``generate`` under fastmt's rules (per-sentence length limit, PAD/BOS
     suppressed, GNMT by n-best rescoring): ``translate_ids``, ``translate`` and ``score``, as ``CT2Translator``."""
