@@ -104,7 +104,8 @@ def in_commands_wing(module: str) -> bool:
 def test_the_graph_is_read():
     """The reader finds the arrows it must find (a reader that found none would pass every rule)."""
     graph = import_graph()
-    assert "models.transformer" in graph["models.decoding"]
+    assert "models.decoding.state" in graph["models.transformer"]
+    assert "models.decoding.decoder" in graph["models.decoding"]
     assert "kernels" in graph["models.transformer"]
     assert any(m.startswith("train.") for m in graph["train.loop"])
     # a function-level import is read too (the train command imports the loop inside main())

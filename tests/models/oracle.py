@@ -9,7 +9,7 @@ import math
 import torch
 from einops import rearrange, repeat
 
-from models.decoding import _eval, _length_limits
+from models.decoding import eval_mode, length_limits
 
 
 def _oracle_next_logits(model, tokens, state, forbidden):
@@ -26,8 +26,8 @@ def _oracle_strip(row, eos_id, pad_id):
 
 def oracle_greedy_decode(model, src, src_lengths, *, bos_id, eos_id, pad_id, max_len_ratio=1.5, max_len_extra=10):
     B = src.shape[0]
-    with _eval(model):
-        limits = _length_limits(model, src_lengths, max_len_ratio, max_len_extra)  # (B,)
+    with eval_mode(model):
+        limits = length_limits(model, src_lengths, max_len_ratio, max_len_extra)  # (B,)
         steps = int(limits.max())
         state = model.start_decoding(src, src_lengths, steps)
         tokens = torch.full((B,), bos_id, dtype=torch.long, device=src.device)
@@ -52,8 +52,8 @@ def oracle_beam_search(model, src, src_lengths, *, bos_id, eos_id, pad_id, beam_
     def score(logprob, length):
         return logprob / (((5.0 + length) / 6.0) ** length_penalty)
 
-    with _eval(model):
-        limits = _length_limits(model, src_lengths, max_len_ratio, max_len_extra).tolist()  # B ints
+    with eval_mode(model):
+        limits = length_limits(model, src_lengths, max_len_ratio, max_len_extra).tolist()  # B ints
         steps = max(limits)
         src_k = repeat(src, "b s -> (b k) s", k=K)  # every beam has its own row
         state = model.start_decoding(src_k, repeat(src_lengths, "b -> (b k)", k=K), steps)

@@ -12,9 +12,21 @@ import torch
 import torch.nn.functional as F
 
 from models import Transformer
-from models import decoding as decoding_module
 from models import transformer as transformer_module
-from models.decoding import Batch, Decoder, DecodeStats, _length_limits, beam_search, greedy_decode
+from models.decoding import (
+    Batch,
+    Decoder,
+    DecodeStats,
+    beam_search,
+    common,
+    device,
+    greedy_decode,
+    host,
+    length_limits,
+    rule,
+    state,
+    static,
+)
 from tests.models.oracle import oracle_beam_search, oracle_greedy_decode
 from tests.utils import (
     BOS,
@@ -153,7 +165,7 @@ def test_beam_search_matches_previous_implementation(vocab, gain, beam, lp, rati
     kw = dict(beam_size=beam, length_penalty=lp, max_len_ratio=ratio, max_len_extra=extra, **IDS)
     want = oracle_beam_search(*args, **kw)
     got = beam_search(*args, spans=spans, check_every=check_every, **kw)
-    limits = _length_limits(model, batch["src_lengths"], ratio, extra).tolist()
+    limits = length_limits(model, batch["src_lengths"], ratio, extra).tolist()
     assert_same_hypotheses(model, batch, got, want, limits, lp)
     if spans == "exact":  # the CPU default is the host search: the device one on the eager path too
         device = beam_search(*args, spans=spans, check_every=check_every, host_search=False, **kw)
@@ -165,7 +177,7 @@ def test_comparison_covers_eos_and_limit_endings():
     model = build_eos(40, 0, 3.0)
     batch = make_batch(SRC_LENS, [2] * len(SRC_LENS), 40, seed=0)
     out = beam_search(model, batch["src"], batch["src_lengths"], beam_size=4, length_penalty=0.6, **IDS)
-    limits = _length_limits(model, batch["src_lengths"], 1.5, 10).tolist()
+    limits = length_limits(model, batch["src_lengths"], 1.5, 10).tolist()
     by_eos = {len(h) for h, n in zip(out, limits) if len(h) < n}
     assert len(by_eos) >= 2 and any(len(h) == n for h, n in zip(out, limits)), (out, limits)
 
@@ -232,7 +244,7 @@ def _record_live_steps(monkeypatch):
                 einops_calls.append(_name)
             return _fn(*a, **k)
 
-        for module in (einops, T, decoding_module):
+        for module in (einops, T, common, device, host, rule, state, static):
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, spy)
     monkeypatch.setattr(T.Transformer, "live_step", live_step)
@@ -254,7 +266,7 @@ def test_finished_sentences_leave_and_beams_share_a_cache(monkeypatch, beam):
     else:
         got = beam_search(*args, beam_size=beam, **kw)
         want = oracle_beam_search(*args, beam_size=beam, **kw)
-    limits = _length_limits(model, batch["src_lengths"], 1.5, 10).tolist()
+    limits = length_limits(model, batch["src_lengths"], 1.5, 10).tolist()
     assert_same_hypotheses(model, batch, got, want, limits, 0.6)
     rows = [r for r, _, _ in steps]
     K = beam or 1
@@ -289,7 +301,7 @@ def test_next_batch_starts_beside_the_last_sentences(monkeypatch, beam, check_ev
         if i == 2:
             assert answers[2] == []
             want[2] = []
-        limits = _length_limits(model, b["src_lengths"], 1.5, 10).tolist()
+        limits = length_limits(model, b["src_lengths"], 1.5, 10).tolist()
         assert_same_hypotheses(model, b, answers, want, limits, 0.6)
 
 
@@ -383,12 +395,12 @@ def test_static_step_traces_as_one_graph(monkeypatch, beam):
     across steps; the answers equal the eager ones."""
     import torch._dynamo
 
-    from models import decoding
+    from models.decoding.static import BeamRun, GreedyRun
 
     model = decoding_model(vocab=40, seed=7, max_positions=64, norm="torch", attn_backend="reference", enc_layers=1,
                   dec_layers=1)
     batch = make_batch([9, 1, 5], [2] * 3, 40, seed=7)
-    run_cls = decoding._GreedyRun if beam is None else decoding._BeamRun
+    run_cls = GreedyRun if beam is None else BeamRun
     want = Decoder(model, beam_size=beam, spans="full", **IDS)(batch["src"], batch["src_lengths"])
     torch._dynamo.reset()
     monkeypatch.setattr(run_cls, "step", torch.compile(run_cls.step, fullgraph=True, backend="eager"))
@@ -446,7 +458,7 @@ def fake_cuda_graphs(monkeypatch):
     """torch.cuda's stream and graph API replaced by CPU stand-ins (see FakeGraph)."""
     import contextlib
 
-    from models import decoding
+    from models.decoding import decoder, static
 
     class Stream:
         def __init__(self, *_device):
@@ -476,14 +488,14 @@ def fake_cuda_graphs(monkeypatch):
         else:
             REAL_STEP[type(run)](run, span)
 
-    for cls in (decoding._GreedyRun, decoding._BeamRun):
+    for cls in (static.GreedyRun, static.BeamRun):
         REAL_STEP[cls] = cls.step
         monkeypatch.setattr(cls, "step", recording_step)
     for name, value in dict(Stream=Stream, stream=lambda s: contextlib.nullcontext(), current_stream=Stream,
                             CUDAGraph=FakeGraph, graph=graph, graph_pool_handle=object).items():
         monkeypatch.setattr(torch.cuda, name, value)
-    monkeypatch.setattr(decoding, "_no_autocast_cache", contextlib.nullcontext)
-    monkeypatch.setattr(decoding, "_make_step_graphs", decoding.CudaStepGraphs)  # the CUDA one on CPU tensors
+    monkeypatch.setattr(static, "no_autocast_cache", contextlib.nullcontext)
+    monkeypatch.setattr(decoder, "make_step_graphs", static.CudaStepGraphs)  # the CUDA one on CPU tensors
     FakeGraph.fail_next, FakeGraph.other_thread_allocates, FakeGraph.modes = 0, False, []
     yield FakeGraph
 

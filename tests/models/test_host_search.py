@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import decoding as decoding_module
-from models.decoding import Decoder, DecodeStats, _beam_update, _chain_tokens, _host_beam_step, _Sentence
-from models.transformer import LiveState
+from models.decoding import Batch, Decoder, DecodeStats, device, host, static
+from models.decoding.rule import Sentence, beam_update, chain_tokens, host_beam_step, length_limits
+from models.decoding.state import LiveState
 from tests.models.oracle import oracle_beam_search, oracle_greedy_decode
 from tests.utils import BOS, EOS, PAD, assert_same_hypotheses, build_eos, make_batch
 
@@ -25,7 +25,7 @@ IDS = dict(bos_id=BOS, eos_id=EOS, pad_id=PAD)
 def test_host_rule_equals_the_device_rule_step_by_step(V, K, lp, eos_bias, seed):
     """Random log-probs (EOS often near the top, ties from rounding to a coarse grid, sentences done from the start,
     limits reached): every step the host rule keeps the same live scores, parents, tokens and histories, finishes the
-    same hypotheses with the same scores and lengths, and says done for the same sentences as ``_beam_update``."""
+    same hypotheses with the same scores and lengths, and says done for the same sentences as ``beam_update``."""
     g = torch.Generator().manual_seed(seed)
     B, T, eos = 6, 12, 0
     limits = torch.randint(2, T + 1, (B,), generator=g)
@@ -37,28 +37,28 @@ def test_host_rule_equals_the_device_rule_step_by_step(V, K, lp, eos_bias, seed)
     fin_score = torch.full((B, K), -math.inf, dtype=torch.float64)
     fin_tok, fin_len = torch.full((B, K, T), PAD, dtype=torch.long), torch.zeros(B, K, dtype=torch.long)
     penalty = [((5.0 + n) / 6.0) ** lp for n in range(T + 1)]
-    sents = [_Sentence((0, b), int(limits[b]), bool(done[b]), K) for b in range(B)]
+    sents = [Sentence((0, b), int(limits[b]), bool(done[b]), K) for b in range(B)]
     rank = torch.arange(2 * K)
     for t in range(T):
         logits = torch.randn(B * K, V, generator=g) * 2
         logits[:, eos] += eos_bias
         logp = torch.log_softmax((logits * 4).round() / 4, -1)  # a coarse grid: equal candidates happen
         length = torch.tensor([t + 1])
-        s = _beam_update(logp, alive, hist, fin_score, fin_tok, fin_len, done, limits, length,
+        s = beam_update(logp, alive, hist, fin_score, fin_tok, fin_len, done, limits, length,
                          torch.tensor([penalty[t + 1]], dtype=torch.float64), rank, eos)
         cand = logp.view(B, K, V).add(torch.tensor([x.alive for x in sents]).unsqueeze(2))
         top_score, top_idx = cand.view(B, K * V).topk(min(2 * K, K * V), dim=-1)
-        parents = [_host_beam_step(x, sc, ix, V, K, eos, t + 1, penalty[t + 1])
+        parents = [host_beam_step(x, sc, ix, V, K, eos, t + 1, penalty[t + 1])
                    for x, sc, ix in zip(sents, top_score.tolist(), top_idx.tolist())]
         assert parents == s.parent.tolist(), t
         assert [x.alive for x in sents] == s.alive.tolist(), t
         assert [[h[0] for h in x.hist] for x in sents] == s.tok.tolist(), t
-        assert [[_chain_tokens(h) for h in x.hist] for x in sents] == s.hist[:, :, : t + 1].tolist(), t
+        assert [[chain_tokens(h) for h in x.hist] for x in sents] == s.hist[:, :, : t + 1].tolist(), t
         for b, x in enumerate(sents):
             n = len(x.fin)
             assert [f[0] for f in x.fin] == s.fin_score[b, :n].tolist() and not torch.isfinite(s.fin_score[b, n:]).any()
             for k, (_, chain) in enumerate(x.fin):
-                assert _chain_tokens(chain) == s.fin_tok[b, k, : s.fin_len[b, k]].tolist(), (t, b, k)
+                assert chain_tokens(chain) == s.fin_tok[b, k, : s.fin_len[b, k]].tolist(), (t, b, k)
         assert [x.done for x in sents] == done.tolist(), t
         alive, hist, fin_score, fin_tok, fin_len = s.alive, s.hist, s.fin_score, s.fin_tok, s.fin_len
 
@@ -82,7 +82,7 @@ def test_host_and_device_searches_give_the_same_answers(beam, lp, ratio, extra, 
     okw = dict(max_len_ratio=ratio, max_len_extra=extra, **IDS)
     want = (oracle_greedy_decode(model, *args, **okw) if beam is None else
             oracle_beam_search(model, *args, beam_size=beam, length_penalty=lp, **okw))
-    limits = decoding_module._length_limits(model, batch["src_lengths"], ratio, extra).tolist()
+    limits = length_limits(model, batch["src_lengths"], ratio, extra).tolist()
     assert default == host
     assert_same_hypotheses(model, batch, host, device, limits, lp)
     assert_same_hypotheses(model, batch, host, want, limits, lp)
@@ -94,8 +94,9 @@ def test_cpu_default_runs_no_device_rule(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the device rule ran on the CPU path")
 
-    monkeypatch.setattr(decoding_module, "_beam_update", refuse)
-    monkeypatch.setattr(decoding_module, "_greedy_update", refuse)
+    for driver in (device, static):  # the tensor rule, wherever a driver calls it
+        monkeypatch.setattr(driver, "beam_update", refuse)
+        monkeypatch.setattr(driver, "greedy_update", refuse)
     model = build_eos(40, 0, 3.0)
     batch = make_batch(SRC_LENS, [2] * len(SRC_LENS), 40, seed=0)
     for beam in (None, 4):
@@ -117,19 +118,19 @@ def test_compaction_drops_dead_slots_and_keeps_the_answers(monkeypatch):
     batch = make_batch([12, 11, 12, 10], [2] * 4, 40, seed=3)
     kw = dict(beam_size=4, max_len_ratio=2.0, max_len_extra=10, **IDS)
     seen = []
-    original = decoding_module._HostStream.compact
+    original = host.HostStream.compact
 
     def compact(self, state, mask):
         before = state.slots
         original(self, state, mask)
         seen.append((state.t, before, state.slots))
 
-    monkeypatch.setattr(decoding_module._HostStream, "COMPACT_EVERY", 10**9)
+    monkeypatch.setattr(host.HostStream, "COMPACT_EVERY", 10**9)
     never = Decoder(model, **kw)(batch["src"], batch["src_lengths"])
-    monkeypatch.setattr(decoding_module._HostStream, "COMPACT_EVERY", 1)
-    monkeypatch.setattr(decoding_module._HostStream, "compact", compact)
+    monkeypatch.setattr(host.HostStream, "COMPACT_EVERY", 1)
+    monkeypatch.setattr(host.HostStream, "compact", compact)
     always = Decoder(model, **kw)(batch["src"], batch["src_lengths"])
-    limits = decoding_module._length_limits(model, batch["src_lengths"], 2.0, 10).tolist()
+    limits = length_limits(model, batch["src_lengths"], 2.0, 10).tolist()
     assert_same_hypotheses(model, batch, always, never, limits, 0.6)
     assert any(after < before for _, before, after in seen)
     # a compaction that runs (it skips when it would keep 3/4) leaves well under K slots per position
@@ -177,5 +178,5 @@ def test_a_batch_of_no_sentence_answers_nothing(kw):
     dec = Decoder(model, **kw, **IDS)
     src, lengths = batch["src"], batch["src_lengths"]
     assert dec(src[:0], lengths[:0]) == []
-    empty, full = decoding_module.Batch(src[:0], lengths[:0]), decoding_module.Batch(src, lengths)
+    empty, full = Batch(src[:0], lengths[:0]), Batch(src, lengths)
     assert dec.decode_batches([empty, full, empty]) == [[], dec(src, lengths), []]

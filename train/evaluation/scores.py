@@ -31,7 +31,7 @@ def split_loss(model, bundle, split: str, device: torch.device, autocast) -> flo
     loss = SummedCrossEntropy(model, bundle.tokenizer.pad_id, label_smoothing=0.0)
     total = torch.zeros((), dtype=torch.float64, device=device)
     n_tokens = 0
-    with eager_compiled_regions():  # compiled training regions run eagerly: no variant for no-grad (models/decoding.py)
+    with eager_compiled_regions():  # compiled training regions run eagerly: no variant for no-grad (models/decoding/common.py)
         for batch in bundle.loader(split, shuffle=False):
             b = batch.to(device, non_blocking=True)
             with autocast:

@@ -95,7 +95,7 @@ def decoding_settings(src: Source) -> dict[str, Any]:
 
 def length_limit(n_source: int, a: float, b: float, max_positions: int) -> int:
     """fastmt's generated-token limit (EOS included) for a source of ``n_source`` tokens incl. its EOS
-    (models.decoding._length_limit: the same float arithmetic)."""
+    (models.decoding.rule.length_limit: the same float arithmetic)."""
     import math
 
     return min(max(math.floor(n_source * a + b), 1), max_positions - 1)
