@@ -52,27 +52,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-
-class _CompileOnlyDriver:
-    """Triton's active driver for a machine without the GPU: device 0, stream 0, the given target."""
-
-    def __init__(self, target: GPUTarget):
-        self.target = target
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        return self.target
-
-    def get_active_torch_device(self):
-        return torch.device("cpu")
-
-    def is_active(self):
-        return True
+from kernels.tuning import CompileOnlyDriver  # noqa: E402
 
 
 class Units:
@@ -136,13 +116,15 @@ def compile_only(arch: int = 90, units: Units | None = None):
     previous = driver._active  # None until something asked (a CPU machine has no driver to default to)
     previous_listener = triton.knobs.compilation.listener
     triton.knobs.compilation.listener = _listener
-    driver.set_active(_CompileOnlyDriver(GPUTarget("cuda", arch, 32)))
+    driver.set_active(CompileOnlyDriver(GPUTarget("cuda", arch, 32)))
     JITFunction.run = compile_not_launch
     _RECORDING.append(units)
+    _utils._ARCH.append(arch)  # the pinned configs of the target GPU (kernels/pinned.py)
     try:
         with rebound(_utils.triton_usable, lambda t: True):  # CPU tensors pass the launchers' device checks
             yield units
     finally:
+        _utils._ARCH.pop()
         _RECORDING.pop()
         driver._active = previous
         triton.knobs.compilation.listener = previous_listener
@@ -177,24 +159,93 @@ def rebound(original, replacement):
 # ----------------------------------------------------------------------------------------------
 # Plans
 # ----------------------------------------------------------------------------------------------
-def plan_train(*, autotune: bool = True) -> None:
+def plan_train(*, autotune: bool = True, preset: str = "fast") -> None:
     """The `fast` preset's first training step on CPU tensors: model (s18, packed, our kernels), a packed
-    batch of its capacity, bf16 autocast, forward + backward. ``autotune``: every pruned config per
-    autotune key (what the Autotuner compiles to time them); else the first (``FASTMT_AUTOTUNE=0``)."""
+    batch of its capacity, bf16 autocast, forward + backward. ``autotune``: what the first launch of each key
+    compiles on the GPU (its pinned config, kernels/pinned.py, else every pruned config: the Autotuner compiles
+    each to time it); else the first pruned config (``FASTMT_AUTOTUNE=0``)."""
     import dataclasses
 
     from models import Transformer
     from tests.utils import pack_batch  # the packed layout as data/ builds it
     from train.config import get_config
 
-    cfg = get_config("fast")
+    cfg = get_config(preset)
     model_cfg = dataclasses.replace(cfg.model, attn_backend="triton", dropout=0.0)
     model = Transformer(model_cfg)
     capacity = cfg.data.max_tokens // 2  # per side (data/batching.py splits the budget)
     batch = _packed_like(capacity, cfg.data.max_len, model_cfg.vocab_size, pack_batch)
-    with _all_configs(autotune), _env(FASTMT_NORM_BACKEND="triton"), torch.autocast("cpu", dtype=torch.bfloat16):
+    with _all_configs(autotune):
+        _train_step(model, batch)
+
+
+def _train_step(model, batch: dict) -> None:
+    with _env(FASTMT_NORM_BACKEND="triton"), torch.autocast("cpu", dtype=torch.bfloat16):
         hidden = model(**{k: v for k, v in batch.items() if k not in ("tgt_out", "real_pairs")}, return_hidden=True)
         hidden.float().sum().backward()
+
+
+PIN_PRESETS = ("fast",)  # the presets whose first step runs our kernels on the GPU (s18/s16 keep autotuning)
+MEAN_BUCKETS = (8, 16, 32, 64, 128, 256)  # every mean-segment-length bucket of the stream kernels' key (data-made)
+
+
+def pin_table(arch: int = 90, presets: tuple[str, ...] = PIN_PRESETS) -> dict:
+    """{kernel name: {launch key text: config}} for every launch of each preset's first training step (on CPU
+    tensors under ``compile_only``, nothing compiled): the first config the kernel's pruner keeps, marked
+    "unmeasured" (no GPU run recorded its tuning yet). The stream attention kernels get every mean-length bucket:
+    the corpus decides which one a run meets."""
+    import dataclasses
+
+    from kernels import _utils
+    from models import Transformer
+    from tests.utils import pack_batch
+    from train.config import get_config
+
+    table: dict[str, dict[str, dict]] = {}
+
+    def record(kernel, grid, key, *args, **kwargs):
+        first = _utils.pruned_configs(kernel, args, kwargs)[0]
+        name = kernel.base_fn.__name__
+        keys = [(*key[:2], m, *key[3:]) for m in MEAN_BUCKETS] if name.startswith("_stream_attention") else [key]
+        for k in keys:
+            table.setdefault(name, {})[_utils.key_text(k)] = {
+                "kwargs": dict(first.kwargs), "num_warps": first.num_warps, "num_stages": first.num_stages,
+                "source": "unmeasured"}
+
+    for preset in presets:
+        cfg = get_config(preset)
+        model_cfg = dataclasses.replace(cfg.model, attn_backend="triton", dropout=0.0)
+        batch = _packed_like(cfg.data.max_tokens // 2, cfg.data.max_len, model_cfg.vocab_size, pack_batch)
+        with compile_only(arch), rebound(_utils.launch, record):
+            _train_step(Transformer(model_cfg), batch)
+    return {name: dict(sorted(keys.items())) for name, keys in sorted(table.items())}
+
+
+_PIN_HEADER = '''"""Pinned autotune configs: per GPU architecture (compute capability x10), kernel and launch key
+(``kernels._utils.key_text``), the config a first launch takes without timing any (``kernels._utils.launch``;
+``FASTMT_AUTOTUNE=full`` ignores them, ``FASTMT_AUTOTUNE=0`` takes the pruner's first config everywhere).
+
+Generated by ``python -m bench.aot --pin-table kernels/pinned.py`` from the launches of the first training step of
+the presets {presets}. "source": where a value comes from. "unmeasured": the config the kernel's pruner puts first
+(what ``FASTMT_AUTOTUNE=0`` takes), not a timing; no GPU run has recorded its tuning yet. To measure: a GPU run
+with ``FASTMT_AUTOTUNE=full``, then copy ``kernels._utils.TUNING_LOG``'s "best" per key here, with its run in "source".
+"""
+
+'''
+
+
+def write_pin_table(path: Path, arch: int = 90) -> dict:
+    """Write kernels/pinned.py: ``pin_table(arch)`` as a Python literal (review the diff; keep measured rows)."""
+    table = pin_table(arch)
+    header = _PIN_HEADER.format(presets=list(PIN_PRESETS))
+    lines = ["PINNED = {  # arch -> kernel -> launch key -> config", f"    {arch}: {{"]
+    for name, keys in table.items():
+        lines.append(f"        {name!r}: {{")
+        lines += [f"            {key!r}: {json.dumps(entry)}," for key, entry in keys.items()]
+        lines.append("        },")
+    body = "\n".join(lines + ["    },", "}", ""])
+    path.write_text(header + body)
+    return table
 
 
 def _packed_like(capacity: int, max_len: int, vocab: int, pack_batch) -> dict:
@@ -298,7 +349,8 @@ def plan_kernel_test() -> None:
                         p = torch.empty(n)
                         lion_step_triton(p, torch.empty(n, dtype=grad_dtype), torch.empty(n), lr, lr_t,
                                          0.9, 0.99, 0.1, flag)
-    with _all_configs(True):  # test_gpu_autotuned_matches (both tilings): the autotuner times every pruned config
+    with _env(FASTMT_AUTOTUNE="full"), _all_configs(True):  # test_gpu_autotuned_matches (both tilings): the
+        # autotuner times every pruned config, pinned keys too
         padded("B2-H4-Tq300-Tk77", 64, torch.bfloat16, True, True)
         packed("decoder-causal", 64, torch.bfloat16, 3)
     with _env(FASTMT_AUTOTUNE="0", TRITON_INTERPRET="0"):
@@ -373,8 +425,9 @@ def _env(**values):
 
 @contextlib.contextmanager
 def _all_configs(enabled: bool):
-    """``kernels._utils.launch`` compiling every config the kernel's pruner keeps (what the Autotuner
-    compiles when it times them) instead of tuning; off: the first one (``FASTMT_AUTOTUNE=0``)."""
+    """``kernels._utils.launch`` compiling what a GPU's first launch of the key compiles: the pinned config
+    (kernels/pinned.py), else every config the kernel's pruner keeps (what the Autotuner compiles when it times
+    them; all of them with ``FASTMT_AUTOTUNE=full``); off: the first one (``FASTMT_AUTOTUNE=0``)."""
     from kernels import _utils
 
     if not enabled:
@@ -382,8 +435,8 @@ def _all_configs(enabled: bool):
             yield
         return
     def every_config(kernel, grid, key, *args, **kwargs):
-        for config in _utils.pruned_configs(kernel, args, kwargs):
-            meta = config.all_kwargs()
+        policy = os.environ.get(_utils.AUTOTUNE_ENV, "1").strip()
+        for meta in _utils._configs_to_compile(kernel, key, policy, args, kwargs):
             kernel.fn.run(*args, grid=grid(meta), warmup=True, **kwargs, **meta)
 
     with rebound(_utils.launch, every_config):
@@ -445,7 +498,13 @@ def main(argv=None) -> int:
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10 (90: H100/H200)")
     p.add_argument("--out", help="cache directory to fill (TRITON_CACHE_DIR); default: a temporary one")
     p.add_argument("--json", help="write the units per plan here")
+    p.add_argument("--pin-table", metavar="PATH", help="write the pinned-config table (kernels/pinned.py) and exit")
     args = p.parse_args(argv)
+    if args.pin_table:
+        table = write_pin_table(Path(args.pin_table), args.arch)
+        print(f"{args.pin_table}: {sum(map(len, table.values()))} pinned keys for sm_{args.arch}: "
+              f"{ {k: len(v) for k, v in table.items()} }")
+        return 0
     if args.check:
         try:
             built = json.loads(Path(args.check).read_text())

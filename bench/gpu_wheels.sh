@@ -31,7 +31,8 @@
 #   GPU_AOT            1 (default): also compile our Triton kernels for sm_90 here (bench/aot.py) into
 #                      .whl/triton-aot-sm90.tgz, which bench/gpu_run.sh unpacks into the Triton cache: the plans
 #                      "kernel-test" (packet 1's kernel tests) and "train" (the `fast` preset's first step: the
-#                      kernels, constexprs and autotuned configs packet 3's headline cases launch); packet 1's
+#                      kernels, constexprs and configs packet 3's headline cases launch: kernels/pinned.py's
+#                      pinned config per pinned key, every pruned config elsewhere); packet 1's
 #                      training itself stays cold (the cache is unpacked after it). Needs python3.12 (the GPU
 #                      image's CPython: Triton's cache key hashes libtriton, which differs per CPython build);
 #                      the first time it builds .cache/aot-py312 with torch 2.11 + triton 3.6 (~5 GB of

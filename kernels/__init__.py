@@ -9,11 +9,15 @@ Public API (imported lazily: ``import kernels`` loads neither torch nor triton):
 - ``LayerNorm``: the ``nn.Module`` form of ``layer_norm``.
 - ``lion_step(param, grad, exp_avg, *, lr, beta1, beta2, weight_decay, found_inf=None)``: one fused,
   in-place Lion update of a flat fp32 buffer; ``Lion``: the ``torch.optim.Optimizer`` around it.
+- ``warm_compile(step)``: during a run's setup, compile (in worker processes, in the background) every kernel
+  of ours one forward + backward launches; a no-op without CUDA (kernels/tuning.py).
 
 Every public function takes ``backend=`` (one of the tuples below); the environment variables
 ``FASTMT_ATTN_BACKEND`` / ``FASTMT_NORM_BACKEND`` / ``FASTMT_LION_BACKEND`` override "auto" for
 benchmarks and ablations, ``FASTMT_ATTN_TILING`` picks attention's Triton tiling and
-``FASTMT_AUTOTUNE=0`` launches every autotuned kernel untimed (``kernels._utils.launch``).
+``FASTMT_AUTOTUNE=0`` launches every autotuned kernel untimed with its first config; by default a key that
+kernels/pinned.py pins for this GPU launches its pinned config untimed and other keys autotune once, and
+``FASTMT_AUTOTUNE=full`` autotunes every key (``kernels._utils.launch``).
 Files and their common layout: docs/ARCHITECTURE.md.
 """
 
@@ -36,6 +40,7 @@ _EXPORTS = {
     "lion_step": "kernels.lion",
     "lion_step_reference": "kernels.lion",
     "Lion": "kernels.lion",
+    "warm_compile": "kernels.tuning",
 }
 
 __all__ = sorted(_EXPORTS) + ["ATTN_BACKENDS", "ATTN_HEAD_DIMS", "LION_BACKENDS", "NORM_BACKENDS"]

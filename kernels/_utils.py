@@ -13,7 +13,7 @@ from triton.runtime.autotuner import Autotuner
 
 LOG2E = 1.4426950408889634  # log2(e): the attention kernels' online softmax runs in base 2
 LOG2E_C = tl.constexpr(LOG2E)  # the same, as a constant @triton.jit functions may read
-AUTOTUNE_ENV = "FASTMT_AUTOTUNE"  # "0": every launch takes the kernel's first fitting config, untimed
+AUTOTUNE_ENV = "FASTMT_AUTOTUNE"  # "0": first fitting config, untimed; "full": tune even pinned keys; else pins
 
 
 def interpreting() -> bool:
@@ -96,6 +96,38 @@ def autotune(configs: list[triton.Config], key: list[str], *, interpret_config: 
 
 _CHOSEN: dict[Autotuner, dict[tuple, dict]] = {}  # kernel -> launch key -> the chosen config's kwargs
 TUNING_LOG: list[dict] = []  # per (kernel, Autotuner key) this process tuned: seconds, configs, best
+COLLECTING: list[bool] = []  # non-empty inside kernels.tuning.warm_compile's collection: compile, never launch
+_ARCH: list[int | None] = []  # the GPU's compute capability x10 (cached), or bench/aot.py's target when set
+
+
+def device_arch() -> int | None:
+    """Compute capability x10 of the current CUDA device (90: H100/H200), None without one. bench/aot.py's
+    compile-only driver sets its target here, so that a CPU machine picks the configs a GPU run would."""
+    if not _ARCH:
+        _ARCH.append(torch.cuda.get_device_capability()[0] * 10 + torch.cuda.get_device_capability()[1]
+                     if torch.cuda.is_available() and not interpreting() else None)
+    return _ARCH[-1]
+
+
+def key_text(key: tuple) -> str:
+    """A launch key as the pinned-config tables spell it: "512,1,bfloat16,float32,float32,None"."""
+    return ",".join(str(k).removeprefix("torch.") for k in key)
+
+
+def pinned_config(kernel: Autotuner, key: tuple) -> dict | None:
+    """The pinned config of (kernel, launch key) on this GPU (kernels/pinned.py), as launch kwargs; None when the
+    table has no entry for this architecture and key, or its entry is not one of the kernel's configs."""
+    from kernels.pinned import PINNED
+
+    table = PINNED.get(device_arch())
+    entry = table.get(kernel.base_fn.__name__, {}).get(key_text(key)) if table else None
+    if entry is None:
+        return None
+    for config in kernel.configs:
+        if (config.kwargs, config.num_warps, config.num_stages) == (entry["kwargs"], entry["num_warps"],
+                                                                    entry["num_stages"]):
+            return config.all_kwargs()
+    return None
 
 
 def launch(kernel: Autotuner, grid, key: tuple, *args, **kwargs) -> None:
@@ -103,19 +135,31 @@ def launch(kernel: Autotuner, grid, key: tuple, *args, **kwargs) -> None:
 
     ``grid(meta) -> tuple`` reads the tuned meta-parameters (e.g. ``meta["BLOCK_M"]``). ``key`` is a
     hashable that determines the Autotuner's key (its key arguments and the tensors' dtypes); it may
-    be finer. The first call for a ``key`` goes through the Autotuner, which times the pruned configs
-    once per Autotuner key per process (recorded in ``TUNING_LOG``); later calls launch the JIT
-    function directly with the config it chose, skipping the Autotuner's per-call argument
-    dictionaries and key building. ``FASTMT_AUTOTUNE=0`` (read per call) times nothing: each launch
+    be finer. The first call for a ``key`` takes its pinned config when kernels/pinned.py has one for this GPU
+    (nothing timed, one compile); otherwise it goes through the Autotuner, which times the pruned configs
+    once per Autotuner key per process (recorded in ``TUNING_LOG``). Later calls launch the JIT
+    function directly with the config chosen, skipping the Autotuner's per-call argument
+    dictionaries and key building. ``FASTMT_AUTOTUNE`` (read per call): "0" times nothing, each launch
     takes the first config the kernel's pruner keeps (quick starts; test grids that would otherwise
-    compile and time every config of every case).
+    compile and time every config of every case); "full" ignores the pins and tunes every key (to measure
+    new pins). Inside ``kernels.tuning.warm_compile``'s collection a launch compiles what it would run and
+    launches nothing.
     """
-    if os.environ.get(AUTOTUNE_ENV, "1").strip() == "0":
+    policy = os.environ.get(AUTOTUNE_ENV, "1").strip()
+    if COLLECTING:
+        for meta in _configs_to_compile(kernel, key, policy, args, kwargs):
+            kernel.fn.run(*args, grid=grid(meta), warmup=True, **kwargs, **meta)
+        return
+    if policy == "0":
         meta = _first_config(kernel, args, kwargs)
         kernel.fn.run(*args, grid=grid(meta), warmup=False, **kwargs, **meta)
         return
     chosen = _CHOSEN.get(kernel)
     meta = chosen.get(key) if chosen is not None else None
+    if meta is None and policy != "full" and len(kernel.configs) > 1:  # the interpreter has one config
+        meta = pinned_config(kernel, key)
+        if meta is not None:
+            _CHOSEN.setdefault(kernel, {})[key] = meta
     if meta is not None:
         kernel.fn.run(*args, grid=grid(meta), warmup=False, **kwargs, **meta)
         return
@@ -130,6 +174,17 @@ def launch(kernel: Autotuner, grid, key: tuple, *args, **kwargs) -> None:
             "seconds": getattr(kernel, "bench_time", None), "best": str(config),
         })
     _CHOSEN.setdefault(kernel, {})[key] = config.all_kwargs()
+
+
+def _configs_to_compile(kernel: Autotuner, key: tuple, policy: str, args: tuple, kwargs: dict) -> list[dict]:
+    """What the first launch of (kernel, key) compiles under ``policy``: the first pruned config ("0"), the
+    pinned one, or every pruned config (the Autotuner compiles each to time it)."""
+    if policy == "0":
+        return [_first_config(kernel, args, kwargs)]
+    pinned = pinned_config(kernel, key) if policy != "full" else None
+    if pinned is not None:
+        return [pinned]
+    return [c.all_kwargs() for c in pruned_configs(kernel, args, kwargs)]
 
 
 def _first_config(kernel: Autotuner, args: tuple, kwargs: dict) -> dict:

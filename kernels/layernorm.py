@@ -39,7 +39,7 @@ import triton.language as tl
 from torch import nn
 
 from kernels import NORM_BACKENDS
-from kernels._utils import empty, launch, poison_enabled, resolve_backend, triton_usable
+from kernels._utils import empty, interpreting, launch, poison_enabled, resolve_backend, triton_usable
 from kernels.layernorm_tiles import BWD_TILES, FWD_TILES, block_n, layer_norm_autotune
 
 ACTIVATIONS = (None, "gelu", "gelu_tanh")
@@ -51,6 +51,7 @@ _SQRT1_2 = tl.constexpr(0.7071067811865476)  # 1 / sqrt(2)
 _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)  # 1 / sqrt(2 pi)
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
 _GELU_TANH_C = tl.constexpr(0.044715)
+_ROUNDED_PRODUCTS = tl.constexpr(not interpreting())  # inline PTX does not run under the interpreter
 
 
 # ----------------------------------------------------------------------------------------------
@@ -116,6 +117,18 @@ def _activation_grad(z, ACTIVATION: tl.constexpr):
         return tl.sigmoid(2.0 * u) + 2.0 * z * du * tl.sigmoid(2.0 * u) * tl.sigmoid(-2.0 * u)
 
 
+@triton.jit
+def _mul_rn(a, b):
+    """a * b in fp32, rounded by itself: a product the compiler may not contract into an fma with a later add
+    or subtract (on the GPU LLVM and ptxas contract a plain ``*`` followed by ``-``; numpy never does)."""
+    if _ROUNDED_PRODUCTS:
+        # mul.rn.f32: an explicit rounding mode is never fused (PTX ISA, "mul"); no ftz, unlike libdevice's
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return a * b
+
+
 @layer_norm_autotune(16, key=["N", "HAS_RESIDUAL"], limits=FWD_TILES)
 @triton.jit(do_not_specialize=["M"])  # the row count bounds a mask along rows: one compile for every M
 def _layer_norm_fwd_kernel(
@@ -153,8 +166,8 @@ def _layer_norm_fwd_kernel(
         tl.store(S_ptr + rows64[:, None] * stride_s_row + cols[None, :], s, mask=mask)
         x = s.to(tl.float32)  # normalise exactly the s the backward will read
 
-    # IEEE division (div_rn): Triton's fp32 `/` is the GPU's approximate div.full.f32 (2 ulp). Tried against the
-    # one-column dx error seen on the H200 (2026-11-27), which persists with it: open (bench/results/*layernorm-n1)
+    # IEEE division (div_rn): Triton's fp32 `/` is the GPU's approximate div.full.f32 (2 ulp). (Not the cause of
+    # the one-column dx error on the H200, 2026-11-27: that was a contracted product in the backward, see _mul_rn.)
     mean = tl.math.div_rn(tl.sum(x, axis=1), N * 1.0)  # (ROWS,) fp32
     xc = tl.where(mask, x - mean[:, None], 0.0)
     var = tl.math.div_rn(tl.sum(xc * xc, axis=1), N * 1.0)  # two-pass variance: the row is in registers anyway
@@ -228,8 +241,11 @@ def _layer_norm_bwd_kernel(
         dw_acc += dz * x_hat
         db_acc += dz
 
-        # ds = rstd * (g - mean(g) - x_hat * mean(g * x_hat)),  g = dz * w
-        g = dz * w[None, :]
+        # ds = rstd * (g - mean(g) - x_hat * mean(g * x_hat)),  g = dz * w.
+        # g is rounded by itself (mul.rn): contracted into fma(dz, w, -mean(g)), g - mean(g) was the product's
+        # rounding error instead of 0 where g equals its mean (one column: dx errors up to 6e-5 on the H200, rstd
+        # = 1/sqrt(eps) ~ 316 amplifying it). tests/kernels/test_layernorm_codegen.py checks the PTX.
+        g = _mul_rn(dz, w[None, :])
         c_g = tl.math.div_rn(tl.sum(g, axis=1), N * 1.0)  # IEEE division, as in the forward
         c_gx = tl.math.div_rn(tl.sum(g * x_hat, axis=1), N * 1.0)
         dx = (g - c_g[:, None] - x_hat * c_gx[:, None]) * rstd[:, None]

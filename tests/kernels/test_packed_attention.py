@@ -362,6 +362,6 @@ def test_gpu_every_config_is_correct(poison, monkeypatch, index):
 
 @pytest.mark.gpu
 def test_gpu_autotuned_matches(poison, monkeypatch):
-    monkeypatch.delenv("FASTMT_AUTOTUNE", raising=False)
+    monkeypatch.setenv("FASTMT_AUTOTUNE", "full")  # the decoder's shape has pinned configs (kernels/pinned.py)
     inputs, kernel, reference = _gpu_packed_case("decoder-causal", 64, BF16, seed=3)
     _check_against_reference(kernel, reference, *inputs)
