@@ -660,7 +660,7 @@ def _run(a: argparse.Namespace) -> int:
     elif a.cmd == "hash":
         print(code_hash(BY_NAME[a.packet]))
     elif a.cmd == "next":
-        nxt = next_packet(read_records(a.records))
+        nxt = next_packet(read_records(a.records), ROOT)
         if nxt is None:
             print("every packet has a landed result for the current code")
         else:
@@ -676,7 +676,7 @@ def _run(a: argparse.Namespace) -> int:
         a.out.write_text(json.dumps(rec, indent=1, sort_keys=True) + "\n")
         print(f"packet record: {a.out} (complete {rec['complete']}, clean {rec['clean']})")
     elif a.cmd == "land":
-        print(land(a.dir))
+        print(land(a.dir, root=ROOT))
     elif a.cmd == "last-run":
         run = last_run(read_records(a.records, warn=False), a.packet)
         if run is None:
