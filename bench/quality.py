@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -126,8 +127,8 @@ def done_split(run: Path) -> dict[str, float | None]:
 
 
 def _median(values: Sequence[Any]) -> float | None:
-    nums = sorted(float(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v))
-    return nums[len(nums) // 2] if nums else None
+    nums = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+    return statistics.median(nums) if nums else None
 
 
 def run_numbers(epochs: Sequence[dict[str, Any]], summ: dict[str, Any],
