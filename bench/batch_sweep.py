@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--settings", help="TOKENS:LR:WARMUP,... (default: 4096:5e-4:250,4096:1e-3:400; smoke: "
                                       f"{SMOKE_SETTINGS})")
     p.add_argument("--budget-s", type=float, help="wall seconds per setting (default 105; smoke 3)")
-    p.add_argument("--grace-s", type=float, help="extra seconds before a setting is killed (default 15; smoke 60)")
+    p.add_argument("--grace-s", type=float, help="extra seconds before a setting is killed (default 15; smoke 120)")
     p.add_argument("--work-dir", type=Path, help="parent of the run folders (default runs/; smoke: a temp dir)")
     return p
 
@@ -135,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     toy = a.smoke and not a.data_files
     files = [str(Path(f).resolve()) for f in files]  # the settings run from the repo root
     budget = a.budget_s if a.budget_s is not None else (3.0 if a.smoke else 105.0)
-    grace = a.grace_s if a.grace_s is not None else (60.0 if a.smoke else 15.0)
+    grace = a.grace_s if a.grace_s is not None else (120.0 if a.smoke else 15.0)
     if not budget > 0 or grace < 0:
         p.error(f"--budget-s {budget} must be > 0 and --grace-s {grace} >= 0")
     work = F.work_dir(a, "fastmt-batch-sweep-")

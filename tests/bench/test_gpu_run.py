@@ -187,7 +187,8 @@ def test_the_aot_plan_replays_the_kernel_test_steps_selection(tmp_path):
     words = show("kernel-test", "packet1")
     rc_plan, plan = collect(json.loads(out.stdout.strip().splitlines()[-1]))
     rc_step, step = collect(pytest_args(words, tmp_path / "k.xml"))
-    assert rc_plan == rc_step == 0 and [n for n, _, _ in plan] == [n for n, _, _ in step]
+    # the same tests (the step runs the LayerNorm N=1 cases first; the order of compiling does not matter)
+    assert rc_plan == rc_step == 0 and sorted(n for n, _, _ in plan) == sorted(n for n, _, _ in step)
     assert "FASTMT_AUTOTUNE=0" in words  # the plan's autotune setting
 
 
