@@ -10,7 +10,7 @@
 #                                             same split, same wall budget, compared with packet 1's run
 #   bash bench/gpu_run.sh next                the first packet with no landed result for the current code
 #   bash bench/gpu_run.sh plan                every packet's steps and limits, the session's arithmetic (900 s)
-#   bash bench/gpu_run.sh PACKET|STEP ...     any packet (packet1..packet10) or step on its own
+#   bash bench/gpu_run.sh PACKET|STEP ...     any packet (`plan` lists them) or step on its own
 #   bash bench/gpu_run.sh show STEP [PACKET]  the step's command, one word per line (what a test collects)
 #   GPU_RUN_REHEARSAL=1 bash bench/gpu_run.sh packet1   the rehearsal on a CPU machine: every step in its smoke
 #                                             form (the train step compiled with Inductor on the CPU, the `fast`
@@ -22,14 +22,20 @@
 #   train             python3 -m train --auto --run.max_wall_seconds <limit - 35>: `make train`'s run, truly cold
 #                     (empty Triton and Inductor caches; the AOT cache is unpacked by the later `aot` step), with
 #                     nvidia-smi sampling the GPU's utilization beside it
-#   quality           python3 -m bench.quality: the run's time-to-BLEU record and numbers (compile s, steps/s,
-#                     tokens/s, recompiles after warm-up, graph breaks, GPU busy share, peak memory); exits 1 on
-#                     a recompile after warm-up or a graph break
+#   quality           python3 -m bench.quality --add-thresholds 10,15: the run's time-to-BLEU record and numbers
+#                     (the wall split setup/compile/train/eval/checkpoints, step ms, host ms a step, MFU, graphs a
+#                     step, GPU busy share, steps/s, tokens/s, recompiles after warm-up, graph breaks, peak memory;
+#                     null where the run did not record one); exits 1 on a recompile after warm-up or a graph break
 #   aot               unpack .whl/triton-aot-sm90.tgz into the Triton cache and check its keys (bench.aot --check)
-#   kernel-test       pytest of bench.packets.kernel_test_files(), -m "not slow": the training path's kernels
-#                     first, Lion after them, no CPU-only test; each outcome streamed to a file as it finishes
+#   kernel-test       pytest of bench.packets.kernel_test_files(), -m "not slow": the LayerNorm N=1 cases first
+#                     (bench.packets.KERNEL_TESTS_FIRST), then the training path's kernels, Lion after them, no
+#                     CPU-only test; each outcome streamed to a file as it finishes
 #   peers             python3 -m bench.peers --preset fast --max-wall-seconds <packet 1's train budget>
 #   compare           python3 -m bench.quality --compare: BLEU at equal wall time, seconds to common thresholds
+#   train-cold, train-warm  the compile-warm packet: `train`'s job cut short (--run.max_steps), twice in one call,
+#                     the second with the caches the first filled: compile seconds cold and warm (issue 43)
+#   peers-eole        python3 -m bench.peers --peer eole: eole on the same split, its own recipe (issue 44)
+#   batch-sweep       python3 -m bench.batch_sweep: tokens a step x lr/warm-up, seconds to BLEU 15 and 20 (issue 42)
 #   bench-kernels, frontier, profile, ladder, sweep, kernel-test-slow, inference: the queue's benchmarks
 #
 # Each step runs under its own time limit and log, in its own process group, and the script goes on after
@@ -40,7 +46,8 @@
 #                      run's logs (runs/gpu_run/<id>/), runs/*/metrics.jsonl, provenance.json and *.png (files
 #                      over 2 MiB left out past 15 MiB)
 #   $OUT/summary.txt   setup facts, one line per step, the packet's record (every number), the tails of the logs
-# and the script checks that $OUT is within what a device call brings back (bench.packets check-out).
+# and the script checks that $OUT is within what a device call brings back (bench.packets check-out). An OUT it
+# cannot write (a file, a link to nothing, a folder it cannot make or write) is refused before any step (exit 2).
 # Without $OUT (by hand), both land in runs/gpu_run/.
 #
 # Environment: PYTHON (default python3; .venv/bin/python in a rehearsal); GPU_RUN_DEADLINE_S;
