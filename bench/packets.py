@@ -480,7 +480,7 @@ def land(call_dir: Path, root: Path = ROOT, records: Path | None = None) -> Path
     <packet>/`` and append its packet records (``packet-record.json`` files in it) to ``bench/results/packets.jsonl``.
     Returns the folder. Nothing outside ``bench/results/`` is written; an existing folder is never overwritten;
     anything refused (see the module's docstring) is refused before anything lands."""
-    from data.files import append_text, check_inside, open_read, read_json
+    from data.files import append_text, check_inside, open_read, parse_json, read_text
 
     tgz = call_dir / "results.tgz"
     if not call_dir.is_dir():
@@ -503,7 +503,7 @@ def land(call_dir: Path, root: Path = ROOT, records: Path | None = None) -> Path
         names = _unpack(tgz, call_dir, stage)
         recs = []
         for name in sorted(n for n in names if n.split("/")[-1] == "packet-record.json"):
-            rec = read_json(stage / name, "packet record", inside=stage)
+            rec = parse_json(read_text(stage / name, "packet record", inside=stage), f"{tgz}: {name}", "packet record")
             problem = record_problem(rec)
             if problem:
                 raise PacketError(f"{tgz}: {name}: {problem}: not a runbook's record; nothing was landed")
