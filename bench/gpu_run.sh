@@ -289,7 +289,11 @@ step_command() {  # fills CMD for step $1 of packet $2 ("-": on its own) given i
             mentions --preset "${extra[@]}" "${smoke[@]}" || mine+=(--preset fast)
             mentions --data-files "${extra[@]}" || mentions --data.dataset "${extra[@]}" "${smoke[@]}" \
                 || mine+=("${data_arg[@]}")
-            CMD=("$PY" -m bench.peers --peer eole "${mine[@]}" --max-wall-seconds "$((limit > 60 ? limit - 40 : limit / 2))"
+            local peers_path=()  # eole's wheels (make gpu-wheels GPU_WHEELS_PEERS=1), installed for this step only
+            [[ -n $(compgen -G ".whl/peers/*.whl") ]] \
+                && peers_path=(env "PYTHONPATH=${SCRATCH:-<scratch>}/site-peers${PYTHONPATH:+:$PYTHONPATH}")
+            CMD=("${peers_path[@]}" "$PY" -m bench.peers --peer eole "${mine[@]}"
+                 --max-wall-seconds "$((limit > 60 ? limit - 40 : limit / 2))"
                  --name "eole-$RUN_ID" --out-dir "$WORK/runs" "${own[@]}" "${smoke[@]}" "${extra[@]}") ;;
         batch-sweep)  # issue 42: tokens a step x lr/warm-up, seconds to valid BLEU 15 and 20 (bench/batch_sweep.py)
             words extra "${BATCH_SWEEP_ARGS:-}"
@@ -551,6 +555,12 @@ run_step() {  # run_step PACKET STEP LATER: LATER = the minimum shares of the st
         STATUS[$key]=ok
         SECS[$key]=$((SECONDS - t0))
         return
+    fi
+    if [[ $step == peers-eole && -n $(compgen -G ".whl/peers/*.whl") ]]; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SCRATCH/site-peers" \
+            .whl/peers/*.whl >"$WORK/$LOGDIR/setup-pip-peers.log" 2>&1 \
+            && log "installed $(ls .whl/peers/*.whl | wc -l) wheels of .whl/peers into $SCRATCH/site-peers for $key" \
+            || log "WARNING: installing .whl/peers/*.whl failed (setup-pip-peers.log)"
     fi
     step_command "$step" "$packet" "$limit"
     log "START $key (limit ${limit}s): ${CMD[*]}"
