@@ -10,7 +10,7 @@
 #                                             same split, same wall budget, compared with packet 1's run
 #   bash bench/gpu_run.sh next                the first packet with no landed result for the current code
 #   bash bench/gpu_run.sh plan                every packet's steps and limits, the session's arithmetic (900 s)
-#   bash bench/gpu_run.sh PACKET|STEP ...     any packet (packet1..packet10) or step on its own
+#   bash bench/gpu_run.sh PACKET|STEP ...     any packet (`plan` lists them) or step on its own
 #   bash bench/gpu_run.sh show STEP [PACKET]  the step's command, one word per line (what a test collects)
 #   GPU_RUN_REHEARSAL=1 bash bench/gpu_run.sh packet1   the rehearsal on a CPU machine: every step in its smoke
 #                                             form (the train step compiled with Inductor on the CPU, the `fast`
@@ -22,14 +22,20 @@
 #   train             python3 -m train --auto --run.max_wall_seconds <limit - 35>: `make train`'s run, truly cold
 #                     (empty Triton and Inductor caches; the AOT cache is unpacked by the later `aot` step), with
 #                     nvidia-smi sampling the GPU's utilization beside it
-#   quality           python3 -m bench.quality: the run's time-to-BLEU record and numbers (compile s, steps/s,
-#                     tokens/s, recompiles after warm-up, graph breaks, GPU busy share, peak memory); exits 1 on
-#                     a recompile after warm-up or a graph break
+#   quality           python3 -m bench.quality --add-thresholds 10,15: the run's time-to-BLEU record and numbers
+#                     (the wall split setup/compile/train/eval/checkpoints, step ms, host ms a step, MFU, graphs a
+#                     step, GPU busy share, steps/s, tokens/s, recompiles after warm-up, graph breaks, peak memory;
+#                     null where the run did not record one); exits 1 on a recompile after warm-up or a graph break
 #   aot               unpack .whl/triton-aot-sm90.tgz into the Triton cache and check its keys (bench.aot --check)
-#   kernel-test       pytest of bench.packets.kernel_test_files(), -m "not slow": the training path's kernels
-#                     first, Lion after them, no CPU-only test; each outcome streamed to a file as it finishes
+#   kernel-test       pytest of bench.packets.kernel_test_files(), -m "not slow": the LayerNorm N=1 cases first
+#                     (bench.packets.KERNEL_TESTS_FIRST), then the training path's kernels, Lion after them, no
+#                     CPU-only test; each outcome streamed to a file as it finishes
 #   peers             python3 -m bench.peers --preset fast --max-wall-seconds <packet 1's train budget>
 #   compare           python3 -m bench.quality --compare: BLEU at equal wall time, seconds to common thresholds
+#   train-cold, train-warm  the compile-warm packet: `train`'s job cut short (--run.max_steps), twice in one call,
+#                     the second with the caches the first filled: compile seconds cold and warm (issue 43)
+#   peers-eole        python3 -m bench.peers --peer eole: eole on the same split, its own recipe (issue 44)
+#   batch-sweep       python3 -m bench.batch_sweep: tokens a step x lr/warm-up, seconds to BLEU 15 and 20 (issue 42)
 #   bench-kernels, frontier, profile, ladder, sweep, kernel-test-slow, inference: the queue's benchmarks
 #
 # Each step runs under its own time limit and log, in its own process group, and the script goes on after
@@ -40,13 +46,14 @@
 #                      run's logs (runs/gpu_run/<id>/), runs/*/metrics.jsonl, provenance.json and *.png (files
 #                      over 2 MiB left out past 15 MiB)
 #   $OUT/summary.txt   setup facts, one line per step, the packet's record (every number), the tails of the logs
-# and the script checks that $OUT is within what a device call brings back (bench.packets check-out).
+# and the script checks that $OUT is within what a device call brings back (bench.packets check-out). An OUT it
+# cannot write (a file, a link to nothing, a folder it cannot make or write) is refused before any step (exit 2).
 # Without $OUT (by hand), both land in runs/gpu_run/.
 #
 # Environment: PYTHON (default python3; .venv/bin/python in a rehearsal); GPU_RUN_DEADLINE_S;
 # LIMIT_<STEP> (seconds, e.g. LIMIT_KERNEL_TEST); extra arguments, as shell words (quotes kept):
 # KERNEL_TEST_ARGS, BENCH_KERNELS_ARGS, TRAIN_ARGS, PEERS_ARGS, PROFILE_ARGS, FRONTIER_ARGS, LADDER_ARGS,
-# SWEEP_ARGS, INFERENCE_ARGS; FASTMT_GIT_SHA: the commit, recorded in results when the copy on the machine
+# SWEEP_ARGS, INFERENCE_ARGS, BATCH_SWEEP_ARGS; FASTMT_GIT_SHA: the commit, recorded in results when the copy on the machine
 # has no .git.
 set -uo pipefail
 {  # the whole script is read before any of it runs: an edit of this file during a run cannot change the run
@@ -81,6 +88,7 @@ words() {  # words NAME VALUE: the shell words of VALUE (quotes kept, nothing ex
 declare -A PACKET_STEPS=() PACKET_S=() STEP_ARGS=() STEP_LIMIT=() DEFAULT_LIMIT=()
 PACKETS=()
 KTEST_FILES=()
+KTEST_FIRST=()
 TRAIN_RESERVE_S=35
 SETUP_S=25
 table=$("$PY" -m bench.packets table) || { echo "gpu_run: python3 -m bench.packets table failed (with $PY)" >&2; exit 2; }
@@ -91,6 +99,7 @@ while IFS= read -r line; do
         STEP) PACKET_STEPS[$a]+="$b "; STEP_LIMIT[$a:$b]=$c; STEP_ARGS[$a:$b]=$rest ;;
         LIMIT) DEFAULT_LIMIT[$a]=$b ;;
         KTEST) read -r -a KTEST_FILES <<<"${line#KTEST }" ;;
+        KFIRST) read -r -a KTEST_FIRST <<<"${line#KFIRST }" ;;
         RESERVE) TRAIN_RESERVE_S=$b ;;
     esac
 done <<<"$table"
@@ -138,7 +147,7 @@ while (($#)); do
             fi ;;
     esac
 done
-for var in KERNEL_TEST_ARGS BENCH_KERNELS_ARGS TRAIN_ARGS PEERS_ARGS PROFILE_ARGS FRONTIER_ARGS LADDER_ARGS SWEEP_ARGS INFERENCE_ARGS; do
+for var in KERNEL_TEST_ARGS BENCH_KERNELS_ARGS TRAIN_ARGS PEERS_ARGS PROFILE_ARGS FRONTIER_ARGS LADDER_ARGS SWEEP_ARGS INFERENCE_ARGS BATCH_SWEEP_ARGS; do
     # before anything runs: a value the shell could not split (an open quote) would otherwise lose its words
     "$PY" -c 'import shlex, sys; shlex.split(sys.argv[1])' "${!var:-}" 2>/dev/null \
         || { echo "gpu_run: $var=${!var} is not valid shell words (an unclosed quote?): fix its quoting" >&2; exit 2; }
@@ -200,26 +209,8 @@ latest_run() {  # latest_run PREFIX: the newest runs/PREFIX-* folder with a metr
     echo "${best%/}"
 }
 
-committed_packet1_run() {  # the run folder of the newest landed packet1 (bench/results/packets.jsonl)
-    "$PY" - "$ROOT" <<'EOF'
-import json, sys
-from pathlib import Path
-root = Path(sys.argv[1])
-try:
-    lines = (root / "bench/results/packets.jsonl").read_text().splitlines()
-except OSError:
-    lines = []
-for line in reversed(lines):
-    try:
-        rec = json.loads(line)
-    except ValueError:
-        continue
-    if rec.get("packet") == "packet1" and rec.get("results"):
-        runs = sorted((root / rec["results"]).glob("runs/default-*/metrics.jsonl"))
-        if runs:
-            print(runs[-1].parent)
-            break
-EOF
+committed_packet1_run() {  # the run folder of the newest landed packet1 (bench/results/packets.jsonl), checked
+    "$PY" -m bench.packets last-run packet1 2>/dev/null
 }
 
 step_command() {  # fills CMD for step $1 of packet $2 ("-": on its own) given its time limit $3
@@ -234,7 +225,9 @@ step_command() {  # fills CMD for step $1 of packet $2 ("-": on its own) given i
                 CMD=(sh -c 'echo "gpu_run: bench.packets found no tests/kernels files"; exit 2'); return
             fi
             [[ $REHEARSAL != 0 ]] && smoke=(-k "validation or dispatch")
-            pytest_command "$limit" kernel-test "${KTEST_FILES[@]}" -m "not slow" "${own[@]}" "${smoke[@]}" "${extra[@]}" ;;
+            local first=() pattern
+            for pattern in "${KTEST_FIRST[@]}"; do first+=("--first=$pattern"); done  # the LayerNorm N=1 cases first
+            pytest_command "$limit" kernel-test "${first[@]}" "${KTEST_FILES[@]}" -m "not slow" "${own[@]}" "${smoke[@]}" "${extra[@]}" ;;
         kernel-test-slow)  # the full CUDA grids (every dtype x width x flag, every shape)
             words extra "${KERNEL_TEST_ARGS:-}"
             if ((${#KTEST_FILES[@]} == 0)); then
@@ -249,9 +242,12 @@ step_command() {  # fills CMD for step $1 of packet $2 ("-": on its own) given i
             local budget=$((limit > 150 ? limit - 75 : limit / 2))
             mentions --groups "${own[@]}" "${extra[@]}" || own=(--groups corpus,ln "${own[@]}")
             CMD=("$PY" -m bench.kernels --budget-s "$budget" "${data_arg[@]}" "${own[@]}" "${smoke[@]}" "${extra[@]}") ;;
-        train)  # what `make train` runs on CUDA, from cold caches, ending in time for its test and plot
+        train | train-cold | train-warm)  # what `make train` runs on CUDA, from cold caches (train-warm: the caches
+            # train-cold filled in this call), ending in time for its test and plot
             words extra "${TRAIN_ARGS:-}"
-            local mine=()
+            local mine=() run_name=default-$RUN_ID
+            [[ $step == train-cold ]] && run_name=cold-$RUN_ID
+            [[ $step == train-warm ]] && run_name=warm-$RUN_ID
             if [[ $REHEARSAL != 0 ]]; then
                 # the `fast` preset's structure (packed streams, regional compile, reduce-overhead, bf16) at a tiny
                 # size, compiled by Inductor on the CPU: a recompile after warm-up or a graph break fails `quality`
@@ -268,10 +264,10 @@ step_command() {  # fills CMD for step $1 of packet $2 ("-": on its own) given i
                 || mine+=(--run.max_wall_seconds "$((limit > 2 * TRAIN_RESERVE_S ? limit - TRAIN_RESERVE_S : limit / 2))")
             mentions --data-files "${extra[@]}" || mentions --data.dataset "${extra[@]}" "${smoke[@]}" \
                 || mine+=("${data_arg[@]}")
-            CMD=("$PY" -m train "${mine[@]}" --run.name "default-$RUN_ID" "${own[@]}" "${smoke[@]}" "${extra[@]}") ;;
+            CMD=("$PY" -m train "${mine[@]}" --run.name "$run_name" "${own[@]}" "${smoke[@]}" "${extra[@]}") ;;
         quality)  # this invocation's own run (a run name is never reused)
             CMD=("$PY" -m bench.quality --run "$WORK/runs/default-$RUN_ID" --gpu-samples "$WORK/$LOGDIR/train-gpu.csv"
-                 --require-stable-graphs "${out_arg[@]}") ;;
+                 --require-stable-graphs "${own[@]}" "${out_arg[@]}") ;;
         aot)
             CMD=(true) ;;  # done in run_step (it changes this shell's Triton cache)
         peers)  # the HF baseline under packet 1's training wall budget, on the same split
@@ -285,6 +281,25 @@ step_command() {  # fills CMD for step $1 of packet $2 ("-": on its own) given i
                 || mine+=("${data_arg[@]}")
             CMD=("$PY" -m bench.peers "${mine[@]}" --max-wall-seconds "$budget" --name "hf-$RUN_ID"
                  --out-dir "$WORK/runs" "${own[@]}" "${smoke[@]}" "${extra[@]}") ;;
+        peers-eole)  # issue 44: eole (OpenNMT-py's successor) on the same split, its own recipe (bench/peers.py)
+            words extra "${PEERS_ARGS:-}"
+            [[ $REHEARSAL != 0 ]] && smoke=(--preset tiny --data.dataset toy --data.toy_rows 1200 --data.valid_size 100
+                                           --data.test_size 100 --max-steps 4 --batch-size 16 --eval.max_sentences 20)
+            local mine=()
+            mentions --preset "${extra[@]}" "${smoke[@]}" || mine+=(--preset fast)
+            mentions --data-files "${extra[@]}" || mentions --data.dataset "${extra[@]}" "${smoke[@]}" \
+                || mine+=("${data_arg[@]}")
+            local peers_path=()  # eole's wheels (make gpu-wheels GPU_WHEELS_PEERS=1), installed for this step only
+            [[ -n $(compgen -G ".whl/peers/*.whl") ]] \
+                && peers_path=(env "PYTHONPATH=${SCRATCH:-<scratch>}/site-peers${PYTHONPATH:+:$PYTHONPATH}")
+            CMD=("${peers_path[@]}" "$PY" -m bench.peers --peer eole "${mine[@]}"
+                 --max-wall-seconds "$((limit > 60 ? limit - 40 : limit / 2))"
+                 --name "eole-$RUN_ID" --out-dir "$WORK/runs" "${own[@]}" "${smoke[@]}" "${extra[@]}") ;;
+        batch-sweep)  # issue 42: tokens a step x lr/warm-up, seconds to valid BLEU 15 and 20 (bench/batch_sweep.py)
+            words extra "${BATCH_SWEEP_ARGS:-}"
+            [[ $REHEARSAL != 0 ]] && smoke=(--smoke)
+            CMD=("$PY" -m bench.batch_sweep "${data_arg[@]}" --work-dir "$WORK/runs" --out "$WORK/bench/results"
+                 "${own[@]}" "${smoke[@]}" "${extra[@]}") ;;
         compare)  # packet 1's run on this machine, else the newest landed one, against this call's HF run
             local a
             a=$(latest_run default)
@@ -326,6 +341,19 @@ if [[ $MODE == show ]]; then  # the command as the step would run it (default li
 fi
 
 # ---------------------------------------------------------------------------------------------
+# OUT: what comes back. Refused before any step when the runbook could not write there (a file, a link to
+# nothing, a folder that cannot be made or written): the device time would be spent and nothing come back
+# ---------------------------------------------------------------------------------------------
+DEST=${OUT:-$ROOT/runs/gpu_run}
+out_refused() { echo "gpu_run: OUT=$DEST $1: nothing would come back; give OUT a folder this user can write" >&2; exit 2; }
+if [[ -L $DEST && ! -e $DEST ]]; then out_refused "is a symbolic link to nothing (to $(readlink -- "$DEST"))"
+elif [[ -e $DEST && ! -d $DEST ]]; then out_refused "is not a folder"
+elif ! mkdir -p -- "$DEST" 2>/dev/null; then out_refused "cannot be created ($(mkdir -p -- "$DEST" 2>&1 | sed 's/^mkdir: //'))"
+fi
+probe=$(mktemp "$DEST/.gpu_run-probe.XXXXXX" 2>/dev/null) || out_refused "is not writable"
+rm -f -- "$probe"
+
+# ---------------------------------------------------------------------------------------------
 # Scratch space, logs, results
 # ---------------------------------------------------------------------------------------------
 SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/fastmt-gpu-run.XXXXXX") || { echo "gpu_run: mktemp -d failed" >&2; exit 2; }
@@ -340,8 +368,6 @@ fi
 LOGDIR=runs/gpu_run/$RUN_ID   # relative to WORK
 mkdir -p "$WORK/$LOGDIR" "$WORK/bench/results"
 SUMMARY=$WORK/$LOGDIR/summary.txt
-DEST=${OUT:-$ROOT/runs/gpu_run}
-mkdir -p "$DEST"
 touch "$SCRATCH/started"   # what this run writes under bench/results is what is newer than this
 declare -A STATUS=() SECS=()
 CACHES=
@@ -429,7 +455,7 @@ setup() {
     mkdir -p "$TRITON_CACHE_DIR" "$TORCHINDUCTOR_CACHE_DIR"
     CACHES=cold
     local item trains=0
-    for item in "${RUN[@]}"; do [[ ${item#*:} == train || ${item#*:} == peers ]] && trains=1; done
+    for item in "${RUN[@]}"; do [[ ${item#*:} == train* || ${item#*:} == peers* || ${item#*:} == batch-sweep ]] && trains=1; done
     if ((trains)); then
         log "caches: Triton and Inductor empty for the training (the AOT cache is unpacked by the aot step)"
     else
@@ -530,11 +556,17 @@ run_step() {  # run_step PACKET STEP LATER: LATER = the minimum shares of the st
         SECS[$key]=$((SECONDS - t0))
         return
     fi
+    if [[ $step == peers-eole && -n $(compgen -G ".whl/peers/*.whl") ]]; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SCRATCH/site-peers" \
+            .whl/peers/*.whl >"$WORK/$LOGDIR/setup-pip-peers.log" 2>&1 \
+            && log "installed $(ls .whl/peers/*.whl | wc -l) wheels of .whl/peers into $SCRATCH/site-peers for $key" \
+            || log "WARNING: installing .whl/peers/*.whl failed (setup-pip-peers.log)"
+    fi
     step_command "$step" "$packet" "$limit"
     log "START $key (limit ${limit}s): ${CMD[*]}"
     local cached term kill_after
     cached=$(triton_entries)
-    [[ $step == train || $step == peers ]] && start_sampler "$WORK/$LOGDIR/$step-gpu.csv"
+    [[ $step == train* || $step == peers* || $step == batch-sweep ]] && start_sampler "$WORK/$LOGDIR/$step-gpu.csv"
     # TERM before the limit (pytest writes its summary, the frontier and sweep kill their contestants' process
     # groups), KILL at the limit; `timeout` signals its whole process group, the step's children included
     kill_after=$((limit > 40 ? 10 : 3))
@@ -589,9 +621,12 @@ pack() {
         tar -C "$WORK" -czf "$tgz.tmp" -T "$SCRATCH/pack-small" 2>>"$SCRATCH/pack.log"
         size=$(stat -c %s "$tgz.tmp" 2>/dev/null || echo 0)
     fi
-    mv -f "$tgz.tmp" "$tgz"
-    cp -f "$SUMMARY" "$DEST/summary.txt"
-    PACKED_BYTES=$size
+    if mv -f "$tgz.tmp" "$tgz" 2>>"$SCRATCH/pack.log" && cp -f "$SUMMARY" "$DEST/summary.txt" 2>>"$SCRATCH/pack.log"; then
+        PACKED_BYTES=$size
+        PACK_FAILED=
+    else
+        PACK_FAILED="$(tail -n 1 "$SCRATCH/pack.log")"
+    fi
 }
 
 record() {  # the packet's record: bench/results/packet-record.json (one per packet run; the last packet's here)
@@ -603,8 +638,12 @@ record() {  # the packet's record: bench/results/packet-record.json (one per pac
     steps=("${steps[@]// /_}")
     quality=$(ls -t "$WORK"/bench/results/quality-*.json 2>/dev/null | head -n 1)
     [[ -n $quality && $quality -nt $SCRATCH/started ]] || quality=
+    [[ $packet == packet1 ]] || quality=  # packet 1's quality step writes it; no other packet's record carries it
     [[ -f $WORK/$LOGDIR/kernel-test.outcomes.jsonl ]] && outcomes=(--outcomes "$WORK/$LOGDIR/kernel-test.outcomes.jsonl")
-    "$PY" -m bench.packets record --packet "$packet" "${steps[@]}" ${quality:+--quality "$quality"} "${outcomes[@]}" \
+    local runs=()  # the compile-warm packet: its cold and warm runs' wall splits
+    [[ -f $WORK/runs/cold-$RUN_ID/metrics.jsonl ]] && runs+=(--cold-run "$WORK/runs/cold-$RUN_ID")
+    [[ -f $WORK/runs/warm-$RUN_ID/metrics.jsonl ]] && runs+=(--warm-run "$WORK/runs/warm-$RUN_ID")
+    "$PY" -m bench.packets record --packet "$packet" "${steps[@]}" ${quality:+--quality "$quality"} "${outcomes[@]}" "${runs[@]}" \
         --caches "$CACHES" --out "$WORK/bench/results/packet-record.json" >>"$SUMMARY" 2>&1 \
         || log "WARNING: the packet record could not be written (see above)"
 }
@@ -641,6 +680,10 @@ finish() {
     pack
     local problems
     problems=$("$PY" -m bench.packets check-out "$DEST" 2>&1) || log "WARNING: what comes back is over the device's limits: $problems"
+    if [[ -n $PACK_FAILED ]]; then
+        echo "gpu_run: could not write $DEST/results.tgz or summary.txt: $PACK_FAILED" | tee -a "$SUMMARY" >&2
+        exit 2
+    fi
     echo "[gpu_run +${SECONDS}s] packed $DEST/results.tgz ($((PACKED_BYTES / 1024)) KB) and $DEST/summary.txt" | tee -a "$SUMMARY"
     cp -f "$SUMMARY" "$DEST/summary.txt"
     sed -n '/^==== steps/,$p' "$SUMMARY" | tail -n 120
@@ -648,6 +691,7 @@ finish() {
 
 CMD=()
 PACKED_BYTES=0
+PACK_FAILED=
 setup
 pack
 n=${#RUN[@]}

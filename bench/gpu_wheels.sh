@@ -26,6 +26,8 @@
 #   DATASETS_SPEC      default datasets==5.2.0 (what the CPU machines run, shared/ENV.md)
 #   LION_SPEC          default lion-pytorch==0.2.5
 #   GPU_WHEELS_EXTRA   more distributions to carry, space-separated (resolved versions)
+#   GPU_WHEELS_PEERS   1: also eole (EOLE_SPEC, default eole==0.6.4) and its run-time set into .whl/peers/ (~21 MB;
+#                      only the peers-eole packet installs them: carry .whl for that call)
 #   FASTMT_DATA_FILES  data files to copy (':'-separated, as fastmt reads it); default the stand-in
 #                      corpus ../shared/data/opus_mt_testsets/en-it/train.jsonl
 #   GPU_AOT            1 (default): also compile our Triton kernels for sm_90 here (bench/aot.py) into
@@ -107,6 +109,33 @@ for w in .whl/*.whl; do
 done
 whl_kb=$(du -sk .whl | cut -f1)
 (( whl_kb <= MAX_WHEELS_MB * 1024 )) || die ".whl/ is ${whl_kb} KB, over ${MAX_WHEELS_MB} MB"
+
+# -- 3b. eole for the peers-eole packet (GPU_WHEELS_PEERS=1): .whl/peers/, installed by that step only ---------
+# eole 0.6.4 declares a heavy set (spacy, tensorboard, torchcodec, ...) that its training path does not import;
+# issue 44 measured what it needs at run time: pyonmttok, pydantic, fastapi (starlette), uvicorn, torch-optimi, dill,
+# opentelemetry-api, truststore. Those are resolved together (one consistent set, their own dependencies included)
+# and downloaded with eole and torch-optimi without their declared dependencies (torch is the image's).
+if [[ ${GPU_WHEELS_PEERS:-0} == 1 ]]; then
+    EOLE_SPEC=${EOLE_SPEC:-eole==0.6.4}
+    EOLE_RUNTIME=(pyonmttok pydantic fastapi uvicorn dill opentelemetry-api truststore)
+    say "resolving eole's run-time set for cp312: ${EOLE_RUNTIME[*]}"
+    "$PY" -m pip install --dry-run --ignore-installed --quiet --report "$tmp/peers.json" "${PLATFORM[@]}" \
+        --target "$tmp/peers-target" "${EOLE_RUNTIME[@]}" >"$tmp/peers.log" 2>&1 \
+        || { grep -v "is ignored: it is neither" "$tmp/peers.log" >&2; die "pip could not resolve eole's run-time set"; }
+    mapfile -t PEER_PINS < <("$PY" - "$tmp/peers.json" <<'EOF'
+import json, sys
+for i in json.load(open(sys.argv[1]))["install"]:
+    print(f"{i['metadata']['name']}=={i['metadata']['version']}")
+EOF
+)
+    mkdir -p "$tmp/peers"
+    "$PY" -m pip download --quiet --no-deps "${PLATFORM[@]}" -d "$tmp/peers" "$EOLE_SPEC" torch-optimi "${PEER_PINS[@]}" \
+        >"$tmp/peers-download.log" 2>&1 \
+        || { grep -v "is ignored: it is neither" "$tmp/peers-download.log" >&2; die "pip download of eole's wheels failed"; }
+    mkdir -p .whl/peers
+    mv "$tmp"/peers/*.whl .whl/peers/
+    say "carrying for peers-eole: $(cd .whl/peers && echo *.whl) ($(du -sk .whl/peers | cut -f1) KB)"
+fi
 
 # -- 4. training data -------------------------------------------------------------------------------
 declare -a SRC=()

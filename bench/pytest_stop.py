@@ -11,10 +11,14 @@ JUnit file, and exits 2. Without this a TERM killed pytest with neither (bench/g
 A hang inside a CUDA call cannot be interrupted by a signal handler (Python runs it only between bytecodes),
 so the runbook's KILL 15 s after the TERM would otherwise lose every result with the JUnit file; the
 outcomes file keeps each finished test's.
+
+``--first PATTERN`` (repeatable): the selected tests whose node id matches PATTERN (``fnmatch``) run before the
+rest, in their collected order (packet 1 runs the LayerNorm ``N=1`` cases first: the ones a GPU got wrong).
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import signal
@@ -32,6 +36,16 @@ def pytest_addoption(parser):
                      help="start no test after S seconds of the session (bench/pytest_stop.py)")
     parser.addoption("--outcomes", default=None, metavar="PATH",
                      help="append each finished test's outcome to PATH as a JSON line, flushed at once")
+    parser.addoption("--first", action="append", default=[], metavar="PATTERN",
+                     help="run the tests whose node id matches PATTERN (fnmatch) before the others")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    patterns = config.getoption("--first")
+    if patterns:
+        first = [it for it in items if any(fnmatch.fnmatchcase(it.nodeid, p) for p in patterns)]
+        chosen = {id(it) for it in first}
+        items[:] = first + [it for it in items if id(it) not in chosen]
 
 
 def _interrupt(signum, _frame):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -109,13 +110,38 @@ def read_gpu_samples(path: Path | None) -> list[tuple[float, float]]:
     return out
 
 
+def done_split(run: Path) -> dict[str, float | None]:
+    """The run's wall split from its ``done`` record (train/objective.py ``WallSplit``, summed over its processes):
+    ``setup_s``, ``compile_s``, ``train_s``, ``eval_s``, ``checkpoint_s``; each None when the run did not record it
+    (a run cut before its end has no ``done`` record)."""
+    from train.runs.metrics import read_metrics
+
+    path = run / "metrics.jsonl"
+    done = [r for r in (read_metrics(path) if path.is_file() else []) if r.get("kind") == "done"]
+    split = (done[-1].get("time_split") if done else None) or {}
+    if not isinstance(split, dict):
+        split = {}
+    return {f"{k}_s": (float(split[k]) if isinstance(split.get(k), (int, float)) else None)
+            for k in ("setup", "compile", "train", "eval")} | {
+        "checkpoint_s": float(split["checkpoints"]) if isinstance(split.get("checkpoints"), (int, float)) else None}
+
+
+def _median(values: Sequence[Any]) -> float | None:
+    nums = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+    return statistics.median(nums) if nums else None
+
+
 def run_numbers(epochs: Sequence[dict[str, Any]], summ: dict[str, Any],
-                samples: Sequence[tuple[float, float]] = ()) -> dict[str, Any]:
+                samples: Sequence[tuple[float, float]] = (), split: dict[str, float | None] | None = None
+                ) -> dict[str, Any]:
     """The numbers a packet reports of a training run: seconds to each BLEU threshold from process start, the
     compile (first step), steady steps/s and real tokens/s (epochs after the first), graphs compiled after the
     first epoch (recompiles after warm-up) and graph breaks, the GPU busy share over the steady epochs
     (``samples``: nvidia-smi's utilization, the share of each sample window with a kernel running), peak memory,
-    test BLEU."""
+    test BLEU. The step (issue 42): ``step_ms`` (the steady epochs' record of it, else their seconds per optimizer
+    step), ``host_ms_per_step`` and ``graphs_per_step`` where the run records them, ``mfu`` (the steady epochs'
+    median), ``gpu_busy``; the wall split (issue 43, ``split``: `done_split`). What the run did not record is
+    None, never estimated."""
     first, last = epochs[0], epochs[-1]
     steady = epochs[1:]
     steady_s = sum(float(r.get("epoch_seconds") or 0.0) for r in steady)
@@ -123,17 +149,29 @@ def run_numbers(epochs: Sequence[dict[str, Any]], summ: dict[str, Any],
     graphs = [r.get("compiled_graphs") for r in epochs]
     window = [u for t, u in samples if float(first["wall_seconds"]) <= t <= float(last["wall_seconds"])]
     peaks = [float(r["peak_memory_gb"]) for r in epochs if r.get("peak_memory_gb") is not None]
+    split = split or {}
+    steps_per_s = ((float(last["step"]) - float(first["step"])) / steady_s
+                   if steady and steady_s > 0 and None not in (first.get("step"), last.get("step")) else None)
+    busy = sum(window) / len(window) if window else None
     return {
         "time_to_bleu_s": {k: (v or {}).get("seconds") for k, v in summ["time_to_bleu"].items()},
-        "compile_s": first.get("first_step_seconds"),
+        # the wall split's compile (every process's first compiled step), else the first step's seconds
+        "compile_s": split.get("compile_s") if split.get("compile_s") is not None else first.get("first_step_seconds"),
+        "setup_s": split.get("setup_s"), "train_s": split.get("train_s"), "eval_s": split.get("eval_s"),
+        "checkpoint_s": split.get("checkpoint_s"), "compile_warm_s": None,  # a warm rerun's (the compile-warm packet)
+        "step_ms": _median([r.get("step_ms") for r in steady]) if any(r.get("step_ms") is not None for r in steady)
+        else (1000.0 / steps_per_s if steps_per_s else None),
+        "host_ms_per_step": _median([r.get("host_ms_per_step") for r in steady]),
+        "graphs_per_step": _median([r.get("graphs_per_step") for r in steady]),
+        "mfu": _median([r.get("mfu") for r in steady]),
+        "gpu_busy": busy,
         "epochs": len(epochs), "steps": last.get("step"),
-        "steps_per_s": ((float(last["step"]) - float(first["step"])) / steady_s
-                        if steady and steady_s > 0 and None not in (first.get("step"), last.get("step")) else None),
+        "steps_per_s": steps_per_s,
         "tokens_per_s": tps[len(tps) // 2] if tps else None,
         "compiled_graphs": graphs[-1],
         "recompiles_after_warmup": (graphs[-1] - graphs[0]) if None not in (graphs[0], graphs[-1]) else None,
         "graph_breaks": last.get("graph_breaks"),
-        "gpu_busy_share": sum(window) / len(window) if window else None,
+        "gpu_busy_share": busy,
         "gpu_samples": len(window),
         "peak_memory_gb": max(peaks) if peaks else None,
         "best_valid_bleu": summ.get("best_valid_bleu"), "test_bleu": summ.get("test_bleu"),
@@ -201,20 +239,25 @@ def numbers_lines(n: dict[str, Any]) -> list[str]:
             f"graphs compiled {H.fmt(n['compiled_graphs'])}, after the first epoch {H.fmt(n['recompiles_after_warmup'])}; "
             f"graph breaks {H.fmt(n['graph_breaks'])}; peak memory {H.fmt(n['peak_memory_gb'])} GiB",
             "- GPU busy (nvidia-smi utilization.gpu over the steady epochs): "
-            + (f"**{100 * busy:.0f} %** ({n['gpu_samples']} samples)" if busy is not None else "not sampled")]
+            + (f"**{100 * busy:.0f} %** ({n['gpu_samples']} samples)" if busy is not None else "not sampled"),
+            f"- step: {H.fmt(n.get('step_ms'))} ms, host {H.fmt(n.get('host_ms_per_step'))} ms, MFU "
+            f"{H.fmt(n.get('mfu'))}, CUDA graphs {H.fmt(n.get('graphs_per_step'))} a step ('-': not recorded by the run)",
+            f"- wall split (s): setup {H.fmt(n.get('setup_s'))}, compile {H.fmt(n.get('compile_s'))}, train "
+            f"{H.fmt(n.get('train_s'))}, eval {H.fmt(n.get('eval_s'))}, checkpoints {H.fmt(n.get('checkpoint_s'))}"]
 
 
-def write_quality(run: Path, out: Path, gpu_samples: Path | None = None) -> dict[str, Path]:
+def write_quality(run: Path, out: Path, gpu_samples: Path | None = None,
+                  add_thresholds: Sequence[float] = ()) -> dict[str, Path]:
     epochs, test, prov = read_run(run)
     if not epochs:
         raise ValueError(f"{run}/metrics.jsonl has no epoch records yet (the run has not finished an epoch)")
     rows = [{k: r.get(k) for k in COLUMNS} for r in epochs]
     cfg = prov.get("config") or {}
     planned = (cfg.get("run") or {}).get("epochs")
-    thresholds = tuple((cfg.get("eval") or {}).get("bleu_thresholds") or THRESHOLDS)
+    thresholds = tuple(sorted({*((cfg.get("eval") or {}).get("bleu_thresholds") or THRESHOLDS), *add_thresholds}))
     summ = summary(rows, test, planned, thresholds)
     summ["first_step_seconds"] = epochs[0].get("first_step_seconds")
-    summ["numbers"] = run_numbers(epochs, summ, read_gpu_samples(gpu_samples))
+    summ["numbers"] = run_numbers(epochs, summ, read_gpu_samples(gpu_samples), done_split(run))
     extra = {"run": str(run), "gpu": prov.get("gpu") or "cpu", "git_sha": prov.get("git_sha"),
              "corpus": corpus_label(prov),
              **{f"final_{k}": v for k, v in summ.items() if k not in ("time_to_bleu", "numbers")},
@@ -286,6 +329,16 @@ def default_out(run: Path) -> Path:
     return H.RESULTS_DIR if gpu and H.gpu_slug(gpu) != "cpu" else run
 
 
+def _thresholds(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not BLEU values separated by commas, e.g. 10,15") from None
+    if not all(0 <= v <= 100 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: BLEU thresholds lie in [0, 100]")
+    return values
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.quality", description=__doc__.split("\n\n")[0])
     p.add_argument("--run", type=Path, help="run folder (runs/<name>) with metrics.jsonl")
@@ -295,6 +348,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                             "for a CPU run: CPU smoke runs never touch the committed results)")
     p.add_argument("--gpu-samples", type=Path, help="nvidia-smi utilization samples taken during the run "
                                                      "(bench/gpu_run.sh's train step): the GPU busy share")
+    p.add_argument("--add-thresholds", type=_thresholds, default=(), metavar="B,B",
+                   help="BLEU thresholds to time besides the run's own eval.bleu_thresholds (packet 1: 10,15)")
     p.add_argument("--require-stable-graphs", action="store_true",
                    help="exit 1 (after writing) on a graph compiled after the first epoch or a graph break")
     a = p.parse_args(argv)
@@ -309,7 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(read_text(paths["md"], "comparison report"))
         return 0
     try:
-        paths = write_quality(a.run, a.out or default_out(a.run), a.gpu_samples)
+        paths = write_quality(a.run, a.out or default_out(a.run), a.gpu_samples, a.add_thresholds)
     except (FileNotFoundError, ValueError) as e:
         print(f"bench.quality: {e}", file=sys.stderr)
         return 2

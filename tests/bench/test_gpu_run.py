@@ -51,7 +51,7 @@ def parse_plan(text: str) -> tuple[dict[str, dict], list[tuple[list[int], int, i
     sessions = []
     budget = int(re.search(r"one session of (\d+) s of device time", text)[1])
     for line in text.splitlines():
-        m = re.match(r"^(packet\d+): (\d+) s = (.*?)  -- ", line)
+        m = re.match(r"^([a-z][a-z0-9-]*): (\d+) s = (.*?)  -- ", line)
         if m:
             steps = dict((name, int(sec)) for name, sec in re.findall(r"([a-z-]+) (\d+)", m[3]))
             packets[m[1]] = {"command": int(m[2]), "steps": steps, "order": re.findall(r"([a-z-]+) \d+", m[3])}
@@ -70,7 +70,7 @@ def test_plan_fits_a_15_minute_session_with_a_rerun_of_packet1():
     for name, p in packets.items():
         # the printed total is the sum of its parts, and it is the table's
         assert p["command"] == sum(p["steps"].values()) == P.BY_NAME[name].command_s, (name, p)
-        assert p["command"] <= (240 if name == "packet2" else 300), (name, p["command"])
+        assert p["command"] <= (240 if name in ("packet2", "peers-eole") else 300), (name, p["command"])
     # start-up + packet1 + packet1 again + idle, and start-up + packet1 + packet2 + idle: each sums and fits
     assert len(sessions) == 2
     for terms, total, of in sessions:
@@ -85,8 +85,12 @@ def test_packet1_runs_make_train_cold_first_then_its_record_then_the_kernels():
     assert packets["packet1"]["order"] == ["setup", "train", "quality", "aot", "kernel-test", "pack"]
     assert packets["packet2"]["order"] == ["setup", "peers", "compare", "pack"]
     queue = [s for name, p in packets.items() if name not in ("packet1", "packet2") for s in p["steps"]]
-    assert {"bench-kernels", "frontier", "profile", "ladder", "sweep", "kernel-test-slow", "inference"} <= set(queue)
-    assert list(packets)[2] == "packet3" and "bench-kernels" in packets["packet3"]["steps"]  # the headline first
+    assert {"bench-kernels", "frontier", "profile", "ladder", "sweep", "kernel-test-slow", "inference",
+            "train-cold", "train-warm", "peers-eole", "batch-sweep"} <= set(queue)
+    # the queue: the open issues' GPU numbers (43's warm compile, 44's eole, 42's batch sweep), then the headline
+    assert list(packets)[2:5] == ["compile-warm", "peers-eole", "batch-sweep-4k"], list(packets)
+    assert packets["compile-warm"]["order"] == ["setup", "train-cold", "train-warm", "pack"]
+    assert "bench-kernels" in packets["packet3"]["steps"]
 
 
 def test_a_longer_step_limit_shows_in_the_commands_deadline():
@@ -154,7 +158,11 @@ def test_kernel_test_step_selects_every_gpu_test_training_path_first_and_no_cpu_
     assert not cpu_only, f"the kernel-test step spends the GPU slot on {len(cpu_only)} CPU-only tests: {cpu_only[:10]}"
     # the training path's kernels first: packed attention (causal, cross), the fused LayerNorm incl. mixed
     # dtypes; Lion after them (the default recipe is AdamW)
-    files = [n.split("::")[0].rsplit("/", 1)[-1] for n in selected]
+    # the LayerNorm N=1 cases before everything (the H200 got them wrong, issue 43), every one of them selected
+    n1 = [n for n in selected if "test_layernorm.py" in n and ("-N1-" in n or "test_fuzz_against_reference" in n)]
+    assert len(n1) >= 3 and selected[:len(n1)] == n1, selected[:8]
+    assert {n for n, _, _ in everything if "test_layernorm.py" in n and "-N1-" in n} - slow <= set(n1)
+    files = [n.split("::")[0].rsplit("/", 1)[-1] for n in selected[len(n1):]]
     order = list(dict.fromkeys(files))
     assert order[:2] == ["test_packed_attention.py", "test_layernorm.py"], order
     assert order.index("test_lion.py") > order.index("test_layernorm.py")
@@ -179,7 +187,8 @@ def test_the_aot_plan_replays_the_kernel_test_steps_selection(tmp_path):
     words = show("kernel-test", "packet1")
     rc_plan, plan = collect(json.loads(out.stdout.strip().splitlines()[-1]))
     rc_step, step = collect(pytest_args(words, tmp_path / "k.xml"))
-    assert rc_plan == rc_step == 0 and [n for n, _, _ in plan] == [n for n, _, _ in step]
+    # the same tests (the step runs the LayerNorm N=1 cases first; the order of compiling does not matter)
+    assert rc_plan == rc_step == 0 and sorted(n for n, _, _ in plan) == sorted(n for n, _, _ in step)
     assert "FASTMT_AUTOTUNE=0" in words  # the plan's autotune setting
 
 
@@ -190,7 +199,8 @@ def test_the_aot_plan_replays_the_kernel_test_steps_selection(tmp_path):
                                        ("BENCH_KERNELS_ARGS", "bench-kernels"), ("PROFILE_ARGS", "profile"),
                                        ("FRONTIER_ARGS", "frontier"), ("LADDER_ARGS", "ladder"),
                                        ("SWEEP_ARGS", "sweep"), ("INFERENCE_ARGS", "inference"),
-                                       ("PEERS_ARGS", "peers")])
+                                       ("PEERS_ARGS", "peers"), ("PEERS_ARGS", "peers-eole"),
+                                       ("BATCH_SWEEP_ARGS", "batch-sweep")])
 def test_pass_through_arguments_keep_quoted_words(var, step):
     words = show(step, **{var: """-m 'not slow' -k "a b" --x '$HOME' `id`"""})
     assert words[-7:] == ["-m", "not slow", "-k", "a b", "--x", "$HOME", "`id`"]
@@ -650,7 +660,7 @@ def test_a_damaged_packet_record_is_one_line_naming_it(tmp_path, capsys):
     assert err.count("\n") == 1 and f"{records}:2" in err and "not valid JSON" in err
 
 
-def test_land_puts_a_calls_results_under_bench_results_and_appends_the_record(tmp_path, capsys):
+def test_land_puts_a_calls_results_under_bench_results_and_appends_the_record(tmp_path):
     import io
     import tarfile
 
@@ -662,8 +672,7 @@ def test_land_puts_a_calls_results_under_bench_results_and_appends_the_record(tm
            "sha": "abcdef1234"}
     with tarfile.open(call / "results.tgz", "w:gz") as tar:
         for name, data in (("bench/results/packet-record.json", json.dumps(rec)),
-                           ("bench/results/quality-h200.md", "# q"), ("../escape.txt", "no"),
-                           ("runs/default-x/metrics.jsonl", "{}")):
+                           ("bench/results/quality-h200.md", "# q"), ("runs/default-x/metrics.jsonl", "{}")):
             info = tarfile.TarInfo(name)
             info.size = len(data.encode())
             tar.addfile(info, io.BytesIO(data.encode()))
@@ -674,11 +683,10 @@ def test_land_puts_a_calls_results_under_bench_results_and_appends_the_record(tm
     assert dest == root / "bench/results/gpu-2026-11-27-h200-abcdef1-packet1"
     assert (dest / "bench/results/quality-h200.md").read_text() == "# q" and (dest / "summary.txt").is_file()
     assert (dest / "runs/default-x/metrics.jsonl").is_file()
-    assert not (tmp_path / "escape.txt").exists() and not list(root.rglob("escape.txt"))
-    assert "left out 1 member(s)" in capsys.readouterr().err  # and said so
+    # (a member outside the folder, a link, a device, an oversized archive: tests/security/test_packets.py)
     [line] = (root / "bench/results/packets.jsonl").read_text().splitlines()
     assert json.loads(line) == {**rec, "results": "bench/results/gpu-2026-11-27-h200-abcdef1-packet1"}
-    with pytest.raises(SystemExit, match="exists"):  # never over a landed folder
+    with pytest.raises(ValueError, match="exists"):  # never over a landed folder
         P.land(call, root=root)
 
 
@@ -735,3 +743,93 @@ def test_compare_puts_two_runs_on_one_wall_clock(tmp_path):
     # equal wall times up to the shorter run's last evaluation (80 s): both runs' best BLEU by then
     assert "| 65.0 | 5 | 0.1 |" in md and "| 70.0 | 21 | 0.1 |" in md and "| 80.0 | 29 | 0.1 |" in md
     assert "| 85.0 |" not in md
+
+
+# ----------------------------------------------------------------------------------------------
+# Packet 1's numbers (issues 42 and 43): the step, the wall split, BLEU 10 and 15; null where not recorded
+# ----------------------------------------------------------------------------------------------
+def _done(split: dict) -> dict:
+    return {"kind": "done", "epoch": 3, "step": 300, "stop_reason": "done", "time_split": split}
+
+
+@pytest.mark.parametrize("recorded", [True, False])
+def test_packet1_records_the_step_and_the_wall_split_and_null_for_what_the_run_did_not_record(tmp_path, recorded):
+    from bench import packets as P
+
+    epochs = [_epoch(1, 40.0, 8.0), _epoch(2, 52.0, 12.0), _epoch(3, 64.0, 16.0)]
+    for i, e in enumerate(epochs):
+        e["mfu"] = 0.1 + 0.05 * i
+        if recorded:
+            e.update(step_ms=20.0 - i, host_ms_per_step=5.0 + i, graphs_per_step=1)
+    run = _run_folder(tmp_path / "run", epochs, test_bleu=9.0)
+    split = {"setup": 14.0, "compile": 52.5, "train": 50.6, "eval": 18.3, "checkpoints": 18.6}
+    with open(run / "metrics.jsonl", "a") as fh:
+        fh.write(json.dumps(_done(split)) + "\n")
+    out = subprocess.run([sys.executable, "-m", "bench.quality", "--run", str(run), "--out", str(tmp_path / "o"),
+                          "--add-thresholds", "10,15"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    q = tmp_path / "o" / "quality-h200.json"
+    numbers = json.loads(q.read_text())
+    # the split as the run's done record has it (train/objective.py WallSplit)
+    assert (numbers["setup_s"], numbers["compile_s"], numbers["train_s"], numbers["eval_s"],
+            numbers["checkpoint_s"]) == (14.0, 52.5, 50.6, 18.3, 18.6)
+    # BLEU 10 and 15 beside the run's own thresholds (the default 20, 28, ...): the first epoch at or above each
+    assert numbers["time_to_bleu_s"]["10"] == 52.0 and numbers["time_to_bleu_s"]["15"] == 64.0
+    assert numbers["time_to_bleu_s"]["20"] is None
+    assert numbers["mfu"] == pytest.approx(0.175)  # the steady epochs' (2 and 3) median
+    if recorded:
+        assert numbers["step_ms"] == 18.5 and numbers["host_ms_per_step"] == 6.5 and numbers["graphs_per_step"] == 1
+    else:  # the steady epochs' wall per optimizer step; nothing invented for what only the run can measure
+        assert numbers["step_ms"] == pytest.approx(1000 * 20.0 / 200)
+        assert numbers["host_ms_per_step"] is None and numbers["graphs_per_step"] is None
+    rec = P.make_record("packet1", [{"name": "train", "status": "ok", "seconds": 1}], quality=q)
+    assert set(P.NUMBER_KEYS) <= set(rec["numbers"]) and rec["numbers"]["compile_warm_s"] is None
+    assert rec["numbers"]["gpu_busy"] is None  # no samples: not measured
+    assert "10" in rec["numbers"]["time_to_bleu_s"]
+
+
+def test_a_cut_run_has_no_split_and_says_null(tmp_path):
+    from bench.quality import done_split
+
+    run = _run_folder(tmp_path / "run", [_epoch(1, 40.0, 8.0)])
+    assert done_split(run) == dict.fromkeys(("setup_s", "compile_s", "train_s", "eval_s", "checkpoint_s"))
+
+
+def test_the_compile_warm_packet_records_the_cold_and_the_warm_compile(tmp_path):
+    from bench import packets as P
+
+    runs = {}
+    for kind, compile_s in (("cold", 52.5), ("warm", 6.0)):
+        runs[kind] = _run_folder(tmp_path / kind, [_epoch(1, 40.0, 1.0)])
+        with open(runs[kind] / "metrics.jsonl", "a") as fh:
+            fh.write(json.dumps(_done({"setup": 9.0, "compile": compile_s, "train": 3.0, "eval": 4.0,
+                                       "checkpoints": 1.0})) + "\n")
+    rec = P.make_record("compile-warm", [{"name": "train-cold", "status": "ok", "seconds": 90}],
+                        cold_run=runs["cold"], warm_run=runs["warm"])
+    assert rec["numbers"]["compile_s"] == 52.5 and rec["numbers"]["compile_warm_s"] == 6.0
+    assert rec["numbers"]["step_ms"] is None  # not measured by this packet
+    # the plan says why the warm compile is a packet of its own: packet 1 has no second left for a warm rerun
+    assert "the compile-warm packet measures it" in gpu_run("plan")
+    cold, warm = show("train-cold", "compile-warm"), show("train-warm", "compile-warm")
+    assert cold[cold.index("--run.name") + 1].startswith("cold-") and warm[warm.index("--run.name") + 1].startswith("warm-")
+    assert cold[cold.index("--run.max_steps") + 1] == warm[warm.index("--run.max_steps") + 1]  # the same job
+
+
+def test_the_queued_packets_name_their_commands():
+    eole = show("peers-eole", "peers-eole")
+    assert eole[eole.index("-m") + 1:eole.index("-m") + 4] == ["bench.peers", "--peer", "eole"]
+    assert int(eole[eole.index("--max-wall-seconds") + 1]) < 200  # inside its step's limit, with room to score
+    from bench import packets as P
+
+    seen = set()
+    for name, settings in P.BATCH_SWEEP:
+        words = show("batch-sweep", f"batch-sweep-{name}")
+        assert "bench.batch_sweep" in words and words[words.index("--settings") + 1] == settings
+        from bench.batch_sweep import parse_settings
+
+        parsed = parse_settings(settings)
+        assert len({s.tokens for s in parsed}) == 1 and len({(s.lr, s.warmup) for s in parsed}) >= 2
+        seen.add(parsed[0].tokens)
+        budget = float(words[words.index("--budget-s") + 1]) + float(words[words.index("--grace-s") + 1])
+        assert budget * len(parsed) <= P.BY_NAME[f"batch-sweep-{name}"].steps[0].limit
+    assert seen == {4096, 8192, 16384, 32768}

@@ -1,0 +1,171 @@
+"""The batch that reaches validation BLEU soonest (issue 42 item 3): tokens a step x learning rate / warm-up.
+
+Every setting is ``python -m train --auto`` with ``--data.max_tokens T --optim.schedule cosine --optim.lr LR
+--optim.warmup_steps W``, run by bench/frontier.py (its own process group, killed at its budget + grace) for the
+same wall-clock budget on the same data. Outputs ``<out>/batch-sweep-<gpu>.{csv,md}``: per setting the seconds
+from process start to validation BLEU 15 and 20 (``THRESHOLDS``; None: not reached in the budget), the best
+BLEU and when, the optimizer steps and the real tokens a second. Rows of settings not run now are kept (the GPU
+packets run one batch size each: ``bench/packets.py`` ``BATCH_SWEEP``), a setting run again replaces its row.
+
+  python -m bench.batch_sweep --settings 4096:5e-4:250,4096:1e-3:400 --budget-s 105 --grace-s 15
+  python -m bench.batch_sweep --smoke          the tiny model on the toy corpus on the CPU, 2 settings x 3 s
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench import cli
+from bench import frontier as F
+from bench import harness as H
+
+THRESHOLDS = (15.0, 20.0)  # validation BLEU levels timed (issue 42)
+SMOKE_SETTINGS = "256:3e-3:10,512:3e-3:20"
+_SETTING = re.compile(r"(\d+):([0-9.]+(?:e-?\d+)?):(\d+)")
+
+
+@dataclass(frozen=True)
+class Setting:
+    tokens: int  # --data.max_tokens: tokens a step
+    lr: float  # --optim.lr: the peak learning rate
+    warmup: int  # --optim.warmup_steps: the cosine schedule's linear warm-up
+
+    @property
+    def name(self) -> str:
+        return f"t{self.tokens}-lr{self.lr:g}-w{self.warmup}"
+
+    def contestant(self, smoke: bool) -> F.Contestant:
+        args = ("--auto", "--data.max_tokens", str(self.tokens), "--optim.schedule", "cosine",
+                "--optim.lr", f"{self.lr:g}", "--optim.warmup_steps", str(self.warmup),
+                "--eval.bleu_thresholds", ",".join(f"{t:g}" for t in THRESHOLDS))
+        if smoke:  # enough epochs for the budget to bind
+            args += ("--epochs", "100")
+        return F.Contestant(self.name, f"{self.tokens} tokens, lr {self.lr:g}, warm-up {self.warmup}", "train", args)
+
+
+def parse_settings(text: str) -> list[Setting]:
+    """``TOKENS:LR:WARMUP,...`` -> settings; ``ValueError`` naming the first that is not one."""
+    out = []
+    for item in text.split(","):
+        m = _SETTING.fullmatch(item.strip())
+        if not m or int(m[1]) < 1 or int(m[3]) < 1 or not float(m[2]) > 0:
+            raise ValueError(f"--settings: {item.strip()!r} is not TOKENS:LR:WARMUP (e.g. 4096:5e-4:250)")
+        out.append(Setting(int(m[1]), float(m[2]), int(m[3])))
+    if len({s.name for s in out}) != len(out):
+        raise ValueError(f"--settings {text!r} names a setting twice")
+    return out
+
+
+COLUMNS = ("setting", "tokens", "lr", "warmup", "status", "budget_s", *(f"time_to_{t:g}" for t in THRESHOLDS),
+           "best_bleu", "best_wall_seconds", "steps", "tokens_per_second", "epochs", "run_seconds", "corpus",
+           "command", "error", *H.PROVENANCE_COLUMNS, "timestamp")
+
+
+def setting_row(s: Setting, frontier_rows: Sequence[Mapping[str, Any]], run_dir: Path) -> dict[str, Any]:
+    """The table's row of one setting: its frontier rows (one per evaluation) and its run folder's records."""
+    summ = F.summarize(frontier_rows, THRESHOLDS)[0]
+    epochs = F.read_run(run_dir)[0] if (run_dir / "metrics.jsonl").is_file() else []
+    steady = epochs[1:] or epochs
+    tps = sorted(float(r["tokens_per_second"]) for r in steady if isinstance(r.get("tokens_per_second"), (int, float)))
+    first = frontier_rows[0]
+    return {"setting": s.name, "tokens": s.tokens, "lr": s.lr, "warmup": s.warmup, "status": summ["status"],
+            "budget_s": summ["budget_s"], **{f"time_to_{t:g}": summ.get(f"time_to_{t:g}") for t in THRESHOLDS},
+            "best_bleu": summ.get("best_bleu"), "best_wall_seconds": summ.get("best_wall_seconds"),
+            "steps": epochs[-1].get("step") if epochs else None, "tokens_per_second": tps[len(tps) // 2] if tps else None,
+            "epochs": len(epochs), "run_seconds": first.get("run_seconds"), "corpus": first.get("corpus"),
+            "command": first.get("command"), "error": summ.get("error") or "",
+            **{k: first.get(k) for k in H.PROVENANCE_COLUMNS}}
+
+
+def sweep_markdown(rows: Sequence[Mapping[str, Any]], prov: Mapping[str, Any], *, smoke: bool) -> str:
+    heads = ["tokens a step", "lr", "warm-up", "status", "budget s", *(f"s to BLEU {t:g}" for t in THRESHOLDS),
+             "best valid BLEU", "at wall s", "steps", "real tok/s"]
+    cols = ["tokens", "lr", "warmup", "status", "budget_s", *(f"time_to_{t:g}" for t in THRESHOLDS), "best_bleu",
+            "best_wall_seconds", "steps", "tokens_per_second"]
+    ordered = sorted(rows, key=lambda r: (int(float(r["tokens"])), float(r["lr"]), int(float(r["warmup"]))))
+    lines = [f"# The batch sweep — {prov.get('gpu', '?')}" + (" (CPU smoke run: numbers mean nothing)" if smoke else ""),
+             "", H.provenance_markdown(prov, None),
+             "- each setting: `python -m train --auto` with the batch (`--data.max_tokens`), the peak learning rate "
+             "and the cosine warm-up below, stopped at its wall budget; seconds from process start (data, compile "
+             "and evaluation included) to validation BLEU 15 and 20 ('-': not reached in the budget)",
+             f"- data: **{ordered[0].get('corpus') if ordered else '?'}**", "",
+             H.markdown_table(ordered, cols, heads), ""]
+    errors = [r for r in ordered if r.get("error")]
+    if errors:
+        lines += ["## Settings that did not finish", "", *(f"- {r['setting']}: {r['error']}" for r in errors), ""]
+    lines += ["## Commands", "", *(f"- {r['setting']}: `{r.get('command', '')}`" for r in ordered)]
+    return "\n".join(lines) + "\n"
+
+
+def write_table(rows: list[dict[str, Any]], prov: Mapping[str, Any], out: Path, *, smoke: bool) -> dict[str, Path]:
+    """``batch-sweep-<gpu>.{csv,md}``: the rows of settings not in ``rows`` kept from an earlier table."""
+    csv_path = H.result_path(out, "batch-sweep", prov["gpu_slug"], "csv")
+    mine = {r["setting"] for r in rows}
+    kept = [r for r in H.read_csv(csv_path) if r.get("setting") not in mine] if csv_path.is_file() else []
+    rows = kept + rows
+    return H.write_results(out, "batch-sweep", prov["gpu_slug"], rows, COLUMNS, sweep_markdown(rows, prov, smoke=smoke))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.batch_sweep", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    cli.add_cli_args(p, "the tiny model on a toy corpus, 2 settings x 3 s", plot=False)
+    p.add_argument("--settings", help="TOKENS:LR:WARMUP,... (default: 4096:5e-4:250,4096:1e-3:400; smoke: "
+                                      f"{SMOKE_SETTINGS})")
+    p.add_argument("--budget-s", type=float, help="wall seconds per setting (default 105; smoke 3)")
+    p.add_argument("--grace-s", type=float, help="extra seconds before a setting is killed (default 15; smoke 120)")
+    p.add_argument("--work-dir", type=Path, help="parent of the run folders (default runs/; smoke: a temp dir)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = build_parser()
+    a = p.parse_args(argv)
+    try:
+        settings = parse_settings(a.settings or (SMOKE_SETTINGS if a.smoke else "4096:5e-4:250,4096:1e-3:400"))
+    except ValueError as e:
+        p.error(str(e))
+    files = cli.cli_data_files(p, a, toy=lambda: F.work_dir(a, "fastmt-batch-sweep-") / "toy.jsonl", toy_rows=600)
+    toy = a.smoke and not a.data_files
+    files = [str(Path(f).resolve()) for f in files]  # the settings run from the repo root
+    budget = a.budget_s if a.budget_s is not None else (3.0 if a.smoke else 105.0)
+    grace = a.grace_s if a.grace_s is not None else (120.0 if a.smoke else 15.0)
+    if not budget > 0 or grace < 0:
+        p.error(f"--budget-s {budget} must be > 0 and --grace-s {grace} >= 0")
+    work = F.work_dir(a, "fastmt-batch-sweep-")
+    out = a.out or (work / "out" if a.smoke else H.RESULTS_DIR)
+    import torch
+
+    prov = H.provenance(torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu"))
+    print(f"[batch-sweep] {len(settings)} settings x {budget:g} s (+ up to {grace:g} s), work dir {work}", flush=True)
+    rows: list[dict[str, Any]] = []
+    paths: dict[str, Path] = {}
+    try:
+        for s in settings:
+            before = F.run_folders(work, f"batch-sweep-{s.name}")
+            fr = F.run_frontier([s.contestant(a.smoke)], budget_s=budget, grace_s=grace, data_files=files, work=work,
+                                smoke=a.smoke, prefix="batch-sweep")
+            run_dir = F.claimed_run_dir(work, f"batch-sweep-{s.name}", before)
+            rows.append(setting_row(s, fr, run_dir))
+            if toy:  # not the stand-in corpus: the generated toy corpus
+                rows[-1]["corpus"] = "toy corpus (data/toy.py, 600 rows)"
+            paths = write_table(rows, prov, out, smoke=a.smoke)  # after each setting: a cut step keeps the finished
+    except F.Stopped as e:
+        print(f"[batch-sweep] stopped by {e}: the setting in flight and its children were killed", flush=True)
+        return 143
+    for r in rows:
+        print(f"[batch-sweep] {r['setting']}: {r['status']}, BLEU 15 at {H.fmt(r['time_to_15'])} s, BLEU 20 at "
+              f"{H.fmt(r['time_to_20'])} s, best {H.fmt(r['best_bleu'])}, {H.fmt(r['steps'])} steps")
+    for kind, path in paths.items():
+        print(f"[batch-sweep] {kind}: {path}")
+    return 0 if any(r["status"] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
