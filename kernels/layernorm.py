@@ -24,8 +24,8 @@ Not supported by the kernels: RMSNorm, dropout, elementwise_affine=False (pass o
 
 Layout of this file (every kernel file follows it): reference -> Triton kernels ``_layer_norm_fwd_kernel``
 / ``_bwd_kernel`` (their autotuning space, the tiles kept per width: kernels/layernorm_tiles.py) ->
-launchers ``layer_norm_fwd`` / ``_bwd`` -> custom ops ``fastmt::layer_norm_fwd`` / ``_bwd`` (torch.compile)
-and the eager autograd.Function -> public ``layer_norm`` -> ``LayerNorm`` module.
+launchers ``layer_norm_fwd`` / ``_bwd`` -> one ``KernelOp`` registration (custom ops ``fastmt::layer_norm_fwd`` / ``_bwd``)
+(torch.compile) and the eager path -> public ``layer_norm`` -> ``LayerNorm`` module.
 """
 
 from __future__ import annotations
@@ -39,7 +39,15 @@ import triton.language as tl
 from torch import nn
 
 from kernels import NORM_BACKENDS
-from kernels._utils import empty, interpreting, launch, poison_enabled, resolve_backend, triton_usable
+from kernels._utils import (
+    KernelOp,
+    empty,
+    interpreting,
+    launch,
+    poison_enabled,
+    resolve_backend,
+    triton_usable,
+)
 from kernels.layernorm_tiles import BWD_TILES, FWD_TILES, block_n, layer_norm_autotune
 
 ACTIVATIONS = (None, "gelu", "gelu_tanh")
@@ -368,37 +376,20 @@ def layer_norm_bwd(dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, w
 
 
 # ----------------------------------------------------------------------------------------------
-# Autograd: custom ops for torch.compile (opaque, with fake and autograd registrations) and an
-# autograd.Function that calls the launchers directly in eager mode (no dispatcher round trips).
+# Registration: the custom ops for torch.compile, their autograd rule and the eager path (KernelOp).
 # ``activation`` travels as "none" | "gelu" | "gelu_tanh".
 # ----------------------------------------------------------------------------------------------
-@torch.library.custom_op("fastmt::layer_norm_fwd", mutates_args=())
-def _layer_norm_fwd_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                       residual: torch.Tensor | None, eps: float, activation: str,
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return layer_norm_fwd(x, weight, bias, residual, eps, activation)
-
-
-@_layer_norm_fwd_op.register_fake
-def _(x, weight, bias, residual, eps, activation):
+def _fwd_fake(x, weight, bias, residual, eps, activation):
     s = (x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype))
          if residual is not None else x.new_empty(0))
     return x.new_empty(x.shape), s, x.new_empty((2, *x.shape[:-1]), dtype=torch.float32)  # contiguous, as real
 
 
-@torch.library.custom_op("fastmt::layer_norm_bwd", mutates_args=())
-def _layer_norm_bwd_op(dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, weight: torch.Tensor,
-                       bias: torch.Tensor | None, stats: torch.Tensor, activation: str,
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    return layer_norm_bwd(dy, ds, s, weight, bias, stats, activation)
-
-
-@_layer_norm_bwd_op.register_fake
-def _(dy, ds, s, weight, bias, stats, activation):
+def _bwd_fake(dy, ds, s, weight, bias, stats, activation):
     return s.new_empty(s.shape), s.new_empty((2, s.shape[-1]), dtype=torch.float32)
 
 
-def _setup_context(ctx, inputs, output):
+def _save(ctx, inputs, output):
     x, weight, bias, residual, eps, activation = inputs
     _, s, stats = output
     ctx.has_residual = residual is not None
@@ -410,7 +401,7 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # an unused s gets None, not a tensor of zeros to read
 
 
-def _backward(ctx, dy, ds, bwd):
+def _grads(ctx, bwd, dy, ds, _dstats):
     """Gradients of (x, weight, bias, residual, eps, activation) given those of (y, s)."""
     s, weight, bias, stats = ctx.saved_tensors
     if dy is None:  # only s was used downstream
@@ -427,32 +418,17 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)  # skips a dispatcher round trip when already there
 
 
-def _op_backward(ctx, dy, ds, _dstats):
-    return _backward(ctx, dy, ds, torch.ops.fastmt.layer_norm_bwd)
-
-
-_layer_norm_fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
-
-
-class _LayerNormFunction(torch.autograd.Function):
-    """The eager twin of the custom op: same launchers and saved tensors, reused backward scratch.
-    (Classic ``forward(ctx, ...)``: a ``setup_context`` staticmethod makes ``apply`` bind the
-    arguments with ``inspect.signature`` on every call.)"""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, residual, eps, activation):
-        output = layer_norm_fwd(x, weight, bias, residual, eps, activation)
-        _setup_context(ctx, (x, weight, bias, residual, eps, activation), output)
-        return output
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable  # no double backward (raises instead of silently wrong)
-    def backward(ctx, dy, ds, _dstats):
-        return _backward(ctx, dy, ds, _eager_bwd)
-
-
 def _eager_bwd(*args):
     return layer_norm_bwd(*args, reuse_scratch=True)
+
+
+LAYER_NORM_OP = KernelOp(
+    "fastmt::layer_norm_fwd", layer_norm_fwd,
+    "(Tensor x, Tensor weight, Tensor? bias, Tensor? residual, float eps, str activation) -> (Tensor, Tensor, Tensor)",
+    _fwd_fake, bwd=layer_norm_bwd, bwd_fake=_bwd_fake, save=_save, grads=_grads, eager_bwd=_eager_bwd,
+    bwd_schema="(Tensor dy, Tensor? ds, Tensor s, Tensor weight, Tensor? bias, Tensor stats, str activation) "
+               "-> (Tensor, Tensor)",
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -541,13 +517,7 @@ def layer_norm(
     if backend == "reference":
         y, s = layer_norm_reference(x, weight, bias, residual, eps=eps, activation=activation, upcast=True)
         return (y, s) if return_residual else y
-    args = (x, weight, bias, residual, float(eps), activation or "none")
-    if torch.compiler.is_compiling():
-        y, s, _ = torch.ops.fastmt.layer_norm_fwd(*args)
-    elif torch.is_grad_enabled():
-        y, s, _ = _LayerNormFunction.apply(*args)
-    else:
-        y, s, _ = layer_norm_fwd(*args)
+    y, s, _ = LAYER_NORM_OP(x, weight, bias, residual, float(eps), activation or "none")
     if not return_residual:
         return y
     return y, (s if residual is not None else x)
