@@ -35,7 +35,7 @@ def columns(case: Case, d) -> dict[str, Any]:
 
 
 register_op(Op("layernorm", lambda case, dtype, device, opts: make_ln_inputs(case, dtype, device), reference,
-               work, columns))
+               work, columns, table=("LayerNorm+residual+GELU {mode}: GB/s", "gbps")))
 
 
 def _rows(out: torch.Tensor) -> torch.Tensor:
