@@ -43,9 +43,12 @@ class Case:
     max_tokens: int = 0  # corpus: src + tgt tokens per packed batch
     max_len: int = 0  # corpus: longest segment
     host_split: bool = False  # time the kernels (CUDA graph) and the eager op separately
+    name: str = ""  # the id of an op's own case (registry.Op.cases); "" for the built-in groups
 
     @property
     def id(self) -> str:
+        if self.name:
+            return self.name
         if self.bench == "layernorm":
             return f"ln-R{self.rows}-N{self.width}"
         if self.group == "corpus":
@@ -96,6 +99,7 @@ def build_cases(*, smoke: bool, only: str | None, groups: Sequence[str] | None =
                   for c in (False, True) for T in train_T]
         cases += [attn("long", T, 128, c, long_tokens // T, long_hidden // 128) for c in (False, True) for T in long_T]
         cases += [ln(32768, w) for w in (1024, 2048, 4096, 8192)]
+    cases += [c for op in registry.ops() if op.cases is not None for c in op.cases(smoke)]  # ops' own cases
     if only:
         cases = [c for c in cases if c.bench == only]
     if groups:

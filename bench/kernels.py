@@ -29,7 +29,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_cli_args(p, "tiny shapes in seconds",
                      data="corpus cases: segment lengths of this corpus's train split (default: generated log-normal)")
-    p.add_argument("--only", choices=("attention", "layernorm"), help="one benchmark")
+    p.add_argument("--only", help="one benchmark: an op of bench.registry (attention, layernorm, ...)")
     p.add_argument("--groups", help=f"comma-separated case groups: {','.join(GROUPS)} (default: all)")
     p.add_argument("--providers", help="comma-separated subset of providers")
     p.add_argument("--provider-module", dest="provider_modules", action="append", default=[], metavar="MODULE",
@@ -66,6 +66,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         registry.load(opts.provider_modules)
     except (ValueError, ImportError) as e:
         p.error(f"--corpus-tokens {opts.corpus_tokens!r} / --provider-module {opts.provider_modules}: {e}")
+    if opts.only is not None and opts.only not in (ops := [op.name for op in registry.ops()]):
+        p.error(f"--only {opts.only!r} is not one of the registered ops {ops} (bench.registry.OP_MODULES)")
     opts.providers = cli.choose(p, "--providers", opts.providers or ",".join(registry.names()), registry.names())
     if not 0 < opts.min_fill <= 1:
         p.error(f"--min-fill must be in (0, 1], got {opts.min_fill}")

@@ -1,8 +1,9 @@
 """The provider registry of ``bench.kernels``: which implementations of an op a case group runs.
 
-An op registers its inputs, fp32 reference and counted work (`register_op`); each implementation a
-``prepare`` (`register`). `load` imports them and any ``--provider-module``, so a new kernel is
-benchmarked without editing ``bench/``."""
+An op registers its inputs, fp32 reference and counted work (`register_op`), and, when it is not one of the
+built-in case groups of bench/cases.py, its own cases and report table (``Op.cases``, ``Op.table``); each
+implementation a ``prepare`` (`register`). `load` imports them and any ``--provider-module``: a new provider is
+benchmarked without editing ``bench/``, a new op by its own ``bench/<op>.py`` listed in ``OP_MODULES``."""
 
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ class Op:
     reference: Callable[[Any, Any], torch.Tensor]  # (case, inputs) -> fp32 reference slice
     work: Callable[..., dict[str, float]]  # (case, mode, inputs, dtype) -> {"flops"|"bytes", "floor_bytes"?}
     columns: Callable[[Any, Any], dict[str, Any]]  # (case, inputs or None) -> descriptive row columns
+    cases: Callable[[bool], list] | None = None  # (smoke) -> the op's own bench.cases.Case list (None: built-in)
+    table: tuple[str, str] | None = None  # (title, metric column) of the report's per-mode pivot, e.g. GB/s
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,11 @@ def op(name: str) -> Op:
     if name not in _OPS:
         raise KeyError(f"no op {name!r} registered; known: {sorted(_OPS)} (call bench.registry.load() first)")
     return _OPS[name]
+
+
+def ops() -> list[Op]:
+    """The registered ops, in registration order."""
+    return list(_OPS.values())
 
 
 def providers(op_name: str | None = None, group: str | None = None) -> list[Provider]:

@@ -199,8 +199,8 @@ def write_markdown(path: Path, rows, prov, peaks: H.Peaks, opts) -> None:
         host_table(rows, "attention", "corpus"), host_table(rows, "layernorm", "ln"),
         *((f"Attention {mode}: TFLOP/s", *pivot(rows, "attention", mode, "tflops", registry.names("attention"),
                                                 groups=padded)) for mode in opts.modes),
-        *((f"LayerNorm+residual+GELU {mode}: GB/s", *pivot(rows, "layernorm", mode, "gbps",
-                                                           registry.names("layernorm"))) for mode in opts.modes),
+        *((op.table[0].format(mode=mode), *pivot(rows, op.name, mode, op.table[1], registry.names(op.name)))
+          for op in registry.ops() if op.table is not None for mode in opts.modes),
         first_call_table(rows),
         ("Rows that did not run", [r for r in rows if not _ok(r) and r["status"] != "skipped"],
          ["case", "provider", "mode", "status", "error"]),

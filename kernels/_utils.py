@@ -199,3 +199,75 @@ def pruned_configs(kernel: Autotuner, args: tuple, kwargs: dict) -> list[triton.
     if prune is not None and len(configs) > 1:
         configs = prune(configs, dict(zip(kernel.arg_names, args)), **kwargs) or configs
     return configs
+
+
+# ----------------------------------------------------------------------------------------------
+# One registration per kernel: the custom op (torch.compile), its fake, its autograd rule and the
+# eager path, all built from a forward and a backward launcher
+# ----------------------------------------------------------------------------------------------
+class KernelOp:
+    """A fused op built from its launchers: ``op = KernelOp("fastmt::name", fwd, schema, fake, ...)``, then
+    ``op(*inputs)`` in the public function. What it registers and how it dispatches:
+
+    - ``fastmt::name`` (``torch.ops.fastmt.name``): a custom op over ``fwd``, opaque to torch.compile, with
+      ``fake(*inputs)`` (outputs' shapes/dtypes, allocated as the launcher does) as its meta function;
+    - with a ``bwd`` launcher: the backward op likewise (``fastmt::x_fwd`` -> ``fastmt::x_bwd``, else ``name_bwd``) (``bwd_schema``, ``bwd_fake``), and the autograd
+      rule: ``save(ctx, inputs, outputs)`` keeps what the backward reads (it runs inside both the op's
+      ``setup_context`` and the eager Function's forward: ``ctx.save_for_backward``, ``ctx.mark_non_differentiable``),
+      ``grads(ctx, bwd, *output_grads) -> input grads`` calls ``bwd`` (the backward op when compiled; the
+      backward launcher, or ``eager_bwd`` when given, in eager mode) and returns one gradient per input;
+    - ``op(*inputs)``: the custom op while torch.compile traces, an ``autograd.Function`` over the same
+      launchers in eager mode when a tensor input needs a gradient (no dispatcher round trips; no double
+      backward: it raises instead of silently wrong), the forward launcher alone otherwise.
+
+    ``schema``/``bwd_schema``: the ops' argument lists in torch's schema language, e.g.
+    ``"(Tensor x, Tensor? bias, float eps) -> (Tensor, Tensor)"``; ``mutates_args``: the inputs an in-place op
+    writes (an optimizer step; no backward then). Outputs are returned as the forward launcher returns them.
+    """
+
+    def __init__(self, name: str, fwd, schema: str, fake, *, bwd=None, bwd_schema: str | None = None,
+                 bwd_fake=None, save=None, grads=None, eager_bwd=None, mutates_args: tuple[str, ...] = ()):
+        if (bwd is None) != (grads is None) or (bwd is None) != (save is None):
+            raise ValueError(f"KernelOp {name}: bwd, save and grads come together")
+        self.name, self.fwd = name, fwd
+        self.op = torch.library.custom_op(name, fwd, mutates_args=mutates_args, schema=schema)
+        self.op.register_fake(fake)
+        self.function = None
+        if bwd is None:
+            return
+        self.bwd_op = torch.library.custom_op(name.removesuffix("_fwd") + "_bwd", bwd, mutates_args=(), schema=bwd_schema)
+        self.bwd_op.register_fake(bwd_fake)
+        kernel_op, bwd_op, eager = self, self.bwd_op, eager_bwd or bwd
+
+        def setup_context(ctx, inputs, output):
+            save(ctx, inputs, output)
+
+        def op_backward(ctx, *output_grads):
+            return grads(ctx, bwd_op, *output_grads)
+
+        self.op.register_autograd(op_backward, setup_context=setup_context)
+
+        class Function(torch.autograd.Function):
+            # classic ``forward(ctx, ...)``: a ``setup_context`` staticmethod would make ``apply`` bind the
+            # arguments with ``inspect.signature`` on every call
+            @staticmethod
+            def forward(ctx, *inputs):
+                output = kernel_op.fwd(*inputs)  # read per call: tests count launches by replacing it
+                save(ctx, inputs, output)
+                return output
+
+            @staticmethod
+            @torch.autograd.function.once_differentiable
+            def backward(ctx, *output_grads):
+                return grads(ctx, eager, *output_grads)
+
+        Function.__name__ = Function.__qualname__ = f"{name.split('::')[-1]}_function"
+        self.function = Function
+
+    def __call__(self, *inputs):
+        if torch.compiler.is_compiling():
+            return self.op(*inputs)
+        if self.function is not None and torch.is_grad_enabled() and any(
+                isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
+            return self.function.apply(*inputs)
+        return self.fwd(*inputs)

@@ -19,13 +19,13 @@ empty). ``attention_tiling`` picks one per varlen call; ``FASTMT_ATTN_TILING`` o
 fp16 / bf16 on CUDA (also fp32 under ``TRITON_INTERPRET=1``) and head dims 16/32/64/128; no dropout,
 GQA, arbitrary masks or double backward: ``backend="auto"`` serves those with SDPA or the reference.
 
-Host path: under torch.compile the ``torch.library`` custom ops (opaque nodes with fake kernels);
-eagerly a plain ``torch.autograd.Function`` over the same launchers (the dispatcher's per-call host
-cost buys nothing there), or the launcher alone when no gradient is needed. The launchers launch
+Host path (one ``kernels._utils.KernelOp`` per tiling): under torch.compile the ``torch.library`` custom
+ops (opaque nodes with fake kernels); eagerly a plain ``torch.autograd.Function`` over the same launchers
+(the dispatcher's per-call host cost buys nothing there), or the launcher alone when no gradient is needed. The launchers launch
 through ``kernels._utils.launch`` (``kernel[grid]``), inside the custom ops too: ``wrap_triton`` there
 built a new Autotuner on every call on CUDA.
 
-Layout of this file: reference -> custom ops and eager autograd.Functions of both tilings -> checks
+Layout of this file: reference -> the registration (KernelOp) of both tilings -> checks
 and dispatch -> public ``attention`` -> ``FlashAttention`` module.
 """
 
@@ -40,7 +40,7 @@ from einops import einsum, rearrange
 from torch import nn
 
 from kernels import ATTN_BACKENDS, ATTN_HEAD_DIMS
-from kernels._utils import resolve_backend, triton_usable
+from kernels._utils import KernelOp, resolve_backend, triton_usable
 from kernels.packed_attention import segment_ids, stream_attention_bwd, stream_attention_fwd
 from kernels.sequence_attention import lse_shape, sequence_attention_bwd, sequence_attention_fwd
 
@@ -122,128 +122,59 @@ def unpad_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, total: int) -> torch
 
 
 # ----------------------------------------------------------------------------------------------
-# Autograd: custom ops for torch.compile (opaque, with fake and autograd registrations) and eager
-# autograd.Functions that call the launchers directly, one pair per tiling. Both tilings' launchers
-# take (q, k, v, *index tensors, *python args) forward and (dO, q, k, v, out, lse, *index tensors,
-# *python args) backward, so one save and one gradient helper serve all four.
+# Registration: one KernelOp per tiling (custom ops for torch.compile, autograd rule, eager path).
+# Both tilings' launchers take (q, k, v, *index tensors, *python args) forward and (dO, q, k, v, out,
+# lse, *index tensors, *python args) backward, so one save and one gradient helper serve both.
 # ----------------------------------------------------------------------------------------------
-@torch.library.custom_op("fastmt::sequence_attention_fwd", mutates_args=())
-def _sequence_attention_fwd_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_q: torch.Tensor, seq_k: torch.Tensor,
-    max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return sequence_attention_fwd(q, k, v, seq_q, seq_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale)
-
-
-@_sequence_attention_fwd_op.register_fake
-def _(q, k, v, seq_q, seq_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale):
-    return q.new_empty(q.shape), q.new_empty(lse_shape(q), dtype=torch.float32)
-
-
-@torch.library.custom_op("fastmt::sequence_attention_bwd", mutates_args=())
-def _sequence_attention_bwd_op(
-    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    seq_q: torch.Tensor, seq_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
-    softmax_scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return sequence_attention_bwd(do, q, k, v, out, lse, seq_q, seq_k, max_seqlen_q, max_seqlen_k, causal,
-                                  softmax_scale)
-
-
-@_sequence_attention_bwd_op.register_fake
-def _(do, q, k, v, out, lse, seq_q, seq_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-@torch.library.custom_op("fastmt::stream_attention_fwd", mutates_args=())
-def _stream_attention_fwd_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-    seg_q: torch.Tensor, seg_k: torch.Tensor, causal: bool, softmax_scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return stream_attention_fwd(q, k, v, cu_q, cu_k, seg_q, causal, softmax_scale)  # seg_k: for the backward
-
-
-@_stream_attention_fwd_op.register_fake
-def _(q, k, v, cu_q, cu_k, seg_q, seg_k, causal, softmax_scale):
-    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-
-
-@torch.library.custom_op("fastmt::stream_attention_bwd", mutates_args=())
-def _stream_attention_bwd_op(
-    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    cu_q: torch.Tensor, cu_k: torch.Tensor, seg_q: torch.Tensor, seg_k: torch.Tensor, causal: bool,
-    softmax_scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return stream_attention_bwd(do, q, k, v, out, lse, cu_q, cu_k, seg_q, seg_k, causal, softmax_scale)
-
-
-@_stream_attention_bwd_op.register_fake
-def _(do, q, k, v, out, lse, cu_q, cu_k, seg_q, seg_k, causal, softmax_scale):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-def _save(ctx, inputs: tuple, out: torch.Tensor, lse: torch.Tensor) -> None:
+def _save(ctx, inputs: tuple, output: tuple) -> None:
     """Save what a backward launcher reads after dO: q, k, v, out, lse and the index tensors (saved), then
     the python arguments (``ctx.args``)."""
     q, k, v, *rest = inputs
+    out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, *(a for a in rest if isinstance(a, torch.Tensor)))
     ctx.args = tuple(a for a in rest if not isinstance(a, torch.Tensor))
     ctx.num_inputs = len(inputs)
+    ctx.mark_non_differentiable(lse)
 
 
-def _grads(ctx, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> tuple:
+def _grads(ctx, bwd, d_out: torch.Tensor, _d_lse) -> tuple:
+    dq, dk, dv = bwd(d_out, *ctx.saved_tensors, *ctx.args)
     return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)  # nothing for the index tensors and python args
 
 
-def _setup_context(ctx, inputs, output):
-    _save(ctx, inputs, *output)
-    ctx.mark_non_differentiable(output[1])  # lse
+def _fwd_fake_sequence(q, k, v, *_):
+    return q.new_empty(q.shape), q.new_empty(lse_shape(q), dtype=torch.float32)
 
 
-def _sequence_op_backward(ctx, d_out, _d_lse):
-    return _grads(ctx, *torch.ops.fastmt.sequence_attention_bwd(d_out, *ctx.saved_tensors, *ctx.args))
+def _fwd_fake_stream(q, k, v, *_):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
-def _stream_op_backward(ctx, d_out, _d_lse):
-    return _grads(ctx, *torch.ops.fastmt.stream_attention_bwd(d_out, *ctx.saved_tensors, *ctx.args))
+def _bwd_fake(do, q, k, v, *_):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-_sequence_attention_fwd_op.register_autograd(_sequence_op_backward, setup_context=_setup_context)
-_stream_attention_fwd_op.register_autograd(_stream_op_backward, setup_context=_setup_context)
+def _stream_fwd(q, k, v, cu_q, cu_k, seg_q, seg_k, causal, softmax_scale):
+    return stream_attention_fwd(q, k, v, cu_q, cu_k, seg_q, causal, softmax_scale)  # seg_k: for the backward
 
 
-class _SequenceAttentionFunction(torch.autograd.Function):
-    """The eager twin of ``fastmt::sequence_attention_fwd``: same launchers, arguments and saved tensors."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        out, lse = sequence_attention_fwd(*inputs)
-        _save(ctx, inputs, out, lse)
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable  # no double backward (raises instead of silently wrong)
-    def backward(ctx, d_out):
-        return _grads(ctx, *sequence_attention_bwd(d_out, *ctx.saved_tensors, *ctx.args))
-
-
-class _StreamAttentionFunction(torch.autograd.Function):
-    """The eager twin of ``fastmt::stream_attention_fwd``: same launchers, arguments and saved tensors."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, seg_q, seg_k, causal, softmax_scale):
-        out, lse = stream_attention_fwd(q, k, v, cu_q, cu_k, seg_q, causal, softmax_scale)
-        _save(ctx, (q, k, v, cu_q, cu_k, seg_q, seg_k, causal, softmax_scale), out, lse)
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, d_out):
-        return _grads(ctx, *stream_attention_bwd(d_out, *ctx.saved_tensors, *ctx.args))
-
-
-def _needs_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+_BWD_HEAD = "(Tensor do, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+SEQUENCE_ATTENTION_OP = KernelOp(
+    "fastmt::sequence_attention_fwd", sequence_attention_fwd,
+    "(Tensor q, Tensor k, Tensor v, Tensor seq_q, Tensor seq_k, SymInt max_seqlen_q, SymInt max_seqlen_k, "
+    "bool causal, float softmax_scale) -> (Tensor, Tensor)", _fwd_fake_sequence,
+    bwd=sequence_attention_bwd, bwd_fake=_bwd_fake, save=_save, grads=_grads,
+    bwd_schema=_BWD_HEAD + "Tensor seq_q, Tensor seq_k, SymInt max_seqlen_q, SymInt max_seqlen_k, bool causal, "
+                           "float softmax_scale) -> (Tensor, Tensor, Tensor)",
+)
+STREAM_ATTENTION_OP = KernelOp(
+    "fastmt::stream_attention_fwd", _stream_fwd,
+    "(Tensor q, Tensor k, Tensor v, Tensor cu_q, Tensor cu_k, Tensor seg_q, Tensor seg_k, bool causal, "
+    "float softmax_scale) -> (Tensor, Tensor)", _fwd_fake_stream,
+    bwd=stream_attention_bwd, bwd_fake=_bwd_fake, save=_save, grads=_grads,
+    bwd_schema=_BWD_HEAD + "Tensor cu_q, Tensor cu_k, Tensor seg_q, Tensor seg_k, bool causal, "
+                           "float softmax_scale) -> (Tensor, Tensor, Tensor)",
+)
 
 
 def sequence_attention(q, k, v, seq_q, seq_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
@@ -251,23 +182,13 @@ def sequence_attention(q, k, v, seq_q, seq_k, max_seqlen_q: int, max_seqlen_k: i
     """Per-sequence-tiled attention on validated inputs (``seq_q`` / ``seq_k``: int32 lengths (B,) padded,
     cu_seqlens (B+1,) varlen). Compiled: the custom op; eager: the autograd.Function, or the launcher
     alone when no gradient is needed."""
-    args = (q, k, v, seq_q, seq_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale)
-    if torch.compiler.is_compiling():
-        return torch.ops.fastmt.sequence_attention_fwd(*args)[0]
-    if _needs_grad(q, k, v):
-        return _SequenceAttentionFunction.apply(*args)
-    return sequence_attention_fwd(*args)[0]
+    return SEQUENCE_ATTENTION_OP(q, k, v, seq_q, seq_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale)[0]
 
 
 def stream_attention(q, k, v, cu_q, cu_k, seg_q, seg_k, causal: bool, softmax_scale: float) -> torch.Tensor:
     """Stream-tiled attention on validated varlen inputs (``seg_*``: ``segment_ids`` of each side), as
     ``sequence_attention`` dispatches."""
-    args = (q, k, v, cu_q, cu_k, seg_q, seg_k, causal, softmax_scale)
-    if torch.compiler.is_compiling():
-        return torch.ops.fastmt.stream_attention_fwd(*args)[0]
-    if _needs_grad(q, k, v):
-        return _StreamAttentionFunction.apply(*args)
-    return stream_attention_fwd(q, k, v, cu_q, cu_k, seg_q, causal, softmax_scale)[0]
+    return STREAM_ATTENTION_OP(q, k, v, cu_q, cu_k, seg_q, seg_k, causal, softmax_scale)[0]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
     s = x + residual            (when a residual is given; returned for the pre-LN residual stream)
     y = act(LayerNorm(s) * weight + bias),  act in {None, "gelu" (exact erf), "gelu_tanh"}
+    RMSNorm (``rms_norm`` / ``RMSNorm``, flash-attn's ``IS_RMS_NORM`` on the same kernels): no mean,
+    x_hat = s / sqrt(mean(s^2) + eps); its statistics hold a zero mean (the backward's x_hat is the same code)
 
 Fused: one pass over each row reads x (and residual), writes s (only when a residual is given),
 y and the fp32 statistics (mean and rstd of each row). The backward reads dy, ds (the upstream
@@ -20,12 +22,13 @@ input's gradient in its own dtype, dW / dB in the parameters' dtypes.
 Shapes: x (..., N) with any leading dims; rows may be strided (last stride 1, else copied).
 Limits of the Triton kernels: N <= 8192 (a row lives in registers; BLOCK_N = next power of two of N,
 masked). ``backend="auto"`` sends wider rows and other dtypes to the reference; "triton" raises.
-Not supported by the kernels: RMSNorm, dropout, elementwise_affine=False (pass ones), fp64.
+Not supported by the kernels: dropout, elementwise_affine=False (pass ones), fp64.
 
 Layout of this file (every kernel file follows it): reference -> Triton kernels ``_layer_norm_fwd_kernel``
 / ``_bwd_kernel`` (their autotuning space, the tiles kept per width: kernels/layernorm_tiles.py) ->
-launchers ``layer_norm_fwd`` / ``_bwd`` -> custom ops ``fastmt::layer_norm_fwd`` / ``_bwd`` (torch.compile)
-and the eager autograd.Function -> public ``layer_norm`` -> ``LayerNorm`` module.
+launchers ``layer_norm_fwd`` / ``_bwd`` -> one ``KernelOp`` registration per norm (custom ops
+``fastmt::layer_norm_fwd`` / ``_bwd`` and ``fastmt::rms_norm_fwd`` / ``_bwd``: torch.compile) and the eager path ->
+public ``layer_norm`` / ``rms_norm`` -> ``LayerNorm`` / ``RMSNorm`` modules.
 """
 
 from __future__ import annotations
@@ -39,7 +42,15 @@ import triton.language as tl
 from torch import nn
 
 from kernels import NORM_BACKENDS
-from kernels._utils import empty, interpreting, launch, poison_enabled, resolve_backend, triton_usable
+from kernels._utils import (
+    KernelOp,
+    empty,
+    interpreting,
+    launch,
+    poison_enabled,
+    resolve_backend,
+    triton_usable,
+)
 from kernels.layernorm_tiles import BWD_TILES, FWD_TILES, block_n, layer_norm_autotune
 
 ACTIVATIONS = (None, "gelu", "gelu_tanh")
@@ -66,6 +77,7 @@ def layer_norm_reference(
     eps: float = 1e-5,
     activation: str | None = None,
     upcast: bool = True,
+    is_rms_norm: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (y, s) with s = x + residual (PyTorch's promoted dtype) or x itself.
 
@@ -78,7 +90,11 @@ def layer_norm_reference(
     h = s.float() if upcast else s
     w = weight.to(h.dtype)
     b = bias.to(h.dtype) if bias is not None else None
-    y = F.layer_norm(h, (h.shape[-1],), w, b, eps)
+    if is_rms_norm:  # RMSNorm(s) * w + b
+        y = F.rms_norm(h, (h.shape[-1],), w, eps)
+        y = y + b if b is not None else y
+    else:
+        y = F.layer_norm(h, (h.shape[-1],), w, b, eps)
     if activation == "gelu":
         y = F.gelu(y)
     elif activation == "gelu_tanh":
@@ -149,6 +165,7 @@ def _layer_norm_fwd_kernel(
     HAS_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,  # 0 none, 1 exact GELU, 2 tanh GELU
+    IS_RMS_NORM: tl.constexpr,  # RMSNorm: no mean subtracted (the stored mean is 0)
     BLOCK_N: tl.constexpr,  # next power of two >= N
     ROWS: tl.constexpr,  # rows per program (autotuned)
 ):
@@ -168,8 +185,12 @@ def _layer_norm_fwd_kernel(
 
     # IEEE division (div_rn): Triton's fp32 `/` is the GPU's approximate div.full.f32 (2 ulp). (Not the cause of
     # the one-column dx error on the H200, 2026-11-27: that was a contracted product in the backward, see _mul_rn.)
-    mean = tl.math.div_rn(tl.sum(x, axis=1), N * 1.0)  # (ROWS,) fp32
-    xc = tl.where(mask, x - mean[:, None], 0.0)
+    if IS_RMS_NORM:
+        mean = tl.zeros((ROWS,), dtype=tl.float32)
+        xc = tl.where(mask, x, 0.0)
+    else:
+        mean = tl.math.div_rn(tl.sum(x, axis=1), N * 1.0)  # (ROWS,) fp32
+        xc = tl.where(mask, x - mean[:, None], 0.0)
     var = tl.math.div_rn(tl.sum(xc * xc, axis=1), N * 1.0)  # two-pass variance: the row is in registers anyway
     rstd = 1.0 / tl.sqrt(var + eps)
     tl.store(Stats_ptr + rows64, mean, mask=row_mask)
@@ -205,6 +226,7 @@ def _layer_norm_bwd_kernel(
     HAS_DS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,  # 0 none, 1 exact GELU, 2 tanh GELU
+    IS_RMS_NORM: tl.constexpr,  # RMSNorm: dx has no mean(g) term (x_hat = s * rstd: the stored mean is 0)
     BLOCK_N: tl.constexpr,  # next power of two >= N
     ROWS: tl.constexpr,  # rows per loop step (autotuned)
 ):
@@ -245,10 +267,14 @@ def _layer_norm_bwd_kernel(
         # g is rounded by itself (mul.rn): contracted into fma(dz, w, -mean(g)), g - mean(g) was the product's
         # rounding error instead of 0 where g equals its mean (one column: dx errors up to 6e-5 on the H200, rstd
         # = 1/sqrt(eps) ~ 316 amplifying it). tests/kernels/test_layernorm_codegen.py checks the PTX.
+        # RMSNorm: ds = rstd * (g - x_hat * mean(g * x_hat)).
         g = _mul_rn(dz, w[None, :])
-        c_g = tl.math.div_rn(tl.sum(g, axis=1), N * 1.0)  # IEEE division, as in the forward
-        c_gx = tl.math.div_rn(tl.sum(g * x_hat, axis=1), N * 1.0)
-        dx = (g - c_g[:, None] - x_hat * c_gx[:, None]) * rstd[:, None]
+        c_gx = tl.math.div_rn(tl.sum(g * x_hat, axis=1), N * 1.0)  # IEEE division, as in the forward
+        if IS_RMS_NORM:
+            dx = (g - x_hat * c_gx[:, None]) * rstd[:, None]
+        else:
+            c_g = tl.math.div_rn(tl.sum(g, axis=1), N * 1.0)
+            dx = (g - c_g[:, None] - x_hat * c_gx[:, None]) * rstd[:, None]
         if HAS_DS:
             dx += tl.load(DS_ptr + rows64[:, None] * stride_ds_row + cols[None, :], mask=mask,
                           other=0.0).to(tl.float32)
@@ -308,10 +334,10 @@ def _partials(G: int, N: int, device: torch.device, reuse: bool, poison: bool) -
 
 
 def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   residual: torch.Tensor | None, eps: float, activation: str,
+                   residual: torch.Tensor | None, eps: float, activation: str, is_rms_norm: bool = False,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (..., N) -> y (..., N) in x's dtype; s (..., N) = x + residual in the promoted dtype (an
-    empty (0,) tensor without residual); stats (2, ...) fp32: each row's mean, then its rstd."""
+    empty (0,) tensor without residual); stats (2, ...) fp32: each row's mean (0 for RMSNorm), then its rstd."""
     N = x.shape[-1]
     act = _ACTIVATION_CODE[activation]
     x2, stride_x = _rows(x, N)
@@ -327,19 +353,20 @@ def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if M == 0:
         return y, s, stats
     key = (N, act, x.dtype, residual.dtype if residual is not None else None, weight.dtype,
-           bias.dtype if bias is not None else None)
+           bias.dtype if bias is not None else None) + (("rms",) if is_rms_norm else ())
     launch(
         _layer_norm_fwd_kernel, lambda meta: ((M + meta["ROWS"] - 1) // meta["ROWS"],), key,
         x2, r2, weight, bias if bias is not None else weight, y, s if residual is not None else y, stats,
         stride_x, stride_r, N, N, M, N, eps,
-        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, ACTIVATION=act, BLOCK_N=block_n(N),
+        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, ACTIVATION=act, IS_RMS_NORM=is_rms_norm,
+        BLOCK_N=block_n(N),
     )
     return y, s, stats
 
 
 def layer_norm_bwd(dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None, stats: torch.Tensor, activation: str,
-                   num_programs: int | None = None, reuse_scratch: bool = False,
+                   num_programs: int | None = None, reuse_scratch: bool = False, is_rms_norm: bool = False,
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of ``layer_norm_fwd``: dx (..., N) in s's dtype, the gradient of s (so of x and of
     residual): ds + dLN/ds; and dwdb (2, N) fp32: dW, then dB (computed with or without a bias).
@@ -357,48 +384,32 @@ def layer_norm_bwd(dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, w
     G = num_programs or _bwd_programs(s.device)
     partial = _partials(G, N, s.device, reuse_scratch, poison)
     key = (N, act, dy.dtype, ds.dtype if ds is not None else None, s.dtype, weight.dtype,
-           bias.dtype if bias is not None else None)
+           bias.dtype if bias is not None else None) + (("rms",) if is_rms_norm else ())
     launch(
         _layer_norm_bwd_kernel, lambda meta: (G,), key,
         dy2, ds2, s2, weight, bias if bias is not None else weight, stats, dx, partial,
         stride_dy, stride_ds, stride_s, N, M, N, (M + G - 1) // G,
-        HAS_DS=ds is not None, HAS_BIAS=bias is not None, ACTIVATION=act, BLOCK_N=block_n(N),
+        HAS_DS=ds is not None, HAS_BIAS=bias is not None, ACTIVATION=act, IS_RMS_NORM=is_rms_norm,
+        BLOCK_N=block_n(N),
     )
     return dx, partial.sum(1)  # one fixed-order reduction over the G partial rows: deterministic
 
 
 # ----------------------------------------------------------------------------------------------
-# Autograd: custom ops for torch.compile (opaque, with fake and autograd registrations) and an
-# autograd.Function that calls the launchers directly in eager mode (no dispatcher round trips).
+# Registration: the custom ops for torch.compile, their autograd rule and the eager path (KernelOp).
 # ``activation`` travels as "none" | "gelu" | "gelu_tanh".
 # ----------------------------------------------------------------------------------------------
-@torch.library.custom_op("fastmt::layer_norm_fwd", mutates_args=())
-def _layer_norm_fwd_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                       residual: torch.Tensor | None, eps: float, activation: str,
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return layer_norm_fwd(x, weight, bias, residual, eps, activation)
-
-
-@_layer_norm_fwd_op.register_fake
-def _(x, weight, bias, residual, eps, activation):
+def _fwd_fake(x, weight, bias, residual, eps, activation):
     s = (x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype))
          if residual is not None else x.new_empty(0))
     return x.new_empty(x.shape), s, x.new_empty((2, *x.shape[:-1]), dtype=torch.float32)  # contiguous, as real
 
 
-@torch.library.custom_op("fastmt::layer_norm_bwd", mutates_args=())
-def _layer_norm_bwd_op(dy: torch.Tensor, ds: torch.Tensor | None, s: torch.Tensor, weight: torch.Tensor,
-                       bias: torch.Tensor | None, stats: torch.Tensor, activation: str,
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    return layer_norm_bwd(dy, ds, s, weight, bias, stats, activation)
-
-
-@_layer_norm_bwd_op.register_fake
-def _(dy, ds, s, weight, bias, stats, activation):
+def _bwd_fake(dy, ds, s, weight, bias, stats, activation):
     return s.new_empty(s.shape), s.new_empty((2, s.shape[-1]), dtype=torch.float32)
 
 
-def _setup_context(ctx, inputs, output):
+def _save(ctx, inputs, output):
     x, weight, bias, residual, eps, activation = inputs
     _, s, stats = output
     ctx.has_residual = residual is not None
@@ -410,7 +421,7 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # an unused s gets None, not a tensor of zeros to read
 
 
-def _backward(ctx, dy, ds, bwd):
+def _grads(ctx, bwd, dy, ds, _dstats):
     """Gradients of (x, weight, bias, residual, eps, activation) given those of (y, s)."""
     s, weight, bias, stats = ctx.saved_tensors
     if dy is None:  # only s was used downstream
@@ -427,32 +438,30 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)  # skips a dispatcher round trip when already there
 
 
-def _op_backward(ctx, dy, ds, _dstats):
-    return _backward(ctx, dy, ds, torch.ops.fastmt.layer_norm_bwd)
-
-
-_layer_norm_fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
-
-
-class _LayerNormFunction(torch.autograd.Function):
-    """The eager twin of the custom op: same launchers and saved tensors, reused backward scratch.
-    (Classic ``forward(ctx, ...)``: a ``setup_context`` staticmethod makes ``apply`` bind the
-    arguments with ``inspect.signature`` on every call.)"""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, residual, eps, activation):
-        output = layer_norm_fwd(x, weight, bias, residual, eps, activation)
-        _setup_context(ctx, (x, weight, bias, residual, eps, activation), output)
-        return output
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable  # no double backward (raises instead of silently wrong)
-    def backward(ctx, dy, ds, _dstats):
-        return _backward(ctx, dy, ds, _eager_bwd)
-
-
 def _eager_bwd(*args):
     return layer_norm_bwd(*args, reuse_scratch=True)
+
+
+def rms_norm_fwd(x, weight, bias, residual, eps, activation):
+    return layer_norm_fwd(x, weight, bias, residual, eps, activation, is_rms_norm=True)
+
+
+def rms_norm_bwd(dy, ds, s, weight, bias, stats, activation, reuse_scratch=False):
+    return layer_norm_bwd(dy, ds, s, weight, bias, stats, activation, reuse_scratch=reuse_scratch, is_rms_norm=True)
+
+
+def _rms_eager_bwd(*args):
+    return rms_norm_bwd(*args, reuse_scratch=True)
+
+
+_FWD_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor? residual, float eps, str activation) "
+               "-> (Tensor, Tensor, Tensor)")
+_BWD_SCHEMA = "(Tensor dy, Tensor? ds, Tensor s, Tensor weight, Tensor? bias, Tensor stats, str activation) -> (Tensor, Tensor)"
+_ROLES = {"bwd_schema": _BWD_SCHEMA, "bwd_fake": _bwd_fake, "save": _save, "grads": _grads}
+LAYER_NORM_OP = KernelOp("fastmt::layer_norm_fwd", layer_norm_fwd, _FWD_SCHEMA, _fwd_fake, bwd=layer_norm_bwd,
+                         eager_bwd=_eager_bwd, **_ROLES)
+RMS_NORM_OP = KernelOp("fastmt::rms_norm_fwd", rms_norm_fwd, _FWD_SCHEMA, _fwd_fake, bwd=rms_norm_bwd,
+                       eager_bwd=_rms_eager_bwd, **_ROLES)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -524,8 +533,10 @@ def layer_norm(
     activation: str | None = None,
     return_residual: bool = False,
     backend: str = "auto",
+    is_rms_norm: bool = False,
 ):
-    """``act(LayerNorm(x + residual))`` over the last dimension; x (..., N), weight/bias (N,).
+    """``act(LayerNorm(x + residual))`` over the last dimension; x (..., N), weight/bias (N,);
+    ``act(RMSNorm(x + residual))`` with ``is_rms_norm`` (``rms_norm``).
 
     Returns y shaped like x, or ``(y, s)`` with ``s = x + residual`` when ``return_residual``.
     ``backend``: "auto" (Triton on CUDA when ``triton_supports``: N <= 8192, fp32/bf16/fp16; the
@@ -539,22 +550,26 @@ def layer_norm(
     elif backend == "triton":
         check_triton_support(x, residual)
     if backend == "reference":
-        y, s = layer_norm_reference(x, weight, bias, residual, eps=eps, activation=activation, upcast=True)
+        y, s = layer_norm_reference(x, weight, bias, residual, eps=eps, activation=activation, upcast=True,
+                                    is_rms_norm=is_rms_norm)
         return (y, s) if return_residual else y
-    args = (x, weight, bias, residual, float(eps), activation or "none")
-    if torch.compiler.is_compiling():
-        y, s, _ = torch.ops.fastmt.layer_norm_fwd(*args)
-    elif torch.is_grad_enabled():
-        y, s, _ = _LayerNormFunction.apply(*args)
-    else:
-        y, s, _ = layer_norm_fwd(*args)
+    op = RMS_NORM_OP if is_rms_norm else LAYER_NORM_OP
+    y, s, _ = op(x, weight, bias, residual, float(eps), activation or "none")
     if not return_residual:
         return y
     return y, (s if residual is not None else x)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+             residual: torch.Tensor | None = None, **kwargs):
+    """``act(RMSNorm(x + residual) * weight + bias)``: ``layer_norm(..., is_rms_norm=True)``, same arguments."""
+    return layer_norm(x, weight, bias, residual, is_rms_norm=True, **kwargs)
+
+
 class LayerNorm(nn.Module):
     """LayerNorm(+residual)(+GELU) module; ``forward(x, residual=None)`` returns y, or (y, x + residual)."""
+
+    is_rms_norm = False
 
     def __init__(self, dim: int, eps: float = 1e-5, activation: str | None = None, bias: bool = True,
                  backend: str = "auto"):
@@ -569,7 +584,17 @@ class LayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         return layer_norm(x, self.weight, self.bias, residual, eps=self.eps, activation=self.activation,
-                          return_residual=residual is not None, backend=self.backend)
+                          return_residual=residual is not None, backend=self.backend, is_rms_norm=self.is_rms_norm)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}, activation={self.activation}, backend={self.backend!r}"
+
+
+class RMSNorm(LayerNorm):
+    """RMSNorm(+residual)(+GELU) on the same kernels (``IS_RMS_NORM``); no bias unless ``bias=True``."""
+
+    is_rms_norm = True
+
+    def __init__(self, dim: int, eps: float = 1e-5, activation: str | None = None, bias: bool = False,
+                 backend: str = "auto"):
+        super().__init__(dim, eps, activation, bias, backend)

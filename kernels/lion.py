@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels import LION_BACKENDS
-from kernels._utils import resolve_backend, triton_usable
+from kernels._utils import KernelOp, resolve_backend, triton_usable
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK = 1024  # elements per program: 8 fp32 per thread with 4 warps (two 16-byte vectors)
@@ -135,16 +135,11 @@ def lion_step_triton(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Ten
 # ----------------------------------------------------------------------------------------------
 # Custom op: opaque to torch.compile (a compiled or CUDA-graph-captured step calls it as one node)
 # ----------------------------------------------------------------------------------------------
-@torch.library.custom_op("fastmt::lion_step", mutates_args=("param", "exp_avg"))
-def _lion_step_op(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, lr: float,
-                  lr_tensor: torch.Tensor | None, beta1: float, beta2: float, weight_decay: float,
-                  found_inf: torch.Tensor | None) -> None:
-    lion_step_triton(param, grad, exp_avg, lr, lr_tensor, beta1, beta2, weight_decay, found_inf)
-
-
-@_lion_step_op.register_fake
-def _(param, grad, exp_avg, lr, lr_tensor, beta1, beta2, weight_decay, found_inf):
-    return None
+LION_STEP_OP = KernelOp(
+    "fastmt::lion_step", lion_step_triton,
+    "(Tensor(a0!) param, Tensor grad, Tensor(a2!) exp_avg, float lr, Tensor? lr_tensor, float beta1, float beta2, "
+    "float weight_decay, Tensor? found_inf) -> ()", lambda *args: None, mutates_args=("param", "exp_avg"),
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -240,10 +235,7 @@ def lion_step(
     lr_value = 0.0 if lr_tensor is not None else float(lr)
     found = found_inf.reshape(()) if found_inf is not None else None
     args = (param, grad, exp_avg, lr_value, lr_tensor, float(beta1), float(beta2), float(weight_decay), found)
-    if torch.compiler.is_compiling():
-        torch.ops.fastmt.lion_step(*args)
-    else:
-        lion_step_triton(*args)
+    LION_STEP_OP(*args)
 
 
 class Lion(torch.optim.Optimizer):

@@ -27,8 +27,8 @@ Algorithm (FlashAttention-2, online softmax in base 2, fp32 accumulators and sta
     never out-of-bounds accesses. Not supported: dropout, GQA, double backward.
 
 Layout of this file (as kernels/sequence_attention.py): segment ids -> autotuning space -> Triton
-kernels -> launchers ``stream_attention_fwd`` / ``stream_attention_bwd`` (the custom ops and the eager
-autograd.Function are in kernels/flash_attention.py).
+kernels -> launchers ``stream_attention_fwd`` / ``stream_attention_bwd`` (their registration, a
+``KernelOp``, is in kernels/flash_attention.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The model (models/transformer.py), the exporters (train/export/) and the tests b
 only through these:
 
 - ``norm_for(cfg, dim, activation=None)``: the normalisation module (``NORMS[cfg.norm_kind][cfg.norm]``: ``"layernorm"``
-  on the fused kernel or PyTorch, ``"rmsnorm"`` on PyTorch). Every norm module has the fused kernel's interface,
+  and ``"rmsnorm"``, each on the fused kernel or PyTorch). Every norm module has the fused kernel's interface,
   ``forward(x, residual=None) -> y`` or ``(y, x + residual)``, applies ``activation`` after the norm (fused into the
   kernel where it can be), and ``plain(s)``: the norm of ``s`` as one PyTorch call (the live decoding step).
 - ``activation_for(cfg)``: the FFN activation, a function of one tensor (``ACTIVATIONS[cfg.activation]``).
@@ -37,6 +37,7 @@ from torch import nn
 from kernels import ATTN_BACKENDS, attention
 from kernels import LayerNorm as FusedLayerNorm
 from kernels.layernorm import ACTIVATIONS as FUSED_ACTIVATIONS  # what the kernel fuses after its norm
+from kernels.layernorm import RMSNorm as FusedRMSNormKernel
 
 T = TypeVar("T")
 
@@ -103,9 +104,9 @@ class TorchLayerNorm(TorchNorm, nn.LayerNorm):
     """``nn.LayerNorm`` (eps 1e-5) with the fused kernel's interface."""
 
 
-class FusedNorm(FusedLayerNorm):
-    """``kernels.LayerNorm``: LayerNorm(+residual)(+GELU) in one kernel; an activation the kernel has no fused form
-    of (ReLU) runs after it."""
+class FusedActivation:
+    """Mixed into a fused norm module (``class FusedNorm(FusedActivation, kernels.LayerNorm)``): an activation the
+    kernel has no fused form of (ReLU) runs after it."""
 
     def __init__(self, dim: int, activation: str | None = None):
         fused = activation in FUSED_ACTIVATIONS
@@ -118,14 +119,18 @@ class FusedNorm(FusedLayerNorm):
             return out
         return self.after(out) if residual is None else (self.after(out[0]), out[1])
 
-    def plain(self, s: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(s, (s.shape[-1],), self.weight, self.bias, self.eps)
-
     @staticmethod
     def plain_exact() -> bool:
-        """On fp32 CPU tensors the module runs its reference, ``F.layer_norm``, unless ``FASTMT_NORM_BACKEND`` forces
+        """On fp32 CPU tensors the module runs its reference, ``plain``'s call, unless ``FASTMT_NORM_BACKEND`` forces
         the Triton kernel (the interpreter)."""
         return os.environ.get("FASTMT_NORM_BACKEND", "").strip() in ("", "auto", "reference")
+
+
+class FusedNorm(FusedActivation, FusedLayerNorm):
+    """``kernels.LayerNorm``: LayerNorm(+residual)(+GELU) in one kernel."""
+
+    def plain(self, s: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(s, (s.shape[-1],), self.weight, self.bias, self.eps)
 
 
 # the normalisations, each with the backends (model.norm) that compute it: a kind a backend lacks is refused
@@ -137,9 +142,16 @@ class TorchRMSNorm(TorchNorm, nn.RMSNorm):
         self.eps = 1e-5
 
 
+class FusedRMSNorm(FusedActivation, FusedRMSNormKernel):
+    """``kernels.layernorm.RMSNorm``: the LayerNorm kernels with ``IS_RMS_NORM``, no bias (as ``nn.RMSNorm``)."""
+
+    def plain(self, s: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(s, (s.shape[-1],), self.weight, self.eps)
+
+
 NORMS: dict[str, dict[str, type[nn.Module]]] = {
     "layernorm": {"fused": FusedNorm, "torch": TorchLayerNorm},
-    "rmsnorm": {"torch": TorchRMSNorm},
+    "rmsnorm": {"fused": FusedRMSNorm, "torch": TorchRMSNorm},
 }
 LAYER_NORMS = tuple(NORMS["layernorm"].values())  # what an exporter reads as a LayerNorm (weight, bias, eps 1e-5)
 

@@ -26,6 +26,7 @@ from data.declare import (
     refused,
 )
 from kernels import ATTN_BACKENDS, ATTN_HEAD_DIMS  # what kernels.attention accepts (kernels/__init__.py)
+from models.components import NORMS as NORM_BACKENDS  # kind -> the backends (model.norm) that compute it
 
 Sharing = Literal["none", "all", "cycle", "cycle_rev"]
 Positions = Literal["sinusoidal", "learned"]
@@ -90,8 +91,8 @@ class ModelConfig:
     attn_backend: AttnBackend = declare("auto", SAFE)
     # "fused": kernels.LayerNorm(+residual)(+GELU); "torch": nn.LayerNorm + adds
     norm: Norm = declare("fused", SAFE)
-    # "layernorm" | "rmsnorm" (nn.RMSNorm, eps 1e-5, no bias: model.norm "torch" only, the fused kernel is a LayerNorm;
-    # neither export target represents it)
+    # "layernorm" | "rmsnorm" (eps 1e-5, no bias; neither export target represents it); each kind runs on the
+    # model.norm backends models/components.py NORMS registers for it
     norm_kind: NormKind = declare("layernorm", ARCH)
     # "padded": (B, T, D) with lengths; "varlen": padded batches run as (total, D) with cu_seqlens;
     # "packed": data.batching="packed" streams, (1, C) -> (C, D) with cu_seqlens and positions from the batch
@@ -116,9 +117,9 @@ class ModelConfig:
             need(v in allowed, f"{name}={v!r} is not one of {allowed}")
         need(isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0,
              f"dropout={self.dropout!r} must be in [0, 1)")
-        need(self.norm_kind == "layernorm" or self.norm == "torch",
-             f"norm_kind={self.norm_kind!r} runs on norm='torch' only (the fused kernel computes a LayerNorm): pass "
-             f"--model.norm torch")
+        backends = NORM_BACKENDS.get(self.norm_kind, {"torch": None})
+        need(self.norm in backends, f"norm_kind={self.norm_kind!r} runs on norm={' or '.join(map(repr, backends))} only "
+                                    f"(models/components.py NORMS): pass --model.norm {next(iter(backends))}")
         need(self.d_model % self.n_heads == 0,
              f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; pick n_heads dividing d_model")
         need(not (self.layout == "packed" and self.attn_backend == "sdpa"),

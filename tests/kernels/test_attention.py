@@ -281,8 +281,8 @@ def test_env_override_routes_auto_to_triton(monkeypatch):
     """"auto" (the reference on CPU, SDPA for square causal on CUDA) runs our kernel under the override."""
     (q, k, v, _), _ = _inputs(1, 1, 5, 5, 16, KERNEL_DTYPE)
     launches = []
-    launcher = fa.sequence_attention_fwd
-    monkeypatch.setattr(fa, "sequence_attention_fwd", lambda *a: launches.append(a) or launcher(*a))
+    launcher = fa.SEQUENCE_ATTENTION_OP.fwd  # fa.sequence_attention_fwd
+    monkeypatch.setattr(fa.SEQUENCE_ATTENTION_OP, "fwd", lambda *a: launches.append(a) or launcher(*a))
     monkeypatch.setenv("FASTMT_POISON", "1")
     explicit = attention(q, k, v, causal=True, backend="triton")
     monkeypatch.setenv("FASTMT_ATTN_BACKEND", "triton")

@@ -347,8 +347,8 @@ def test_unsupported_reasons_come_before_the_device(monkeypatch):
 ], ids=["auto", "env-triton", "env-ignored-when-explicit", "reference"])
 def test_dispatch(monkeypatch, env, backend, expect_kernel):
     calls = []
-    real = ln.layer_norm_fwd
-    monkeypatch.setattr(ln, "layer_norm_fwd", lambda *a: calls.append(1) or real(*a))
+    real = ln.LAYER_NORM_OP.fwd  # ln.layer_norm_fwd
+    monkeypatch.setattr(ln.LAYER_NORM_OP, "fwd", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setenv("FASTMT_NORM_BACKEND", env)
     x, w = torch.randn(3, 16, device=DEVICE), torch.randn(16, device=DEVICE)
     for grad in (False, True):  # no grad: the launcher alone; grad: the eager autograd.Function

@@ -202,8 +202,8 @@ def test_optimizer_validation():
 ], ids=["auto", "env-triton", "env-ignored-when-explicit", "reference"])
 def test_dispatch(monkeypatch, env, backend, expect_kernel):
     calls = []
-    real = kl.lion_step_triton
-    monkeypatch.setattr(kl, "lion_step_triton", lambda *a: calls.append(1) or real(*a))
+    real = kl.LION_STEP_OP.fwd  # kl.lion_step_triton
+    monkeypatch.setattr(kl.LION_STEP_OP, "fwd", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setenv("FASTMT_LION_BACKEND", env)
     gen = torch.Generator().manual_seed(0)
     p, g = rnd(100, gen=gen), rnd(100, gen=gen)
@@ -235,8 +235,8 @@ def _grads(params, step):
 @pytest.mark.interpreter
 def test_optimizer_one_launch_per_flat_group_matches_lion_pytorch(monkeypatch):
     calls = []
-    real = kl.lion_step_triton
-    monkeypatch.setattr(kl, "lion_step_triton", lambda *a: calls.append(a[0].numel()) or real(*a))
+    real = kl.LION_STEP_OP.fwd  # the launcher the op calls eagerly: kl.lion_step_triton
+    monkeypatch.setattr(kl.LION_STEP_OP, "fwd", lambda *a: calls.append(a[0].numel()) or real(*a))
     ours, peer = _flat_model(), [torch.nn.Parameter(p.detach().clone()) for p in _flat_model()]
 
     def groups(ps):

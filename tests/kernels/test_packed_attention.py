@@ -24,8 +24,6 @@ from kernels._utils import interpreting
 from kernels.flash_attention import (
     STREAM_MEAN_MAX,
     FlashAttention,
-    _stream_attention_bwd_op,
-    _stream_attention_fwd_op,
     attention,
     attention_reference,
     attention_tiling,
@@ -280,10 +278,10 @@ def test_opcheck_stream_ops():
     k, v = (torch.randn(9, 1, 16, generator=gen).to(DEVICE, dtype).requires_grad_(True) for _ in range(2))
     seg_q, seg_k = segment_ids(cu_q, 7), segment_ids(cu_k, 9)
     args = (q, k, v, cu_q, cu_k, seg_q, seg_k, True, 0.3)
-    torch.library.opcheck(_stream_attention_fwd_op, args)
-    out, lse = _stream_attention_fwd_op(*args)
+    torch.library.opcheck(torch.ops.fastmt.stream_attention_fwd.default, args)
+    out, lse = torch.ops.fastmt.stream_attention_fwd.default(*args)
     do = torch.randn_like(out)
-    torch.library.opcheck(_stream_attention_bwd_op, (do, q.detach(), k.detach(), v.detach(), out.detach(), lse,
+    torch.library.opcheck(torch.ops.fastmt.stream_attention_bwd.default, (do, q.detach(), k.detach(), v.detach(), out.detach(), lse,
                                                      cu_q, cu_k, seg_q, seg_k, True, 0.3))
 
 

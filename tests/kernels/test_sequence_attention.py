@@ -19,8 +19,6 @@ from hypothesis import strategies as st
 import kernels.sequence_attention as sa
 from kernels import _utils
 from kernels.flash_attention import (
-    _sequence_attention_bwd_op,
-    _sequence_attention_fwd_op,
     attention,
     attention_reference,
     pad_varlen,
@@ -219,7 +217,7 @@ def test_triton_lse_is_masked_logsumexp(poison):
     (q, k, v, _), _ = _inputs(2, 1, 9, 13, 16, torch.float16)
     ql = torch.tensor([9, 4], dtype=torch.int32, device=DEVICE)
     kl = torch.tensor([13, 0], dtype=torch.int32, device=DEVICE)
-    out, lse = _sequence_attention_fwd_op(q, k, v, ql, kl, 9, 13, True, 0.25)
+    out, lse = torch.ops.fastmt.sequence_attention_fwd.default(q, k, v, ql, kl, 9, 13, True, 0.25)
     scores = torch.einsum("bhid,bhjd->bhij", q.double(), k.double()) * 0.25
     mask = visibility_mask(9, 13, ql, kl, True)
     want = torch.logsumexp(scores.masked_fill(~mask, float("-inf")), -1)
@@ -249,10 +247,10 @@ def test_opcheck(layout):
         mq, mk = 4, 7
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
     args = (q, k, v, seq_q, seq_k, mq, mk, True, 0.3)
-    torch.library.opcheck(_sequence_attention_fwd_op, args)
-    out, lse = _sequence_attention_fwd_op(*args)
+    torch.library.opcheck(torch.ops.fastmt.sequence_attention_fwd.default, args)
+    out, lse = torch.ops.fastmt.sequence_attention_fwd.default(*args)
     do = torch.randn_like(out)
-    torch.library.opcheck(_sequence_attention_bwd_op, (do, q.detach(), k.detach(), v.detach(), out.detach(), lse,
+    torch.library.opcheck(torch.ops.fastmt.sequence_attention_bwd.default, (do, q.detach(), k.detach(), v.detach(), out.detach(), lse,
                                                        seq_q, seq_k, mq, mk, True, 0.3))
 
 

@@ -64,8 +64,11 @@ def test_a_model_with_rmsnorm_trains_and_its_greedy_decoding_is_self_consistent(
         assert full[0].argmax(-1).tolist()[: len(tokens) - 1] == tokens[1:]
 
 
-def test_the_fused_kernel_refuses_rmsnorm_before_anything_runs(capsys):
+def test_a_backend_that_lacks_rmsnorm_refuses_it_before_anything_runs(capsys, monkeypatch):
+    """The config asks the registry: a kind registered on "torch" alone is refused on "fused" by name."""
     from train.cli.flags import resolve_config
+
+    monkeypatch.setitem(C.NORMS, "rmsnorm", {"torch": C.TorchRMSNorm})
 
     with pytest.raises(SystemExit) as e:
         resolve_config(["--preset", "fast", "--model.norm_kind", "rmsnorm"])
