@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import platform
 import stat
@@ -58,6 +59,12 @@ def cache_key(cfg, device) -> str:
     return hashlib.sha256(blob).hexdigest()[:24]
 
 
+def _keys(info) -> set[tuple[str, str]]:
+    """(artifact type, key) pairs of a ``torch.compiler`` ``CacheInfo``."""
+    artifacts = getattr(info, "artifacts", None) or {}
+    return {(kind, key) for kind, keys in artifacts.items() for key in keys}
+
+
 def _problem(st: os.stat_result) -> str | None:
     if not stat.S_ISREG(st.st_mode):
         return "it is not a regular file"
@@ -84,6 +91,7 @@ class MegaCache:
         self.load_seconds = 0.0
         self.save_seconds = 0.0
         self._saved_digest: str | None = None
+        self._loaded: set[tuple[str, str]] = set()  # (type, key) of the artifacts the file gave this process
 
     def load(self) -> str:
         """Load the file's artifacts into this process's compile caches, if it is there and safe to read."""
@@ -108,17 +116,24 @@ class MegaCache:
                          f"replaced after the first step")
                 return self.state
             data = f.read(MEGA_MAX + 1)
+        torch_log = logging.getLogger("torch.compiler._cache")  # it logs a damaged file with a traceback
+        level = torch_log.level
+        torch_log.setLevel(logging.ERROR)
         try:
-            info = torch.compiler.load_cache_artifacts(data)
+            info, why = torch.compiler.load_cache_artifacts(data), "its records do not parse"
         except Exception as e:  # noqa: BLE001 - damaged: one line, compiled cold, rewritten
-            self.state = "damaged"
-            self.log(f"compile mega-cache {self.path} does not load ({type(e).__name__}: "
-                     f"{' '.join(str(e).split())[:160]}); ignored, it will be rewritten after the first step")
-            return self.state
+            info, why = None, f"{type(e).__name__}: {' '.join(str(e).split())[:160]}"
+        finally:
+            torch_log.setLevel(level)
         self.load_seconds = time.perf_counter() - t0
-        self.state = "warm" if info is not None else "cold"
-        if self.state == "warm":
-            self._saved_digest = hashlib.sha256(data).hexdigest()
+        if info is None:  # (torch answers None for a file it cannot read)
+            self.state = "damaged"
+            self.log(f"compile mega-cache {self.path} does not load ({why}); ignored, it will be rewritten after "
+                     f"the first step")
+            return self.state
+        self.state = "warm"
+        self._saved_digest = hashlib.sha256(data).hexdigest()
+        self._loaded = _keys(info)
         return self.state
 
     def save(self) -> bool:
@@ -133,10 +148,10 @@ class MegaCache:
             got = torch.compiler.save_cache_artifacts()
             if got is None:
                 return False
-            data = got[0]
+            data, info = got
             digest = hashlib.sha256(data).hexdigest()
-            if digest == self._saved_digest or not data:
-                return False
+            if digest == self._saved_digest or not data or (self._loaded and _keys(info) <= self._loaded):
+                return False  # nothing the file does not hold already
             self.path.parent.mkdir(mode=0o700, exist_ok=True)
             if self.path.is_symlink() or (self.path.exists() and not self.path.is_file()):
                 self.path.unlink()

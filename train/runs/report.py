@@ -122,8 +122,8 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
             + " s (since the run's first process started)")
     if summary.get("compile_s") is not None:
         cache = summary.get("compile_cache")
-        lines.append(f"compile:     {summary['compile_s']:.1f} s in this process"
-                     + (f" (Inductor mega-cache {cache})" if cache else ""))
+        lines.append(f"compile:     {summary['compile_s']:.1f} s in this process (every graph dynamo compiled, "
+                     f"recompiles included" + (f"; Inductor mega-cache {cache}" if cache else "") + ")")
     if summary.get("checkpoint_saves"):
         lines.append(f"checkpoints: {summary['checkpoint_saves']} saved; the loop waited "
                      f"{summary['checkpoint_s']:.2f} s for them (longest save {1000 * summary['checkpoint_max_s']:.0f} "

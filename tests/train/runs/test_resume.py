@@ -98,6 +98,7 @@ _KILLABLE = textwrap.dedent(
         step = Trainer.train_step
         def train_step(self, batches):
             if self.step == 4:
+                self.ckpts.wait()  # (written in the background: on disk once the writer is done)
                 hang()
             return step(self, batches)
         Trainer.train_step = train_step
