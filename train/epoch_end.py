@@ -91,22 +91,35 @@ class EpochEnd:
         # waits for the previous write, copies the state to CPU memory and returns: the file is written by the
         # manager's thread (train/runs/snapshot.py); what the loop waited is the split's "checkpoints"
         path = self.ckpts.save(state, self.step, metric)
-        self.split.add("checkpoints", time.perf_counter() - t0)
+        self.checkpoint_waited(time.perf_counter() - t0, new_save=True)
         barrier()
         return path
+
+    def checkpoint_waited(self, seconds: float, *, new_save: bool = False) -> None:
+        """The loop waited ``seconds`` for checkpoints: a save (``new_save``: the check, the state, the wait for
+        the previous write and the snapshot), the copy before the next optimizer step (the last save's), or a
+        final wait. All of it is the split's "checkpoints"."""
+        self.split.add("checkpoints", seconds)
+        blocked = getattr(self, "_ckpt_blocked", [0.0, 0.0, 0])  # (total, the last save's, saves)
+        blocked[0] += seconds
+        blocked[1] = seconds if new_save else blocked[1] + seconds
+        blocked[2] += bool(new_save)
+        self._ckpt_blocked = blocked
+        self._ckpt_max = max(getattr(self, "_ckpt_max", 0.0), blocked[1] if blocked[2] else 0.0)
 
     def wait_for_checkpoints(self) -> None:
         """Wait until the checkpoint being written is on disk (fsynced and renamed): at the end of a run, on a
         stop signal, before anything reads the checkpoint files. Raises the write's error; the seconds waited
         count as the split's "checkpoints" (the run waited for them)."""
-        self.split.add("checkpoints", self.ckpts.wait())
+        self.checkpoint_waited(self.ckpts.wait())
 
     def checkpoint_summary(self) -> dict[str, Any]:
-        """This process's checkpoint figures: saves, seconds the loop was blocked (saves + the final wait),
-        the longest save, and the background thread's writing seconds."""
-        c = self.ckpts
-        return {"checkpoint_saves": c.saves, "checkpoint_s": c.blocked, "checkpoint_max_s": c.max_blocked,
-                "checkpoint_write_s": c.write_seconds}
+        """This process's checkpoint figures: saves, seconds the loop was blocked by them (each save, the copy
+        it finished before the next optimizer step, the final waits), the longest save (with its copy), and the
+        background thread's writing seconds (not the loop's)."""
+        total, _, saves = getattr(self, "_ckpt_blocked", [0.0, 0.0, 0])
+        return {"checkpoint_saves": saves, "checkpoint_s": total, "checkpoint_max_s": getattr(self, "_ckpt_max", 0.0),
+                "checkpoint_write_s": self.ckpts.write_seconds}
 
     # ------------------------------------------------------------------------------------------
     # end of epoch: evaluation, metrics line, checkpoint

@@ -140,6 +140,11 @@ class Trainer(RunSetup, EpochEnd):
         plan = self._plan(cfg, resume, init_from)
         self.lock = plan.lock
         ckpt = plan.ckpt
+        if ckpt is not None and not plan.weights_only and ckpt.get("kind") == "weights":
+            raise CheckpointMismatchError(
+                f"--resume {plan.ckpt_path}: it holds only the weights (a best.pt: no optimizer, schedule or data "
+                f"position), so the run cannot continue exactly from it; nothing was changed. Resume with --resume auto "
+                f"(the newest step-*.pt), or start a new run from these weights: --init-from {plan.ckpt_path}")
         cfg, own_tokenizer = self._continued_config(cfg, plan)  # train/runs/start.py: from what the run recorded
         changes = self._check_changes(cfg, plan)
 
@@ -230,11 +235,6 @@ class Trainer(RunSetup, EpochEnd):
         self._stop_announced = False
         self.run_id, self.parent = plan.run_id, plan.parent
         best_value, schedule = None, None
-        if ckpt is not None and not plan.weights_only and ckpt.get("kind") == "weights":
-            raise CheckpointMismatchError(
-                f"--resume {plan.ckpt_path}: it holds only the weights (a best.pt: no optimizer, schedule or data "
-                f"position), so the run cannot continue exactly from it; nothing was changed. Resume with --resume auto "
-                f"(the newest step-*.pt), or start a new run from these weights: --init-from {plan.ckpt_path}")
         if ckpt is not None and plan.weights_only:
             self.model.load_state_dict(ckpt["model"])  # weights only: fresh optimizer, schedule and position
         elif ckpt is not None:
@@ -276,7 +276,7 @@ class Trainer(RunSetup, EpochEnd):
         except torch.OutOfMemoryError as e:
             raise torch.OutOfMemoryError(out_of_memory_advice(self.cfg)) from e
         if self.ckpts.staging:  # a checkpoint still copying the weights and moments: they change next
-            self.split.add("checkpoints", self.ckpts.wait_staged())
+            self.checkpoint_waited(self.ckpts.wait_staged())
         optimizer_step(self.optimizer, self.flat, self.scheduler, self.scaler, self.counters, loss,
                        grad_clip=self.cfg.optim.grad_clip, guard=self.cfg.run.nonfinite_guard,
                        step_scheduler=self.step + 1 < self.total_steps)
