@@ -25,6 +25,7 @@ import dataclasses
 import math
 import os
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -87,6 +88,7 @@ class Trainer(RunSetup, EpochEnd):
     def __init__(self, cfg: Config, *, data=None, resume: str | os.PathLike | None = None,
                  init_from: str | os.PathLike | None = None, log=print):
         self.lock, self._created, self.metrics = None, False, None
+        self._device_warmup: threading.Thread | None = None
         self.run_dir = Path(cfg.run.out_dir) / cfg.run.name
         self.log = log
         try:
@@ -94,6 +96,7 @@ class Trainer(RunSetup, EpochEnd):
             self.device = self.dist.device
             self.is_main = self.dist.is_main
             self.log = log if self.is_main else _quiet
+            self._device_warmup = _warm_device(self.device)  # CUDA's context made while the data is built
             _configure_backend(cfg, self.device)
             self._build(cfg, data, resume, init_from)
         except BaseException:
@@ -172,6 +175,8 @@ class Trainer(RunSetup, EpochEnd):
         check_model_memory(cfg.model, self.device, training=True, where="this run's model config")
         if ckpt is not None and isinstance(ckpt.get("model"), dict):
             check_model_config(cfg.model, ckpt["model"], plan.ckpt_path)
+        if self._device_warmup is not None:
+            self._device_warmup.join()
         self.model = Transformer(cfg.model).to(self.device)  # the un-compiled module: checkpoints hold this
         self.params = count_params(self.model)
         self.loss_module = SummedCrossEntropy(self.model, tok.pad_id, cfg.optim.label_smoothing)
@@ -602,6 +607,26 @@ class Trainer(RunSetup, EpochEnd):
             total = min(total, done + max(self.cfg.run.max_steps - self.step, 0))
         return tqdm(total=total, initial=done, desc=f"epoch {epoch + 1}/{self.cfg.run.epochs}", dynamic_ncols=True,
                     leave=False)
+
+
+def _warm_device(device: torch.device) -> threading.Thread | None:
+    """On CUDA, a thread that makes the device's context (the driver's start, the first allocation) while the
+    main thread builds the data; None elsewhere. An error there is left to the main thread's first CUDA call,
+    which meets and reports the same one."""
+    if device.type != "cuda":
+        return None
+
+    def warm() -> None:
+        try:
+            torch.cuda.init()
+            torch.empty(1, device=device)
+            torch.cuda.synchronize(device)
+        except Exception:  # noqa: BLE001 - reported by the main thread's own first use
+            pass
+
+    thread = threading.Thread(target=warm, name="fastmt-cuda-init", daemon=True)
+    thread.start()
+    return thread
 
 
 def _configure_backend(cfg: Config, device: torch.device) -> None:
