@@ -152,7 +152,7 @@ class MegaCache:
             digest = hashlib.sha256(data).hexdigest()
             if digest == self._saved_digest or not data or (self._loaded and _keys(info) <= self._loaded):
                 return False  # nothing the file does not hold already
-            self.path.parent.mkdir(mode=0o700, exist_ok=True)
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             if self.path.is_symlink() or (self.path.exists() and not self.path.is_file()):
                 self.path.unlink()
             old = os.umask(0o077)
