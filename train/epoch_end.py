@@ -95,31 +95,35 @@ class EpochEnd:
         barrier()
         return path
 
-    def checkpoint_waited(self, seconds: float, *, new_save: bool = False) -> None:
-        """The loop waited ``seconds`` for checkpoints: a save (``new_save``: the check, the state, the wait for
-        the previous write and the snapshot), the copy before the next optimizer step (the last save's), or a
-        final wait. All of it is the split's "checkpoints"."""
+    def checkpoint_waited(self, seconds: float, *, new_save: bool = False, final: bool = False) -> None:
+        """The run waited ``seconds`` for checkpoints, all of it the split's "checkpoints": in the loop, a save
+        (``new_save``: the check, the state, the wait for the previous write, the snapshot) or the copy awaited
+        before the next optimizer step (the last save's); or (``final``) for a write to be on disk at the end of
+        the run, on a stop signal or before checkpoint files are read."""
         self.split.add("checkpoints", seconds)
-        blocked = getattr(self, "_ckpt_blocked", [0.0, 0.0, 0])  # (total, the last save's, saves)
-        blocked[0] += seconds
-        blocked[1] = seconds if new_save else blocked[1] + seconds
-        blocked[2] += bool(new_save)
-        self._ckpt_blocked = blocked
-        self._ckpt_max = max(getattr(self, "_ckpt_max", 0.0), blocked[1] if blocked[2] else 0.0)
+        c = self.__dict__.setdefault("_ckpt_waits", {"loop": 0.0, "last": 0.0, "max": 0.0, "saves": 0, "final": 0.0})
+        if final:
+            c["final"] += seconds
+            return
+        c["loop"] += seconds
+        c["last"] = seconds if new_save else c["last"] + seconds
+        c["saves"] += bool(new_save)
+        c["max"] = max(c["max"], c["last"])
 
     def wait_for_checkpoints(self) -> None:
         """Wait until the checkpoint being written is on disk (fsynced and renamed): at the end of a run, on a
         stop signal, before anything reads the checkpoint files. Raises the write's error; the seconds waited
         count as the split's "checkpoints" (the run waited for them)."""
-        self.checkpoint_waited(self.ckpts.wait())
+        self.checkpoint_waited(self.ckpts.wait(), final=True)
 
     def checkpoint_summary(self) -> dict[str, Any]:
-        """This process's checkpoint figures: saves, seconds the loop was blocked by them (each save, the copy
-        it finished before the next optimizer step, the final waits), the longest save (with its copy), and the
-        background thread's writing seconds (not the loop's)."""
-        total, _, saves = getattr(self, "_ckpt_blocked", [0.0, 0.0, 0])
-        return {"checkpoint_saves": saves, "checkpoint_s": total, "checkpoint_max_s": getattr(self, "_ckpt_max", 0.0),
-                "checkpoint_write_s": self.ckpts.write_seconds}
+        """This process's checkpoint figures: saves; ``checkpoint_s``, the seconds the loop was blocked by them
+        (each save and the copy it finished before the next optimizer step) and ``checkpoint_max_s``, the longest
+        save's; ``checkpoint_final_wait_s``, the seconds the run waited for writes to be on disk (its end, a stop
+        signal); ``checkpoint_write_s``, the background thread's writing seconds (not the loop's)."""
+        c = self.__dict__.get("_ckpt_waits") or {"loop": 0.0, "max": 0.0, "saves": 0, "final": 0.0}
+        return {"checkpoint_saves": c["saves"], "checkpoint_s": c["loop"], "checkpoint_max_s": c["max"],
+                "checkpoint_final_wait_s": c["final"], "checkpoint_write_s": self.ckpts.write_seconds}
 
     # ------------------------------------------------------------------------------------------
     # end of epoch: evaluation, metrics line, checkpoint

@@ -127,7 +127,8 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     if summary.get("checkpoint_saves"):
         lines.append(f"checkpoints: {summary['checkpoint_saves']} saved; the loop waited "
                      f"{summary['checkpoint_s']:.2f} s for them (longest save {1000 * summary['checkpoint_max_s']:.0f} "
-                     f"ms), written in the background in {summary['checkpoint_write_s']:.1f} s")
+                     f"ms); written in the background in {summary['checkpoint_write_s']:.1f} s, of which the run's "
+                     f"end waited {summary.get('checkpoint_final_wait_s') or 0.0:.2f} s")
     commands = summary.get("commands") or {}
     if commands:
         lines.append("next:")
