@@ -57,14 +57,6 @@ class StagingPool:
         self._lent.add(id(st))
         return st
 
-    def drop_unused(self) -> None:
-        """Free what neither the current snapshot nor the kept storages use (the best weights moved on)."""
-        self._all = [st for st in self._all if id(st) in self._lent or id(st) in self._kept]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(st.nbytes() for st in self._all)
-
 
 class _Deferred:
     """A tensor of the state whose storage is copied by ``Snapshot.stage``: where it lies in its storage."""
