@@ -129,3 +129,14 @@ def graph_breaks() -> int | None:
         return int(sum(counters["graph_break"].values()))
     except Exception:  # noqa: BLE001 - a diagnostics counter, never fatal
         return None
+
+
+def compile_seconds() -> float | None:
+    """Seconds dynamo spent compiling in this process (frames and their backward graphs, recompiles included);
+    None when torch does not say."""
+    try:
+        from torch._dynamo.utils import calculate_time_spent
+
+        return float(calculate_time_spent().get("total_wall_time", 0.0))
+    except Exception:  # noqa: BLE001 - a diagnostics counter, never fatal
+        return None

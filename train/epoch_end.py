@@ -21,7 +21,7 @@ import torch
 from train.distributed import barrier, gather_object
 from train.errors import EXIT_NONFINITE
 from train.evaluation.scores import DECODE_RECORD_KEYS, decoding_settings, record_fields
-from train.runs.checkpoint import atomic_save, average_last_epochs, load_checkpoint, rng_state
+from train.runs.checkpoint import atomic_save, average_last_epochs, best_record, load_checkpoint, rng_state
 from train.runs.folder import done_record
 from train.runs.metrics import plot_curves
 from train.step import EpochStats
@@ -77,6 +77,7 @@ class EpochEnd:
 
     def save(self, metric: float | None, *, checked: bool = False) -> Path | None:
         """Write this step's checkpoint (rank 0) after checking the weights are finite (unless ``checked``)."""
+        t0 = time.perf_counter()
         if not checked and not self.weights_finite():
             raise self.nonfinite_weights_error()
         # each rank's RNG (dropout draws as many numbers as its own batches hold): a DDP resume restores its own
@@ -84,14 +85,45 @@ class EpochEnd:
         if not self.is_main:
             barrier()
             return None
-        t0 = time.perf_counter()
         state = self.state_dict()
         if rank_rng is not None:
             state["rank_rng"] = rank_rng
+        # waits for the previous write, copies the state to CPU memory and returns: the file is written by the
+        # manager's thread (train/runs/snapshot.py); what the loop waited is the split's "checkpoints"
         path = self.ckpts.save(state, self.step, metric)
-        self.split.add("checkpoints", time.perf_counter() - t0)
+        self.checkpoint_waited(time.perf_counter() - t0, new_save=True)
         barrier()
         return path
+
+    def checkpoint_waited(self, seconds: float, *, new_save: bool = False, final: bool = False) -> None:
+        """The run waited ``seconds`` for checkpoints, all of it the split's "checkpoints": in the loop, a save
+        (``new_save``: the check, the state, the wait for the previous write, the snapshot) or the copy awaited
+        before the next optimizer step (the last save's); or (``final``) for a write to be on disk at the end of
+        the run, on a stop signal or before checkpoint files are read."""
+        self.split.add("checkpoints", seconds)
+        c = self.__dict__.setdefault("_ckpt_waits", {"loop": 0.0, "last": 0.0, "max": 0.0, "saves": 0, "final": 0.0})
+        if final:
+            c["final"] += seconds
+            return
+        c["loop"] += seconds
+        c["last"] = seconds if new_save else c["last"] + seconds
+        c["saves"] += bool(new_save)
+        c["max"] = max(c["max"], c["last"])
+
+    def wait_for_checkpoints(self) -> None:
+        """Wait until the checkpoint being written is on disk (fsynced and renamed): at the end of a run, on a
+        stop signal, before anything reads the checkpoint files. Raises the write's error; the seconds waited
+        count as the split's "checkpoints" (the run waited for them)."""
+        self.checkpoint_waited(self.ckpts.wait(), final=True)
+
+    def checkpoint_summary(self) -> dict[str, Any]:
+        """This process's checkpoint figures: saves; ``checkpoint_s``, the seconds the loop was blocked by them
+        (each save and the copy it finished before the next optimizer step) and ``checkpoint_max_s``, the longest
+        save's; ``checkpoint_final_wait_s``, the seconds the run waited for writes to be on disk (its end, a stop
+        signal); ``checkpoint_write_s``, the background thread's writing seconds (not the loop's)."""
+        c = self.__dict__.get("_ckpt_waits") or {"loop": 0.0, "max": 0.0, "saves": 0, "final": 0.0}
+        return {"checkpoint_saves": c["saves"], "checkpoint_s": c["loop"], "checkpoint_max_s": c["max"],
+                "checkpoint_final_wait_s": c["final"], "checkpoint_write_s": self.ckpts.write_seconds}
 
     # ------------------------------------------------------------------------------------------
     # end of epoch: evaluation, metrics line, checkpoint
@@ -199,10 +231,12 @@ class EpochEnd:
     # ------------------------------------------------------------------------------------------
     def finish(self, stop_reason: str | None, summary: dict[str, Any]) -> None:
         if self.cfg.eval.average_last:
+            self.wait_for_checkpoints()  # it reads the epoch checkpoints' files
             self._average_last(self.cfg.eval.average_last)
-        if self.cfg.eval.test_at_end:
+        if self.cfg.eval.test_at_end:  # (from the best weights in memory while the last checkpoint is written)
             summary["test"] = self._final_test()
             summary["decode_fallbacks"] = (summary.get("decode_fallbacks") or 0) + (summary["test"].get("decode_fallbacks") or 0)
+        self.wait_for_checkpoints()  # the done record says the run's checkpoints are on disk
         test = summary.get("test") or {}
         wall = self.clock.wall()
         summary["wall_seconds"], summary["time_split"] = wall, self.split.split(wall)
@@ -214,10 +248,16 @@ class EpochEnd:
             summary["curves"] = plot_curves(self.metrics.path, self.run_dir / "curves.png")
 
     def _final_test(self) -> dict[str, Any]:
-        """Test loss and beam-search BLEU with best.pt's weights (the checkpoint translate uses)."""
+        """Test loss and beam-search BLEU with best.pt's weights (the checkpoint translate uses): the copy kept in
+        memory when this process saved it (no read from disk), else the file (the best of an earlier process)."""
         best = self.ckpts.dir / "best.pt"
         source = "the last weights (no validation, so no best.pt)"
-        if best.is_file():
+        if self.ckpts.best_state is not None:
+            state = self.ckpts.best_state
+            self.model.load_state_dict(state["model"])  # CPU copies into the model's (device) tensors
+            source = f"best.pt (epoch {state['position']['epoch']}, from memory)"
+        elif best.is_file():
+            self.wait_for_checkpoints()
             state = load_checkpoint(best, map_location=self.device)
             self.model.load_state_dict(state["model"])
             source = f"best.pt (epoch {state['position']['epoch']})"
@@ -251,5 +291,6 @@ class EpochEnd:
         if better:
             if (self.ckpts.dir / "best.pt").exists():
                 os.replace(self.ckpts.dir / "best.pt", self.ckpts.dir / "best-single.pt")
-            atomic_save(state, self.ckpts.dir / "best.pt")
-            self.ckpts.best_value = r["bleu"]
+            best = best_record(state)
+            atomic_save(best, self.ckpts.dir / "best.pt")
+            self.ckpts.best_value, self.ckpts.best_state = r["bleu"], best

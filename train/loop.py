@@ -25,6 +25,7 @@ import dataclasses
 import math
 import os
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -87,6 +88,7 @@ class Trainer(RunSetup, EpochEnd):
     def __init__(self, cfg: Config, *, data=None, resume: str | os.PathLike | None = None,
                  init_from: str | os.PathLike | None = None, log=print):
         self.lock, self._created, self.metrics = None, False, None
+        self._device_warmup: threading.Thread | None = None
         self.run_dir = Path(cfg.run.out_dir) / cfg.run.name
         self.log = log
         try:
@@ -94,6 +96,7 @@ class Trainer(RunSetup, EpochEnd):
             self.device = self.dist.device
             self.is_main = self.dist.is_main
             self.log = log if self.is_main else _quiet
+            self._device_warmup = _warm_device(self.device)  # CUDA's context made while the data is built
             _configure_backend(cfg, self.device)
             self._build(cfg, data, resume, init_from)
         except BaseException:
@@ -102,8 +105,15 @@ class Trainer(RunSetup, EpochEnd):
         barrier()
 
     def close(self) -> None:
-        """Release the run folder (fit() does this when it returns). A folder this Trainer created that
-        holds no checkpoint (the run failed or never trained) is removed."""
+        """Release the run folder (fit() does this when it returns). A checkpoint write still in progress is
+        finished first (its failure, when nothing else reported it, said in one line). A folder this Trainer
+        created that holds no checkpoint (the run failed or never trained) is removed."""
+        ckpts = getattr(self, "ckpts", None)
+        if ckpts is not None:
+            try:
+                ckpts.wait()
+            except Exception as e:  # noqa: BLE001 - the run already ended with its own error or summary
+                self.log(f"the last checkpoint write failed: {' '.join(str(e).split())[:300]}")
         if self.metrics is not None:
             self.metrics.close()
         try:
@@ -133,6 +143,11 @@ class Trainer(RunSetup, EpochEnd):
         plan = self._plan(cfg, resume, init_from)
         self.lock = plan.lock
         ckpt = plan.ckpt
+        if ckpt is not None and not plan.weights_only and ckpt.get("kind") == "weights":
+            raise CheckpointMismatchError(
+                f"--resume {plan.ckpt_path}: it holds only the weights (a best.pt: no optimizer, schedule or data "
+                f"position), so the run cannot continue exactly from it; nothing was changed. Resume with --resume auto "
+                f"(the newest step-*.pt), or start a new run from these weights: --init-from {plan.ckpt_path}")
         cfg, own_tokenizer = self._continued_config(cfg, plan)  # train/runs/start.py: from what the run recorded
         changes = self._check_changes(cfg, plan)
 
@@ -160,6 +175,8 @@ class Trainer(RunSetup, EpochEnd):
         check_model_memory(cfg.model, self.device, training=True, where="this run's model config")
         if ckpt is not None and isinstance(ckpt.get("model"), dict):
             check_model_config(cfg.model, ckpt["model"], plan.ckpt_path)
+        if self._device_warmup is not None:
+            self._device_warmup.join()
         self.model = Transformer(cfg.model).to(self.device)  # the un-compiled module: checkpoints hold this
         self.params = count_params(self.model)
         self.loss_module = SummedCrossEntropy(self.model, tok.pad_id, cfg.optim.label_smoothing)
@@ -179,8 +196,15 @@ class Trainer(RunSetup, EpochEnd):
                                                                     override=run.peak_flops)
         self.compiled = compiles(run, self.device.type)
         self.compile_caches = {}
+        self.mega_cache = None
         if self.compiled:
             self.compile_caches = configure_caches(run.cache_dir)
+            from train.compile_cache import mega_cache
+
+            # Inductor's mega-cache (train/compile_cache.py): last run's artifacts into the caches before compiling
+            self.mega_cache = mega_cache(cfg, self.device, log=self.log)
+            self.mega_cache.load()
+            self.compile_caches.update(mega=str(self.mega_cache.path), mega_state=self.mega_cache.state)
             step_module = compile_for_training(step_module, self.loss_module, scope=run.compile_scope,
                                                backend=run.compile_backend, mode=run.compile_mode,
                                                dynamic=run.compile_dynamic)
@@ -231,8 +255,10 @@ class Trainer(RunSetup, EpochEnd):
                 ) from None
         if self.is_main:
             self._open_run_folder(plan, changes, schedule)
+        # written in the background (train/runs/snapshot.py): the loop pays for a copy to (pinned) CPU memory
         self.ckpts = CheckpointManager(self.run_dir / "checkpoints", run.keep_last,
-                                       mode="max" if cfg.eval.best_metric == "bleu" else "min", run_id=self.run_id)
+                                       mode="max" if cfg.eval.best_metric == "bleu" else "min", run_id=self.run_id,
+                                       background=True, pin=self.device.type == "cuda")
         self.ckpts.best_value = best_value
 
     # ------------------------------------------------------------------------------------------
@@ -254,6 +280,8 @@ class Trainer(RunSetup, EpochEnd):
                                     scaler=self.scaler, ddp=self.ddp, on_batch=self._see_shape)
         except torch.OutOfMemoryError as e:
             raise torch.OutOfMemoryError(out_of_memory_advice(self.cfg)) from e
+        if self.ckpts.staging:  # a checkpoint still copying the weights and moments: they change next
+            self.checkpoint_waited(self.ckpts.wait_staged())
         optimizer_step(self.optimizer, self.flat, self.scheduler, self.scaler, self.counters, loss,
                        grad_clip=self.cfg.optim.grad_clip, guard=self.cfg.run.nonfinite_guard,
                        step_scheduler=self.step + 1 < self.total_steps)
@@ -263,8 +291,20 @@ class Trainer(RunSetup, EpochEnd):
                 torch.cuda.synchronize(self.device)
             self.first_step_seconds = time.perf_counter() - t_first
             if self.compiled:
-                self.split.add("compile", self.first_step_seconds)
+                if self.mega_cache is not None and self.is_main:  # what this step compiled, for the next process
+                    self.mega_cache.save()
+                self.split.add("compile", time.perf_counter() - t_first)
         return loss
+
+    def compile_seconds(self) -> float:
+        """This process's compilation seconds: every graph dynamo compiled (forward and backward, recompiles for
+        new shapes included: torch's own count), else the first step, plus the mega-cache's load and saves."""
+        from train.compile import compile_seconds
+
+        mega = self.mega_cache
+        own = compile_seconds()
+        return (own if own is not None else self.first_step_seconds or 0.0) + (
+            mega.load_seconds + mega.save_seconds if mega is not None else 0.0)
 
     def _see_shape(self, b) -> None:
         self.shapes_seen.add((b.src.shape[0], b.src.shape[1], b.tgt_in.shape[1]))
@@ -308,7 +348,9 @@ class Trainer(RunSetup, EpochEnd):
 
     def _fit(self, stop_after: int | None) -> dict[str, Any]:
         run = self.cfg.run
-        self.split.add("setup", process_seconds())  # this process, from its start to here
+        loaded = self.mega_cache.load_seconds if self.mega_cache is not None else 0.0
+        self.split.add("setup", process_seconds() - loaded)  # this process, from its start to here
+        self.split.add("compile", loaded)  # (the mega-cache's load: compilation's, not setup's)
         self._write_provenance()
         steps_this_call = 0
         stop_reason, path = None, None
@@ -375,6 +417,8 @@ class Trainer(RunSetup, EpochEnd):
                     f"{run.max_nonfinite}) at step {self.step}; they were skipped, and the weights (finite) saved "
                     f"to {path}" + (f"; the checkpoint before these steps is {before[0]}" if before else "")
                     + ". Lower --optim.lr, keep --optim.grad_clip, or use --run.precision bf16/fp32")
+            if stop_reason == "interrupted":  # a stop signal: the checkpoint on disk before the process ends
+                self.wait_for_checkpoints()
             if stop_reason is not None:
                 self.log(f"stopped ({stop_reason}) {where_stopped(self.position())}; checkpoint {path}")
         return self._summary(stop_reason, path)
@@ -390,7 +434,13 @@ class Trainer(RunSetup, EpochEnd):
             "decode_fallbacks": sum(r.get("decode_fallbacks") or 0 for r in self.history)}
         finished = stop_reason in (None, "max_steps", "wall_budget", "early_stop")
         if finished and self.is_main:
-            self.finish(stop_reason, summary)
+            self.finish(stop_reason, summary)  # (waits for the last checkpoint's write after the final test)
+        self.wait_for_checkpoints()
+        summary.update(self.checkpoint_summary())
+        if self.mega_cache is not None and self.is_main:  # anything compiled after the first step too
+            self.mega_cache.save()
+        summary["compile_s"] = self.compile_seconds() if self.compiled else None
+        summary["compile_cache"] = self.mega_cache.state if self.mega_cache is not None else None
         wall = self.clock.wall()
         summary.setdefault("wall_seconds", wall)
         summary.setdefault("time_split", self.split.split(wall))
@@ -557,6 +607,26 @@ class Trainer(RunSetup, EpochEnd):
             total = min(total, done + max(self.cfg.run.max_steps - self.step, 0))
         return tqdm(total=total, initial=done, desc=f"epoch {epoch + 1}/{self.cfg.run.epochs}", dynamic_ncols=True,
                     leave=False)
+
+
+def _warm_device(device: torch.device) -> threading.Thread | None:
+    """On CUDA, a thread that makes the device's context (the driver's start, the first allocation) while the
+    main thread builds the data; None elsewhere. An error there is left to the main thread's first CUDA call,
+    which meets and reports the same one."""
+    if device.type != "cuda":
+        return None
+
+    def warm() -> None:
+        try:
+            torch.cuda.init()
+            torch.empty(1, device=device)
+            torch.cuda.synchronize(device)
+        except Exception:  # noqa: BLE001 - reported by the main thread's own first use
+            pass
+
+    thread = threading.Thread(target=warm, name="fastmt-cuda-init", daemon=True)
+    thread.start()
+    return thread
 
 
 def _configure_backend(cfg: Config, device: torch.device) -> None:

@@ -5,7 +5,11 @@ A checkpoint is one ``torch.save`` dict written by the Trainer:
 ``rng`` (python, numpy, torch, cuda), ``position`` (epoch, batch index, optimizer step), ``config``
 (``Config.to_dict()``), ``tokenizer`` (model file path + cache key), ``metrics`` (the epoch's line),
 ``lineage`` (``run_id`` of the run that wrote it, ``parent``: the run and step that run branched from).
-Files are ``<run>/checkpoints/step-<step>.pt`` plus ``best.pt``; a reader never sees a partial file.
+Files are ``<run>/checkpoints/step-<step>.pt`` (the whole resumable state) plus ``best.pt``, which holds only
+what inference needs (`BEST_KEYS`: the weights, config, tokenizer, position, data record, lineage; ``"kind":
+"weights"``); a reader never sees a partial file. The Trainer's manager writes in the background
+(``background=True``, train/runs/snapshot.py): ``save`` copies the state to CPU memory and returns, one thread
+writes it; the best weights stay in memory as ``best_state``.
 A failed write (disk full, read-only) raises ``CheckpointWriteError`` in one line and keeps every
 earlier file; ``latest_loadable_checkpoint`` skips (and reports, renaming nothing) a newest file that does
 not load, and considers only the run's own lineage, as keep-last pruning does.
@@ -24,8 +28,8 @@ import errno
 import os
 import random
 import re
-import secrets
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,6 +50,7 @@ from data.files import (
     remove_inside,
 )
 from train.errors import UserError
+from train.runs.snapshot import BackgroundWriter, StagingPool, snapshot
 
 _STEP_RE = re.compile(r"^step-(\d+)\.pt$")
 
@@ -410,6 +415,16 @@ def latest_loadable_checkpoint(ckpt_dir: str | os.PathLike, log: Callable[[str],
     return None, None
 
 
+# what best.pt holds: what translate / evaluate / export and --init-from read (train/evaluation/load.py,
+# train/runs/plan.py, train/runs/start.py); the optimizer, schedule, RNG and history are in the step checkpoints
+BEST_KEYS = ("model", "config", "tokenizer", "position", "data", "lineage", "params", "averaged_from")
+
+
+def best_record(state: dict[str, Any]) -> dict[str, Any]:
+    """The part of a checkpoint ``state`` that ``best.pt`` holds (`BEST_KEYS`), marked ``"kind": "weights"``."""
+    return {**{k: state[k] for k in BEST_KEYS if k in state}, "kind": "weights"}
+
+
 class CheckpointManager:
     """Writes ``step-<n>.pt``, keeps the newest ``keep_last``, and maintains ``best.pt``.
 
@@ -417,9 +432,15 @@ class CheckpointManager:
     deletes only this run's checkpoints (``same_lineage``), never a file of another lineage, one without a
     lineage id (unless the folder's run predates them), a link, or one it cannot read; None prunes every
     readable ``step-*.pt``.
+
+    ``background``: ``save`` waits for the previous write, copies the state into CPU memory (``pin``: page-locked,
+    for a CUDA state) and returns; one thread writes the files and prunes (train/runs/snapshot.py). ``wait``
+    waits for that write (and raises its error); ``best_state`` is then the best checkpoint's `best_record`,
+    in CPU memory. ``blocked`` / ``saves`` / ``max_blocked``: the seconds ``save`` and ``wait`` held the caller.
     """
 
-    def __init__(self, ckpt_dir: str | os.PathLike, keep_last: int, mode: str = "max", run_id: str | None = None):
+    def __init__(self, ckpt_dir: str | os.PathLike, keep_last: int, mode: str = "max", run_id: str | None = None,
+                 *, background: bool = False, pin: bool = False):
         if mode not in ("max", "min"):
             raise ValueError(f"mode={mode!r} must be 'max' or 'min'")
         self.dir = Path(ckpt_dir)
@@ -427,8 +448,36 @@ class CheckpointManager:
         self.mode = mode
         self.run_id = run_id
         self.best_value: float | None = None
+        self._best_snap = None  # background: the snapshot holding the best weights, in CPU memory
+        self._best_given: dict[str, Any] | None = None
+        self._staging = None  # the snapshot whose large tensors the writer is still copying
+        self._last_blocked = 0.0
         self._lineage: dict[Path, str | None | bool] = {}  # file -> its run id (read once per file)
         self._checked_dir = False
+        self.background = background
+        self._writer = BackgroundWriter() if background else None
+        self._pool = StagingPool(pin=pin) if background else None
+        self._best_storages: set[int] = set()
+        self.saves, self.blocked, self.max_blocked = 0, 0.0, 0.0
+
+    @property
+    def write_seconds(self) -> float:
+        """Seconds the background thread spent writing (0 without ``background``)."""
+        return self._writer.seconds if self._writer is not None else 0.0
+
+    def wait(self) -> float:
+        """Wait until the background write (if any) is on disk (fsynced, renamed); raises its error. Returns
+        the seconds waited (also added to ``blocked``)."""
+        if self._writer is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self._staging = None
+        try:
+            self._writer.wait()
+        finally:
+            waited = time.perf_counter() - t0
+            self.blocked += waited
+        return waited
 
     def is_better(self, value: float | None) -> bool:
         if value is None or value != value:  # None or NaN never wins
@@ -441,28 +490,102 @@ class CheckpointManager:
         """Write ``step-<step>.pt`` (and ``best.pt`` if ``metric`` is better), then prune to ``keep_last``.
 
         On ``CheckpointWriteError`` nothing is pruned and ``best_value`` is unchanged; the message
-        names the newest checkpoint still on disk.
+        names the newest checkpoint still on disk. With ``background`` the write happens in the writer
+        thread: its error is raised by the next ``save`` or ``wait`` (the run stops there).
         """
         if not self._checked_dir:  # a link or another user's folder planted as checkpoints/: refused, never used
             own_folder(self.dir, "checkpoint folder", "remove it, or give --run.out_dir a folder of yours")
             self._checked_dir = True
+        if self.background:
+            return self._save_background(state, step, metric)
+        path = self.dir / f"step-{step:08d}.pt"
+        better = self.is_better(metric)
+        self._write(state, path, best_record(state) if better else None)
+        if better:
+            self.best_value = metric
+        return path
+
+    def _save_background(self, state: dict[str, Any], step: int, metric: float | None) -> Path:
+        t0 = time.perf_counter()
         try:
-            path = atomic_save(state, self.dir / f"step-{step:08d}.pt")
-            if self.is_better(metric):
-                self._write_best(path, state)
-                self.best_value = metric
+            self._writer.wait()  # one write at a time: the previous one first (its error is raised here)
+            self._pool.reset(keep=self._best_storages)  # the staging buffers of the written snapshot are free
+            snap = snapshot(state, self._pool)  # small tensors copied now, large storages noted
+            path = self.dir / f"step-{step:08d}.pt"
+            better = self.is_better(metric)
+            if better:
+                self._best_snap, self._best_given, self.best_value = snap, None, metric
+
+            def job() -> None:
+                snap.stage()  # the large storages copied (the loop's wait_staged returns), then the file written
+                best = best_record(snap.state) if better else None
+                if better:
+                    self._best_storages = snap.storage_ids(best)
+                self._write(snap.state, path, best)
+
+            self._staging = snap
+            self._writer.submit(job)
+        finally:
+            blocked = time.perf_counter() - t0
+            self.saves += 1
+            self.blocked += blocked
+            self._last_blocked = blocked
+            self.max_blocked = max(self.max_blocked, blocked)
+        return path
+
+    @property
+    def staging(self) -> bool:
+        """A snapshot's large tensors are still being copied: the live state must not change yet."""
+        return self._staging is not None
+
+    def wait_staged(self) -> float:
+        """Wait until the snapshot being taken no longer needs the live tensors (before the next optimizer
+        step, before other weights are loaded); the seconds waited count as that save's blocked time."""
+        snap, self._staging = self._staging, None
+        if snap is None:
+            return 0.0
+        waited = snap.wait_staged()
+        self.blocked += waited
+        self._last_blocked += waited
+        self.max_blocked = max(self.max_blocked, self._last_blocked)
+        return waited
+
+    @property
+    def best_state(self) -> dict[str, Any] | None:
+        """The best checkpoint's `best_record` in CPU memory (what best.pt holds), when this process saved it
+        (or was given it); None otherwise."""
+        snap = self._best_snap
+        if snap is not None:
+            snap.wait_staged()
+            return best_record(snap.state) if snap.staged else None
+        return self._best_given
+
+    @best_state.setter
+    def best_state(self, value: dict[str, Any] | None) -> None:
+        self._best_snap, self._best_given = None, value
+
+    def _write(self, state: dict[str, Any], path: Path, best: dict[str, Any] | None) -> None:
+        """Write ``path`` (and ``best.pt`` from ``best``), then prune; the writer thread's job in background."""
+        try:
+            atomic_save(state, path)
+            if best is not None:
+                self._write_best(best)
         except CheckpointWriteError as e:
             newest = latest_checkpoint(self.dir)
             raise CheckpointWriteError(f"{e}; newest checkpoint on disk: {newest or 'none yet'}",
                                        path=e.path, cause=e.cause, code=e.errno) from e.__cause__
         self._lineage[path] = self.run_id
-        for old in self.own_checkpoints()[: -self.keep_last]:
+        for old in self._own_checkpoints()[: -self.keep_last]:
             remove_inside(self.dir, old)
             self._lineage.pop(old, None)
-        return path
 
     def own_checkpoints(self) -> list[Path]:
-        """This run's ``step-*.pt`` files, oldest first (other lineages' and unreadable files left out)."""
+        """This run's ``step-*.pt`` files, oldest first (other lineages' and unreadable files left out); a
+        background write in progress is waited for first."""
+        self.wait()
+        return self._own_checkpoints()
+
+    def _own_checkpoints(self) -> list[Path]:
         files = step_checkpoints(self.dir)
         for p in files:
             if p not in self._lineage:
@@ -470,18 +593,13 @@ class CheckpointManager:
         unmarked = self.run_id is None or unmarked_are_own(self.dir)
         return [p for p in files if not p.is_symlink() and same_lineage(self._lineage[p], self.run_id, unmarked)]
 
-    def _write_best(self, path: Path, state: dict[str, Any]) -> None:
-        best = self.dir / "best.pt"
-        best_tmp = self.dir / f".best.pt.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-        try:  # a hard link costs nothing; os.replace keeps best.pt atomic (a link at best.pt is replaced, the
-            # file it pointed to untouched; os.link never follows or overwrites an existing name)
-            os.link(path, best_tmp)
-            os.replace(best_tmp, best)
-        except OSError:  # no hard links here (some network/FUSE file systems): write a copy
-            remove_inside(self.dir, best_tmp)
-            if best.is_symlink():
-                remove_inside(self.dir, best)
-            atomic_save(state, best)
+    def _write_best(self, best: dict[str, Any]) -> None:
+        """``best.pt`` from ``best`` (a `best_record`): its own file, written atomically; a link at ``best.pt``
+        is replaced (the file it pointed to untouched)."""
+        path = self.dir / "best.pt"
+        if path.is_symlink():
+            remove_inside(self.dir, path)
+        atomic_save(best, path)
 
 
 def check_tokenizer(ckpt: dict[str, Any], tok, path) -> None:

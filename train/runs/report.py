@@ -120,6 +120,15 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
         lines.append(f"wall time:   {_seconds(summary['wall_seconds'])} = " + " + ".join(
             f"{name} {split[name]:.1f}" for name in ("setup", "compile", "train", "eval", "checkpoints"))
             + " s (since the run's first process started)")
+    if summary.get("compile_s") is not None:
+        cache = summary.get("compile_cache")
+        lines.append(f"compile:     {summary['compile_s']:.1f} s in this process (every graph dynamo compiled, "
+                     f"recompiles included" + (f"; Inductor mega-cache {cache}" if cache else "") + ")")
+    if summary.get("checkpoint_saves"):
+        lines.append(f"checkpoints: {summary['checkpoint_saves']} saved; the loop waited "
+                     f"{summary['checkpoint_s']:.2f} s for them (longest save {1000 * summary['checkpoint_max_s']:.0f} "
+                     f"ms); written in the background in {summary['checkpoint_write_s']:.1f} s, of which the run's "
+                     f"end waited {summary.get('checkpoint_final_wait_s') or 0.0:.2f} s")
     commands = summary.get("commands") or {}
     if commands:
         lines.append("next:")

@@ -261,3 +261,79 @@ def test_latest_loadable_skips_other_lineages_and_refuses_when_none_is_the_runs(
     for _ in range(2):  # every time, and nothing renamed
         with pytest.raises(CheckpointReadError, match="none of the 2 checkpoint"):
             latest_loadable_checkpoint(tmp_path, lambda m: None, run_id="mine")
+
+
+# ----------------------------------------------------------------------------------------------
+# background writes (train/runs/snapshot.py)
+# ----------------------------------------------------------------------------------------------
+def _live_state(step: int) -> dict:
+    """A state shaped like the Trainer's: parameters as views into one flat buffer (copied by the writer
+    thread: >= DEFER_BYTES), small tensors, an optimizer section, a history list."""
+    flat = torch.arange(2**19, dtype=torch.float32) + step  # 2 MiB
+    return {"model": {"a.weight": flat[:1000].view(10, 100), "b.bias": flat[1000:1010], "pos": torch.ones(3)},
+            "optimizer": {"state": {0: {"exp_avg": flat * 0.5}}}, "config": {"model": {"d": 1}},
+            "tokenizer": {"key": "k"}, "position": {"epoch": step, "batch_index": 0, "step": step},
+            "history": [{"epoch": step}], "rng": {"torch": torch.get_rng_state()}}
+
+
+def _held_writes(monkeypatch):
+    """Hold every background write until the returned event is set."""
+    go = __import__("threading").Event()
+    real = ck.atomic_save
+
+    def held(obj, path):
+        assert go.wait(timeout=120)
+        return real(obj, path)
+
+    monkeypatch.setattr(ck, "atomic_save", held)
+    return go
+
+
+def test_background_save_returns_before_the_write_and_writes_the_state_as_saved(tmp_path, monkeypatch):
+    """``save`` returns while the write is held; once ``wait_staged`` says the copy is taken, the live tensors
+    change (the next step) and the history grows, yet the file holds the state as it was at ``save``, views
+    still sharing one storage; best.pt holds only what inference needs, and the best weights stay in memory."""
+    go = _held_writes(monkeypatch)
+    m = CheckpointManager(tmp_path, keep_last=2, mode="max", background=True)
+    live = _live_state(1)
+    expect = {k: v.clone() for k, v in live["model"].items()}
+    path = m.save(live, 1, metric=1.0)
+    assert not path.exists() and not (tmp_path / "best.pt").exists()  # the write is not done
+    m.wait_staged()
+    live["model"]["a.weight"].add_(7)  # the optimizer step after the checkpoint
+    live["optimizer"]["state"][0]["exp_avg"].zero_()
+    live["history"].append({"epoch": 99})
+    go.set()
+    m.wait()
+    saved = load_checkpoint(path)
+    assert all(torch.equal(saved["model"][k], v) for k, v in expect.items())
+    assert saved["history"] == [{"epoch": 1}] and saved["optimizer"]["state"][0]["exp_avg"][5] == 3.0
+    a, b = saved["model"]["a.weight"], saved["model"]["b.bias"]
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # views of one storage, as saved
+    best = load_checkpoint(tmp_path / "best.pt")
+    assert set(best) == {"model", "config", "tokenizer", "position", "kind"} and best["kind"] == "weights"
+    assert all(torch.equal(best["model"][k], v) for k, v in expect.items())
+    m.save(_live_state(2), 2, metric=0.5)  # not better: its snapshot reuses the staging buffers, not the best's
+    m.save(_live_state(3), 3, metric=0.2)
+    m.wait()
+    assert all(torch.equal(m.best_state["model"][k], v) for k, v in expect.items())
+    assert m.best_state["position"]["step"] == 1 and m.saves == 3
+    assert [p.name for p in step_checkpoints(tmp_path)] == ["step-00000002.pt", "step-00000003.pt"]
+    assert load_checkpoint(tmp_path / "step-00000003.pt")["model"]["b.bias"][0] == 1003.0
+    assert not _temps(tmp_path)
+
+
+def test_a_background_write_failure_is_raised_at_the_next_wait(tmp_path, monkeypatch):
+    m = CheckpointManager(tmp_path, keep_last=1, background=True)
+    m.save(_live_state(1), 1, metric=1.0)
+    m.wait()
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def no_space(obj, f, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ck.torch, "save", no_space)
+    m.save(_live_state(2), 2, metric=0.5)  # returns: the failure is the writer's
+    with pytest.raises(CheckpointWriteError, match="step-00000002.pt: no space left on device.*step-00000001.pt"):
+        m.wait()
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before

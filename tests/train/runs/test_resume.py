@@ -79,7 +79,7 @@ def test_resume_from_an_epoch_end_checkpoint_is_exact(toy_bundle, tmp_path, unin
 
 _KILLABLE = textwrap.dedent(
     """
-    import os, sys, time
+    import json, os, sys, time
     from pathlib import Path
     import torch
     from tests.utils import tiny_config
@@ -98,18 +98,42 @@ _KILLABLE = textwrap.dedent(
         step = Trainer.train_step
         def train_step(self, batches):
             if self.step == 4:
+                self.ckpts.wait()  # (written in the background: on disk once the writer is done)
                 hang()
             return step(self, batches)
         Trainer.train_step = train_step
-    else:  # "checkpoint-write": epoch 2's metrics line is written, its checkpoint is not
+    elif where == "checkpoint-write":  # epoch 2's metrics line is written, its checkpoint is not
         save = CheckpointManager.save
         def slow_save(self, state, step, metric=None):
             if step == 8:
                 hang()
             return save(self, state, step, metric)
         CheckpointManager.save = slow_save
+    else:  # "background-write": step 8's file half written by the writer thread, which then hangs; the loop
+        import io, threading
+        from train.epoch_end import EpochEnd
+        writing = threading.Event()
+        real_save = torch.save
+        def slow_torch_save(obj, f, *args, **kwargs):
+            if isinstance(obj, dict) and "optimizer" in obj and obj["position"]["step"] == 8:
+                buf = io.BytesIO()
+                real_save(obj, buf, *args, **kwargs)
+                f.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+                f.flush()
+                writing.set()
+                time.sleep(600)
+            return real_save(obj, f, *args, **kwargs)
+        torch.save = slow_torch_save
+        wait = EpochEnd.wait_for_checkpoints
+        def wait_for_checkpoints(self):  # the loop went on (the final test ran) while the write was pending
+            if writing.wait(timeout=120):
+                assert any(r.get("kind") == "test" for r in map(json.loads, self.metrics.path.read_text().splitlines()))
+                ready.write_text(str(os.getpid()))
+            return wait(self)
+        EpochEnd.wait_for_checkpoints = wait_for_checkpoints
 
-    cfg = tiny_config(tmp, data={"cache_dir": cache}, epochs=2, max_batches_per_epoch=4, keep_last=5)
+    cfg = tiny_config(tmp, data={"cache_dir": cache}, epochs=2, max_batches_per_epoch=4, keep_last=5,
+                      test_at_end=where == "background-write")
     Trainer(cfg, log=lambda *a: None).fit()
     """
 )
@@ -131,18 +155,25 @@ def _start_and_kill(cache: str, tmp: Path, where: str) -> None:
         proc.wait()
 
 
-@pytest.mark.parametrize("where", ["epoch-boundary", "checkpoint-write"])
+@pytest.mark.parametrize("where", ["epoch-boundary", "checkpoint-write", "background-write"])
 def test_kill_9_then_resume_auto_is_exact(toy_bundle, tmp_path, uninterrupted, where):
+    """kill -9 between epochs, before the last checkpoint was handed to the writer, or while the writer thread
+    was half-way through it (the loop had gone on to the final test): the newest checkpoint on disk is epoch
+    1's, whole, and ``--resume auto`` from it ends bit-identical to the uninterrupted run."""
     _start_and_kill(toy_bundle.cfg.cache_dir, tmp_path, where)
     run_dir = tmp_path / "runs" / "t"
-    if where == "checkpoint-write":
+    if where == "background-write":  # the half-written file is a temp file: never a step checkpoint
+        assert [p.name for p in step_checkpoints(run_dir / "checkpoints")] == ["step-00000004.pt"]
+        assert [p.stat().st_size > 0 for p in (run_dir / "checkpoints").glob(".step-00000008.pt.tmp-*")] == [True]
+        assert [r["kind"] for r in records(run_dir)][-1] == "test" and not records(run_dir, "done")
+    if where != "epoch-boundary":
         assert [r["epoch"] for r in records(run_dir, "epoch")] == [1, 2]  # logged, its checkpoint never landed
     resumed = _recording(toy_bundle, tmp_path, resume="auto")
     assert (resumed.epoch, resumed.step) == (1, 4)
     resumed.fit()
     _same_run(uninterrupted, resumed, skip=4)
     cut = list(run_dir.glob("metrics.cut-*.jsonl"))
-    if where == "checkpoint-write":  # the orphan epoch-2 line was kept aside, not lost
+    if where != "epoch-boundary":  # the orphan epoch-2 line was kept aside, not lost
         assert len(cut) == 1 and json.loads(cut[0].read_text().splitlines()[0])["epoch"] == 2
     assert not list((run_dir / "checkpoints").glob(".*.tmp-*"))  # no orphan temp files
 
