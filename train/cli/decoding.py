@@ -87,7 +87,12 @@ def resolve_decoding(args: argparse.Namespace, config: dict[str, Any]) -> tuple[
                            ("--max-len-a", d.max_len_a >= 0, ">= 0"), ("--max-len-b", d.max_len_b >= 0, ">= 0"),
                            ("--precision", d.precision in PRECISIONS, f"one of {', '.join(PRECISIONS)}")):
         if not ok:
-            raise UserError(f"{flag} {getattr(d, _OPTIONS[flag][0])}: must be {rule}")
+            value = getattr(d, _OPTIONS[flag][0])
+            if flag in given:
+                raise UserError(f"{flag} {value}: must be {rule}")
+            section, key = _OPTIONS[flag][1]  # not typed: the checkpoint's own value, said as such
+            raise UserError(f"--ckpt {getattr(args, 'ckpt', '')}: its config's {section}.{key} {value!r} must be {rule} "
+                            f"(a damaged or foreign checkpoint); give {flag} to decode with another value")
     return d, given
 
 
