@@ -131,8 +131,9 @@ def lineage_id(ckpt: dict[str, Any]) -> str | None:
 
 
 def file_identity(st: os.stat_result) -> tuple[int, ...]:
-    """What changes when a file is written in place (a replaced file is another inode: the open fd keeps the old)."""
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+    """What changes when a file is written in place (a replaced file is another inode: the open fd keeps the old).
+    Not ``st_ctime``: it changes too when the file is merely replaced at its name (its link count drops)."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def hash_open_file(f, digest) -> tuple[int, ...]:
@@ -378,7 +379,7 @@ def record_problem(ckpt: dict[str, Any]) -> str | None:
         return f"its position {_shown(pos)} is not a record of epochs, batches and steps"
     for k in ("epoch", "batch_index", "step"):
         if k not in pos:
-            return f"its position {_shown(pos)} lacks position.{k}"
+            return f"its position lacks position.{k} (it holds {', '.join(map(str, list(pos)[:8]))})"
         problem = _count_problem(f"position.{k}", pos[k])
         if problem:
             return problem
