@@ -21,7 +21,10 @@ command                plan
 
 A name that holds anything but a fastmt run is refused (``RunFolderError``). Only ``plan_run`` reads the
 file system here; the Trainer claims a new folder (``train.runs.folder.claim_run_folder``) once every setting
-has been checked. An existing run folder is locked while planning (its checkpoints are read under the lock).
+has been checked. An existing run folder is locked while planning (its checkpoints are read under the lock); a run
+continued in place is first checked for anything planted in its folder (``check_run_files``: a link or a
+non-regular file at the folder, ``checkpoints/``, a checkpoint or a record), before the lock file is made, a
+checkpoint read or anything cut or written.
 """
 
 from __future__ import annotations
