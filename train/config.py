@@ -40,7 +40,14 @@ from data.declare import (
     refused,
 )
 from models import ModelConfig, get_preset
-from train.overrides import apply_overrides, build_dataclass, require_finite, resolved_hints
+from train.overrides import (
+    DuplicateKeyError,
+    apply_overrides,
+    build_dataclass,
+    require_finite,
+    resolved_hints,
+    unique_keys,
+)
 from train.runs.folder import validate_run_name
 
 Precision = Literal["bf16", "fp16", "fp32"]
@@ -345,8 +352,10 @@ def load_config_file(path: str | Path, base: Config | None = None, log=None) -> 
         raise ValueError(" ".join(str(e).split())) from None
     except OSError as e:
         raise ValueError(f"--config {path}: cannot read it ({e.strerror or e})") from None
-    try:
-        d = json.loads(text)
+    try:  # a key given twice is refused (JSON would keep the last silently)
+        d = json.loads(text, object_pairs_hook=unique_keys(path))
+    except DuplicateKeyError:
+        raise
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}:{e.lineno}:{e.colno}: not valid JSON ({e.msg}); a config file is what "
                          f"--print-config writes") from None

@@ -564,6 +564,10 @@ class Trainer(RunSetup, EpochEnd):
         self.scaler.load_state_dict(ckpt["scaler"])
         pos = ckpt["position"]
         self.epoch, self.batch_index, self.step = pos["epoch"], pos["batch_index"], pos["step"]
+        n = self.data.num_batches("train", epoch=self.epoch, rank=self.dist.rank, world_size=self.dist.world_size)
+        if self.batch_index > n:  # (counts and types: checked when the file was read, train/runs/checkpoint.py)
+            raise ValueError(f"its position.batch_index {self.batch_index:,} is past the {n:,} batches of epoch "
+                             f"{self.epoch + 1} of this data")
         self.counters.load_state_dict(pos.get("counters", {}))
         self.stats = EpochStats.from_state(pos.get("epoch_stats", {}), self.device)
         if "clock" in pos:

@@ -17,14 +17,35 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from train.fields import article, check_type, type_name
 
 # ---------------------------------------------------------------------------------------------
+
+
+class DuplicateKeyError(ValueError):
+    """A JSON config whose object gives one key twice (``json`` would silently keep the last)."""
+
+
+def unique_keys(where: str | os.PathLike) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
+    """An ``object_pairs_hook`` for ``json.loads`` of a config (``--config``, a run's config.json): each object as a
+    dict, a key given twice in one object refused (`DuplicateKeyError`, one line naming the key, both values and
+    ``where``) instead of the last one silently winning."""
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in seen:
+                raise DuplicateKeyError(f"{where}: the key {_shown(key)} is given twice in one object ({_shown(seen[key])} "
+                                        f"and {_shown(value)}); JSON would silently keep the last. Keep one of them")
+            seen[key] = value
+        return seen
+
+    return hook
 
 
 def resolved_hints(cls) -> dict[str, Any]:

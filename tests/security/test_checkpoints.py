@@ -53,7 +53,7 @@ def _evil(path: Path, marker: Path, run_id: str | None = None) -> Path:
 
 
 def _state(step: int, run_id: str | None) -> dict:
-    s = {"model": {"w": torch.full((8,), float(step))}, "config": {}, "position": {"step": step, "batch_index": 0}}
+    s = {"model": {"w": torch.full((8,), float(step))}, "config": {}, "position": {"epoch": 0, "step": step, "batch_index": 0}}
     if run_id:
         s["lineage"] = {"run_id": run_id, "parent": None}
     return s

@@ -87,7 +87,12 @@ def resolve_decoding(args: argparse.Namespace, config: dict[str, Any]) -> tuple[
                            ("--max-len-a", d.max_len_a >= 0, ">= 0"), ("--max-len-b", d.max_len_b >= 0, ">= 0"),
                            ("--precision", d.precision in PRECISIONS, f"one of {', '.join(PRECISIONS)}")):
         if not ok:
-            raise UserError(f"{flag} {getattr(d, _OPTIONS[flag][0])}: must be {rule}")
+            value = getattr(d, _OPTIONS[flag][0])
+            if flag in given:
+                raise UserError(f"{flag} {value}: must be {rule}")
+            section, key = _OPTIONS[flag][1]  # not typed: the checkpoint's own value, said as such
+            raise UserError(f"--ckpt {getattr(args, 'ckpt', '')}: its config's {section}.{key} {value!r} must be {rule} "
+                            f"(a damaged or foreign checkpoint); give {flag} to decode with another value")
     return d, given
 
 
@@ -136,22 +141,28 @@ class Loaded:
     device: torch.device
     decoding: Decoding
     given: list[str]  # the decoding flags given on the command line
+    weights_sha256: str | None = None  # sha256 of the file the weights were loaded from (``hash_weights``)
 
 
-def load_for_command(args: argparse.Namespace, checks: Callable[[], None] | None = None) -> Loaded:
+def load_for_command(args: argparse.Namespace, checks: Callable[[], None] | None = None, *,
+                     hash_weights: bool = False) -> Loaded:
     """The one setup of ``fastmt translate`` and ``fastmt evaluate``: ``--ckpt`` resolved (a file, a run folder's
     ``best.pt``, an exported CTranslate2 folder), ``--device``, then ``checks()`` (the command's own refusals,
     before anything is loaded), the model and tokenizer, the CPU set up as the checkpoint's run was, and the
-    decoding (the flags over the checkpoint's settings)."""
+    decoding (the flags over the checkpoint's settings). ``hash_weights``: the sha256 of the bytes the weights
+    were loaded from (read through the same descriptor, not the path again)."""
+    import hashlib
+
     args.ckpt = checkpoint_file(args.ckpt)
     device = resolve_device(args.device)
     if checks is not None:
         checks()
-    model, tok, ckpt = load_for_inference(args.ckpt, device)
+    digest = hashlib.sha256() if hash_weights else None
+    model, tok, ckpt = load_for_inference(args.ckpt, device, digest=digest)
     config = ckpt.get("config") or {}
     configure_cpu(device, config, f"--ckpt {args.ckpt}: its run config")
     decoding, given = resolve_decoding(args, config)
-    return Loaded(model, tok, config, device, decoding, given)
+    return Loaded(model, tok, config, device, decoding, given, digest.hexdigest() if digest is not None else None)
 
 
 def quiet_closed_stdout() -> None:

@@ -22,6 +22,8 @@ sha256. An existing ``--out`` is replaced only when its ``.json`` record says th
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
 import os
 import sys
@@ -52,15 +54,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # -- reading the test set ----------------------------------------------------------------------------------
-def read_lines(path: str) -> list[str]:
+def read_lines(path: str, digest=None) -> list[str]:
     """The lines of a UTF-8 text file as given (a final newline ends the last line; a trailing CR and a
-    leading BOM are dropped); a byte that is not UTF-8 raises ``UserError`` naming the line."""
+    leading BOM are dropped); a byte that is not UTF-8 raises ``UserError`` naming the line. ``digest`` (a
+    ``hashlib`` object) is fed the very bytes read: the record's hash names what was scored."""
     from data.files import TEXTS_MAX, read_bytes
 
     try:  # the one reader: a regular file (a FIFO or a device named here is refused), at most TEXTS_MAX bytes
         data = read_bytes(path, "test set", limit=TEXTS_MAX)
     except OSError as e:
         raise UserError(f"cannot read {path}: {e.strerror or e}") from None
+    if digest is not None:
+        digest.update(data)
     data = data.removeprefix(b"\xef\xbb\xbf")
     raw = data.split(b"\n")
     if raw and raw[-1] == b"":
@@ -76,16 +81,28 @@ def read_lines(path: str) -> list[str]:
     return lines
 
 
-def read_pairs(path: str, src_lang: str, tgt_lang: str) -> tuple[list[str], list[str]]:
+def read_pairs(path: str, src_lang: str, tgt_lang: str, digest=None) -> tuple[list[str], list[str]]:
     """(sources, references) of a pairs file in a training format, every row kept: a row that is not a usable
-    pair raises ``UserError`` with the reader's reasons and file:line examples (blank lines are not rows)."""
+    pair raises ``UserError`` with the reader's reasons and file:line examples (blank lines are not rows).
+    ``digest`` (a ``hashlib`` object) is fed the bytes of the file read: it is held open and hashed while the
+    data reader reads it by name, which must still be that file, unchanged, afterwards (else ``UserError``)."""
     from data.clean import CleanReport, DataInputError, clean_text
+    from data.files import TEXTS_MAX, open_read
     from data.sources import load_local
+    from train.runs.checkpoint import file_identity, hash_open_file
 
     try:
-        raw = load_local((path,), src_lang, tgt_lang)
+        with open_read(path, "test set", limit=TEXTS_MAX) if digest is not None else contextlib.nullcontext() as f:
+            before = hash_open_file(f, digest) if f is not None else None
+            raw = load_local((path,), src_lang, tgt_lang)
+            if f is not None and (file_identity(os.fstat(f.fileno())) != before
+                                  or file_identity(os.stat(path)) != before):
+                raise UserError(f"--src {path} was replaced or written while it was read: its hash would not name "
+                                f"what was scored; nothing was written. Run again once it is done")
     except DataInputError as e:
         raise UserError(str(e)) from None
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror or e}") from None
     report: CleanReport = raw.report
     src, tgt, _ = clean_text(raw.translation, src_lang, tgt_lang, report, raw.where)
     bad = {k: v for k, v in report.dropped.items() if v and k != "blank_line"}
@@ -99,17 +116,21 @@ def read_pairs(path: str, src_lang: str, tgt_lang: str) -> tuple[list[str], list
     return src, tgt
 
 
-def read_test_set(args, config: dict) -> tuple[list[str], list[list[str]]]:
-    """(sources, reference sets) from ``--src`` and ``--ref``; checked whole before anything is decoded."""
+def read_test_set(args, config: dict, hashes: dict | None = None) -> tuple[list[str], list[list[str]]]:
+    """(sources, reference sets) from ``--src`` and ``--ref``; checked whole before anything is decoded.
+    ``hashes``: receives ``src`` (the sha256 of the ``--src`` bytes read) and ``refs`` (of each ``--ref``'s)."""
     data = config.get("data") or {}
+    digests = [hashlib.sha256() for _ in range(1 + len(args.ref or []))]
+    if hashes is not None:
+        hashes["src"], hashes["refs"] = digests[0], digests[1:]
     if Path(args.src).suffix.lower() in PAIR_FORMATS:
         if args.ref:
             raise UserError(f"--src {args.src} is a pairs file (it holds the references): drop --ref, or give "
                             f"the sources as a plain text file")
-        src, ref = read_pairs(args.src, data.get("src_lang", "en"), data.get("tgt_lang", "it"))
+        src, ref = read_pairs(args.src, data.get("src_lang", "en"), data.get("tgt_lang", "it"), digests[0])
         return src, [ref]
-    src = read_lines(args.src)
-    refs = [read_lines(r) for r in args.ref or []]
+    src = read_lines(args.src, digests[0])
+    refs = [read_lines(r, d) for r, d in zip(args.ref or [], digests[1:])]
     for path, ref in zip(args.ref or [], refs):
         if len(ref) != len(src):
             raise UserError(f"--ref {path} has {len(ref):,} lines but --src {args.src} has {len(src):,}: line k of "
@@ -200,17 +221,10 @@ def atomic_write(path: Path, text: str) -> None:
         raise UserError(f"cannot write {path}: {e.strerror or e}; pass another --out") from None
 
 
-def sha256(path: str | Path) -> str:
-    from data.files import sha256_file
-
-    return sha256_file(path, "input file")
-
-
 # -- the command -------------------------------------------------------------------------------------------
 def run(args) -> int:
     from train.evaluation.decode import overlong, translate_lines
     from train.evaluation.scores import corpus_scores
-    from train.export.engine import checkpoint_file as exported_weights
     from train.export.engine import engine_record
 
     args.ckpt = checkpoint_file(args.ckpt)
@@ -228,10 +242,13 @@ def run(args) -> int:
                 raise UserError(f"{path} is not a regular file (a FIFO, device or folder): give a file of lines"
                                 if Path(path).exists() else f"no such file: {path}")
 
-    loaded = load_for_command(args, inputs_exist)
+    # every hash is of the bytes read, taken as they are read: the checkpoint (or model.bin) the weights came from,
+    # the test set decoded and scored; never the paths again after decoding, when they may hold other files
+    loaded = load_for_command(args, inputs_exist, hash_weights=True)
     model, tok, config, device = loaded.model, loaded.tok, loaded.config, loaded.device
     decoding, given = loaded.decoding, loaded.given
-    src, refs = read_test_set(args, config)
+    hashes: dict = {}
+    src, refs = read_test_set(args, config, hashes)
     report = sys.stderr if to_stdout else sys.stdout
     limit = model.cfg.max_positions
     cut = overlong(tok, src, limit)
@@ -250,9 +267,9 @@ def run(args) -> int:
     seconds = time.perf_counter() - t0
     scores = corpus_scores(hyps, refs) if refs else {}
     record = {
-        "written_by": WRITER, "checkpoint": str(Path(args.ckpt).resolve()), "checkpoint_sha256": sha256(exported_weights(args.ckpt)),
-        "src": str(Path(args.src).resolve()), "src_sha256": sha256(args.src),
-        "refs": [str(Path(r).resolve()) for r in args.ref or []], "refs_sha256": [sha256(r) for r in args.ref or []],
+        "written_by": WRITER, "checkpoint": str(Path(args.ckpt).resolve()), "checkpoint_sha256": loaded.weights_sha256,
+        "src": str(Path(args.src).resolve()), "src_sha256": hashes["src"].hexdigest(),
+        "refs": [str(Path(r).resolve()) for r in args.ref or []], "refs_sha256": [d.hexdigest() for d in hashes["refs"]],
         "sentences": len(src), "truncated_sources": len(cut), "max_positions": limit,
         "bleu": scores.get("bleu"), "chrf": scores.get("chrf"), "bleu_signature": scores.get("bleu_signature"),
         "chrf_signature": scores.get("chrf_signature"), "decoding": decoding_record,

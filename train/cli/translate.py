@@ -190,8 +190,12 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse ``argv`` and translate; a user error prints one line (``error: ...``) and returns 2, Ctrl-C 130."""
-    return run_command(run, build_parser().parse_args(argv))
+    """Parse ``argv`` and translate; a user error prints one line (``error: ...``) and returns 2, Ctrl-C one line
+    and 130."""
+    parser = build_parser()
+    return run_command(run, parser.parse_args(argv),
+                       interrupted=f"{parser.prog}: interrupted (Ctrl-C): stopped at once; the input after the last "
+                                   f"translation printed was not translated")
 
 
 if __name__ == "__main__":

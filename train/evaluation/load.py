@@ -105,10 +105,34 @@ def check_model_memory(cfg, device: torch.device, *, training: bool, where) -> i
     return params
 
 
-def load_for_inference(ckpt_path: str | Path, device: str | torch.device = "cpu"):
+def _load_ct2_hashed(path: str | Path, device: torch.device, digest):
+    """``load_ct2`` of an exported folder with ``digest`` fed the bytes of its ``model.bin`` as loaded: the file is
+    held open (the one reader, no link inside the folder) and hashed, CTranslate2 reads it whole, and the name must
+    still be that file, unchanged (else ``UserError``: it was replaced or written while it was loaded)."""
+    from data.files import CHECKPOINT_MAX, open_read
+    from train.export.engine import load_ct2
+    from train.runs.checkpoint import file_identity, hash_open_file
+
+    weights = Path(path) / "model.bin"
+    with open_read(weights, "exported model", limit=CHECKPOINT_MAX, inside=path) as f:
+        before = hash_open_file(f, digest)
+        loaded = load_ct2(path, device)
+        try:
+            now = file_identity(os.stat(weights))
+        except OSError:
+            now = None
+        if file_identity(os.fstat(f.fileno())) != before or now != before:
+            raise UserError(f"{weights} was replaced or written while it was loaded (another export into {path}?): "
+                            f"its hash would not name what was loaded; nothing was written. Run again once it is done")
+    return loaded
+
+
+def load_for_inference(ckpt_path: str | Path, device: str | torch.device = "cpu", *, digest=None):
     """(model in eval mode, tokenizer, checkpoint dict) from a training checkpoint; a file that is not one
     (missing, unreadable, without a tokenizer, asking for code, a config that disagrees with its tensors)
-    raises ``UserError`` naming it, before the model is allocated."""
+    raises ``UserError`` naming it, before the model is allocated. ``digest`` (a ``hashlib`` object): fed the
+    bytes of the very file the weights were loaded from (the checkpoint, or an exported folder's ``model.bin``),
+    through the descriptor they were read from: never a file put at the same path later."""
     from models import ModelConfig, Transformer
     from train.bounds import check_section
     from train.export.engine import is_ct2_dir, load_ct2
@@ -116,9 +140,11 @@ def load_for_inference(ckpt_path: str | Path, device: str | torch.device = "cpu"
     from train.runs.checkpoint import load_checkpoint
 
     if is_ct2_dir(ckpt_path):  # an exported CTranslate2 folder (train/export/engine.py)
+        if digest is not None:
+            return _load_ct2_hashed(ckpt_path, torch.device(device), digest)
         return load_ct2(ckpt_path, torch.device(device))
     try:
-        ckpt = load_checkpoint(ckpt_path)
+        ckpt = load_checkpoint(ckpt_path, digest=digest)
     except UserError:
         raise
     except (FileNotFoundError, RuntimeError) as e:

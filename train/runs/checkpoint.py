@@ -135,22 +135,52 @@ def lineage_id(ckpt: dict[str, Any]) -> str | None:
     return lineage.get("run_id") if isinstance(lineage, dict) else None
 
 
-def _torch_load(path: Path, map_location, mmap: bool = False, inside: str | os.PathLike | None = None) -> Any:
+def file_identity(st: os.stat_result) -> tuple[int, ...]:
+    """What changes when a file is written in place (a replaced file is another inode: the open fd keeps the old).
+    Not ``st_ctime``: it changes too when the file is merely replaced at its name (its link count drops)."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def hash_open_file(f, digest) -> tuple[int, ...]:
+    """Feed ``digest`` every byte of the open file ``f`` (1 MiB blocks, from its start; left at its start) and return
+    the file's `file_identity` from before the read: the caller compares it after using ``f`` (unchanged: the bytes it
+    used are the bytes hashed)."""
+    from data.files import MIB
+
+    before = file_identity(os.fstat(f.fileno()))
+    f.seek(0)
+    for block in iter(lambda: f.read(MIB), b""):
+        digest.update(block)
+    f.seek(0)
+    return before
+
+
+def _torch_load(path: Path, map_location, mmap: bool = False, inside: str | os.PathLike | None = None,
+                digest=None) -> Any:
     """``torch.load(weights_only=True)`` with the one allowlist (`LEGACY_GLOBALS`), of the file the one reader
     opened (`data.files.open_read`: a regular file of at most `data.files.CHECKPOINT_MAX` bytes, no link below
     ``inside``) after its records were checked stored, not compressed, and no larger than the file together
     (`data.files.check_stored_zip`: nothing inflates). A file that names any other global raises
     ``CheckpointUnsafeError`` naming the file and the type; an ``OSError`` or an allocation failure (not the
-    file's content) raises ``CheckpointIOError``; anything else propagates."""
+    file's content) raises ``CheckpointIOError``; anything else propagates. ``digest`` (a ``hashlib`` object): fed
+    the bytes of the very file loaded, through the same descriptor (`hash_open_file`); a file written in place
+    while it was read raises ``CheckpointIOError`` (a file replaced at ``path`` meanwhile does not matter: the
+    descriptor keeps the one loaded)."""
     import pickle
 
     try:
         with open_read(path, "checkpoint", limit=CHECKPOINT_MAX, inside=inside) as f:
             check_stored_zip(f, path, "checkpoint")
+            before = hash_open_file(f, digest) if digest is not None else None
             with torch.serialization.safe_globals(LEGACY_GLOBALS):  # mmap opens by name: the checked fd's
-                return torch.load(fd_path(f) if mmap else f, map_location=map_location, weights_only=True,
+                ckpt = torch.load(fd_path(f) if mmap else f, map_location=map_location, weights_only=True,
                                   mmap=mmap)
-    except FileRefusedError:
+            if before is not None and file_identity(os.fstat(f.fileno())) != before:
+                raise CheckpointIOError(f"checkpoint {path} was written to while it was read (another process "
+                                        f"writes it in place?): its hash would not name what was loaded; nothing was "
+                                        f"changed. Run again once it is written")
+            return ckpt
+    except (FileRefusedError, CheckpointIOError):
         raise
     except pickle.UnpicklingError as e:
         found = re.search(r"GLOBAL ([\w.]+)", str(e))
@@ -297,7 +327,7 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu", *,
-                    inside: str | os.PathLike | None = None) -> dict[str, Any]:
+                    inside: str | os.PathLike | None = None, digest=None) -> dict[str, Any]:
     """The checkpoint at ``path`` as data (``weights_only``: see the module docstring). ``inside``: the folder it
     was found in (a run's ``checkpoints/``): no link below it is followed; None: a path the user named. Raises
     ``FileNotFoundError``, ``CheckpointUnsafeError`` (it asks for code), ``CheckpointIOError`` (the OS could
@@ -306,7 +336,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     if not path.exists() and not path.is_symlink():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
     try:
-        ckpt = _torch_load(path, map_location, inside=inside)
+        ckpt = _torch_load(path, map_location, inside=inside, digest=digest)
     except (CheckpointUnsafeError, CheckpointIOError):
         raise
     except FileRefusedError as e:  # a link, FIFO, device or an oversized file: one line (content: below)
@@ -322,13 +352,78 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     missing = {"model", "config", "position"} - set(ckpt)
     if missing:
         raise RuntimeError(f"{str(path)!r} is not a fastmt training checkpoint: missing keys {sorted(missing)}")
-    pos = ckpt["position"]  # what plans a resume: counts, bounded as the run's own counts are
-    if not isinstance(pos, dict) or not isinstance(ckpt["config"], dict) or any(
-            not isinstance(pos.get(k, 0), int) or isinstance(pos.get(k, 0), bool) or not 0 <= pos.get(k, 0) <= 10**12
-            for k in ("epoch", "batch_index", "step")):
-        raise RuntimeError(f"{str(path)!r} is not a fastmt training checkpoint: its position "
-                           f"{' '.join(repr(pos).split())[:120]} is not counts of epochs, batches and steps")
+    problem = record_problem(ckpt)
+    if problem:  # checked once, here: a damaged or forged record is a checkpoint that does not load
+        raise RuntimeError(f"{str(path)!r} is not a fastmt training checkpoint: {problem}")
     return ckpt
+
+
+COUNT_MAX = 10**12  # bound of the counts a checkpoint records (epochs, batches, steps): far past any real run
+
+
+def _shown(value: Any) -> str:
+    return " ".join(repr(value).split())[:80]
+
+
+def _count_problem(where: str, value: Any, *, low: int = 0) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= COUNT_MAX:
+        return f"its {where} {_shown(value)} is not a count ({low} to {COUNT_MAX:,})"
+    return None
+
+
+def record_problem(ckpt: dict[str, Any]) -> str | None:
+    """Why the records of a loaded checkpoint (everything but the tensors) are not what fastmt writes, naming the
+    field (None: they are). What plans a resume, reports it and appends to its metrics is checked here once, so
+    no later reader meets a missing key or a wrong type: ``position`` (epoch, batch_index, step: counts; its
+    optional total_steps, world_size, best_value and clock), ``config``, ``history`` (the epoch records: a list of
+    objects with counts ``epoch`` and ``step``), ``lineage`` and ``tokenizer`` (objects)."""
+    pos = ckpt["position"]
+    if not isinstance(ckpt["config"], dict):
+        return f"its config is a {type(ckpt['config']).__name__}, not a record of settings"
+    if not isinstance(pos, dict):
+        return f"its position {_shown(pos)} is not a record of epochs, batches and steps"
+    for k in ("epoch", "batch_index", "step"):
+        if k not in pos:
+            return f"its position lacks position.{k} (it holds {', '.join(map(str, list(pos)[:8]))})"
+        problem = _count_problem(f"position.{k}", pos[k])
+        if problem:
+            return problem
+    for k, low in (("total_steps", 0), ("world_size", 1)):
+        problem = _count_problem(f"position.{k}", pos[k], low=low) if pos.get(k) is not None else None
+        if problem:
+            return problem
+    best = pos.get("best_value")
+    if best is not None and (isinstance(best, bool) or not isinstance(best, (int, float))):
+        return f"its position.best_value {_shown(best)} is not a number"
+    clock = pos.get("clock")
+    if clock is not None:
+        if not isinstance(clock, dict):
+            return f"its position.clock {_shown(clock)} is not a record"
+        offset = clock.get("offset", 0.0)
+        if isinstance(offset, bool) or not isinstance(offset, (int, float)) or not 0 <= offset < float("inf"):
+            return f"its position.clock.offset {_shown(offset)} is not a number of seconds"
+        problem = _count_problem("position.clock.evals_since_best", clock.get("evals_since_best", 0))
+        if problem:
+            return problem
+    history = ckpt.get("history", [])
+    if not isinstance(history, list):
+        return f"its history {_shown(history)} is not a list of epoch records"
+    for i, rec in enumerate(history):
+        if not isinstance(rec, dict):
+            return f"its history[{i}] {_shown(rec)} is not an epoch record"
+        for k in ("epoch", "step"):
+            problem = _count_problem(f"history[{i}].{k}", rec.get(k))
+            if problem:
+                return problem
+    for k in ("lineage", "tokenizer", "data"):
+        if ckpt.get(k) is not None and not isinstance(ckpt[k], dict):
+            return f"its {k} {_shown(ckpt[k])} is not a record"
+    lineage = ckpt.get("lineage") or {}
+    if lineage.get("run_id") is not None and not isinstance(lineage["run_id"], str):
+        return f"its lineage.run_id {_shown(lineage['run_id'])} is not a run id"
+    if lineage.get("parent") is not None and not isinstance(lineage["parent"], dict):
+        return f"its lineage.parent {_shown(lineage['parent'])} is not a record"
+    return None
 
 
 def read_checkpoint(path: str | os.PathLike, what: str = "--resume") -> dict[str, Any]:

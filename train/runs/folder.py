@@ -20,6 +20,7 @@ import json
 import os
 import re
 import secrets
+import stat
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -227,6 +228,74 @@ def check_usable(path: Path) -> str:
         raise FileRefusedError(f"run folder {path}: {problem}: fastmt writes a run only where nobody else can change "
                                f"it. Fix: give --run.out_dir a folder of yours that only you may write")
     return state
+
+
+# what a continued run reads, cuts, rewrites or appends to in its folder: each must be the real thing, never a link
+_RUN_RECORDS = (MARKER_NAME, "config.json", "metrics.jsonl", "curves.png", "provenance.json")
+_RUN_FOLDERS = ("checkpoints", "tensorboard")
+_CHECKPOINT_RE = re.compile(r"^(step-\d+\.pt|best\.pt|step-\d+\.pt\.unreadable)$")
+
+
+def _kind(st: os.stat_result) -> str:
+    return ("a symbolic link" if stat.S_ISLNK(st.st_mode) else "a folder" if stat.S_ISDIR(st.st_mode)
+            else "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a regular file" if stat.S_ISREG(st.st_mode)
+            else "a device or socket")
+
+
+def run_files_problem(run_dir: str | os.PathLike) -> str | None:
+    """Why the run folder ``run_dir`` cannot be continued in place without reading, cutting or writing through
+    something planted there (None: it can): the folder itself, ``checkpoints/``, ``tensorboard/``, every
+    checkpoint file (``step-*.pt``, ``best.pt``) and the records (run.json, config.json, metrics.jsonl, provenance
+    and curves) must each be what it seems (``lstat``: a real folder or regular file, never a link), and
+    ``metrics.jsonl``, appended to in place, must have no other hard link. Nothing is read or followed."""
+    run_dir = Path(run_dir)
+
+    def wrong(path: Path, want: str) -> str | None:
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            return f"{path} cannot be examined ({e.strerror or e})"
+        ok = stat.S_ISDIR(st.st_mode) if want == "a folder" else stat.S_ISREG(st.st_mode)
+        if not ok:
+            to = f" (to {os.readlink(path)})" if stat.S_ISLNK(st.st_mode) else ""
+            return f"{path} is {_kind(st)}{to}, not {want}"
+        if path.name == "metrics.jsonl" and st.st_nlink > 1:
+            return f"{path} has {st.st_nlink - 1} other hard link(s), and a run appends to it in place"
+        return None
+
+    if run_dir.is_symlink():
+        return (f"the run folder {run_dir} is a symbolic link (to {os.readlink(run_dir)}); continue it by its real "
+                f"path (--run.out_dir {run_dir.resolve().parent} --run.name {run_dir.resolve().name})")
+    checks = [(run_dir / name, "a regular file") for name in _RUN_RECORDS]
+    checks += [(run_dir / name, "a folder") for name in _RUN_FOLDERS]
+    for path, want in checks:
+        problem = wrong(path, want)
+        if problem:
+            return problem
+    ckpts = run_dir / "checkpoints"
+    if ckpts.is_dir():
+        for path in sorted(ckpts.iterdir()):
+            problem = wrong(path, "a regular file") if _CHECKPOINT_RE.match(path.name) else None
+            if problem:
+                return problem
+    for path in sorted(run_dir.glob("provenance-resume-step*.json")):
+        problem = wrong(path, "a regular file")
+        if problem:
+            return problem
+    return None
+
+
+def check_run_files(run_dir: str | os.PathLike) -> None:
+    """``run_files_problem`` as a refusal (`RunFolderError`, one line naming the path and the fix), made before a
+    run continued in place reads a checkpoint or a record of its folder, and before it cuts or writes anything."""
+    problem = run_files_problem(run_dir)
+    if problem:
+        raise RunFolderError(f"cannot continue the run in {run_dir}: {problem}. fastmt reads, cuts and writes a run "
+                             f"only through its own files, never through a link or a file someone else may have "
+                             f"planted; nothing was read or changed. Fix: put the real file or folder in its place "
+                             f"(or remove it), or start a new run under another --run.name")
 
 
 def free_run_name(out_dir: str | os.PathLike, name: str) -> str:

@@ -21,7 +21,10 @@ command                plan
 
 A name that holds anything but a fastmt run is refused (``RunFolderError``). Only ``plan_run`` reads the
 file system here; the Trainer claims a new folder (``train.runs.folder.claim_run_folder``) once every setting
-has been checked. An existing run folder is locked while planning (its checkpoints are read under the lock).
+has been checked. An existing run folder is locked while planning (its checkpoints are read under the lock); a run
+continued in place is first checked for anything planted in its folder (``check_run_files``: a link or a
+non-regular file at the folder, ``checkpoints/``, a checkpoint or a record), before the lock file is made, a
+checkpoint read or anything cut or written.
 """
 
 from __future__ import annotations
@@ -40,7 +43,15 @@ from train.runs.checkpoint import (
     read_checkpoint,
     step_checkpoints,
 )
-from train.runs.folder import RunLock, check_usable, folder_state, new_run_id, read_marker, run_finished
+from train.runs.folder import (
+    RunLock,
+    check_run_files,
+    check_usable,
+    folder_state,
+    new_run_id,
+    read_marker,
+    run_finished,
+)
 
 NEW_FOLDER_MODES = ("fresh", "branch", "init")
 
@@ -129,6 +140,7 @@ def _adopted_id(run_dir: Path) -> str:
 def _in_place(cfg, run_dir: Path, lock: RunLock, path: Path | None, ckpt: dict[str, Any] | None,
               log: Callable[[str], Any]) -> RunPlan:
     """Continue (or extend, or restart) the run in its own folder, whose lock is held."""
+    check_run_files(run_dir)  # again under the lock: nothing is read through a link planted there
     marker = read_marker(run_dir)
     run_id = marker["run_id"] if marker else _adopted_id(run_dir)
     plan = RunPlan("continue", run_dir, run_id, lock=lock, adopt=marker is None)
@@ -183,6 +195,7 @@ def plan_run(cfg, *, resume: str | os.PathLike | None = None, init_from: str | o
             plan = RunPlan("fresh", target, new_run_id())
             plan.notes.append(f"--resume auto: no run {target} yet: starting it")
             return plan
+        check_run_files(target)  # before the lock file is made: a refusal writes nothing
         lock = RunLock(target).acquire()
         try:
             return _in_place(cfg, target, lock, None, None, log)
@@ -221,6 +234,7 @@ def _continue_fine_tune(cfg, target: Path, init_from: Path, log: Callable[[str],
                 "it was not started by --init-from")
         raise UserError(f"--init-from {init_from} --resume auto: run {target} is not a fine-tune of {init_from} "
                         f"({came}); drop --init-from to continue it, or give another --run.name for a new fine-tune")
+    check_run_files(target)
     lock = RunLock(target).acquire()
     try:
         plan = _in_place(cfg, target, lock, None, None, log)
@@ -244,6 +258,7 @@ def _plan_resume_path(cfg, path: Path, target: Path, log: Callable[[str], Any]) 
         same_run = (home is not None and home == target.resolve()) or (
             marker is not None and src_id is not None and marker["run_id"] == src_id)
         if same_run:
+            check_run_files(target)
             lock = RunLock(target).acquire()
             try:
                 newest = step_checkpoints(target / "checkpoints")

@@ -40,7 +40,7 @@ def write_ckpt(path: Path, tok, config: dict | None = None) -> Path:
     mcfg = get_preset("tiny", vocab_size=tok.vocab_size, d_model=32, n_heads=2, d_ff=64, enc_layers=1,
                       dec_layers=1, max_positions=MAX_POSITIONS)
     torch.save({"model": Transformer(mcfg).state_dict(), "config": {"model": dataclasses.asdict(mcfg), **(config or {})},
-                "position": {}, "tokenizer": {"model_file": str(path.parent / "gone" / "spm.model"), "key": tok.key,
+                "position": {"epoch": 1, "batch_index": 0, "step": 1}, "tokenizer": {"model_file": str(path.parent / "gone" / "spm.model"), "key": tok.key,
                                               "model_bytes": tok.model_bytes()}}, path)
     return path
 

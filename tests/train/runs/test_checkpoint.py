@@ -30,7 +30,7 @@ from train.runs.checkpoint import (
 
 
 def _state(step: int, n: int = 4096) -> dict:
-    return {"model": {"w": torch.full((n,), float(step))}, "config": {}, "position": {"step": step}}
+    return {"model": {"w": torch.full((n,), float(step))}, "config": {}, "position": {"epoch": 0, "batch_index": 0, "step": step}}
 
 
 def _temps(d: Path) -> list[str]:
@@ -217,7 +217,7 @@ def test_average_checkpoints_is_the_mean_of_the_weights(tmp_path):
 
     paths = []
     for i, w in enumerate((1.0, 2.0, 6.0)):
-        state = {"model": {"w": torch.full((3,), w), "steps": torch.tensor(i)}, "config": {}, "position": {"step": i}}
+        state = {"model": {"w": torch.full((3,), w), "steps": torch.tensor(i)}, "config": {}, "position": {"epoch": 0, "batch_index": 0, "step": i}}
         paths.append(tmp_path / f"step-{i:08d}.pt")
         torch.save(state, paths[-1])
     avg = average_checkpoints(paths)
