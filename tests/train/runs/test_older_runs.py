@@ -38,7 +38,7 @@ def _written_at(version: int) -> dict:
     """The tiny preset's config as a fastmt of config ``version`` recorded it (every field it had, none newer)."""
     saved = json.loads(json.dumps(get_config("tiny").record(), default=str))
     saved[FORMAT_KEY] = version
-    for name, info in field_infos(Config).items():
+    for info in field_infos(Config).values():
         if info.since > version:
             del saved[info.section][info.name]
     return saved
