@@ -380,7 +380,7 @@ def load_config_file(path: str | Path, base: Config | None = None, log=None) -> 
             # a run's own record: each field it lacks by its provenance (train/fields.py): the value the run's
             # checkpoint records, a field newer than the file its declared default, else refused in one line
             from train.fields import provenance
-            from train.runs.resume import run_checkpoint_config
+            from train.runs.records import run_checkpoint_config
 
             d = provenance(Config, d, str(path), others=run_checkpoint_config(path.parent), log=log,
                            fix=f"add it to {path} (the value the run trained with), or add --preset P to take the "

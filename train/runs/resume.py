@@ -122,48 +122,6 @@ def compare_configs(saved: dict[str, Any], now: dict[str, Any], *, epoch_boundar
     return changes
 
 
-def run_folder_of(ckpt_path: str | Path) -> Path | None:
-    """The run folder a checkpoint file lies in (``<run>/checkpoints/<file>``, the path as named: no link is
-    resolved), or None."""
-    parent = Path(ckpt_path).absolute().parent
-    return parent.parent if parent.name == "checkpoints" else None
-
-
-def run_config_json(run: Path | None) -> list[tuple[str, dict[str, Any]]]:
-    """``[(path, record)]`` of run folder ``run``'s ``config.json`` read through the one reader (a regular file
-    inside the folder, no link followed, at most `data.files.RECORD_MAX` bytes), or ``[]``: no run folder, no such
-    file, or not a JSON object (then it records nothing)."""
-    from data.files import parse_json, read_text
-
-    if run is None or not (run / "config.json").is_file() or (run / "config.json").is_symlink():
-        return []
-    try:
-        d = parse_json(read_text(run / "config.json", "run config", inside=run), run / "config.json")
-    except (OSError, ValueError):
-        return []
-    return [(str(run / "config.json"), d)] if isinstance(d, dict) else []
-
-
-def run_checkpoint_config(run: Path) -> list[tuple[str, dict[str, Any]]]:
-    """``[(path, its config)]`` of run folder ``run``'s newest checkpoint that loads (the one ``--resume auto``
-    continues; best.pt when no step checkpoint loads), read as every checkpoint is (no link followed below
-    ``checkpoints/``), or ``[]``."""
-    from train.runs.checkpoint import load_checkpoint, step_checkpoints
-
-    folder = run / "checkpoints"
-    if folder.is_symlink() or not folder.is_dir():
-        return []
-    for path in [*reversed(step_checkpoints(folder)), folder / "best.pt"]:
-        if not path.is_file() or path.is_symlink():
-            continue
-        try:
-            ckpt = load_checkpoint(path, inside=folder)
-        except (RuntimeError, OSError, UserError):
-            continue
-        return [(str(path), ckpt["config"])]
-    return []
-
-
 def complete_checkpoint_config(ckpt: dict[str, Any], ckpt_path: str | Path, *, only: Iterable[str] | None = None,
                                fill_new: bool = False, log=None) -> dict[str, Any]:
     """The checkpoint's config with each field it lacks taken by its provenance (``train.fields.provenance``): from
@@ -172,6 +130,7 @@ def complete_checkpoint_config(ckpt: dict[str, Any], ckpt_path: str | Path, *, o
     file, the fields and the fix. ``only``: these sections only (a fine-tune reads the model's)."""
     from train.config import Config
     from train.fields import provenance
+    from train.runs.records import run_config_json, run_folder_of
 
     run = run_folder_of(ckpt_path)
     others = run_config_json(run)
