@@ -394,7 +394,7 @@ def load_config_file(path: str | Path, base: Config | None = None, log=None) -> 
 def _in_run_folder(path: Path) -> bool:
     """``path`` is the ``config.json`` of a folder that looks like a fastmt run: a run marker, metrics or checkpoints
     beside it (judged by name only: whether the folder is a run fastmt may write, and whether its marker is sound, is
-    decided later, by the run folder's own checks; a missing field only takes its declared default here)."""
+    decided later, by the run folder's own checks; a missing field is only judged by its provenance here)."""
     return any(os.path.lexists(path.parent / name) for name in ("run.json", "metrics.jsonl", "checkpoints"))
 
 
