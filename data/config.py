@@ -97,11 +97,11 @@ class DataConfig:
     split_seed: int = declare(0, SOURCE, SEED)  # seed of the group hash that orders groups into test, valid, train
     # "source_target": a group is all pairs linked by a shared normalised source OR target (measured on the
     # stand-in corpus: ~2 % of valid/test targets otherwise occur in train); "source": shared source only
-    split_grouping: SplitGrouping = declare("source_target", OWN_DATA)
+    split_grouping: SplitGrouping = declare("source_target", OWN_DATA, since=3)
     # your own validation rows (same formats), used whole and in order
-    valid_files: tuple[str, ...] = declare((), OWN_DATA)
+    valid_files: tuple[str, ...] = declare((), OWN_DATA, since=3)
     # your own test rows, used whole and in order (never filtered)
-    test_files: tuple[str, ...] = declare((), OWN_DATA)
+    test_files: tuple[str, ...] = declare((), OWN_DATA, since=3)
     # --- SentencePiece (one joint vocabulary, learned from a seeded sample of the train split) ---
     # requested size; small corpora may yield fewer pieces
     vocab_size: int = declare(8000, SOURCE, Bounds(300, MAX_VOCAB))
@@ -109,11 +109,11 @@ class DataConfig:
     # rare characters beyond this go through byte fallback
     character_coverage: float = declare(0.9995, SOURCE, Bounds(0, 1, lo_open=True))
     # train pairs (both sides) SentencePiece learns from; 0 = all
-    spm_sample_pairs: int = declare(100_000, OWN_DATA, Bounds(0, MAX_COUNT))
+    spm_sample_pairs: int = declare(100_000, OWN_DATA, Bounds(0, MAX_COUNT), since=3)
     # SentencePiece training threads; 0 = all cores
     spm_threads: int = declare(0, SAFE, Bounds(0, MAX_THREADS, machine="cores", why=RESOURCE))
     # processes that read, clean and encode a cold build; 0 = all cores, 1 = in-process
-    build_workers: int = declare(0, SAFE, Bounds(0, MAX_BUILD_WORKERS, why="processes forked for a build"))
+    build_workers: int = declare(0, SAFE, Bounds(0, MAX_BUILD_WORKERS, why="processes forked for a build"), since=3)
     # --- batching ---
     batching: Batching = declare("token_bucket", EPOCH)  # "fixed" | "dynamic" | "sorted" | "token_bucket" | "packed"
     # token_bucket: budget of padded src+tgt tokens per batch (~ the seed's real tokens/step);

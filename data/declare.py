@@ -13,11 +13,20 @@ Every field of the config dataclasses (``data/config.py``, ``models/config.py``,
   (the batch plan: re-planned at an epoch boundary, refused mid-epoch), `DERIVED` (set from the tokenizer,
   never compared) or `refused(why)`;
 - ``was=``: the default before it changed, for a field whose default changed (a run that holds the old value
-  keeps it when continued, ``train/runs/start.py``).
+  keeps it when continued, ``train/runs/start.py``);
+- ``since=``: the config format (`CONFIG_FORMAT`) the field appeared in (1: it was there from the start).
 
 ``train/fields.py`` (``--help-fields``, ``BOUNDS``, choices), ``train/runs/resume.py`` (what a resume may change)
-and the tests read these declarations; nothing else lists fields. A field a run's records lack (written by an
-older fastmt) takes its declared default when the run is continued, so adding a field never strands a run.
+and the tests read these declarations; nothing else lists fields.
+
+**Field provenance.** Every config a run writes (its ``config.json``, each checkpoint's ``config``, ``--print-config``)
+records the format it was written in (``"format": CONFIG_FORMAT``, beside the sections). A record that lacks a field
+is judged by that format (``train/fields.py: provenance``, one reader for train, translate, evaluate and export):
+a field newer than the record (``since`` > its format) did not exist when it was written and takes its declared
+default, said in one line; a field that existed then is taken from another record of the same run (the checkpoint
+for its ``config.json``, the ``config.json`` for its checkpoint) and is otherwise refused in one line naming the
+file and the field. Files written before formats were recorded (fastmt up to e40d846) carry none: their format is
+the newest ``since`` among the fields they hold (`FORMATS` says what each format added).
 
 Stdlib only, and in ``data/``: the lowest package the three config modules share (``models/`` and ``data/`` import
 nothing from ``train/``, tests/test_imports.py).
@@ -31,6 +40,17 @@ from typing import Any
 
 _MISSING = dataclasses.MISSING
 KEY = "fastmt"  # the dataclass field metadata key of a declaration
+
+# The config format: bump it when a field is added, and declare the new field with ``since=`` the new number.
+CONFIG_FORMAT = 5
+FORMAT_KEY = "format"  # the key of a config record (beside its sections) that holds the format it was written in
+FORMATS = {  # what each format added (formats 1-4 are those of fastmt before formats were recorded, by date)
+    1: "the fields of fastmt at 57e30c7 (2026-11-23): the oldest run folders fastmt reads",
+    2: "eval.cuda_graphs, eval.average_last (2026-11-23)",
+    3: "data.build_workers, data.split_grouping, data.spm_sample_pairs, data.valid_files, data.test_files (2026-11-24)",
+    4: "model.norm_kind (2026-11-27)",
+    5: "no field: the first format recorded in the files themselves",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,15 +136,20 @@ class Declaration:
     resume: Resume
     bounds: Bounds | None = None
     was: tuple[Any, ...] = ()  # (the default before it changed,) for a field whose default changed; else ()
+    since: int = 1  # the config format the field appeared in (`CONFIG_FORMAT`, `FORMATS`)
 
 
 def declare(default: Any = _MISSING, resume: Resume | None = None, bounds: Bounds | None = None, *,
-            factory: Callable[[], Any] | None = None, was: Any = _MISSING) -> Any:
-    """A dataclass field with its default (or ``factory``), its resume class and its bounds (module docstring)."""
+            factory: Callable[[], Any] | None = None, was: Any = _MISSING, since: int = 1) -> Any:
+    """A dataclass field with its default (or ``factory``), its resume class, its bounds and the config format it
+    appeared in (module docstring)."""
     if not isinstance(resume, Resume):
         raise TypeError(f"declare: every field needs its resume class (SAFE, REPLAN, EPOCH, DERIVED, refused(why)), "
                         f"got {resume!r}")
-    meta = {KEY: Declaration(resume, bounds, () if was is _MISSING else (was,))}
+    if not (type(since) is int and 1 <= since <= CONFIG_FORMAT):
+        raise TypeError(f"declare: since={since!r} must be a config format 1..{CONFIG_FORMAT} (a new field: bump "
+                        f"data.declare.CONFIG_FORMAT and declare since= the new number)")
+    meta = {KEY: Declaration(resume, bounds, () if was is _MISSING else (was,), since)}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)

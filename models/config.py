@@ -93,7 +93,7 @@ class ModelConfig:
     norm: Norm = declare("fused", SAFE)
     # "layernorm" | "rmsnorm" (eps 1e-5, no bias; neither export target represents it); each kind runs on the
     # model.norm backends models/components.py NORMS registers for it
-    norm_kind: NormKind = declare("layernorm", ARCH)
+    norm_kind: NormKind = declare("layernorm", ARCH, since=4)
     # "padded": (B, T, D) with lengths; "varlen": padded batches run as (total, D) with cu_seqlens;
     # "packed": data.batching="packed" streams, (1, C) -> (C, D) with cu_seqlens and positions from the batch
     layout: Layout = declare("padded", refused("it pairs with data.batching, the plan the checkpoint's position "

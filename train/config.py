@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 from data import DataConfig
 from data.declare import (
+    FORMAT_KEY,
     MAX_BEAM,
     MAX_COUNT,
     MAX_DECODE_BATCH,
@@ -201,7 +202,7 @@ class EvalConfig:
     max_len_b: int = declare(10, SAFE, Bounds(0, MAX_LENGTH))  # see max_len_a
     length_penalty: float = declare(0.6, SAFE, Bounds(0, 100))  # GNMT length penalty alpha of beam search
     # CUDA: replay each decoding step as a CUDA graph (fixed shapes; captured once)
-    cuda_graphs: bool = declare(True, SAFE)
+    cuda_graphs: bool = declare(True, SAFE, since=2)
     # the objective: wall seconds from process start to the first validation BLEU >= each threshold
     bleu_thresholds: tuple[float, ...] = declare((20.0, 28.0, 35.0, 37.0, 37.6), SAFE, Bounds(0, 100))
     # early stop after this many evaluations without a new best (None: off)
@@ -210,7 +211,7 @@ class EvalConfig:
     best_metric: Literal["bleu", "valid_loss"] = declare("bleu", BEST_SO_FAR)
     # at the end, average the weights of the last K epoch checkpoints and keep the average as best.pt if its
     # validation BLEU beats the best single checkpoint (0: off; needs run.keep_last >= K)
-    average_last: int = declare(0, SAFE, Bounds(0, 10**4))
+    average_last: int = declare(0, SAFE, Bounds(0, 10**4), since=2)
     # score the whole test split (BLEU/chrF/loss) with best.pt's weights at the end
     test_at_end: bool = declare(True, SAFE)
     num_samples: int = declare(3, SAFE, Bounds(0, 1000))  # sample translations printed per evaluation
@@ -260,6 +261,13 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def record(self) -> dict[str, Any]:
+        """What fastmt writes of this config (config.json, a checkpoint's, --print-config): ``to_dict()`` and the
+        config format it is written in (data/declare.py: field provenance)."""
+        from train.fields import config_record
+
+        return config_record(self)
+
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, where: str = "", base: Config | None = None) -> Config:
         """Inverse of ``to_dict`` (checkpoints, provenance, ``--config`` files); unknown keys and wrong types
@@ -268,6 +276,11 @@ class Config:
         at = f"{where}: " if where else ""
         if not isinstance(d, dict):
             raise TypeError(f"{at}a config is a JSON object of sections, got {type(d).__name__}")
+        if FORMAT_KEY in d:  # the format it was written in (data/declare.py): checked, not a section
+            from train.fields import record_format
+
+            record_format(cls, d, where or "config")
+            d = {k: v for k, v in d.items() if k != FORMAT_KEY}
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(d) - set(names))
         if unknown:
@@ -338,8 +351,9 @@ def check_consistency(cfg: Config) -> None:
 def load_config_file(path: str | Path, base: Config | None = None, log=None) -> Config:
     """The ``Config`` of a JSON file as ``--print-config`` (and each run folder's ``config.json``) writes it.
     Fields the file leaves out take ``base``'s values (the ``--preset``); without a base a hand-written file must
-    give every field, and a run folder's own ``config.json`` (written by an earlier fastmt, before a field existed)
-    takes the declared default of each field it lacks, said in one line to ``log``. Errors name the file and the
+    give every field, and a run folder's own ``config.json`` has each field it lacks judged by its provenance
+    (``train.fields.provenance``): the value the run's checkpoint records, else (a field newer than the file's
+    config format) its declared default, said in one line to ``log``, else refused. Errors name the file and the
     key (``ValueError``/``TypeError``) or the line (bad JSON)."""
     from data.files import RECORD_MAX, FileRefusedError, read_text
 
@@ -371,15 +385,15 @@ def load_config_file(path: str | Path, base: Config | None = None, log=None) -> 
                    for f in dataclasses.fields(resolved_hints(Config)[s.name])
                    if not isinstance(d.get(s.name), dict) or f.name not in d[s.name]]
         shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
-        from train.fields import missing_default
+        if missing and path.name == "config.json" and _in_run_folder(path):
+            # a run's own record: each field it lacks by its provenance (train/fields.py): the value the run's
+            # checkpoint records, a field newer than the file its declared default, else refused in one line
+            from train.fields import provenance
+            from train.runs.records import run_checkpoint_config
 
-        defaults = {k: missing_default(Config, k) for k in missing}
-        if missing and dataclasses.MISSING not in defaults.values() and path.name == "config.json" \
-                and _in_run_folder(path):
-            if log is not None:
-                taken = ", ".join(f"{k}={v!r}" for k, v in defaults.items())
-                log(f"{path} was written by an earlier fastmt and lacks {taken}: taken as declared (the defaults, "
-                    f"what that fastmt did)")
+            d = provenance(Config, d, str(path), others=run_checkpoint_config(path.parent), log=log,
+                           fix=f"add it to {path} (the value the run trained with), or add --preset P to take the "
+                               f"preset's value")
         elif missing:
             raise ValueError(f"{path}: no value for {shown}: give every field (what --print-config writes) or "
                              f"add --preset P to take the preset's values for the fields the file leaves out")
@@ -389,7 +403,7 @@ def load_config_file(path: str | Path, base: Config | None = None, log=None) -> 
 def _in_run_folder(path: Path) -> bool:
     """``path`` is the ``config.json`` of a folder that looks like a fastmt run: a run marker, metrics or checkpoints
     beside it (judged by name only: whether the folder is a run fastmt may write, and whether its marker is sound, is
-    decided later, by the run folder's own checks; a missing field only takes its declared default here)."""
+    decided later, by the run folder's own checks; a missing field is only judged by its provenance here)."""
     return any(os.path.lexists(path.parent / name) for name in ("run.json", "metrics.jsonl", "checkpoints"))
 
 

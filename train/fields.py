@@ -23,7 +23,16 @@ import typing
 from collections.abc import Iterable
 from typing import Any, Literal
 
-from data.declare import MAX_HYPOTHESES, Bounds, Declaration, Resume, declaration, default_of
+from data.declare import (
+    CONFIG_FORMAT,
+    FORMAT_KEY,
+    MAX_HYPOTHESES,
+    Bounds,
+    Declaration,
+    Resume,
+    declaration,
+    default_of,
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,6 +179,7 @@ class FieldInfo:
     bounds: Bounds | None = None  # the numeric range (`BOUNDS`), or None
     resume: Resume | None = None  # whether a resume may change it (data/declare.py)
     was: tuple[Any, ...] = ()  # (the default before it changed,) or ()
+    since: int = 1  # the config format the field appeared in (data/declare.py: FORMATS)
 
     @property
     def section(self) -> str:
@@ -217,6 +227,119 @@ def is_float_type(tp: Any) -> bool:
     if origin in (typing.Union, types.UnionType, tuple):
         return any(is_float_type(a) for a in args if a is not Ellipsis)
     return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Field provenance: which fields a config record (a run's config.json, a checkpoint's config) may lack, judged by the
+# config format it was written in (data/declare.py: CONFIG_FORMAT, each field's ``since``). The one reader of a
+# record's missing fields for train (--config, --resume, --init-from), translate, evaluate and export.
+# ---------------------------------------------------------------------------------------------
+def config_record(cfg) -> dict[str, Any]:
+    """What fastmt writes of a ``Config`` (config.json, a checkpoint's ``config``, ``--print-config``): its sections
+    and the format they were written in."""
+    return {FORMAT_KEY: CONFIG_FORMAT, **cfg.to_dict()}
+
+
+def record_format(cfg_cls: type, d: dict[str, Any], where: str) -> int:
+    """The config format record ``d`` was written in: the one it names (``"format"``), and at least the newest
+    ``since`` of the fields it holds (a record written before formats were recorded names none). A named format that
+    is not a whole number in 1..`CONFIG_FORMAT` is refused (``ValueError`` naming ``where``)."""
+    named = 1
+    if FORMAT_KEY in d:
+        named = d[FORMAT_KEY]
+        if type(named) is not int or named < 1:
+            raise ValueError(f"{where}: \"{FORMAT_KEY}\": {_cut(named)} is not a config format (fastmt writes a whole "
+                             f"number, 1 to {CONFIG_FORMAT}): a damaged or hand-edited record; restore the file fastmt "
+                             f"wrote, or drop the key from a hand-written --config")
+        if named > CONFIG_FORMAT:
+            raise ValueError(f"{where}: written in config format {named}, newer than this fastmt's {CONFIG_FORMAT} (its "
+                             f"fields may mean what this fastmt cannot know): read it with the fastmt that wrote it, "
+                             f"or update fastmt")
+    held = [info.since for info in field_infos(cfg_cls).values()
+            if isinstance(d.get(info.section), dict) and info.name in d[info.section]]
+    return max([named, *held])
+
+
+def provenance(cfg_cls: type, d: dict[str, Any], where: str, *, others: Iterable[tuple[str, Any]] = (),
+               only: Iterable[str] | None = None, fill_new: bool = True, fix: str = "",
+               log=None) -> dict[str, Any]:
+    """Config record ``d`` (read from ``where``) with the fields it lacks filled by their provenance, and its format
+    (``"format"``: the one it was written in, `record_format`):
+
+    - a value another record of the same run holds (``others``: ``(where, record)`` pairs, e.g. the checkpoint of a
+      run's config.json) is taken, typed and bounded as its declaration says, said in one line to ``log``;
+    - else a field newer than ``d`` (``since`` > its format) did not exist when it was written: its declared default
+      (``fill_new``; else it is left out, for ``train.runs.resume.compare_configs`` to record), said in one line;
+    - else (a field that existed then, or one with no default) ``ValueError``: one line naming ``where``, the
+      fields, the format and ``fix``.
+
+    ``only``: these sections only (the others are returned as they are). Nothing else is checked here."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{where}: a config is a JSON object of sections, got {type(d).__name__}")
+    version = record_format(cfg_cls, d, where)
+    sections_only = None if only is None else set(only)
+    out: dict[str, Any] = {k: (dict(v) if isinstance(v, dict) else v) for k, v in d.items()}
+    out[FORMAT_KEY] = version
+    others = [(w, o) for w, o in others if isinstance(o, dict)]
+    taken, defaulted, lacking = {}, {}, []
+    for key, info in field_infos(cfg_cls).items():
+        section, name = info.section, info.name
+        if sections_only is not None and section not in sections_only:
+            continue
+        values = out.setdefault(section, {})
+        if not isinstance(values, dict):
+            raise ValueError(f"{where}: {section} must be an object of fields, got {type(values).__name__}: "
+                             f"{_cut(values)}")
+        if name in values:
+            continue
+        held = next(((w, o[section][name]) for w, o in others
+                     if isinstance(o.get(section), dict) and name in o[section]), None)
+        if held is not None:
+            w, value = held
+            problem = type_problem(value, info.type) if info.type is not None else None
+            if problem:
+                raise ValueError(f"{w}: {key}={_cut(value)} {problem}")
+            problem = bounds_problem(key, value, info.bounds)
+            if problem:
+                raise ValueError(f"{w}: {problem}")
+            values[name] = value
+            taken[key] = (w, value)
+            continue
+        default = missing_default(cfg_cls, key)
+        if info.since > version and default is not dataclasses.MISSING:
+            defaulted[key] = json_value(default)
+            if fill_new:
+                values[name] = default
+            continue
+        lacking.append(key)
+    if lacking:
+        shown = ", ".join(f"{k} (format {field_infos(cfg_cls)[k].since})" for k in lacking[:4])
+        more = f" and {len(lacking) - 4} more" if len(lacking) > 4 else ""
+        elsewhere = (f"; no other record of the run holds {'it' if len(lacking) == 1 else 'them'} ("
+                     + ", ".join(w for w, _ in others) + ")") if others else ""
+        raise ValueError(f"{where}: written in config format {version}, it lacks {shown}{more}, which that format "
+                         f"always records{elsewhere}: a damaged or hand-edited record, not taken as a default"
+                         + (f"; {fix}" if fix else ""))
+    if log is not None and taken:
+        log(f"{where} lacks " + ", ".join(f"{k}={v!r} (from {w})" for k, (w, v) in taken.items())
+            + ": taken from the run's other record (a value the run recorded wins over a default)")
+    if log is not None and defaulted and fill_new:
+        log(defaulted_line(where, version, defaulted))
+    return out
+
+
+def defaulted_line(where: str, version: int, defaulted: dict[str, Any]) -> str:
+    """The one line that says which fields a record written before they existed lacks, and the defaults taken."""
+    shown = ", ".join(f"{k}={v!r}" for k, v in sorted(defaulted.items()))
+    return (f"{where} was written in config format {version} (an earlier fastmt) and lacks {shown}: taken as declared "
+            f"(newer fields; the defaults, what that fastmt did)")
+
+
+def json_value(value: Any) -> Any:
+    """``value`` as a JSON record holds it (tuples as lists)."""
+    import json
+
+    return json.loads(json.dumps(value, default=str))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,7 +392,7 @@ def field_infos(cfg_cls: type) -> dict[str, FieldInfo]:
             tp = hints[f.name]
             literal = _literal_args(tp)
             d = _declared(cfg_cls)[key]
-            out[key] = FieldInfo(key, tp, docs.get(f.name, ""), literal, d.bounds, d.resume, d.was)
+            out[key] = FieldInfo(key, tp, docs.get(f.name, ""), literal, d.bounds, d.resume, d.was, d.since)
     return out
 
 

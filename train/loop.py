@@ -546,7 +546,7 @@ class Trainer(RunSetup, EpochEnd):
                          "total_steps": self.total_steps, "world_size": self.dist.world_size, "counters": self.counters.state_dict(),
                          "epoch_stats": self.stats.state_dict(), "best_value": self.ckpts.best_value,
                          "clock": self.clock.state_dict(self.clock.wall()), "split": self.split.state_dict()},
-            "config": self.cfg.to_dict(),
+            "config": self.cfg.record(),
             "tokenizer": {"model_file": tok.model_file, "key": tok.key, "model_bytes": tok.model_bytes()},
             "data": data_record(getattr(self.data, "split_record", None)),  # what a resume checks it reads again
             "lineage": {"run_id": self.run_id, "parent": self.parent},

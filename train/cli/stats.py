@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epoch", type=int, default=0, action=cli.Once, help="the epoch whose batch plan is measured (default 0)")
     cfg, args = cli.resolve_config(argv, parser=parser, machine=False)
     if args.print_config:
-        print(json.dumps(cfg.to_dict(), indent=2, default=str))
+        print(json.dumps(cfg.record(), indent=2, default=str))
         return 0
     from data import build_data
     from data.clean import DataInputError

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # a flag or setting mistake (one line already printed), or --help: its exit code
         return e.code if isinstance(e.code, int) else (EXIT_OK if e.code is None else EXIT_USAGE)
     if args.print_config:
-        print(json.dumps(cfg.to_dict(), indent=2, default=str))
+        print(json.dumps(cfg.record(), indent=2, default=str))
         return EXIT_OK
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 

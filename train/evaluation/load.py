@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -127,17 +128,24 @@ def _load_ct2_hashed(path: str | Path, device: torch.device, digest):
     return loaded
 
 
-def load_for_inference(ckpt_path: str | Path, device: str | torch.device = "cpu", *, digest=None):
+def _note(message: str) -> None:
+    print(f"note: {message}", file=sys.stderr)
+
+
+def load_for_inference(ckpt_path: str | Path, device: str | torch.device = "cpu", log=None, *, digest=None):
     """(model in eval mode, tokenizer, checkpoint dict) from a training checkpoint; a file that is not one
-    (missing, unreadable, without a tokenizer, asking for code, a config that disagrees with its tensors)
-    raises ``UserError`` naming it, before the model is allocated. ``digest`` (a ``hashlib`` object): fed the
-    bytes of the very file the weights were loaded from (the checkpoint, or an exported folder's ``model.bin``),
+    (missing, unreadable, without a tokenizer, asking for code, a config that disagrees with its tensors, a config
+    that lacks a field it should record) raises ``UserError`` naming it, before the model is allocated. The
+    checkpoint's ``config`` is returned complete (``train.runs.resume.complete_checkpoint_config``); what was taken
+    for a field it lacks is said in one line to ``log`` (default: stderr). ``digest`` (a ``hashlib`` object): fed
+    the bytes of the very file the weights were loaded from (the checkpoint, or an exported folder's ``model.bin``),
     through the descriptor they were read from: never a file put at the same path later."""
     from models import ModelConfig, Transformer
     from train.bounds import check_section
     from train.export.engine import is_ct2_dir, load_ct2
     from train.preflight import tokenizer_of
     from train.runs.checkpoint import load_checkpoint
+    from train.runs.resume import complete_checkpoint_config
 
     if is_ct2_dir(ckpt_path):  # an exported CTranslate2 folder (train/export/engine.py)
         if digest is not None:
@@ -157,6 +165,9 @@ def load_for_inference(ckpt_path: str | Path, device: str | torch.device = "cpu"
     except (RuntimeError, OSError, TypeError, ValueError, AttributeError) as e:  # SentencePiece's parse error of a damaged model
         raise UserError(f"{ckpt_path}: its tokenizer does not load ({' '.join(str(e).split())[:160]}): a damaged "
                         f"or forged checkpoint") from e
+    # each field the checkpoint lacks by its provenance (train/fields.py): what its run's config.json records, a field
+    # newer than the checkpoint its declared default (said in one line), anything else refused in one line
+    ckpt["config"] = complete_checkpoint_config(ckpt, ckpt_path, fill_new=True, log=log or _note)
     try:  # every field typed and bounded as its declaration says (train/fields.py), before the model is built
         check_section(ModelConfig, "model", ckpt["config"]["model"], f"{ckpt_path}: its model config")
         cfg = ModelConfig(**ckpt["config"]["model"])

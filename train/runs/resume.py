@@ -18,15 +18,22 @@ data/declare.py); ``classify`` reads it:
 Data source fields (files, dataset, languages, split, vocabulary) are checked through the tokenizer's key,
 which hashes the cleaned data, the split and the SentencePiece settings (``check_tokenizer``).
 
-A field the checkpoint's config lacks (written by a fastmt before the field existed) held its declared default: it
-is compared as that value, said in one line and recorded (``ConfigChanges.defaulted``).
+A field the checkpoint's config lacks is judged by the config format it was written in (data/declare.py: field
+provenance): first ``complete_checkpoint_config`` takes a value the run's ``config.json`` records (a value recorded
+anywhere in the run wins over a default; where both record one, the checkpoint's is the old value and the
+config.json's, as the command's, the new one: judged by the rules above); then a field newer than the checkpoint's
+format held its declared default: it is compared as that value, said in one line and recorded
+(``ConfigChanges.defaulted``); a field that existed when the checkpoint was written and that no record holds is refused
+in one line.
 """
 
 from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -83,6 +90,13 @@ def compare_configs(saved: dict[str, Any], now: dict[str, Any], *, epoch_boundar
     ``ConfigChanges``. Fields declared ``DERIVED`` are skipped; ``only``: compare these sections only. A field
     the checkpoint does not know (written by an older fastmt) held its declared default (``changes.defaulted``),
     so adding a field never strands a run."""
+    from train.config import Config
+    from train.fields import json_value, missing_default, record_format
+
+    try:
+        version = record_format(Config, saved, "the checkpoint's config")
+    except ValueError as e:
+        raise ResumeConfigError(str(e)) from None
     changes = ConfigChanges()
     for section, fields in now.items():
         if only is not None and section not in only:
@@ -95,16 +109,38 @@ def compare_configs(saved: dict[str, Any], now: dict[str, Any], *, epoch_boundar
                 continue
             if key in old_section:
                 old = old_section[key]
-            else:
-                from train.config import Config
-                from train.fields import missing_default
-
-                old = changes.defaulted[name] = json.loads(json.dumps(missing_default(Config, name), default=str))
+            elif info is not None and info.since > version:  # newer than the checkpoint: what that fastmt did
+                old = changes.defaulted[name] = json_value(missing_default(Config, name))
+            else:  # (complete_checkpoint_config took what the run recorded; nothing did)
+                raise ResumeConfigError(f"the checkpoint's config (config format {version}) lacks {name}, which that "
+                                        f"format always records: a damaged or hand-edited checkpoint, not taken as a "
+                                        f"default")
             if _same(old, new):
                 continue
             kind = classify(name, old, new, epoch_boundary=epoch_boundary)
             getattr(changes, {"safe": "safe", "replan": "replan", "refuse": "refused"}[kind])[name] = (old, new)
     return changes
+
+
+def complete_checkpoint_config(ckpt: dict[str, Any], ckpt_path: str | Path, *, only: Iterable[str] | None = None,
+                               fill_new: bool = False, log=None) -> dict[str, Any]:
+    """The checkpoint's config with each field it lacks taken by its provenance (``train.fields.provenance``): from
+    its run's ``config.json`` when that records it; else, a field newer than the checkpoint, its declared default
+    (``fill_new``; else left for `compare_configs`, which records it); else ``ResumeConfigError``, one line naming the
+    file, the fields and the fix. ``only``: these sections only (a fine-tune reads the model's)."""
+    from train.config import Config
+    from train.fields import provenance
+    from train.runs.records import run_config_json, run_folder_of
+
+    run = run_folder_of(ckpt_path)
+    others = run_config_json(run)
+    fix = (f"add the run's values to {others[0][0]}, which fastmt reads for what a checkpoint lacks" if others else
+           "keep the checkpoint in its run folder (<run>/checkpoints/) beside the run's config.json that records them")
+    try:
+        return provenance(Config, ckpt["config"], f"checkpoint {ckpt_path}", others=others, only=only,
+                          fill_new=fill_new, fix=fix, log=log)
+    except ValueError as e:
+        raise ResumeConfigError(" ".join(str(e).split())) from None
 
 
 def refusal(changes: ConfigChanges, *, where: str, position: dict[str, Any], how: str) -> ResumeConfigError:

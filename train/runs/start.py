@@ -38,7 +38,13 @@ from train.runs.folder import (
 )
 from train.runs.metrics import MetricsLogger
 from train.runs.plan import RunPlan, plan_run
-from train.runs.resume import ConfigChanges, ResumeConfigError, compare_configs, refusal
+from train.runs.resume import (
+    ConfigChanges,
+    ResumeConfigError,
+    compare_configs,
+    complete_checkpoint_config,
+    refusal,
+)
 
 # the fields that say where a run's data comes from (a resume that names no data takes the run's own)
 SOURCE_FIELDS = ("dataset", "dataset_config", "hf_split", "data_files", "toy_rows", "src_lang", "tgt_lang",
@@ -189,6 +195,10 @@ class RunSetup:
         if ckpt is None:
             return cfg, False
         own = uses_own_tokenizer(ckpt, weights_only=plan.weights_only)
+        # each field the checkpoint lacks by its provenance: what its run's config.json records, else refused unless
+        # newer than the checkpoint (then compare_configs takes its default and records it); train/runs/resume.py
+        ckpt["config"] = complete_checkpoint_config(ckpt, plan.ckpt_path, only={"model"} if plan.weights_only else None,
+                                                    log=self.log)
         saved = ckpt.get("config") or {}
         if not plan.weights_only:
             check_world_size(ckpt, self.dist.world_size, plan.ckpt_path)
@@ -247,7 +257,7 @@ class RunSetup:
         run = dataclasses.replace(self.cfg.run, name=self.run_dir.name)
         self.cfg = dataclasses.replace(self.cfg, run=run)
         # the resolved config, as --print-config prints it: a valid --config input
-        write_text_atomic(self.run_dir / "config.json", json.dumps(self.cfg.to_dict(), indent=2, default=str) + "\n")
+        write_text_atomic(self.run_dir / "config.json", json.dumps(self.cfg.record(), indent=2, default=str) + "\n")
         self.metrics = MetricsLogger(self.run_dir, tensorboard=run.tensorboard, enabled=True)
         if plan.ckpt is None:
             return

@@ -25,6 +25,7 @@ import torch
 from data.tokenizer import Tokenizer
 from models import Transformer, get_preset
 from train.cli.translate import main
+from train.config import tiny
 from train.evaluation.decode import overlong, translate
 from train.evaluation.load import load_for_inference
 
@@ -34,12 +35,16 @@ WAIT_S = 180  # a subprocess's start (torch import, model load) on a loaded 2-co
 
 
 def write_ckpt(path: Path, tok, config: dict | None = None) -> Path:
-    """A checkpoint as the trainer writes it (the toy data's tokenizer, an untrained 1+1 x 32 model), whose
-    tokenizer file no longer exists (only its bytes); ``config``: extra config sections (eval, run)."""
+    """A checkpoint as the trainer writes it (the toy data's tokenizer, an untrained 1+1 x 32 model, the tiny
+    preset's other sections), whose tokenizer file no longer exists (only its bytes); ``config``: fields of the
+    other sections (eval, run) set."""
     torch.manual_seed(0)
     mcfg = get_preset("tiny", vocab_size=tok.vocab_size, d_model=32, n_heads=2, d_ff=64, enc_layers=1,
                       dec_layers=1, max_positions=MAX_POSITIONS)
-    torch.save({"model": Transformer(mcfg).state_dict(), "config": {"model": dataclasses.asdict(mcfg), **(config or {})},
+    record = {**tiny().record(), "model": dataclasses.asdict(mcfg)}  # every section, as the trainer records it
+    for section, values in (config or {}).items():
+        record[section] = {**record[section], **values}
+    torch.save({"model": Transformer(mcfg).state_dict(), "config": record,
                 "position": {"epoch": 1, "batch_index": 0, "step": 1}, "tokenizer": {"model_file": str(path.parent / "gone" / "spm.model"), "key": tok.key,
                                               "model_bytes": tok.model_bytes()}}, path)
     return path

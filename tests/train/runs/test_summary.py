@@ -52,7 +52,7 @@ def test_the_end_of_a_run_is_a_short_block_with_the_next_commands(toy_bundle, tm
         k: v for k, v in printed_model.items() if k != "vocab_size"}
     assert saved_model["vocab_size"] == toy_bundle.tokenizer.vocab_size
     whole = {**saved, "model": saved_model}  # and it reads back as the same Config
-    assert json.loads(json.dumps(Config.from_dict(whole).to_dict())) == whole
+    assert json.loads(json.dumps(Config.from_dict(whole).record())) == whole
 
 
 def _py() -> str:
