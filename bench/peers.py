@@ -330,7 +330,8 @@ def _train(cfg, recipe: PeerRecipe, bundle, run_dir: Path, metrics, device: torc
     planned = recipe.epochs * steps_per_epoch
     total = planned if recipe.max_steps is None else min(planned, recipe.max_steps)
     opt = _optimizer(model, recipe, device)
-    budget = None if recipe.max_wall_seconds is None else max(recipe.max_wall_seconds - clock(), 1e-3)
+    t_start = clock()
+    budget = None if recipe.max_wall_seconds is None else max(recipe.max_wall_seconds - t_start, 1e-3)
     sched = PlannedSchedule(total, recipe.warmup_ratio, budget)
     t_train = 0.0  # training seconds so far (evaluation excluded): the wall plan's progress
 
@@ -344,7 +345,7 @@ def _train(cfg, recipe: PeerRecipe, bundle, run_dir: Path, metrics, device: torc
     (run_dir / "provenance.json").write_text(json.dumps(provenance(config, bundle.split_record, {"params": params}),
                                                        indent=2, default=str))
     metrics.log({"kind": "start", "params": params, "train_pairs": len(train_src), "steps_planned": total,
-                 "device": str(device), "wall_seconds": clock(), **peer})
+                 "device": str(device), "wall_seconds": t_start, **peer})
     log(f"[peers] MarianMTModel {params:,} trainable parameters, {len(train_src):,} train pairs, {total} steps "
         f"planned ({steps_per_epoch} per epoch), {device}")
 

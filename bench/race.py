@@ -473,7 +473,9 @@ def markdown(record: dict, command: str) -> str:
             lines.append(f"| {r['system']} | {r['seed']} | {r.get('status', '')[:120]} | {f(p.get('step'))} | "
                          f"{f(p.get('train_seconds'))} | {f(p.get('valid_bleu'))} | {f(p.get('test_bleu'))} | "
                          f"{f(r.get('process_seconds'))} | {r.get('load_before')} → {r.get('load_after')} |")
-    lines += ["", "## Commands", "", f"- the race: `{command}`"]
+    lines += ["", "## Commands", "", f"- the race (rerun it as is; `fastmt bench peers --cpu ...` is the same): "
+              f"`{command}`", "- this report from its record: `python -m bench.race --report-from "
+              "bench/results/peers-cpu.json`"]
     for r in record["runs"]:
         if r.get("command") and r["seed"] == rc["seeds"][0]:
             lines.append(f"- {r['system']} (seed {r['seed']}): `{r['command']}`")
@@ -495,8 +497,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-lr", type=float, default=RaceConfig.hf_lr)
     p.add_argument("--eole-peak-lr", type=float, default=RaceConfig.eole_peak_lr)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "peers-cpu.md",
-                   help="the report (a .json record beside it)")
+                   help="the report (a .json record and a .png frontier beside it)")
+    p.add_argument("--report-from", type=Path, metavar="JSON",
+                   help="write the report (--out) again from a race's .json record (with --threshold if given); "
+                        "trains nothing")
     return p
+
+
+def frontier_rows(record: dict) -> list[dict[str, Any]]:
+    """bench.frontier's rows of a race: validation BLEU against training seconds, one line per system and seed."""
+    rows = []
+    for r in record["runs"]:
+        for p in r.get("points") or []:
+            rows.append({"contestant": f"{r['system']}-s{r['seed']}", "label": f"{r['system']} seed {r['seed']}",
+                         "status": "ok" if r.get("status") == "ok" else "error", "wall_seconds": p.get("train_seconds"),
+                         "bleu": p.get("valid_bleu"), "budget_s": None})
+    return rows
+
+
+def write_report(record: dict, command: str, out: Path, *, plot: bool = True) -> None:
+    from bench.frontier import frontier_plot
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+    out.write_text(markdown(record, command))
+    rows = frontier_rows(record)
+    if plot and rows:
+        frontier_plot(rows, out.with_suffix(".png"), title="CPU race (x: training seconds, evaluation excluded)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -505,6 +532,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return hf_worker(argv[1:])
     p = build_parser()
     a, fastmt_extra = p.parse_known_args(argv)
+    if a.report_from is not None:
+        try:
+            record = json.loads(a.report_from.read_text())
+        except (OSError, ValueError) as e:
+            p.error(f"--report-from {a.report_from}: {e}")
+        if "--threshold" in argv:
+            record["config"]["threshold"] = a.threshold
+        write_report(record, record.get("command", "python -m bench.race"), a.out)
+        print(f"[race] report: {a.out}")
+        return 0
     if fastmt_extra and not all(x.startswith("--") or i % 2 for i, x in enumerate(fastmt_extra)):
         p.error(f"unrecognised arguments {fastmt_extra} (extra --section.field VALUE pairs go to fastmt)")
     missing = [f for f in a.data_files if not Path(f).is_file()]
@@ -525,13 +562,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python -m bench.race " + " ".join(argv)
     out = a.out
 
-    def write(record):
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps(record, indent=1, default=str) + "\n")
-        out.write_text(markdown(record, command))
+    def write(record, plot=False):
+        record["command"] = command
+        write_report(record, command, out, plot=plot)
 
     record = run_race(rc, on_update=write)
-    write(record)
+    write(record, plot=True)
     for row in summarize(record):
         print(json.dumps(row))
     print(f"[race] report: {out}")
