@@ -211,6 +211,7 @@ def hf_worker(argv: Sequence[str]) -> int:
     p.add_argument("--data-files", nargs="+", required=True)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
+    a.out.mkdir(parents=True, exist_ok=True)
     from data import build_data
     from train import flush_denormals
 
@@ -228,7 +229,7 @@ def hf_worker(argv: Sequence[str]) -> int:
     model = P.marian_model(cfg.model, tok, device, scale_embedding=recipe.scale_embedding)
     opt = P._optimizer(model, recipe, device)
     sched = P.PlannedSchedule(a.steps, recipe.warmup_ratio)
-    step, t_train, ckpts, seconds, epoch = 0, 0.0, {}, {}, 0
+    step, t_train, ckpts, seconds, epoch, losses, window = 0, 0.0, {}, {}, 0, {}, []
     model.train()
     while step < a.steps:
         for batch in P.train_loader(src, tgt, recipe, tok.pad_id, epoch):
@@ -242,17 +243,20 @@ def hf_worker(argv: Sequence[str]) -> int:
             opt.zero_grad(set_to_none=True)
             step += 1
             t_train += time.perf_counter() - t0
+            window.append(loss.detach())
             if step % a.eval_every == 0:
-                if not math.isfinite(float(loss)):
-                    raise FloatingPointError(f"HF baseline: loss {float(loss)} at step {step}")
+                mean = float(torch.stack(window).mean())  # the label-smoothed training loss since the last point
+                window = []
+                if not math.isfinite(mean):
+                    raise FloatingPointError(f"HF baseline: loss {mean} at step {step}")
                 name = f"step-{step}.pt"
                 torch.save(model.state_dict(), a.out / name)
-                ckpts[step], seconds[step] = name, t_train
-                print(f"[hf] step {step} loss {float(loss):.3f} {t_train:.1f} s", flush=True)
+                ckpts[step], seconds[step], losses[step] = name, t_train, mean
+                print(f"[hf] step {step} train loss {mean:.3f} {t_train:.1f} s", flush=True)
             if step >= a.steps:
                 break
         epoch += 1
-    (a.out / "hf.json").write_text(json.dumps({"checkpoints": ckpts, "seconds": seconds,
+    (a.out / "hf.json").write_text(json.dumps({"checkpoints": ckpts, "seconds": seconds, "train_loss": losses,
                                                "batch_sentences": sentences, "recipe": asdict(recipe)}))
     return 0
 
