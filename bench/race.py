@@ -421,6 +421,7 @@ def summarize(record: dict) -> list[dict[str, Any]]:
             row[f"valid@{s}"] = _mean_sd([p.get("valid_bleu") for p in pts])
             row[f"secs@{s}"] = _mean_sd([p.get("train_seconds") for p in pts])
         last = [r["points"][-1] for r in runs if r["points"]]
+        row["valid_chrf"] = _mean_sd([p.get("valid_chrf") for p in last])
         row["test_bleu"] = _mean_sd([p.get("test_bleu") for p in last])
         row["test_chrf"] = _mean_sd([p.get("test_chrf") for p in last])
         tt = [time_to(r["points"], rc["threshold"]) for r in runs]
@@ -436,9 +437,9 @@ def markdown(record: dict, command: str) -> str:
     summ = summarize(record)
     steps = sorted({p["step"] for r in record["runs"] for p in r.get("points", [])})
     heads = ["system", "seeds ok", *[f"valid BLEU @ {s}" for s in steps], *[f"train s @ {s}" for s in steps],
-             "test BLEU (last)", "test chrF (last)", f"train s to valid BLEU {rc['threshold']:g}"]
-    keys = ["system", "seeds_ok", *[f"valid@{s}" for s in steps], *[f"secs@{s}" for s in steps], "test_bleu",
-            "test_chrf", "time_to_threshold"]
+             "valid chrF (last)", "test BLEU (last)", "test chrF (last)", f"train s to valid BLEU {rc['threshold']:g}"]
+    keys = ["system", "seeds_ok", *[f"valid@{s}" for s in steps], *[f"secs@{s}" for s in steps], "valid_chrf",
+            "test_bleu", "test_chrf", "time_to_threshold"]
     lines = ["# The CPU race: fastmt, the HF baseline, eole (stand-in corpus)" if any(
         "opus_mt_testsets" in f for f in rc["data_files"]) else "# The CPU race: fastmt, the HF baseline, eole", ""]
     lines += [f"- data: **{'stand-in corpus' if any('opus_mt_testsets' in f for f in rc['data_files']) else ''} "
@@ -477,6 +478,17 @@ def markdown(record: dict, command: str) -> str:
             lines.append(f"| {r['system']} | {r['seed']} | {r.get('status', '')[:120]} | {f(p.get('step'))} | "
                          f"{f(p.get('train_seconds'))} | {f(p.get('valid_bleu'))} | {f(p.get('test_bleu'))} | "
                          f"{f(r.get('process_seconds'))} | {r.get('load_before')} → {r.get('load_after')} |")
+    if record.get("lr_check"):
+        lc = record["lr_check"]
+        lines += ["", "## The HF baseline's learning-rate check", "", lc.get("how", ""), "",
+                  "| peak lr | " + " | ".join(f"train loss @ {k}" for k in lc["steps"]) + " | train s |",
+                  "|---|" + "---|" * (len(lc["steps"]) + 1)]
+        for row in lc["rows"]:
+            lines.append(f"| {row['lr']:g} | " + " | ".join(
+                "n/a" if row["train_loss"].get(str(k)) is None else f"{row['train_loss'][str(k)]:.3f}"
+                for k in lc["steps"]) + f" | {row.get('seconds', 'n/a')} |")
+    if record.get("notes"):
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in record["notes"]]
     lines += ["", "## Commands", "", f"- the race (rerun it as is; `fastmt bench peers --cpu ...` is the same): "
               f"`{command}`", "- this report from its record: `python -m bench.race --report-from "
               "bench/results/peers-cpu.json`"]
