@@ -453,7 +453,7 @@ def markdown(record: dict, command: str) -> str:
               f"({record['tokens_per_batch_fastmt']:.0f} real tokens a batch on average), HF "
               f"{next((r.get('batch_sentences') for r in record['runs'] if r.get('batch_sentences')), '?')} sentences a "
               f"batch (the same real tokens), eole batch_size {record.get('eole_batch_tokens')} tokens as eole counts them "
-              f"(the longer side of each pair: the same real tokens)",
+              f"(about the longer side of each pair, sized for the same real tokens; eole's log says how many it got)",
               f"- {rc['steps']} optimizer steps per run, weights kept every {rc['eval_every']}; seeds "
               f"{', '.join(map(str, rc['seeds']))}; {rc['threads']} thread each, systems run one after another",
               "- scoring: one function (`bench.race.score` = fastmt's `corpus_scores`), greedy decoding by each "
