@@ -44,6 +44,8 @@ SEEDS_RECIPE = ("--run.precision", "fp16", "--data.batching", "dynamic", "--data
                 "--run.compile", "false")
 CONTESTANTS: dict[str, Contestant] = {c.name: c for c in (
     Contestant("hf", "HF Marian baseline (bench.peers)", "bench.peers", ("--preset", "s18")),
+    Contestant("eole", "eole 0.6.4, its WMT17 recipe at this size (bench/eole_peer.py)", "bench.peers",
+               ("--peer", "eole", "--preset", "s18")),
     Contestant("seeds", "seeds' recipe (fp16, dynamic pad, Lion 1e-4, eager)", "train",
                ("--preset", "s18", *SEEDS_RECIPE)),
     Contestant("s18", "fastmt s18 preset", "train", ("--preset", "s18")),
@@ -53,6 +55,12 @@ CONTESTANTS: dict[str, Contestant] = {c.name: c for c in (
 SMOKE_PRESET = {"s18": "tiny"}
 SMOKE_OVERRIDES = (*(x for k, v in cli.SMOKE_DATA.items() for x in (f"--data.{k}", str(v))),
                    "--eval.max_sentences", "20")
+
+
+def seeded(c: Contestant, seed: int) -> Contestant:
+    """``c`` with its initialisation and data-order seed set (name ``<name>-s<seed>``)."""
+    flags = ("--seed", str(seed)) if c.module == "bench.peers" else ("--run.seed", str(seed), "--data.seed", str(seed))
+    return Contestant(f"{c.name}-s{seed}", f"{c.label}, seed {seed}", c.module, (*c.args, *flags))
 
 
 def command(c: Contestant, *, budget_s: float, run_name: str, out_dir: Path, data_files: Sequence[str],
@@ -347,6 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work-dir", type=Path, help="parent of the run folders and logs (default runs/; smoke: a "
                                                  "temp dir)")
     p.add_argument("--fresh", action="store_true", help="drop the csv's rows of contestants not run now")
+    p.add_argument("--seeds", help="comma-separated seeds: every contestant once per seed (<name>-s<seed>)")
     return p
 
 
@@ -360,7 +369,13 @@ def work_dir(a: argparse.Namespace, prefix: str) -> Path:
 def main(argv: Sequence[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
-    names = cli.choose(p, "--contestants", a.contestants, CONTESTANTS)
+    names: list = cli.choose(p, "--contestants", a.contestants, CONTESTANTS)
+    if a.seeds:
+        try:
+            seeds = [int(x) for x in a.seeds.split(",") if x.strip()]
+        except ValueError:
+            p.error(f"--seeds {a.seeds!r}: give comma-separated integers, e.g. 0,1,2")
+        names = [seeded(CONTESTANTS[n], s) for s in seeds for n in names]
     files = cli.cli_data_files(p, a, toy=lambda: work_dir(a, "fastmt-frontier-") / "toy.jsonl", toy_rows=600)
     files = [str(Path(f).resolve()) for f in files]  # the contestants run from the repo root
     budget = a.budget_s if a.budget_s is not None else (8.0 if a.smoke else 120.0)

@@ -38,22 +38,27 @@ NAME = "hf-marian"
 class PeerRecipe:
     """The baseline's training settings (PEERS.md §1); the Trainer's defaults where it names none."""
 
-    epochs: int = 18
+    epochs: int = 18  # at most this many passes (the plan ends at the first of epochs, max_steps, the wall budget)
     batch_size: int = 128  # sentences per batch, grouped by length
     lr: float = 5e-4
     betas: tuple[float, float] = (0.9, 0.98)
     eps: float = 1e-8
     weight_decay: float = 0.01
-    warmup_ratio: float = 0.1
+    warmup_ratio: float = 0.1  # of the plan: the steps planned, or the wall budget when that ends first
     label_smoothing: float = 0.1
     max_grad_norm: float = 1.0  # Seq2SeqTrainer's default
+    pad_multiple: int = 8  # batches padded to a multiple of this many tokens (DataCollatorForSeq2Seq's
+    # pad_to_multiple_of): a handful of shapes, so CUDA's attention picks a plan once per shape
+    scale_embedding: bool = True  # embeddings * sqrt(d_model) (OPUS-MT's Marian configs; off, 0.02-RMS tokens sit
+    # under ~0.7-RMS sinusoidal positions in a post-LN model: the H200 run of 2026-11-27 never left unigrams)
     seed: int = 0
     max_steps: int | None = None  # stop after this many optimizer steps in all (smoke tests)
     max_wall_seconds: float | None = None  # stop at a step boundary after this many seconds since process start
 
     def __post_init__(self):
         for name, ok, rule in (("epochs", self.epochs >= 1, ">= 1"), ("batch_size", self.batch_size >= 1, ">= 1"),
-                               ("lr", self.lr > 0, "> 0"),
+                               ("lr", self.lr > 0, "> 0"), ("warmup_ratio", 0 <= self.warmup_ratio < 1, "in [0, 1)"),
+                               ("pad_multiple", self.pad_multiple >= 1, ">= 1"),
                                ("max_steps", self.max_steps is None or self.max_steps >= 1, ">= 1 or None"),
                                ("max_wall_seconds", self.max_wall_seconds is None or self.max_wall_seconds > 0,
                                 "> 0 or None")):
@@ -69,8 +74,9 @@ def _require_transformers() -> None:
 
 
 # -- Model and data --------------------------------------------------------------------------------
-def marian_model(model_cfg, tokenizer, device: torch.device):
-    """MarianMTModel from scratch with fastmt's model size and tokenizer ids, SDPA attention."""
+def marian_model(model_cfg, tokenizer, device: torch.device, *, scale_embedding: bool = True):
+    """MarianMTModel from scratch with fastmt's model size and tokenizer ids, SDPA attention, embeddings scaled
+    by sqrt(d_model) unless not ``scale_embedding``."""
     _require_transformers()
     from transformers import MarianConfig, MarianMTModel
 
@@ -83,7 +89,7 @@ def marian_model(model_cfg, tokenizer, device: torch.device):
         activation_function="relu", max_position_embeddings=model_cfg.max_positions,
         pad_token_id=tok.pad_id, eos_token_id=tok.eos_id, bos_token_id=tok.bos_id,
         decoder_start_token_id=tok.bos_id, forced_eos_token_id=tok.eos_id,
-        share_encoder_decoder_embeddings=True, tie_word_embeddings=True,
+        share_encoder_decoder_embeddings=True, tie_word_embeddings=True, scale_embedding=scale_embedding,
     )
     config._attn_implementation = "sdpa"
     return MarianMTModel(config).to(device)
@@ -100,10 +106,12 @@ def encode_split(split, eos_id: int, max_positions: int) -> tuple[list[np.ndarra
             rows(split.tgt_ids, split.tgt_offsets, max_positions))
 
 
-def collate(pairs: Sequence[tuple[np.ndarray, np.ndarray]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Pad a batch: input_ids/attention_mask (B, S) and labels (B, T) with -100 on padding."""
+def collate(pairs: Sequence[tuple[np.ndarray, np.ndarray]], pad_id: int, multiple: int = 1) -> dict[str, torch.Tensor]:
+    """Pad a batch: input_ids/attention_mask (B, S) and labels (B, T) with -100 on padding, S and T rounded up to
+    a multiple of ``multiple``."""
     B = len(pairs)
-    S, T = max(len(s) for s, _ in pairs), max(len(t) for _, t in pairs)
+    up = lambda n: -(-n // multiple) * multiple  # noqa: E731
+    S, T = up(max(len(s) for s, _ in pairs)), up(max(len(t) for _, t in pairs))
     src = torch.full((B, S), pad_id, dtype=torch.long)
     labels = torch.full((B, T), -100, dtype=torch.long)
     for i, (s, t) in enumerate(pairs):
@@ -119,13 +127,50 @@ def train_loader(src, tgt, recipe: PeerRecipe, pad_id: int, epoch: int):
     g = torch.Generator().manual_seed(recipe.seed * 1000 + epoch)
     sampler = LengthGroupedSampler(recipe.batch_size, lengths=[len(s) for s in src], generator=g)
     return torch.utils.data.DataLoader(list(zip(src, tgt)), batch_size=recipe.batch_size, sampler=sampler,
-                                       collate_fn=lambda b: collate(b, pad_id), pin_memory=torch.cuda.is_available())
+                                       collate_fn=lambda b: collate(b, pad_id, recipe.pad_multiple),
+                                       pin_memory=torch.cuda.is_available())
 
 
 # -- Evaluation (fastmt's protocol) ----------------------------------------------------------------
 def _autocast(device: torch.device):
     cuda = device.type == "cuda"
     return torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+
+
+def sdpa_kernels(device: torch.device):
+    """On CUDA, SDPA restricted to the flash and memory-efficient kernels (no cuDNN plan per new shape, no math
+    fallback); elsewhere nothing."""
+    import contextlib
+
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
+
+
+class PlannedSchedule:
+    """Linear warm-up over ``warmup_ratio`` of the plan, then linear decay to 0 at its end, where the plan's
+    progress is the larger of steps / ``total_steps`` and the training seconds spent / the seconds left in the
+    wall budget at the start (``budget_s``; None: steps only). A run stopped by its budget ends its schedule
+    there, not at an epoch count it never reaches. ``factor(step, seconds)``: the lr multiplier."""
+
+    def __init__(self, total_steps: int, warmup_ratio: float, budget_s: float | None = None):
+        if total_steps < 1 or (budget_s is not None and budget_s <= 0):
+            raise ValueError(f"a schedule needs total_steps >= 1 and budget_s > 0 (got {total_steps}, {budget_s})")
+        self.total_steps, self.warmup_ratio, self.budget_s = total_steps, warmup_ratio, budget_s
+
+    def progress(self, step: int, seconds: float = 0.0) -> float:
+        p = step / self.total_steps
+        if self.budget_s is not None:
+            p = max(p, seconds / self.budget_s)
+        return min(p, 1.0)
+
+    def factor(self, step: int, seconds: float = 0.0) -> float:
+        p, w = self.progress(step, seconds), self.warmup_ratio
+        if w > 0 and p < w:
+            return max(p / w, 1.0 / max(1.0, w * self.total_steps))  # never 0 at step 0
+        return max(0.0, (1.0 - p) / (1.0 - w))
 
 
 def _loss(model, b: dict[str, torch.Tensor], tok, **options) -> torch.Tensor:
@@ -271,11 +316,10 @@ def train_peer(cfg, recipe: PeerRecipe, *, run_dir: Path, device: torch.device, 
 def _train(cfg, recipe: PeerRecipe, bundle, run_dir: Path, metrics, device: torch.device,
            clock: Callable[[], float], log: Callable[[str], None], provenance) -> dict[str, Any]:
     import transformers
-    from transformers import get_linear_schedule_with_warmup
 
     ev, tok = cfg.eval, bundle.tokenizer
     torch.manual_seed(recipe.seed)
-    model = marian_model(cfg.model, tok, device)
+    model = marian_model(cfg.model, tok, device, scale_embedding=recipe.scale_embedding)
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     train_src, train_tgt = encode_split(bundle.splits["train"], tok.eos_id, cfg.model.max_positions)
     valid_src, valid_tgt = encode_split(bundle.splits["valid"], tok.eos_id, cfg.model.max_positions)
@@ -286,9 +330,14 @@ def _train(cfg, recipe: PeerRecipe, bundle, run_dir: Path, metrics, device: torc
     planned = recipe.epochs * steps_per_epoch
     total = planned if recipe.max_steps is None else min(planned, recipe.max_steps)
     opt = _optimizer(model, recipe, device)
-    sched = get_linear_schedule_with_warmup(opt, math.ceil(recipe.warmup_ratio * total), total)
+    t_start = clock()
+    budget = None if recipe.max_wall_seconds is None else max(recipe.max_wall_seconds - t_start, 1e-3)
+    sched = PlannedSchedule(total, recipe.warmup_ratio, budget)
+    t_train = 0.0  # training seconds so far (evaluation excluded): the wall plan's progress
 
-    peer = {"model": "transformers.MarianMTModel", "transformers": transformers.__version__, "attention": "sdpa",
+    peer = {"model": "transformers.MarianMTModel", "transformers": transformers.__version__,
+            "attention": "sdpa (CUDA: flash/efficient only)", "schedule": "linear warm-up/decay over the plan "
+            f"({total} steps{'' if budget is None else f' or {budget:.0f} s, whichever ends first'})",
             "precision": "bf16" if device.type == "cuda" else "fp32", **dataclasses.asdict(recipe),
             "length_penalty_form": "generate: logprob / len ** alpha (fastmt: GNMT logprob / ((5 + len) / 6) ** alpha)"}
     config = {"data": cfg.data.to_dict(), "model": dataclasses.asdict(cfg.model), "eval": dataclasses.asdict(ev),
@@ -296,7 +345,7 @@ def _train(cfg, recipe: PeerRecipe, bundle, run_dir: Path, metrics, device: torc
     (run_dir / "provenance.json").write_text(json.dumps(provenance(config, bundle.split_record, {"params": params}),
                                                        indent=2, default=str))
     metrics.log({"kind": "start", "params": params, "train_pairs": len(train_src), "steps_planned": total,
-                 "device": str(device), "wall_seconds": clock(), **peer})
+                 "device": str(device), "wall_seconds": t_start, **peer})
     log(f"[peers] MarianMTModel {params:,} trainable parameters, {len(train_src):,} train pairs, {total} steps "
         f"planned ({steps_per_epoch} per epoch), {device}")
 
@@ -311,11 +360,14 @@ def _train(cfg, recipe: PeerRecipe, bundle, run_dir: Path, metrics, device: torc
         n_batches = 0
         for batch in train_loader(train_src, train_tgt, recipe, tok.pad_id, epoch):
             b = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            loss = _loss(model, b, tok, label_smoothing=recipe.label_smoothing)
-            loss.backward()
+            lr = recipe.lr * sched.factor(step, t_train + time.perf_counter() - t_epoch)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            with sdpa_kernels(device):
+                loss = _loss(model, b, tok, label_smoothing=recipe.label_smoothing)
+                loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)
             opt.step()
-            sched.step()
             opt.zero_grad(set_to_none=True)
             loss_sum += loss.detach()
             n_batches += 1
@@ -328,9 +380,10 @@ def _train(cfg, recipe: PeerRecipe, bundle, run_dir: Path, metrics, device: torc
                 break
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        t_train += time.perf_counter() - t_epoch
         stop = step >= total or stop_reason != "done"
         record: dict[str, Any] = {"kind": "epoch", "epoch": epoch + 1, "step": step,
-                                  "train_loss": float(loss_sum) / max(n_batches, 1), "lr": sched.get_last_lr()[0],
+                                  "train_loss": float(loss_sum) / max(n_batches, 1), "lr": opt.param_groups[0]["lr"],
                                   "epoch_seconds": time.perf_counter() - t_epoch,
                                   **({"partial_epoch": True} if n_batches < steps_per_epoch else {})}
         if (epoch + 1) % ev.every == 0 or epoch + 1 == recipe.epochs or stop:
@@ -384,6 +437,13 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="--data.x / --model.x / --eval.x VALUE override the preset (data, model size, "
                                        "validation protocol), as for python -m train.")
+    p.add_argument("--peer", choices=("hf", "eole"), default="hf",
+                   help="hf: MarianMTModel in this process; eole: eole's own CLI in its venv (bench/eole_peer.py)")
+    p.add_argument("--cpu", action="store_true",
+                   help="the CPU race of fastmt, hf and eole (python -m bench.race; the flags after it are its own)")
+    p.add_argument("--seed", type=int, default=0, help="initialisation and data order seed")
+    p.add_argument("--eole-save-every", type=int, default=500, help="eole: checkpoint (and score) every N steps")
+    p.add_argument("--eole-peak-lr", type=float, default=3e-3, help="eole: the noam schedule's peak")
     p.add_argument("--preset", default="s18", help="fastmt preset giving the data, model size and validation "
                                                    "(its data, model and eval sections)")
     p.add_argument("--data-files", nargs="+", metavar="F", help="local jsonl/parquet/tsv files instead of the Hub")
@@ -406,6 +466,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from train.config import apply_overrides, get_config
 
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--cpu" in argv:  # the race has its own flags
+        from bench.race import main as race_main
+
+        return race_main([a for a in argv if a != "--cpu"])
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     overrides = split_overrides(rest, parser)
@@ -419,9 +484,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = apply_overrides(get_config(args.preset), overrides)
         recipe = PeerRecipe(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, max_steps=args.max_steps,
-                            max_wall_seconds=args.max_wall_seconds)
+                            max_wall_seconds=args.max_wall_seconds, seed=args.seed)
+        if args.peer == "eole" and args.max_steps is None and args.max_wall_seconds is None:
+            raise ValueError("--peer eole needs --max-steps or --max-wall-seconds (its noam schedule has no end)")
     except (ValueError, TypeError) as e:
         parser.error(str(e))
+    if args.peer == "eole":
+        from bench import eole_peer as E
+
+        try:
+            E.eole_binary()
+            E.recipe_for(cfg.model, steps=args.max_steps or 1, save_every=1, seed=0, tokens_per_step=8, max_len=8)
+        except (E.EoleMissing, ValueError) as e:
+            parser.error(str(e))
+        name = args.name if args.name != NAME else "eole"
+        summary = E.run_peer(cfg, run_dir=Path(args.out_dir) / name, steps=args.max_steps,
+                             wall_s=args.max_wall_seconds, save_every=args.eole_save_every, seed=args.seed,
+                             peak_lr=args.eole_peak_lr, test=cfg.eval.test_at_end, clock=process_seconds)
+        print("summary: " + json.dumps(summary, default=str))
+        return 0
     _require_transformers()
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))

@@ -90,6 +90,9 @@ class OptimConfig:
     accum_steps: int = declare(1, REPLAN, Bounds(1, 4096, why="micro-batches per step"))
     # training cross-entropy smoothing (seeds: 0.1); validation uses 0
     label_smoothing: float = declare(0.1, SAFE, Bounds(0, 1, hi_open=True))
+    # weight EMA kept after every step (eole's average_decay, Marian's exponential-smoothing, e.g. 0.999);
+    # validation, best.pt, the test and translate use the average (train/ema.py); 0: off
+    ema_decay: float = declare(0.0, SAFE, Bounds(0, 1, hi_open=True))
 
     def __post_init__(self):
         require_finite(self, "optim")
@@ -111,6 +114,8 @@ class OptimConfig:
             raise ValueError(f"optim.warmup_steps={self.warmup_steps} must be >= 1")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ValueError(f"optim.grad_clip={self.grad_clip} must be > 0 or None (no clipping)")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"optim.ema_decay={self.ema_decay} must be in [0, 1) (0: off; e.g. 0.999)")
         if self.accum_steps < 1:
             raise ValueError(f"optim.accum_steps={self.accum_steps} must be >= 1")
         if not 0.0 <= self.label_smoothing < 1.0:

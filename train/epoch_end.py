@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from train import ema
 from train.distributed import barrier, gather_object
 from train.errors import EXIT_NONFINITE
 from train.evaluation.scores import DECODE_RECORD_KEYS, decoding_settings, record_fields
@@ -172,7 +173,8 @@ class EpochEnd:
         metric = None
         evaluate = (epoch + 1) % ev.every == 0 or epoch + 1 == run.epochs or partial
         if self.is_main and evaluate:
-            metric = self._evaluate(epoch, record)
+            with ema.applied(self.ema, self.model):  # optim.ema_decay: validation scores the average
+                metric = self._evaluate(epoch, record)
         record["wall_seconds"] = self.clock.wall()  # the run's wall seconds (train/objective.py)
         if self.is_main:
             self.metrics.log(record)
@@ -259,9 +261,10 @@ class EpochEnd:
         elif best.is_file():
             self.wait_for_checkpoints()
             state = load_checkpoint(best, map_location=self.device)
-            self.model.load_state_dict(state["model"])
+            self.model.load_state_dict(ema.inference_weights(state))  # its weight average when it kept one
             source = f"best.pt (epoch {state['position']['epoch']})"
-        r = self._eval_split("test", "beam")  # the whole test split (train.evaluation.scores.sentence_limit)
+        with ema.applied(None if best.is_file() else self.ema, self.model):
+            r = self._eval_split("test", "beam")  # the whole test split (train.evaluation.scores.sentence_limit)
         rec = {"kind": "test", "epoch": self.epoch, "weights": source, "test_loss": r["loss"],
                "test_bleu": r["bleu"], "test_chrf": r["chrf"], "test_sentences": r["sentences"],
                **record_fields(r, "test_"), "decoding": decoding_settings(self.cfg.eval, "beam"),

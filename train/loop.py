@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from train import ema
 from train.bounds import machine_capped
 from train.compile import compile_for_training, compiles, configure_caches
 from train.config import Config, check_consistency
@@ -182,6 +183,7 @@ class Trainer(RunSetup, EpochEnd):
         self.loss_module = SummedCrossEntropy(self.model, tok.pad_id, cfg.optim.label_smoothing)
         # flat parameter groups first: DDP and compile must see the parameters' final storage
         self.optimizer, self.flat = build_optimizer(self.model, cfg.optim, self.device)
+        self.ema = None  # optim.ema_decay's weight average (train/ema.py), started at the first step
         self.ddp = None
         step_module: nn.Module = self.loss_module
         if self.dist.distributed:
@@ -285,6 +287,7 @@ class Trainer(RunSetup, EpochEnd):
         optimizer_step(self.optimizer, self.flat, self.scheduler, self.scaler, self.counters, loss,
                        grad_clip=self.cfg.optim.grad_clip, guard=self.cfg.run.nonfinite_guard,
                        step_scheduler=self.step + 1 < self.total_steps)
+        self.ema = ema.after_step(self.ema, self.model, self.cfg.optim.ema_decay)
         self.step += 1
         if t_first is not None:  # once per process: a sync to time compilation and capture honestly
             if self.device.type == "cuda":
@@ -552,6 +555,7 @@ class Trainer(RunSetup, EpochEnd):
             "lineage": {"run_id": self.run_id, "parent": self.parent},
             "params": self.params,
             "history": self.history,
+            **({"ema": self.ema.state_dict()} if self.ema is not None else {}),
         }
 
     def _load_state(self, ckpt: dict[str, Any]) -> tuple[float | None, dict | None]:
@@ -559,6 +563,7 @@ class Trainer(RunSetup, EpochEnd):
         is re-planned from the current step when its settings or the run's length changed. Returns
         ``(best_value, schedule)``: the schedule's new plan, or None when the saved one was kept."""
         self.model.load_state_dict(ckpt["model"])  # copies into the flat buffers' views
+        self.ema = ema.from_checkpoint(ckpt, self.model, self.cfg.optim.ema_decay)
         self.optimizer.load_state_dict(ckpt["optimizer"])
         apply_hyperparameters(self.optimizer, self.model, self.cfg.optim)
         self.scaler.load_state_dict(ckpt["scaler"])

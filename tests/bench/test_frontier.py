@@ -163,3 +163,29 @@ def test_rows_come_from_the_folder_the_contestant_claimed(tmp_path):
     unmarked = work / "frontier-s18-3"
     unmarked.mkdir()  # a folder without fastmt's marker is not a run
     assert FR.claimed_run_dir(work, "frontier-s18", before) == claimed
+
+
+def test_eole_contestant_and_seeded_contestants(tmp_path):
+    """eole runs through bench.peers --peer eole under the same wall budget; --seeds repeats a contestant with its
+    seed flags, which each command line parses (fastmt's: run and data seeds)."""
+    from train.cli.flags import resolve_config
+
+    eole = FR.command(FR.seeded(FR.CONTESTANTS["eole"], 2), budget_s=60, run_name="frontier-eole-s2",
+                      out_dir=tmp_path, data_files=[], smoke=False)
+    assert eole[1:3] == ["-m", "bench.peers"] and eole[eole.index("--peer") + 1] == "eole"
+    assert eole[eole.index("--seed") + 1] == "2" and eole[eole.index("--max-wall-seconds") + 1] == "60"
+    args = P_parser().parse_known_args(eole[3:])[0]
+    assert (args.peer, args.seed, args.max_wall_seconds, args.no_test) == ("eole", 2, 60.0, True)
+    s18 = FR.seeded(FR.CONTESTANTS["s18"], 3)
+    assert s18.name == "s18-s3"
+    cmd = FR.command(s18, budget_s=60, run_name="x", out_dir=tmp_path, data_files=[str(tmp_path / "a.jsonl")],
+                     smoke=False)
+    (tmp_path / "a.jsonl").write_text("")
+    cfg, _ = resolve_config(cmd[3:], log=lambda *_: None)
+    assert (cfg.run.seed, cfg.data.seed) == (3, 3)
+
+
+def P_parser():
+    from bench.peers import build_parser
+
+    return build_parser()

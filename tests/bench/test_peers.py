@@ -141,7 +141,8 @@ def test_cli_smoke_writes_fastmt_rows(toy, tmp_path):
         assert 0 <= r["bleu"] <= 100 and r["eval_sentences"] == 20 and "partial_epoch" not in r
         assert r["wall_seconds"] >= r["epoch_seconds"] + r["eval_seconds"]
     assert rows[0]["wall_seconds"] < epochs[0]["wall_seconds"] < epochs[1]["wall_seconds"] < rows[3]["wall_seconds"]
-    assert epochs[1]["lr"] == 0.0  # the linear schedule ends at 0 on the last planned step
+    # the lr of the last step taken: the linear schedule's last step before 0, planned to the steps run
+    assert epochs[1]["lr"] == pytest.approx(5e-4 * P.PlannedSchedule(2 * steps, 0.1).factor(2 * steps - 1))
     # fastmt's protocol: validation decodes eval.max_sentences spread over the split, the test split is scored whole, with
     # sacreBLEU's signatures and fastmt's decoding settings
     test, sig = rows[3], "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:"
@@ -213,3 +214,49 @@ def test_scores_go_through_fastmts_protocol(toy, monkeypatch):
         assert sc["bleu"] == sacrebleu.corpus_bleu(hyps, [refs]).score
         assert sc["bleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:")
     assert n > 7 and long > 0  # the test split is longer than the validation cap; some sources were cut
+
+
+# -- the fair recipe (issue 44) ---------------------------------------------------------------------------------
+def test_embeddings_are_scaled_by_sqrt_d_model(toy):
+    """scale_embedding on (the H200 run's baseline left it off and never left unigrams): the encoder's token
+    embeddings enter at sqrt(d_model) times the table's values."""
+    cfg, bundle, _, _ = toy
+    model = P.marian_model(cfg.model, bundle.tokenizer, torch.device("cpu"))
+    assert P.PeerRecipe().scale_embedding is True and model.config.scale_embedding is True
+    enc = model.model.encoder
+    assert enc.embed_scale == pytest.approx(math.sqrt(cfg.model.d_model))
+    off = P.marian_model(cfg.model, bundle.tokenizer, torch.device("cpu"), scale_embedding=False)
+    assert off.model.encoder.embed_scale == 1.0
+
+
+def test_schedule_is_planned_to_the_steps_or_the_wall_budget():
+    """Warm-up over warmup_ratio of the plan, linear decay to 0 at its end; the plan ends at the first of the step
+    count and the wall budget, so a run cut by its budget has annealed (the H200 run was cut at step 671 of 3,006
+    with lr still at 86 % of its peak)."""
+    s = P.PlannedSchedule(1000, 0.1)
+    assert s.factor(50) == pytest.approx(0.5) and s.factor(100) == pytest.approx(1.0)
+    assert s.factor(550) == pytest.approx(0.5) and s.factor(1000) == 0.0 and s.factor(0) > 0
+    w = P.PlannedSchedule(10 ** 6, 0.1, budget_s=200.0)  # an epoch plan that never happens, a 200 s budget
+    assert w.factor(10, seconds=10.0) == pytest.approx(0.5)  # 5 % of the budget: half-way through warm-up
+    assert w.factor(10, seconds=110.0) == pytest.approx(0.5)  # 55 %: half-way down
+    assert w.factor(10, seconds=200.0) == 0.0
+    with pytest.raises(ValueError, match="budget_s"):
+        P.PlannedSchedule(10, 0.1, budget_s=0.0)
+
+
+def test_training_follows_the_planned_schedule_and_pads_to_a_multiple(toy, tmp_path):
+    """The lr logged at the end of a max_steps run is the plan's last step's (not an 18-epoch plan's), and every
+    batch is padded to the recipe's multiple."""
+    cfg, bundle, _, _ = toy
+    cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, test_at_end=False))
+    recipe = P.PeerRecipe(batch_size=32, max_steps=6, lr=1e-3)
+    P.train_peer(cfg, recipe, run_dir=tmp_path / "hf", device=torch.device("cpu"), bundle=bundle,
+                 log=lambda *_: None)
+    rows = [json.loads(line) for line in (tmp_path / "hf" / "metrics.jsonl").read_text().splitlines()]
+    epoch = [r for r in rows if r["kind"] == "epoch"][-1]
+    plan = P.PlannedSchedule(6, recipe.warmup_ratio)
+    assert epoch["step"] == 6 and epoch["lr"] == pytest.approx(1e-3 * plan.factor(5))
+    src, tgt = P.encode_split(bundle.splits["train"], bundle.tokenizer.eos_id, cfg.model.max_positions)
+    for b in P.train_loader(src, tgt, recipe, bundle.tokenizer.pad_id, 0):
+        assert b["input_ids"].shape[1] % 8 == 0 and b["labels"].shape[1] % 8 == 0
+        break

@@ -142,6 +142,7 @@ def load_for_inference(ckpt_path: str | Path, device: str | torch.device = "cpu"
     through the descriptor they were read from: never a file put at the same path later."""
     from models import ModelConfig, Transformer
     from train.bounds import check_section
+    from train.ema import inference_weights
     from train.export.engine import is_ct2_dir, load_ct2
     from train.preflight import tokenizer_of
     from train.runs.checkpoint import load_checkpoint
@@ -180,6 +181,6 @@ def load_for_inference(ckpt_path: str | Path, device: str | torch.device = "cpu"
         raise UserError(f"{ckpt_path}: its 'model' entry is a {type(ckpt['model']).__name__}, not a state dict")
     check_model_config(cfg, ckpt["model"], ckpt_path)
     model = Transformer(cfg).to(device)
-    model.load_state_dict(ckpt["model"])
+    model.load_state_dict(inference_weights(ckpt))  # the run's weight average when it kept one (train/ema.py)
     model.eval()
     return model, tok, ckpt

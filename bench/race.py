@@ -1,0 +1,594 @@
+"""The CPU race: fastmt, the Hugging Face baseline and eole at the small size, one thread each, on the same rows,
+to a fixed step count, scored by one function. ``fastmt bench peers --cpu`` (= ``python -m bench.race``).
+
+One sitting: the split is built once and written out (data.export_split: the files every system reads, their
+hashes in the report); then per seed, per system, one training process (one thread, ``nice``-able), that keeps
+its weights every ``--eval-every`` steps; then, outside every training clock, each kept weight set translates
+the whole validation split (greedy, each system's own decoder) and the last one the whole test split, and
+``score`` (sacreBLEU's corpus BLEU/chrF, one signature) scores every system's output. Reported per system over
+the seeds (mean and spread): validation and test BLEU at equal steps, the training seconds (the system's own
+training loop: startup, model build and evaluation excluded) to reach each step, and the first of them at
+which validation BLEU reached ``--threshold``.
+
+The systems at the small size (``SIZE``: d_model 128, 2+2 layers, 4 heads, ffn 512, 8k shared SentencePiece,
+~4k tokens a step):
+- fastmt: the ``tiny`` preset's recipe (AdamW 3e-3, OneCycle) at that size, 4,096 padded src+tgt tokens a batch;
+- hf: MarianMTModel under bench/peers.py's ``PeerRecipe`` (scale_embedding, linear warm-up/decay planned to the
+  step count), sentences a batch chosen so its real tokens a step equal fastmt's;
+- eole: bench/eole_peer.py (its WMT17 recipe at this size, 4,096 tokens a batch as eole counts them)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+SYSTEMS = ("fastmt", "hf", "eole")
+STAND_IN = "/work/shared/data/opus_mt_testsets/en-it/train.jsonl"
+# the small size every system trains at (fastmt override syntax)
+SIZE = {"model.d_model": "128", "model.n_heads": "4", "model.d_ff": "512", "model.enc_layers": "2",
+        "model.dec_layers": "2", "data.vocab_size": "8000", "data.max_len": "64", "data.max_tokens": "4096"}
+MAX_LEN_A, MAX_LEN_B = 1.5, 10  # decoding length limit a * len(src) + b (eole: one max_length, below)
+
+
+# -- Scoring: the one function every system's output goes through -----------------------------------
+def score(hyps: Sequence[str], refs: Sequence[str]) -> dict[str, Any]:
+    """sacreBLEU corpus BLEU and chrF of ``hyps`` against ``refs`` with their signatures (fastmt's own
+    ``train.evaluation.scores.corpus_scores``: the function fastmt's validation uses)."""
+    from train.evaluation.scores import corpus_scores
+
+    if len(hyps) != len(refs):
+        raise ValueError(f"{len(hyps)} translations for {len(refs)} references")
+    return corpus_scores(list(hyps), [list(refs)])
+
+
+# -- Configuration ------------------------------------------------------------------------------------
+@dataclass
+class RaceConfig:
+    data_files: tuple[str, ...]
+    work: Path
+    steps: int = 600  # optimizer steps per run (an idle 2-core machine: about 20 min a seed for the three)
+    eval_every: int = 200  # weights kept (and scored afterwards) every N steps
+    seeds: tuple[int, ...] = (0, 1, 2)
+    systems: tuple[str, ...] = SYSTEMS
+    threshold: float = 0.5  # valid BLEU of the time-to-threshold column
+    threads: int = 1
+    timeout_s: float = 3600.0  # per training process
+    hf_lr: float = 1e-3  # the HF baseline's peak lr (the CPU lr check: bench/results/peers-cpu.md)
+    eole_peak_lr: float = 2e-3  # eole's noam peak
+    fastmt_overrides: tuple[str, ...] = ()  # more --x.y V for fastmt (e.g. --optim.ema_decay 0.999)
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.steps < 1 or self.eval_every < 1 or self.steps % self.eval_every:
+            raise ValueError(f"--steps {self.steps} must be a positive multiple of --eval-every {self.eval_every}")
+        unknown = [s for s in self.systems if s not in SYSTEMS]
+        if unknown or not self.systems:
+            raise ValueError(f"--systems: unknown {unknown or list(self.systems)}; choose from {','.join(SYSTEMS)}")
+        if not self.seeds:
+            raise ValueError("--seeds: give at least one seed")
+
+
+def fastmt_config(rc: RaceConfig, cache: Path):
+    """fastmt's Config of the race (the tiny preset at ``SIZE``) for ``rc``'s data."""
+    from train.config import apply_overrides, get_config
+
+    return apply_overrides(get_config("tiny"), {**SIZE, "data.data_files": ",".join(rc.data_files),
+                                                "data.cache_dir": str(cache)})
+
+
+def _env(threads: int) -> dict[str, str]:
+    n = str(threads)
+    return {**os.environ, "OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+
+
+def _run(cmd: list[str], log_path: Path, timeout_s: float, threads: int, log: Callable[[str], None]) -> float:
+    """Run ``cmd`` in its own process group (killed whole at ``timeout_s``); returns its wall seconds."""
+    from bench.frontier import kill_group
+
+    log(f"[race] {' '.join(cmd)}")
+    t0 = time.perf_counter()
+    with open(log_path, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=_env(threads),
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            kill_group(proc.pid, grace_s=2.0)
+            proc.wait()
+            raise TimeoutError(f"ran past {timeout_s:.0f} s (killed): {log_path}") from None
+        except BaseException:
+            kill_group(proc.pid)
+            proc.wait()
+            raise
+        finally:
+            kill_group(proc.pid, grace_s=0.0)
+    if rc != 0:
+        tail = " | ".join(log_path.read_text(errors="replace").strip().splitlines()[-3:])
+        raise RuntimeError(f"exit {rc}: {tail[:500]}")
+    return time.perf_counter() - t0
+
+
+# -- Training each system -------------------------------------------------------------------------------
+def train_fastmt(rc: RaceConfig, seed: int, work: Path, cache: Path, log) -> dict[str, Any]:
+    """``python -m train`` for ``rc.steps`` (epochs of ``eval_every`` batches, a checkpoint each; evaluation only
+    after the last, which the race does not count). Returns checkpoints and training seconds by step."""
+    n = rc.steps // rc.eval_every
+    name = f"fastmt-s{seed}"
+    flags = [x for k, v in SIZE.items() for x in (f"--{k}", v)]
+    cmd = [sys.executable, "-m", "train", "--preset", "tiny", "--data-files", *rc.data_files, *flags,
+           "--data.cache_dir", str(cache), "--run.seed", str(seed), "--data.seed", str(seed),
+           "--run.epochs", str(n), "--run.max_batches_per_epoch", str(rc.eval_every), "--run.keep_last", str(n),
+           "--run.cpu_threads", str(rc.threads), "--eval.every", str(n), "--eval.max_sentences", "1",
+           "--eval.test_at_end", "false", "--run.out_dir", str(work), "--run.name", name,
+           "--run.tensorboard", "false", "--run.progress", "false", "--run.plot", "false", *rc.fastmt_overrides]
+    run_dir = work / name
+    if run_dir.exists():
+        raise FileExistsError(f"{run_dir} exists: give a new --work folder (nothing is overwritten)")
+    wall = _run(cmd, work / f"{name}.log", rc.timeout_s, rc.threads, log)
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    epochs = [r for r in rows if r.get("kind") == "epoch"]
+    seconds, t = {}, 0.0
+    for r in epochs:
+        t += float(r["epoch_seconds"])
+        seconds[int(r["step"])] = t
+    ckpts = {int(p.stem.split("-")[1]): p for p in (run_dir / "checkpoints").glob("step-*.pt")}
+    return {"checkpoints": ckpts, "seconds": seconds, "process_seconds": wall, "command": cmd}
+
+
+def train_hf(rc: RaceConfig, seed: int, work: Path, cache: Path, log) -> dict[str, Any]:
+    """The HF baseline's worker process (``python -m bench.race _hf``): weights and seconds by step."""
+    out = work / f"hf-s{seed}"
+    if out.exists():
+        raise FileExistsError(f"{out} exists: give a new --work folder (nothing is overwritten)")
+    out.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "bench.race", "_hf", "--out", str(out), "--cache", str(cache), "--seed", str(seed),
+           "--steps", str(rc.steps), "--eval-every", str(rc.eval_every), "--lr", str(rc.hf_lr),
+           "--threads", str(rc.threads), "--data-files", *rc.data_files]
+    wall = _run(cmd, work / f"hf-s{seed}.log", rc.timeout_s, rc.threads, log)
+    rec = json.loads((out / "hf.json").read_text())
+    return {"checkpoints": {int(k): out / v for k, v in rec["checkpoints"].items()},
+            "seconds": {int(k): v for k, v in rec["seconds"].items()}, "process_seconds": wall, "command": cmd,
+            "batch_sentences": rec["batch_sentences"]}
+
+
+def eole_batch_tokens(bundle) -> int:
+    """eole's ``batch_size`` (tokens as eole counts them: about the longer side of each pair) giving fastmt's real
+    src + tgt tokens a batch: those times mean(max(src, tgt)) / mean(src + tgt), a multiple of 8."""
+    import numpy as np
+
+    sp = bundle.splits["train"]
+    s, t = sp.src_lengths.astype("float64"), sp.tgt_lengths.astype("float64")
+    ratio = float(np.maximum(s, t).mean() / (s + t).mean())
+    return max(8, int(round(hf_tokens_per_batch(bundle) * ratio / 8)) * 8)
+
+
+def train_eole(rc: RaceConfig, seed: int, work: Path, split_dir: Path, vocab_size: int, batch_tokens: int,
+               log) -> dict[str, Any]:
+    from bench import eole_peer as E
+
+    r = E.EoleRecipe(steps=rc.steps, save_every=rc.eval_every, seed=seed, peak_lr=rc.eole_peak_lr,
+                     tokens_per_step=batch_tokens)
+    t0 = time.perf_counter()
+    got = E.train(split_dir, work / f"eole-s{seed}", r, vocab_size, timeout_s=rc.timeout_s, log=log)
+    secs = got["step_seconds"]
+    return {"checkpoints": got["checkpoints"], "seconds": {s: secs.get(s) for s in got["checkpoints"]},
+            "process_seconds": time.perf_counter() - t0, "command": ["eole", "train", "--config", got["config"]],
+            "learning_rate": got["learning_rate"], "warmup_steps": got["warmup_steps"], "batch_tokens": batch_tokens}
+
+
+# -- The HF worker ------------------------------------------------------------------------------------
+def hf_tokens_per_batch(bundle, n_batches: int = 200) -> float:
+    """Mean real (src + tgt) tokens of fastmt's training batches (its first epoch's plan)."""
+    sp = bundle.splits["train"]
+    lens = sp.src_lengths + sp.tgt_lengths
+    plan = bundle.plan("train", epoch=0)[:n_batches]
+    return float(sum(int(lens[b].sum()) for b in plan) / max(len(plan), 1))
+
+
+def hf_worker(argv: Sequence[str]) -> int:
+    import numpy as np
+    import torch
+
+    from bench import peers as P
+
+    p = argparse.ArgumentParser(prog="python -m bench.race _hf")
+    for flag, kind in (("--out", Path), ("--cache", Path), ("--seed", int), ("--steps", int), ("--eval-every", int),
+                       ("--lr", float), ("--threads", int)):
+        p.add_argument(flag, type=kind, required=True)
+    p.add_argument("--data-files", nargs="+", required=True)
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    a.out.mkdir(parents=True, exist_ok=True)
+    from data import build_data
+    from train import flush_denormals
+
+    flush_denormals()
+    rc = RaceConfig(data_files=tuple(a.data_files), work=a.out, steps=a.steps, eval_every=a.eval_every)
+    cfg = fastmt_config(rc, a.cache)
+    bundle = build_data(cfg.data, log=lambda m: None)
+    tok = bundle.tokenizer
+    src, tgt = P.encode_split(bundle.splits["train"], tok.eos_id, cfg.model.max_positions)
+    pair_tokens = float(np.mean([len(s) + len(t) for s, t in zip(src, tgt)]))
+    sentences = max(1, round(hf_tokens_per_batch(bundle) / pair_tokens))
+    recipe = P.PeerRecipe(batch_size=sentences, lr=a.lr, seed=a.seed, max_steps=a.steps, epochs=10 ** 6)
+    device = torch.device("cpu")
+    torch.manual_seed(a.seed)
+    model = P.marian_model(cfg.model, tok, device, scale_embedding=recipe.scale_embedding)
+    opt = P._optimizer(model, recipe, device)
+    sched = P.PlannedSchedule(a.steps, recipe.warmup_ratio)
+    step, t_train, ckpts, seconds, epoch, losses, window = 0, 0.0, {}, {}, 0, {}, []
+    model.train()
+    while step < a.steps:
+        for batch in P.train_loader(src, tgt, recipe, tok.pad_id, epoch):
+            t0 = time.perf_counter()
+            for g in opt.param_groups:
+                g["lr"] = recipe.lr * sched.factor(step)
+            loss = P._loss(model, batch, tok, label_smoothing=recipe.label_smoothing)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            t_train += time.perf_counter() - t0
+            window.append(loss.detach())
+            if step % a.eval_every == 0:
+                mean = float(torch.stack(window).mean())  # the label-smoothed training loss since the last point
+                window = []
+                if not math.isfinite(mean):
+                    raise FloatingPointError(f"HF baseline: loss {mean} at step {step}")
+                name = f"step-{step}.pt"
+                torch.save(model.state_dict(), a.out / name)
+                ckpts[step], seconds[step], losses[step] = name, t_train, mean
+                print(f"[hf] step {step} train loss {mean:.3f} {t_train:.1f} s", flush=True)
+            if step >= a.steps:
+                break
+        epoch += 1
+    (a.out / "hf.json").write_text(json.dumps({"checkpoints": ckpts, "seconds": seconds, "train_loss": losses,
+                                               "batch_sentences": sentences, "recipe": asdict(recipe)}))
+    return 0
+
+
+# -- Translating with each system's weights ---------------------------------------------------------------
+def translate_fastmt(ckpt: Path, sentences: list[str]) -> list[str]:
+    import torch
+
+    from train.evaluation.decode import translate
+    from train.evaluation.load import load_for_inference
+
+    model, tok, _ = load_for_inference(ckpt, "cpu")
+    return translate(model, tok, sentences, torch.device("cpu"), beam_size=1, decode="greedy", batch_size=64,
+                     max_len_ratio=MAX_LEN_A, max_len_extra=MAX_LEN_B)
+
+
+def translate_hf(weights: Path, cfg, bundle, sentences: list[str]) -> list[str]:
+    import torch
+
+    from bench import peers as P
+    from train.evaluation.decode import encode_sources
+
+    tok = bundle.tokenizer
+    model = P.marian_model(cfg.model, tok, torch.device("cpu"))
+    model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
+    return P.translate(model, tok, encode_sources(tok, sentences, cfg.model.max_positions), torch.device("cpu"),
+                       beam_size=1, batch_size=64, max_len_ratio=MAX_LEN_A, max_len_extra=MAX_LEN_B)
+
+
+def translate_eole(ckpt: Path, src_file: Path, out_file: Path) -> list[str]:
+    from bench import eole_peer as E
+
+    return E.predict(ckpt, src_file, out_file, timeout_s=1800, beam_size=1,
+                     max_length=int(MAX_LEN_A * 64 + MAX_LEN_B))
+
+
+# -- The race ---------------------------------------------------------------------------------------------
+def load_sample() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "n/a"
+
+
+def versions() -> dict[str, str]:
+    import torch
+
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    try:
+        import transformers
+
+        out["transformers"] = transformers.__version__
+    except ImportError:
+        out["transformers"] = "missing"
+    try:
+        from bench import eole_peer as E
+
+        out["eole (its venv: eole, torch)"] = E.eole_version(E.eole_binary())
+    except Exception as e:  # noqa: BLE001 - a missing eole is reported, not fatal
+        out["eole (its venv: eole, torch)"] = f"missing ({type(e).__name__})"
+    return out
+
+
+def run_race(rc: RaceConfig, log: Callable[[str], None] = print,
+             on_update: Callable[[dict], None] | None = None) -> dict[str, Any]:
+    """Build and export the split, train every (seed, system), score every kept weight set; returns the record."""
+    import torch
+
+    from data import build_data
+    from data.export_split import export_split, read_pairs
+
+    torch.set_num_threads(rc.threads)
+    work = Path(rc.work)
+    work.mkdir(parents=True, exist_ok=True)
+    cache = work / "cache"
+    cfg = fastmt_config(rc, cache)
+    bundle = build_data(cfg.data, log=lambda m: None)
+    split_dir = work / "split"
+    split = export_split(bundle, cfg.data, split_dir)
+    valid_src, valid_ref = read_pairs(split_dir, "valid")
+    test_src, test_ref = read_pairs(split_dir, "test")
+    record: dict[str, Any] = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(rc).items()},
+                              "split": split, "versions": versions(), "runs": [], "load": [load_sample()],
+                              "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                              "tokens_per_batch_fastmt": hf_tokens_per_batch(bundle)}
+    eole_tokens = record["eole_batch_tokens"] = eole_batch_tokens(bundle)
+    for seed in rc.seeds:
+        for system in rc.systems:
+            run: dict[str, Any] = {"system": system, "seed": seed, "load_before": load_sample()}
+            try:
+                if system == "fastmt":
+                    got = train_fastmt(rc, seed, work, cache, log)
+                elif system == "hf":
+                    got = train_hf(rc, seed, work, cache, log)
+                else:
+                    got = train_eole(rc, seed, work, split_dir, bundle.tokenizer.vocab_size, eole_tokens, log)
+                run.update({k: v for k, v in got.items() if k != "checkpoints"})
+                run["command"] = " ".join(str(x) for x in got["command"])
+                run["points"] = []
+                last = max(got["checkpoints"])
+                for step, ckpt in sorted(got["checkpoints"].items()):
+                    t0 = time.perf_counter()
+                    sets = [("valid", valid_src, valid_ref)] + ([("test", test_src, test_ref)] if step == last else [])
+                    point: dict[str, Any] = {"step": step, "train_seconds": got["seconds"].get(step)}
+                    for name, src, ref in sets:
+                        if system == "fastmt":
+                            hyps = translate_fastmt(ckpt, src)
+                        elif system == "hf":
+                            hyps = translate_hf(ckpt, cfg, bundle, src)
+                        else:
+                            hyps = translate_eole(ckpt, split_dir / f"{name}.src",
+                                                  work / f"eole-s{seed}" / f"{name}-{step}.hyp")
+                        s = score(hyps, ref)
+                        point[f"{name}_bleu"], point[f"{name}_chrf"] = s["bleu"], s["chrf"]
+                        point["bleu_signature"] = s["bleu_signature"]
+                        point[f"{name}_sentences"] = len(hyps)
+                    point["decode_seconds"] = time.perf_counter() - t0
+                    run["points"].append(point)
+                    log(f"[race] {system} seed {seed} step {step}: valid BLEU {point['valid_bleu']:.2f}"
+                        + (f", test BLEU {point['test_bleu']:.2f}" if "test_bleu" in point else "")
+                        + f" ({point['train_seconds'] or float('nan'):.0f} s of training)")
+                run["status"] = "ok"
+            except Exception as e:  # noqa: BLE001 - one system's failure is a row, the race goes on
+                run["status"] = f"error: {type(e).__name__}: {' '.join(str(e).split())[:400]}"
+                log(f"[race] {system} seed {seed}: {run['status']}")
+            run["load_after"] = load_sample()
+            record["runs"].append(run)
+            record["load"].append(run["load_after"])
+            if on_update is not None:
+                on_update(record)
+    record["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    return record
+
+
+# -- Summary and report -------------------------------------------------------------------------------------
+def _mean_sd(xs: list[float]) -> str:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return "n/a"
+    if len(xs) == 1:
+        return f"{xs[0]:.2f} (1 seed)"
+    return f"{statistics.mean(xs):.2f} ± {statistics.stdev(xs):.2f} (n={len(xs)})"
+
+
+def time_to(points: list[dict], threshold: float) -> float | None:
+    """Training seconds at the first kept step whose validation BLEU >= ``threshold`` (None: never)."""
+    return next((p["train_seconds"] for p in points if p.get("valid_bleu") is not None
+                 and p["valid_bleu"] >= threshold), None)
+
+
+def summarize(record: dict) -> list[dict[str, Any]]:
+    rc = record["config"]
+    out = []
+    for system in rc["systems"]:
+        runs = [r for r in record["runs"] if r["system"] == system and r.get("status") == "ok"]
+        row: dict[str, Any] = {"system": system, "seeds_ok": len(runs),
+                               "seeds_failed": len([r for r in record["runs"] if r["system"] == system
+                                                    and r.get("status") != "ok"])}
+        steps = sorted({p["step"] for r in runs for p in r["points"]})
+        for s in steps:
+            pts = [p for r in runs for p in r["points"] if p["step"] == s]
+            row[f"valid@{s}"] = _mean_sd([p.get("valid_bleu") for p in pts])
+            row[f"secs@{s}"] = _mean_sd([p.get("train_seconds") for p in pts])
+        last = [r["points"][-1] for r in runs if r["points"]]
+        row["valid_chrf"] = _mean_sd([p.get("valid_chrf") for p in last])
+        row["test_bleu"] = _mean_sd([p.get("test_bleu") for p in last])
+        row["test_chrf"] = _mean_sd([p.get("test_chrf") for p in last])
+        tt = [time_to(r["points"], rc["threshold"]) for r in runs]
+        reached = [t for t in tt if t is not None]
+        row["time_to_threshold"] = (_mean_sd(reached) + (f", {len(tt) - len(reached)} never" if len(reached) < len(tt)
+                                                         else "")) if reached else f"never ({len(tt)} runs)"
+        out.append(row)
+    return out
+
+
+def markdown(record: dict, command: str) -> str:
+    rc = record["config"]
+    summ = summarize(record)
+    steps = sorted({p["step"] for r in record["runs"] for p in r.get("points", [])})
+    heads = ["system", "seeds ok", *[f"valid BLEU @ {s}" for s in steps], *[f"train s @ {s}" for s in steps],
+             "valid chrF (last)", "test BLEU (last)", "test chrF (last)", f"train s to valid BLEU {rc['threshold']:g}"]
+    keys = ["system", "seeds_ok", *[f"valid@{s}" for s in steps], *[f"secs@{s}" for s in steps], "valid_chrf",
+            "test_bleu", "test_chrf", "time_to_threshold"]
+    lines = ["# The CPU race: fastmt, the HF baseline, eole (stand-in corpus)" if any(
+        "opus_mt_testsets" in f for f in rc["data_files"]) else "# The CPU race: fastmt, the HF baseline, eole", ""]
+    lines += [f"- data: **{'stand-in corpus' if any('opus_mt_testsets' in f for f in rc['data_files']) else ''} "
+              f"({', '.join(rc['data_files'])})**, fastmt's leakage-free split exported as files "
+              f"(data/export_split.py); every system reads the same rows: train "
+              f"{record['split']['splits']['train']['pairs']:,} / valid {record['split']['splits']['valid']['pairs']} / "
+              f"test {record['split']['splits']['test']['pairs']} pairs, pair hashes "
+              + ", ".join(f"{s} `{v['rows_sha256'][:16]}`" for s, v in record["split"]["splits"].items())
+              + f"; shared SentencePiece {record['split']['vocab_size']} pieces `{record['split']['spm_sha256'][:16]}`",
+              f"- size: d_model 128, 2+2 layers, 4 heads, ffn 512; fastmt batches of 4,096 padded src+tgt tokens "
+              f"({record['tokens_per_batch_fastmt']:.0f} real tokens a batch on average), HF "
+              f"{next((r.get('batch_sentences') for r in record['runs'] if r.get('batch_sentences')), '?')} sentences a "
+              f"batch (the same real tokens), eole batch_size {record.get('eole_batch_tokens')} tokens as eole counts them "
+              f"(about the longer side of each pair, sized for the same real tokens; eole's log says how many it got)",
+              f"- {rc['steps']} optimizer steps per run, weights kept every {rc['eval_every']}; seeds "
+              f"{', '.join(map(str, rc['seeds']))}; {rc['threads']} thread each, systems run one after another",
+              "- scoring: one function (`bench.race.score` = fastmt's `corpus_scores`), greedy decoding by each "
+              "system's own decoder, the whole validation split at each kept step and the whole test split at the "
+              "last; signature `" + next((p["bleu_signature"] for r in record["runs"] for p in r.get("points", [])),
+                                          "n/a") + "`",
+              "- train s: seconds inside each system's own training loop (fastmt: its epochs' `epoch_seconds`; HF: "
+              "the step loop; eole: its log's elapsed seconds), startup, model build and every evaluation excluded",
+              f"- versions: {', '.join(f'{k} {v}' for k, v in record['versions'].items())}",
+              f"- machine: {platform.machine()}, {os.cpu_count()} logical CPUs shared with other work; /proc/loadavg "
+              f"(1, 5, 15 min) before and after each run: {'; '.join(record['load'])}",
+              f"- started {record['started']}, finished {record.get('finished', 'NOT FINISHED (partial record)')}",
+              "", "## Results (mean ± sd over seeds)", "", "| " + " | ".join(heads) + " |",
+              "|" + "---|" * len(heads)]
+    for row in summ:
+        lines.append("| " + " | ".join(str(row.get(k, "")) for k in keys) + " |")
+    lines += ["", "## Runs", "", "| system | seed | status | step | train s | valid BLEU | test BLEU | process s | "
+              "load before → after |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in record["runs"]:
+        for p in r.get("points") or [{}]:
+            f = lambda v: "" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))  # noqa: E731
+            lines.append(f"| {r['system']} | {r['seed']} | {r.get('status', '')[:120]} | {f(p.get('step'))} | "
+                         f"{f(p.get('train_seconds'))} | {f(p.get('valid_bleu'))} | {f(p.get('test_bleu'))} | "
+                         f"{f(r.get('process_seconds'))} | {r.get('load_before')} → {r.get('load_after')} |")
+    if record.get("lr_check"):
+        lc = record["lr_check"]
+        lines += ["", "## The HF baseline's learning-rate check", "", lc.get("how", ""), "",
+                  "| peak lr | " + " | ".join(f"train loss @ {k}" for k in lc["steps"]) + " | train s |",
+                  "|---|" + "---|" * (len(lc["steps"]) + 1)]
+        for row in lc["rows"]:
+            lines.append(f"| {row['lr']:g} | " + " | ".join(
+                "n/a" if row["train_loss"].get(str(k)) is None else f"{row['train_loss'][str(k)]:.3f}"
+                for k in lc["steps"]) + f" | {row.get('seconds', 'n/a')} |")
+    if record.get("notes"):
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in record["notes"]]
+    lines += ["", "## Commands", "", f"- the race (rerun it as is; `fastmt bench peers --cpu ...` is the same): "
+              f"`{command}`", "- this report from its record: `python -m bench.race --report-from "
+              "bench/results/peers-cpu.json`"]
+    for r in record["runs"]:
+        if r.get("command") and r["seed"] == rc["seeds"][0]:
+            lines.append(f"- {r['system']} (seed {r['seed']}): `{r['command']}`")
+    return "\n".join(lines) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.race", description=__doc__.split("\n\n")[0])
+    p.add_argument("--data-files", nargs="+", metavar="F", default=[STAND_IN],
+                   help=f"jsonl/parquet/tsv files (default the stand-in corpus {STAND_IN})")
+    p.add_argument("--work", type=Path, help="folder for the split, runs and logs (default runs/race-<time>)")
+    p.add_argument("--steps", type=int, default=RaceConfig.steps)
+    p.add_argument("--eval-every", type=int, default=RaceConfig.eval_every)
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    p.add_argument("--threshold", type=float, default=RaceConfig.threshold, help="valid BLEU of time-to-threshold")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--timeout-s", type=float, default=RaceConfig.timeout_s, help="per training process")
+    p.add_argument("--hf-lr", type=float, default=RaceConfig.hf_lr)
+    p.add_argument("--eole-peak-lr", type=float, default=RaceConfig.eole_peak_lr)
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "peers-cpu.md",
+                   help="the report (a .json record and a .png frontier beside it)")
+    p.add_argument("--report-from", type=Path, metavar="JSON",
+                   help="write the report (--out) again from a race's .json record (with --threshold if given); "
+                        "trains nothing")
+    return p
+
+
+def frontier_rows(record: dict) -> list[dict[str, Any]]:
+    """bench.frontier's rows of a race: validation BLEU against training seconds, one line per system and seed."""
+    rows = []
+    for r in record["runs"]:
+        for p in r.get("points") or []:
+            rows.append({"contestant": f"{r['system']}-s{r['seed']}", "label": f"{r['system']} seed {r['seed']}",
+                         "status": "ok" if r.get("status") == "ok" else "error", "wall_seconds": p.get("train_seconds"),
+                         "bleu": p.get("valid_bleu"), "budget_s": None})
+    return rows
+
+
+def write_report(record: dict, command: str, out: Path, *, plot: bool = True) -> None:
+    from bench.frontier import frontier_plot
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+    out.write_text(markdown(record, command))
+    rows = frontier_rows(record)
+    if plot and rows:
+        frontier_plot(rows, out.with_suffix(".png"), title="CPU race (x: training seconds, evaluation excluded)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["_hf"]:
+        return hf_worker(argv[1:])
+    p = build_parser()
+    a, fastmt_extra = p.parse_known_args(argv)
+    if a.report_from is not None:
+        try:
+            record = json.loads(a.report_from.read_text())
+        except (OSError, ValueError) as e:
+            p.error(f"--report-from {a.report_from}: {e}")
+        if "--threshold" in argv:
+            record["config"]["threshold"] = a.threshold
+        write_report(record, record.get("command", "python -m bench.race"), a.out)
+        print(f"[race] report: {a.out}")
+        return 0
+    if fastmt_extra and not all(x.startswith("--") or i % 2 for i, x in enumerate(fastmt_extra)):
+        p.error(f"unrecognised arguments {fastmt_extra} (extra --section.field VALUE pairs go to fastmt)")
+    missing = [f for f in a.data_files if not Path(f).is_file()]
+    if missing:
+        p.error(f"--data-files: no such file(s) {missing}; give existing jsonl/parquet/tsv files")
+    try:
+        seeds = tuple(int(s) for s in a.seeds.split(",") if s.strip())
+        rc = RaceConfig(data_files=tuple(str(Path(f).resolve()) for f in a.data_files),
+                        work=a.work or REPO / "runs" / time.strftime("race-%Y%m%d-%H%M%S"), steps=a.steps,
+                        eval_every=a.eval_every, seeds=seeds,
+                        systems=tuple(s.strip() for s in a.systems.split(",") if s.strip()),
+                        threshold=a.threshold, threads=a.threads, timeout_s=a.timeout_s, hf_lr=a.hf_lr,
+                        eole_peak_lr=a.eole_peak_lr, fastmt_overrides=tuple(fastmt_extra))
+    except ValueError as e:
+        p.error(str(e))
+    if rc.work.exists() and any(rc.work.iterdir()):
+        p.error(f"--work {rc.work} is not empty: give a new folder (nothing is overwritten)")
+    command = "python -m bench.race " + " ".join(argv)
+    out = a.out
+
+    def write(record, plot=False):
+        record["command"] = command
+        write_report(record, command, out, plot=plot)
+
+    record = run_race(rc, on_update=write)
+    write(record, plot=True)
+    for row in summarize(record):
+        print(json.dumps(row))
+    print(f"[race] report: {out}")
+    return 0 if all(r.get("status") == "ok" for r in record["runs"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
