@@ -140,6 +140,10 @@ class RunConfig:
     # None: automatic dynamic (a dim seen changing turns symbolic: ~2 graphs for token buckets, whose
     # B, S and T all vary); False: one graph per (B, S, T), sensible only with fixed padding.
     compile_dynamic: bool | None = declare(None, SAFE)
+    # the whole training step (forward, backward, clip, guard, update) as one CUDA graph per batch shape, fed
+    # through static buffers (train/graph_step.py); None: on for CUDA where it applies (packed, no DDP/fp16/accum),
+    # off on the CPU; true on the CPU runs the same static-buffer step eagerly
+    step_graph: bool | None = declare(None, SAFE)
     # persistent Inductor / Triton caches (a warm start compiles in seconds); they hold code, so private: ""
     # is $XDG_CACHE_HOME/fastmt/compile (else ~/.cache/fastmt/compile, mode 0700); a folder others can write is refused
     cache_dir: str = declare("", SAFE)
