@@ -136,6 +136,8 @@ class StepGraph:
         self.grad_clip, self.guard, self.capture, self.warmup = grad_clip, guard, capture, warmup
         init_state(optimizer, name)
         # the update's constants per group (a compiled update guarded on the groups' dicts would recompile as lr moves)
+        self._params = [p for params in flat.params for p in params]  # the model's parameters, flat order
+        self._views = [v for views in flat._grad_views for v in views]  # their views into the flat gradients
         self._groups = [(tuple(g["params"]), tuple(optimizer.state[p] for p in g["params"]), tuple(g["betas"]),
                          g.get("eps"), g["weight_decay"]) for g in optimizer.param_groups]
         self._buffers: dict[tuple, dict[str, torch.Tensor]] = {}
@@ -174,15 +176,16 @@ class StepGraph:
         max_src, max_tgt = bufs["_max"]
         with self.autocast:
             loss = self.loss_fn(bufs["tgt_out"], bufs["meta"][0], max_src_len=max_src, max_tgt_len=max_tgt, **inputs)
-        loss.backward()
-        return loss.detach()
+        # the gradients handed back as a tuple: no AccumulateGrad (a detach and a .grad write per parameter)
+        grads = torch.autograd.grad(loss, self._params, allow_unused=True, materialize_grads=True)
+        return loss.detach(), grads
 
-    def _update(self, loss: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
-        """Gather, clip, guard and update: tensor ops only (compiled ``fullgraph=True`` when the run compiles)."""
+    def _update(self, loss: torch.Tensor, meta: torch.Tensor, param_grads: tuple) -> torch.Tensor:
+        """Gather, clip, guard and update: tensor ops only (compiled ``fullgraph=True`` when the run compiles).
+        ``param_grads``: every parameter's gradient, in ``flat.params`` order."""
         flat = self.flat
         with torch.no_grad():
-            for params, views in zip(flat.params, flat._grad_views):
-                torch._foreach_copy_(views, [p.grad for p in params])
+            torch._foreach_copy_(self._views, list(param_grads))
             grads = [f.grad for f in flat.flat]
             norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
             if self.grad_clip is not None:
@@ -202,9 +205,8 @@ class StepGraph:
         return norm
 
     def _step(self, bufs) -> tuple[torch.Tensor, torch.Tensor]:
-        loss = self._forward_backward(bufs)
-        norm = self.update(loss, bufs["meta"])
-        self.flat.zero_grad()
+        loss, grads = self._forward_backward(bufs)
+        norm = self.update(loss, bufs["meta"], grads)
         self.optimizer._opt_called = True  # (the LR scheduler checks the optimizer stepped before it)
         return loss, norm
 
