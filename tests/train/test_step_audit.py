@@ -117,7 +117,7 @@ def test_model_forward_traces_fullgraph(toy_bundle, tmp_path):
 @pytest.mark.parametrize("change, why", [
     (dict(precision="fp16"), "fp16"),
     (dict(optim={"accum_steps": 2}), "accum_steps=2"),
-    (dict(data={"batching": "tokens"}), "batching='tokens'"),
+    (dict(data={"batching": "token_bucket"}), "batching='token_bucket'"),
     (dict(optim={"name": "adam"}), "optim.name='adam'"),
 ])
 def test_plan_falls_back_with_the_reason(tmp_path, change, why):
