@@ -124,8 +124,9 @@ def test_plan_falls_back_with_the_reason(tmp_path, change, why):
     from tests.utils import tiny_config
     from train.graph_step import plan_step_graph
 
-    cfg = tiny_config(tmp_path, model=PACKED["model"], **{"step_graph": True, **change,
-                                                           "data": {**PACKED["data"], **change.get("data", {})}})
+    model = PACKED["model"] if "data" not in change else {"layout": "padded"}
+    cfg = tiny_config(tmp_path, model=model, **{"step_graph": True, **change,
+                                                 "data": {**PACKED["data"], **change.get("data", {})}})
     plan = plan_step_graph(cfg, "cuda", distributed=False)
     assert not plan.on and why in plan.reason and plan.reason.count("\n") == 0
     assert not plan_step_graph(cfg, "cuda", distributed=True).on
