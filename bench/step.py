@@ -82,7 +82,8 @@ def build(args):
                                  max_len=min(cfg.data.max_len, (TOKENS[args.size] or cfg.data.max_tokens) // 2)),
         run=dataclasses.replace(cfg.run, compile=args.compile if args.compile is not None else cfg.run.compile,
                                 compile_backend=args.backend, compile_scope=args.scope or cfg.run.compile_scope,
-                                step_graph={"auto": None, "on": True, "off": False}[args.step_graph]))
+                                **({"step_graph": {"auto": None, "on": True, "off": False}[args.step_graph]}
+                                   if hasattr(cfg.run, "step_graph") else {})))  # (a landed tree: none)
     torch.manual_seed(0)
     model = Transformer(cfg.model).to(device)
     loss_module = SummedCrossEntropy(model, 0, cfg.optim.label_smoothing)
