@@ -8,7 +8,7 @@ Architecture (all switches in ``ModelConfig``):
 - Pre-LN blocks. The residual stream is carried as a pair ``(h, res)`` whose value is ``h + res``:
   each sublayer starts with ``x, res = norm(h, residual=res)`` (one fused kernel computes the add
   and the LayerNorm and returns the new stream ``res``) and ends with ``h = dropout(sublayer(x))``.
-  The first block has ``res=None``; each stack ends with its own final LayerNorm of ``h + res``.
+  The first block gets a zero residual (one graph per block type); each stack ends with its own final LayerNorm of ``h + res``.
 - Layouts (``cfg.layout``): ``padded`` runs (B, T, D) activations and gives ``kernels.attention`` the
   batch's lengths; ``varlen`` gathers a padded batch's real tokens into (total, D) activations, runs
   attention with cu_seqlens and re-pads only the final decoder states; ``packed`` consumes the
@@ -299,7 +299,13 @@ class Stack(nn.Module):
         self.checkpointing = cfg.checkpointing
 
     def forward(self, h: torch.Tensor, *args) -> torch.Tensor:
-        res = None
+        # a zero first residual (h + 0 is h exactly, in h's dtype): every layer sees a tensor that requires grad
+        # like the later ones, so a compiled block type is one graph, not two (res=None and res=tensor; dynamo
+        # guards on requires_grad too). The leaf's gradient is dropped with it (issue 43). A whole-model trace has one
+        # graph anyway (and refuses a requires_grad_ leaf made inside it).
+        res = torch.zeros_like(h)
+        if h.requires_grad and not torch.compiler.is_compiling():
+            res.requires_grad_()
         for i in self.schedule:
             block = self.blocks[i]
             if self.checkpointing and self.training:

@@ -153,6 +153,10 @@ class RunConfig:
     # None: automatic dynamic (a dim seen changing turns symbolic: ~2 graphs for token buckets, whose
     # B, S and T all vary); False: one graph per (B, S, T), sensible only with fixed padding.
     compile_dynamic: bool | None = declare(None, SAFE)
+    # the whole training step (forward, backward, clip, guard, update) as one CUDA graph per batch shape, fed
+    # through static buffers (train/graph_step.py); None: on for CUDA where it applies (packed, no DDP/fp16/accum),
+    # off on the CPU; true on the CPU runs the same static-buffer step eagerly
+    step_graph: bool | None = declare(None, SAFE)
     # persistent Inductor / Triton caches (a warm start compiles in seconds); they hold code, so private: ""
     # is $XDG_CACHE_HOME/fastmt/compile (else ~/.cache/fastmt/compile, mode 0700); a folder others can write is refused
     cache_dir: str = declare("", SAFE)
@@ -483,7 +487,8 @@ def fast() -> Config:
     """The default on one GPU: the fastest measured route to validation BLEU (wall time, not tokens/s).
 
     bf16; packed token streams of 4,096 tokens (one static shape: one compiled graph per region and
-    CUDA graphs); varlen Triton attention and fused norms; regional compilation with persistent caches;
+    CUDA graphs); varlen Triton attention and fused norms; whole-model compilation with persistent caches, the
+    whole step one CUDA graph (run.step_graph);
     AdamW 5e-4 (betas 0.9/0.98, weight decay 0.01) with OneCycle warm-up 10 %. On an H100 (stand-in
     corpus, 2026-11-23, ../shared/gpu/PEERS.md) this recipe reached valid BLEU 37.0 where Lion 1e-4
     peaked at 35.6 and Lion 3e-4 at 16k-token batches at 4.3: the optimiser recipe, not the kernels,
@@ -493,7 +498,9 @@ def fast() -> Config:
         data=_replace(DataConfig(), batching="packed", max_tokens=4096, num_workers=2),
         model=_replace(get_preset("s18"), attn_backend="auto", norm="fused", layout="packed"),
         optim=OptimConfig(name="adamw", lr=5e-4, betas=(0.9, 0.98), weight_decay=0.01, pct_start=0.1),
-        run=RunConfig(name="fast", epochs=18, precision="bf16", compile=True, compile_scope="blocks",
+        # one compiled region for the whole model + loss: the step graph's forward (train/graph_step.py; the CPU
+        # audit, bench/step.py: 3 regions a step against 11 with "blocks"); reduce-overhead where it falls back
+        run=RunConfig(name="fast", epochs=18, precision="bf16", compile=True, compile_scope="model",
                       compile_mode="reduce-overhead"),
         eval=EvalConfig(),
     )

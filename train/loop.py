@@ -41,6 +41,7 @@ from train.config import Config, check_consistency
 from train.distributed import DistInfo, all_reduce_max, barrier, init_distributed
 from train.epoch_end import EpochEnd, NonFiniteLossError
 from train.errors import UserError
+from train.graph_step import NormalisedLoss, StepGraph, plan_step_graph
 from train.loss import SummedCrossEntropy
 from train.objective import BleuClock, WallSplit, process_seconds
 from train.optim import build_optimizer, build_scheduler
@@ -199,6 +200,11 @@ class Trainer(RunSetup, EpochEnd):
         self.compiled = compiles(run, self.device.type)
         self.compile_caches = {}
         self.mega_cache = None
+        # the whole step as one CUDA graph where it applies (train/graph_step.py); its reason is recorded
+        self.step_plan = plan_step_graph(cfg, self.device.type, distributed=self.dist.distributed)
+        self.step_graph: StepGraph | None = None  # built at the first step, after any checkpoint's state loaded
+        if self.step_plan.on:
+            step_module = NormalisedLoss(step_module)
         if self.compiled:
             self.compile_caches = configure_caches(run.cache_dir)
             from train.compile_cache import mega_cache
@@ -207,8 +213,10 @@ class Trainer(RunSetup, EpochEnd):
             self.mega_cache = mega_cache(cfg, self.device, log=self.log)
             self.mega_cache.load()
             self.compile_caches.update(mega=str(self.mega_cache.path), mega_state=self.mega_cache.state)
+            # compiled regions run inside the step's own graph: no CUDA-graph trees within it
+            mode = "default" if self.step_plan.capture else run.compile_mode
             step_module = compile_for_training(step_module, self.loss_module, scope=run.compile_scope,
-                                               backend=run.compile_backend, mode=run.compile_mode,
+                                               backend=run.compile_backend, mode=mode,
                                                dynamic=run.compile_dynamic)
         self.step_module = step_module
 
@@ -277,16 +285,10 @@ class Trainer(RunSetup, EpochEnd):
         if not self.model.training:  # (a walk over every module: only after an evaluation)
             self.model.train()
         t_first = time.perf_counter() if self.first_step_seconds is None else None
-        try:
-            loss = forward_backward(self.step_module, batches, device=self.device, autocast=self.autocast,
-                                    scaler=self.scaler, ddp=self.ddp, on_batch=self._see_shape)
-        except torch.OutOfMemoryError as e:
-            raise torch.OutOfMemoryError(out_of_memory_advice(self.cfg)) from e
-        if self.ckpts.staging:  # a checkpoint still copying the weights and moments: they change next
-            self.checkpoint_waited(self.ckpts.wait_staged())
-        optimizer_step(self.optimizer, self.flat, self.scheduler, self.scaler, self.counters, loss,
-                       grad_clip=self.cfg.optim.grad_clip, guard=self.cfg.run.nonfinite_guard,
-                       step_scheduler=self.step + 1 < self.total_steps)
+        if self.step_plan.on:
+            loss = self._graph_step(batches)
+        else:
+            loss = self._eager_step(batches)
         self.ema = ema.after_step(self.ema, self.model, self.cfg.optim.ema_decay)
         self.step += 1
         if t_first is not None:  # once per process: a sync to time compilation and capture honestly
@@ -297,6 +299,40 @@ class Trainer(RunSetup, EpochEnd):
                 if self.mega_cache is not None and self.is_main:  # what this step compiled, for the next process
                     self.mega_cache.save()
                 self.split.add("compile", time.perf_counter() - t_first)
+        return loss
+
+    def _graph_step(self, batches) -> torch.Tensor:
+        """The static-buffer step (train/graph_step.py): one replay per step on CUDA after its capture."""
+        if self.step_graph is None:
+            run = self.cfg.run
+            update = dict(backend=run.compile_backend, dynamic=False) if self.compiled else None
+            self.step_graph = StepGraph(self.step_module, self.optimizer, self.flat, self.counters,
+                                        name=self.cfg.optim.name, device=self.device, autocast=self.autocast,
+                                        grad_clip=self.cfg.optim.grad_clip, guard=run.nonfinite_guard,
+                                        capture=self.step_plan.capture, compile_update=update)
+        (batch,) = batches
+        self._see_shape(batch)
+        if self.ckpts.staging:  # a checkpoint still copying the weights and moments: this step's update changes them
+            self.checkpoint_waited(self.ckpts.wait_staged())
+        try:
+            loss = self.step_graph(batch)
+        except torch.OutOfMemoryError as e:
+            raise torch.OutOfMemoryError(out_of_memory_advice(self.cfg)) from e
+        if self.step + 1 < self.total_steps:
+            self.scheduler.step()
+        return loss
+
+    def _eager_step(self, batches) -> torch.Tensor:
+        try:
+            loss = forward_backward(self.step_module, batches, device=self.device, autocast=self.autocast,
+                                    scaler=self.scaler, ddp=self.ddp, on_batch=self._see_shape)
+        except torch.OutOfMemoryError as e:
+            raise torch.OutOfMemoryError(out_of_memory_advice(self.cfg)) from e
+        if self.ckpts.staging:  # a checkpoint still copying the weights and moments: they change next
+            self.checkpoint_waited(self.ckpts.wait_staged())
+        optimizer_step(self.optimizer, self.flat, self.scheduler, self.scaler, self.counters, loss,
+                       grad_clip=self.cfg.optim.grad_clip, guard=self.cfg.run.nonfinite_guard,
+                       step_scheduler=self.step + 1 < self.total_steps)
         return loss
 
     def compile_seconds(self) -> float:
@@ -598,7 +634,8 @@ class Trainer(RunSetup, EpochEnd):
             return
         extra = {"params": self.params, "device": str(self.device), "world_size": self.dist.world_size,
                  "peak_flops": self.peak_flops, "peak_dtype": self.peak_dtype, "peak_note": self.peak_note,
-                 "compiled": self.compiled, "compile_caches": self.compile_caches, "total_steps": self.total_steps,
+                 "compiled": self.compiled, "step_graph": self.step_plan.reason, "compile_caches": self.compile_caches,
+                 "total_steps": self.total_steps,
                  "steps_per_epoch": self.steps_per_epoch, "tokenizer": self.data.tokenizer.model_file,
                  "run_id": self.run_id, "parent": self.parent}
         write_provenance(self.run_dir, self.cfg.to_dict(), getattr(self.data, "split_record", None), extra,

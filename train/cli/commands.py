@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 BENCH: dict[str, tuple[str, str]] = {
     "kernels": ("bench.kernels", "kernel benchmarks: our Triton attention and LayerNorm against PyTorch's"),
     "ladder": ("bench.ladder", "the speedup ladder: each training technique switched on in turn"),
+    "step": ("bench.step", "the step audit: compiled regions, eager ops, host syncs, CUDA graphs and ms per step"),
     "profile": ("bench.profile", "torch.profiler trace and graph-break report of the compiled training step"),
     "quality": ("bench.quality", "the time-to-BLEU record of a training run folder"),
     "frontier": ("bench.frontier", "validation BLEU against wall seconds, fastmt against the HF baseline (GPU)"),

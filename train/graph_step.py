@@ -1,0 +1,245 @@
+"""The whole training step as one pure function of static buffers: captured as one CUDA graph, replayed.
+
+``StepGraph(batch)`` runs one optimizer step (forward, backward, gradient clipping, the finiteness guard and
+the AdamW / Lion update) as a function of tensors only:
+
+- every batch lands in static input buffers (one ``_foreach_copy_`` of the packed batch's fields and of a
+  small float32 "meta" row: the step's target-token count and each group's learning rate). The schedule's
+  next lr therefore reaches the update as a device tensor: no Python float that changes enters the step;
+  ``grad_clip``, betas, eps and weight decay are constants of the run;
+- the update is written in tensor ops (``adamw_update_``; Lion: ``kernels.lion.lion_step`` with a tensor lr)
+  on the optimizer's own state (``exp_avg``, ``exp_avg_sq`` and a float32 device ``step`` per flat group:
+  the layout torch's fused AdamW keeps, so checkpoints move between the graph and the eager step), the skip
+  of a non-finite step applied with ``torch.where`` / lerp weights of 0 (no host read);
+- on CUDA (``capture=True``) the first ``warmup`` steps of each batch shape run eagerly on a side stream
+  (real steps, as torch's whole-network capture recipe), the next one is captured with ``torch.cuda.graph``
+  and every later step of that shape is one replay. On the CPU the same static-buffer path runs eagerly,
+  the update compiled with ``fullgraph=True`` when the run compiles (tests/train/test_step_audit.py checks it
+  is pure: no ``.item()``, no host read).
+
+``plan_step_graph`` decides whether it applies and says why not in one line (the Trainer records it):
+DDP (the all-reduce hooks), fp16 (GradScaler's dynamic scale is not graph-safe here: the eager step keeps it),
+gradient accumulation, batches that are not packed (token buckets change shape every batch), Adam (coupled
+L2: the eager fused kernel), activation checkpointing. Those runs take the eager step (train/step.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels.lion import lion_step_reference
+
+# the packed batch's tensor fields, in the order the static buffers hold them
+FIELDS = ("src", "tgt_in", "tgt_out", "src_lengths", "tgt_lengths", "cu_seqlens_src", "cu_seqlens_tgt",
+          "src_pos", "tgt_pos")
+OPTIMIZERS = ("adamw", "lion")  # optim.name values the graph-safe update implements
+
+
+@dataclass(frozen=True)
+class StepGraphPlan:
+    """Whether a run's step is the static-buffer step, whether it is captured as a CUDA graph, and why not."""
+
+    on: bool  # the static-buffer step (StepGraph) runs the training step
+    capture: bool  # ... captured once per batch shape as a CUDA graph and replayed (CUDA only)
+    reason: str  # one line: what was chosen and why
+
+
+def plan_step_graph(cfg, device_type: str, *, distributed: bool) -> StepGraphPlan:
+    """``run.step_graph`` (None: on for CUDA where it applies, off on the CPU; True on the CPU: the same static-
+    buffer path run eagerly) against the run's settings. A run it cannot apply to falls back to the eager step,
+    with the reason."""
+    want = cfg.run.step_graph if cfg.run.step_graph is not None else device_type == "cuda"
+    if not want:
+        return StepGraphPlan(False, False, "step graph off (run.step_graph=false, or the CPU's default)")
+    why = []
+    if distributed:
+        why.append("DDP (its all-reduce hooks run outside a captured step)")
+    if cfg.run.precision == "fp16":
+        why.append("fp16 (the GradScaler's dynamic scale stays on the eager step)")
+    if cfg.optim.accum_steps != 1:
+        why.append(f"optim.accum_steps={cfg.optim.accum_steps} (one micro-batch per step only)")
+    if cfg.data.batching != "packed":
+        why.append(f"data.batching={cfg.data.batching!r} (batch shapes vary; the graph needs packed batches)")
+    if cfg.optim.name not in OPTIMIZERS:
+        why.append(f"optim.name={cfg.optim.name!r} (graph-safe updates: {', '.join(OPTIMIZERS)})")
+    if cfg.model.checkpointing:
+        why.append("model.checkpointing (recomputed activations cannot run under CUDA graphs)")
+    if why:
+        return StepGraphPlan(False, False, "step graph not used: " + "; ".join(why) + "; the eager step runs")
+    capture = device_type == "cuda"
+    return StepGraphPlan(True, capture, "step graph: one CUDA graph per step (captured per batch shape)" if capture
+                         else "step graph: the static-buffer step, run eagerly (CPU: no CUDA graph)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Graph-safe updates: tensors in, tensors updated in place, nothing read on the host
+# ----------------------------------------------------------------------------------------------
+def adamw_update_(param: torch.Tensor, grad: torch.Tensor, state: dict, *, lr: torch.Tensor, betas, eps: float,
+                  weight_decay: float, keep: torch.Tensor) -> None:
+    """torch's AdamW (decoupled decay, bias-corrected moments) on one flat group, ``lr`` a 0-d device tensor,
+    ``keep`` 1.0 (apply) or 0.0 (a non-finite step: param, moments and step unchanged)."""
+    b1, b2 = betas
+    step, m, v = state["step"], state["exp_avg"], state["exp_avg_sq"]
+    g = torch.where(keep > 0, grad, torch.zeros((), dtype=grad.dtype, device=grad.device))  # no inf * 0 = NaN
+    step.add_(keep)
+    m.lerp_(g, (1 - b1) * keep)
+    v.lerp_(g * g, (1 - b2) * keep)
+    t = step.clamp(min=1.0)  # a skipped first step leaves step 0: its (unused) bias corrections stay finite
+    bc1 = 1 - b1 ** t
+    bc2 = 1 - b2 ** t
+    denom = (v.sqrt() / bc2.sqrt()).add_(eps)
+    param.mul_(1 - lr * weight_decay * keep)
+    param.sub_((lr * keep / bc1) * (m / denom))
+
+
+def init_state(optimizer: torch.optim.Optimizer, name: str) -> None:
+    """The optimizer's state for every flat group, made now (outside any graph) when the first step has not yet."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            st = optimizer.state[p]
+            if name == "adamw" and not st:
+                st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                st["exp_avg"] = torch.zeros_like(p)
+                st["exp_avg_sq"] = torch.zeros_like(p)
+            elif name == "adamw":
+                st["step"] = st["step"].to(device=p.device, dtype=torch.float32)
+            elif name == "lion" and not st:
+                st["exp_avg"] = torch.zeros_like(p)
+
+
+# ----------------------------------------------------------------------------------------------
+# The step
+# ----------------------------------------------------------------------------------------------
+class NormalisedLoss(nn.Module):
+    """``step_module(tgt_out, **inputs) / n_tgt``: the loss per real target token, ``n_tgt`` a 0-d device tensor,
+    so a whole-model compile holds the division too (one forward region)."""
+
+    def __init__(self, step_module: nn.Module):
+        super().__init__()
+        self.step_module = step_module
+
+    def forward(self, tgt_out: torch.Tensor, n_tgt: torch.Tensor, **inputs) -> torch.Tensor:
+        return self.step_module(tgt_out, **inputs) / n_tgt
+
+
+class StepGraph:
+    """One training step of a packed batch as one pure function of static buffers (module docstring)."""
+
+    def __init__(self, loss_fn: nn.Module, optimizer: torch.optim.Optimizer, flat, counters, *, name: str,
+                 device: torch.device, autocast, grad_clip: float | None, guard: bool, capture: bool,
+                 compile_update: dict | None = None, warmup: int = 3):
+        self.loss_fn, self.optimizer, self.flat, self.counters = loss_fn, optimizer, flat, counters
+        self.name, self.device, self.autocast = name, device, autocast
+        self.grad_clip, self.guard, self.capture, self.warmup = grad_clip, guard, capture, warmup
+        init_state(optimizer, name)
+        # the update's constants per group (a compiled update guarded on the groups' dicts would recompile as lr moves)
+        self._params = [p for params in flat.params for p in params]  # the model's parameters, flat order
+        self._views = [v for views in flat._grad_views for v in views]  # their views into the flat gradients
+        self._groups = [(tuple(g["params"]), tuple(optimizer.state[p] for p in g["params"]), tuple(g["betas"]),
+                         g.get("eps"), g["weight_decay"]) for g in optimizer.param_groups]
+        self._buffers: dict[tuple, dict[str, torch.Tensor]] = {}
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._seen: dict[tuple, int] = {}
+        self.update = torch.compile(self._update, fullgraph=True, **compile_update) if compile_update else self._update
+        self.captures = 0  # CUDA graphs captured (one per batch shape)
+        self.replays = 0  # steps run as one replay
+
+    # -- static inputs ------------------------------------------------------------------------------
+    def _key(self, batch) -> tuple:
+        return tuple(tuple(getattr(batch, f).shape) for f in FIELDS) + (batch.max_src_len, batch.max_tgt_len)
+
+    def stage(self, batch) -> dict[str, torch.Tensor]:
+        """Copy ``batch`` (host, pinned) and the step's meta row (target tokens, each group's lr) into this shape's
+        static device buffers: one ``_foreach_copy_``, asynchronous from pinned memory."""
+        key = self._key(batch)
+        bufs = self._buffers.get(key)
+        if bufs is None:
+            bufs = {f: torch.empty_like(getattr(batch, f), device=self.device) for f in FIELDS}
+            bufs["meta"] = torch.zeros(1 + len(self.optimizer.param_groups), dtype=torch.float32, device=self.device)
+            bufs["_key"] = key
+            self._buffers[key] = bufs
+        meta = torch.tensor([float(batch.num_target_tokens)] + [float(g["lr"]) for g in self.optimizer.param_groups],
+                            dtype=torch.float32)
+        if self.device.type == "cuda":
+            meta = meta.pin_memory()
+        torch._foreach_copy_([bufs[f] for f in FIELDS] + [bufs["meta"]],
+                             [getattr(batch, f) for f in FIELDS] + [meta], non_blocking=True)
+        bufs["_max"] = (batch.max_src_len, batch.max_tgt_len)
+        return bufs
+
+    # -- the pure step ------------------------------------------------------------------------------
+    def _forward_backward(self, bufs) -> torch.Tensor:
+        inputs = {f: bufs[f] for f in FIELDS if f != "tgt_out"}
+        max_src, max_tgt = bufs["_max"]
+        with self.autocast:
+            loss = self.loss_fn(bufs["tgt_out"], bufs["meta"][0], max_src_len=max_src, max_tgt_len=max_tgt, **inputs)
+        # the gradients handed back as a tuple: no AccumulateGrad (a detach and a .grad write per parameter)
+        grads = torch.autograd.grad(loss, self._params, allow_unused=True, materialize_grads=True)
+        return loss.detach(), grads
+
+    def _update(self, loss: torch.Tensor, meta: torch.Tensor, param_grads: tuple) -> torch.Tensor:
+        """Gather, clip, guard and update: tensor ops only (compiled ``fullgraph=True`` when the run compiles).
+        ``param_grads``: every parameter's gradient, in ``flat.params`` order."""
+        flat = self.flat
+        with torch.no_grad():
+            torch._foreach_copy_(self._views, list(param_grads))
+            grads = [f.grad for f in flat.flat]
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+            if self.grad_clip is not None:
+                torch._foreach_mul_(grads, (self.grad_clip / (norm + 1e-6)).clamp(max=1.0))
+            bad = (~(torch.isfinite(loss) & torch.isfinite(norm))).float() if self.guard else torch.zeros_like(norm)
+            keep = 1.0 - bad
+            for i, (params, states, betas, eps, wd) in enumerate(self._groups):  # not param_groups: its lr changes
+                lr = meta[1 + i]
+                for p, st in zip(params, states):
+                    if self.name == "adamw":
+                        adamw_update_(p, p.grad, st, lr=lr, betas=betas, eps=eps, weight_decay=wd, keep=keep)
+                    else:
+                        lion_step_reference(p, p.grad, st["exp_avg"], lr=lr, beta1=betas[0], beta2=betas[1],
+                                            weight_decay=wd, found_inf=bad)
+            self.counters.skipped.add_(bad)
+            self.counters.nonfinite_in_row.add_(bad).mul_(bad)
+        return norm
+
+    def _step(self, bufs) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, grads = self._forward_backward(bufs)
+        norm = self.update(loss, bufs["meta"], grads)
+        self.optimizer._opt_called = True  # (the LR scheduler checks the optimizer stepped before it)
+        return loss, norm
+
+    # -- one call per training step -----------------------------------------------------------------
+    def __call__(self, batch) -> torch.Tensor:
+        """One optimizer step of ``batch`` (a packed host Batch); returns its loss per target token (device)."""
+        bufs = self.stage(batch)
+        if not self.capture:
+            return self._step(bufs)[0]
+        key = bufs["_key"]
+        graph = self._graphs.get(key)
+        if graph is not None:
+            graph[0].replay()
+            self.replays += 1
+            return graph[1].clone()  # the static output is overwritten by the next replay
+        n = self._seen[key] = self._seen.get(key, 0) + 1
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        if n <= self.warmup:  # real steps, eagerly on a side stream (compiles, autotunes, allocates)
+            with torch.cuda.stream(side):
+                loss = self._step(bufs)[0]
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            return loss
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=side):
+            out = self._step(bufs)[0]
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self._graphs[key] = (g, out)
+        self.captures += 1
+        g.replay()  # capture records without running: this step's work
+        self.replays += 1
+        return out.clone()
+
+    def graphs_per_step(self) -> int:
+        return 1 if self.capture and self._graphs else 0
+
