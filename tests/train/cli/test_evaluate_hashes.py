@@ -19,6 +19,7 @@ import torch
 
 from models import Transformer, get_preset
 from train.cli.evaluate import main
+from train.config import tiny
 from train.evaluation import decode
 from train.evaluation.load import load_for_inference
 from train.runs.checkpoint import CheckpointIOError, load_checkpoint
@@ -29,7 +30,8 @@ def write_ckpt(path: Path, tok, seed: int) -> Path:
     torch.manual_seed(seed)
     mcfg = get_preset("tiny", vocab_size=tok.vocab_size, d_model=32, n_heads=2, d_ff=64, enc_layers=1,
                       dec_layers=1, max_positions=24)
-    torch.save({"model": Transformer(mcfg).state_dict(), "config": {"model": dataclasses.asdict(mcfg)},
+    record = {**tiny().record(), "model": dataclasses.asdict(mcfg)}  # every section, as the trainer records it
+    torch.save({"model": Transformer(mcfg).state_dict(), "config": record,
                 "position": {"epoch": 1, "batch_index": 0, "step": 1},
                 "tokenizer": {"model_file": "spm.model", "key": tok.key, "model_bytes": tok.model_bytes()}}, path)
     return path

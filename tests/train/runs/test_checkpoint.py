@@ -273,7 +273,7 @@ def _live_state(step: int) -> dict:
     return {"model": {"a.weight": flat[:1000].view(10, 100), "b.bias": flat[1000:1010], "pos": torch.ones(3)},
             "optimizer": {"state": {0: {"exp_avg": flat * 0.5}}}, "config": {"model": {"d": 1}},
             "tokenizer": {"key": "k"}, "position": {"epoch": step, "batch_index": 0, "step": step},
-            "history": [{"epoch": step}], "rng": {"torch": torch.get_rng_state()}}
+            "history": [{"epoch": step, "step": step}], "rng": {"torch": torch.get_rng_state()}}
 
 
 def _held_writes(monkeypatch):
@@ -302,12 +302,12 @@ def test_background_save_returns_before_the_write_and_writes_the_state_as_saved(
     m.wait_staged()
     live["model"]["a.weight"].add_(7)  # the optimizer step after the checkpoint
     live["optimizer"]["state"][0]["exp_avg"].zero_()
-    live["history"].append({"epoch": 99})
+    live["history"].append({"epoch": 99, "step": 99})
     go.set()
     m.wait()
     saved = load_checkpoint(path)
     assert all(torch.equal(saved["model"][k], v) for k, v in expect.items())
-    assert saved["history"] == [{"epoch": 1}] and saved["optimizer"]["state"][0]["exp_avg"][5] == 3.0
+    assert saved["history"] == [{"epoch": 1, "step": 1}] and saved["optimizer"]["state"][0]["exp_avg"][5] == 3.0
     a, b = saved["model"]["a.weight"], saved["model"]["b.bias"]
     assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # views of one storage, as saved
     best = load_checkpoint(tmp_path / "best.pt")
