@@ -92,7 +92,7 @@ class OptimConfig:
     label_smoothing: float = declare(0.1, SAFE, Bounds(0, 1, hi_open=True))
     # weight EMA kept after every step (eole's average_decay, Marian's exponential-smoothing, e.g. 0.999);
     # validation, best.pt, the test and translate use the average (train/ema.py); 0: off
-    ema_decay: float = declare(0.0, SAFE, Bounds(0, 1, hi_open=True))
+    ema_decay: float = declare(0.0, SAFE, Bounds(0, 1, hi_open=True), since=6)
 
     def __post_init__(self):
         require_finite(self, "optim")
@@ -156,7 +156,7 @@ class RunConfig:
     # the whole training step (forward, backward, clip, guard, update) as one CUDA graph per batch shape, fed
     # through static buffers (train/graph_step.py); None: on for CUDA where it applies (packed, no DDP/fp16/accum),
     # off on the CPU; true on the CPU runs the same static-buffer step eagerly
-    step_graph: bool | None = declare(None, SAFE)
+    step_graph: bool | None = declare(None, SAFE, since=6)
     # persistent Inductor / Triton caches (a warm start compiles in seconds); they hold code, so private: ""
     # is $XDG_CACHE_HOME/fastmt/compile (else ~/.cache/fastmt/compile, mode 0700); a folder others can write is refused
     cache_dir: str = declare("", SAFE)
