@@ -340,9 +340,17 @@ def _read_refused(e: OSError, what: str, path: str | os.PathLike) -> ReadRefused
 
 def read_bytes(path: str | os.PathLike, what: str, *, limit: int, inside: str | os.PathLike | None = None,
                own: bool = False) -> bytes:
-    """The bytes of ``path`` through `open_read` (never more than ``limit``)."""
-    data = bytearray()
+    """The bytes of ``path`` through `open_read` (never more than ``limit``), read into one buffer of the file's
+    size (a file that grows while it is read, or a /proc file of size 0: in blocks up to the limit)."""
     with open_read(path, what, limit=limit, inside=inside, own=own) as f:
+        size = os.fstat(f.fileno()).st_size
+        if 0 < size <= limit:  # one buffer of the file's size (+1 byte to see it grow): never a second copy
+            data = f.read(size + 1)
+            if len(data) <= size:
+                return data
+            data = bytearray(data)
+        else:
+            data = bytearray()
         # in blocks, never a buffer of the whole cap at once (a 4 GB cap is not 4 GB of memory for a 1 KB file)
         while chunk := f.read(min(16 * MIB, limit + 1 - len(data))):
             data += chunk

@@ -98,3 +98,40 @@ def test_a_cold_build_under_a_file_size_limit_is_one_line(tmp_path):
     (line,) = [x for x in r.stderr.splitlines() if "error:" in x]
     assert "file-size limit" in line and "614,400 bytes" in line and "ulimit -f" in line
     assert not [p for p in (tmp_path / "cache").rglob(".tmp-*")]  # the interrupted build left nothing behind
+
+
+_PEAK = """
+import resource, sys
+def vm():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+size = int(sys.argv[2])
+from data.files import TEXTS_MAX, read_bytes
+resource.setrlimit(resource.RLIMIT_AS, (vm() + size * 3 // 2 + (8 << 20),) * 2)  # room for 1.5x the file, not 2x
+print(len(read_bytes(sys.argv[1], "test set", limit=TEXTS_MAX)))
+"""
+
+
+def test_read_bytes_holds_one_copy_of_the_file(tmp_path):
+    """Issue 45 class 9: ``read_bytes`` needed twice the file (a growing buffer, then its copy); one buffer now."""
+    path = tmp_path / "src.txt"
+    size = 64 << 20
+    path.write_bytes((b"the cat sleeps on the small blue book.\n" * (size // 39 + 1))[:size])
+    r = subprocess.run([sys.executable, "-c", _PEAK, str(path), str(size)], cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == str(size), r.stderr[-2000:]
+
+
+def test_out_of_memory_in_a_decoding_command_is_one_line(capsys):
+    import argparse
+
+    from train.cli.decoding import run_command
+
+    def run(_args):
+        raise MemoryError
+
+    code = run_command(run, argparse.Namespace(src="big.txt", ref=["ref.txt"], debug=False))
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: out of memory")
+    assert "big.txt, ref.txt" in err and "ulimit -v" in err
