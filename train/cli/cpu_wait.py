@@ -2,9 +2,11 @@
 
 PyTorch's CPU kernels run on OpenMP threads. By default an idle OpenMP thread spins (busy-waits) before it sleeps, so
 on a machine where another program holds a core, the threads of each parallel region spin through the time slices
-of the thread whose core was taken: the tiny preset's run took 4-16x longer beside two ``nice -n 19`` busy loops of
-another login session, against 1.0-1.3x with the passive policy, which costs nothing measurable on a machine of its
-own (bench/results/cpu-threads.md). OpenMP reads the variable once, when torch loads it, so every fastmt command
+of the thread whose core was taken. Measured on a shared 2-core machine (bench/results/cpu-threads.md): beside two
+``nice -n 19`` busy loops of another session one epoch of the tiny preset trained in 10.8-16.0 s spinning against
+2.2-3.7 s passive; with no loop (load 1.5-2.5 from others) 1.1-1.3 s spinning (2 of 3 repeats; 6.0 s the third) against 1.7-1.8 s passive:
+passive costs something on a machine of its own, spinning costs several times more on a shared one.
+OpenMP reads the variable once, when torch loads it, so every fastmt command
 sets it before anything imports torch: `wait_passively` is called by each entry (``fastmt``, ``python -m train``,
 ``train.translate``, ``train.evaluate``, ``train.stats``); the data build's workers and other children inherit it.
 A value the user set (``OMP_WAIT_POLICY=ACTIVE``) is kept. Imports nothing (certainly not torch).

@@ -60,3 +60,24 @@ def test_every_entry_imports_torch_with_the_passive_wait_policy(entry):
 def test_a_wait_policy_the_user_set_is_kept():
     seen = _run(["train.commands", "model", "tiny"], "ACTIVE")
     assert seen["AT_TORCH"] == "ACTIVE", seen
+
+
+def test_the_busy_machine_warning_says_what_the_threads_do(monkeypatch):
+    """Honest warning: with the passive policy in force it says so; with a spinning one it names the policy."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU behaviour")
+    import train.cli.flags
+    from train.cli import cpu_wait
+    from train.cli.flags import resolve_config
+
+    monkeypatch.setattr(train.cli.flags.os, "getloadavg", lambda: (len(os.sched_getaffinity(0)) + 5.0, 0.0, 0.0))
+    for policy, env, says in (("PASSIVE", "PASSIVE", "wait passively (OMP_WAIT_POLICY=PASSIVE"),
+                              (None, "ACTIVE", "may spin-wait (OMP_WAIT_POLICY=ACTIVE)")):
+        monkeypatch.setattr(cpu_wait, "in_force", policy)
+        monkeypatch.setenv("OMP_WAIT_POLICY", env)
+        notes: list[str] = []
+        resolve_config(["--preset", "tiny"], log=notes.append)
+        (warning,) = notes
+        assert says in warning and "--run.cpu_threads 1" in warning, warning
