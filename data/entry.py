@@ -169,8 +169,58 @@ def _open(path: Path, shape: tuple, dtype: str, cache: Path) -> np.ndarray:
     return a
 
 
+_SCAN = 1 << 22  # elements per block of a content scan (a 32 MB int64 block at most: no corpus-sized copy)
+
+
+def _texts(t, n: int, name: str) -> tuple[list[str], list[str]]:
+    """A ``{split}_text.json`` record as two lists of ``n`` strings, or ValueError naming what is wrong."""
+    if not isinstance(t, dict) or not all(isinstance(t.get(side), list) for side in ("src", "tgt")):
+        raise ValueError(f"{name} is not {{'src': [...], 'tgt': [...]}}")
+    for side in ("src", "tgt"):
+        if len(t[side]) != n:
+            raise ValueError(f"{name} holds {len(t[side])} {side} rows, expected {n}")
+        bad = next((k for k, x in enumerate(t[side]) if not isinstance(x, str)), None)
+        if bad is not None:
+            raise ValueError(f"{name}: {side} row {bad} is a {type(t[side][bad]).__name__}, not a string")
+    return t["src"], t["tgt"]
+
+
+def damage(entry: Entry, vocab_size: int, max_len: int) -> str | None:
+    """What is wrong with the contents of a loaded entry's arrays, or None: every token id in ``[0, vocab_size)``,
+    offsets rising from 0 to the token count, no row longer than ``max_len - 1`` subwords (what a build keeps: the
+    train rows length-filtered, the valid/test token arrays cut), row numbers not negative. Checked once when the
+    entry is opened (after its tokenizer gives ``vocab_size``), in blocks of `_SCAN` elements over the memory maps:
+    a damaged entry is then rebuilt, never a traceback (or a config advice) at the first batch that meets it."""
+    for s in SPLITS:
+        a = entry.arrays[s]
+        for side in ("src", "tgt"):
+            ids, off = a[f"{side}_ids"], a[f"{side}_off"]
+            if np.iinfo(ids.dtype).min < 0 or np.iinfo(ids.dtype).max >= vocab_size:
+                for lo in range(0, len(ids), _SCAN):
+                    block = ids[lo:lo + _SCAN]
+                    low, high = int(block.min()), int(block.max())
+                    if low < 0 or high >= vocab_size:
+                        return (f"{s}_{side}_ids holds token id {low if low < 0 else high}, outside the "
+                                f"tokenizer's vocabulary of {vocab_size}")
+            for lo in range(0, max(len(off) - 1, 0), _SCAN):
+                lens = np.diff(off[lo:lo + _SCAN + 1])
+                if len(lens) and int(lens.min()) < 0:
+                    return f"{s}_{side}_off falls at row {lo + int(np.argmax(lens < 0))}: offsets must rise"
+                if len(lens) and int(lens.max()) > max_len - 1:
+                    return (f"{s}_{side}_off gives row {lo + int(np.argmax(lens > max_len - 1))} "
+                            f"{int(lens.max())} tokens, more than the {max_len - 1} a build with max_len={max_len} keeps")
+        rows = a["rows"]
+        for lo in range(0, len(rows), _SCAN):
+            if int(rows[lo:lo + _SCAN].min()) < 0:
+                return f"{s}_rows holds a negative row number"
+    return None
+
+
 def load_entry(cache: Path, key: str, log=print) -> Entry | None:
-    """The entry ``corpus-<key>`` if it is there and valid; a broken one is removed with a warning (None)."""
+    """The entry ``corpus-<key>`` if it is there and valid; a broken one is removed with a warning (None).
+    Checked here: meta.json (format, key, integer id dtype, counts), each array's header (dtype, shape, native
+    byte order), offsets from 0 to the token count, the valid/test texts (``n`` strings a side). The contents that
+    need the tokenizer (ids < vocabulary) and a scan (rising offsets, row lengths): `damage`."""
     path = Path(cache) / f"corpus-{check_key(key, 'corpus key')}"
     if not path.is_dir():
         return None
@@ -182,7 +232,11 @@ def load_entry(cache: Path, key: str, log=print) -> Entry | None:
         arrays, texts = {}, {}
         for s in SPLITS:
             n, tok = meta["counts"][s], meta["tokens"][s]
+            if not all(type(v) is int and v >= 0 for v in (n, tok["src"], tok["tgt"])):
+                raise ValueError(f"meta.json's {s} counts {str(n)[:20]}/{str(tok)[:40]} are not whole numbers")
             ids_t = meta["id_dtype"]
+            if not isinstance(ids_t, str) or np.dtype(ids_t).kind not in "ui":
+                raise ValueError(f"meta.json's id_dtype {str(ids_t)[:40]!r} is not an integer dtype")
             shapes = {"src_ids": ((tok["src"],), ids_t), "tgt_ids": ((tok["tgt"],), ids_t),
                       "src_off": ((n + 1,), "int64"), "tgt_off": ((n + 1,), "int64"), "rows": ((n,), "int64")}
             arrays[s] = {a: _open(path / f"{s}_{a}.npy", *shapes[a], Path(cache)) for a in _ARRAYS}
@@ -193,10 +247,7 @@ def load_entry(cache: Path, key: str, log=print) -> Entry | None:
             if s == "train":
                 texts[s] = None
             else:
-                t = C.read_json(path / f"{s}_text.json", TEXTS_MAX)
-                if len(t["src"]) != n or len(t["tgt"]) != n:
-                    raise ValueError(f"{s}_text.json holds {len(t['src'])} rows, expected {n}")
-                texts[s] = (t["src"], t["tgt"])
+                texts[s] = _texts(C.read_json(path / f"{s}_text.json", TEXTS_MAX), n, f"{s}_text.json")
         return Entry(path, meta, arrays, texts)
     except (OSError, ValueError, KeyError, TypeError, EOFError) as e:
         C.discard(path, f"{type(e).__name__}: {str(e)[:300]}", log, cache)

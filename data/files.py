@@ -34,6 +34,7 @@ from typing import IO, Any
 
 from .clean import DataInputError
 
+_BOM = b"\xef\xbb\xbf"  # UTF-8 byte-order mark
 KEY_RE = re.compile(r"^[0-9a-f]{20}$")  # data.cache.digest: 20 lower-case hex digits
 
 
@@ -218,6 +219,18 @@ class BadFileError(FileRefusedError):
     damaged record catches it."""
 
 
+class ReadRefusedError(FileRefusedError, OSError):
+    """A read `open_read` could not start for a reason other than a missing file (permission, a folder in the
+    path replaced by a file or a link while it was read, an I/O error, ...): one line naming the file and the
+    cause, and still an ``OSError`` carrying the ``errno`` (callers that heal or explain OS errors keep working)."""
+
+    def __init__(self, message: str, code: int | None):
+        OSError.__init__(self, code, message)
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
 def _size(n: int) -> str:
     return f"{n:,} bytes" if n < MIB else f"{n / MIB:,.1f} MB"
 
@@ -245,7 +258,7 @@ def _open_beneath(root: str | os.PathLike, path: str | os.PathLike, flags: int, 
                 nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
             except OSError as e:
                 if e.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(here):
-                    raise FileRefusedError(f"{what} {path}: {here} is a symbolic link (to {os.readlink(here)}): "
+                    raise FileRefusedError(f"{what} {path}: {here} is a symbolic link (to {_link_target(here)}): "
                                            f"fastmt follows no link inside {root}; remove it") from None
                 raise
             os.close(dfd)
@@ -265,20 +278,26 @@ def open_read(path: str | os.PathLike, what: str, *, limit: int | None = None, i
     below it may be a link (each is opened ``O_NOFOLLOW``), so a link planted there is refused, never read through.
     Without it ``path`` is one the user named, links followed (their own). ``own``: the file must belong to this
     user (a scratch file fastmt reads back). Refusals are `FileRefusedError` (one line naming ``what`` and the
-    path); a missing file is ``FileNotFoundError``; other OS errors propagate (the caller names their cause)."""
+    path); a missing file is ``FileNotFoundError``; any other OS error is `ReadRefusedError` (one line naming the
+    file and the cause, and an ``OSError`` with its errno): never a raw ``OSError``, even when a folder of the path
+    is swapped for a file or a link while it is read."""
     flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
     try:
         if inside is not None:
             fd = _open_beneath(inside, path, flags, what)
         else:
             fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise
     except OSError as e:
+        if isinstance(e, DataInputError):  # a refusal of `_open_beneath` already
+            raise
         if e.errno == errno.ELOOP:
-            raise FileRefusedError(f"{what} {path} is a symbolic link (to {os.readlink(path) if os.path.islink(path) else '?'}"
+            raise FileRefusedError(f"{what} {path} is a symbolic link (to {_link_target(path)}"
                                    f"): fastmt follows no link inside {inside}; remove it") from None
         if e.errno == errno.ENXIO:  # a socket, or a device without its driver
             raise FileRefusedError(f"{what} {path} is not a regular file: remove it") from None
-        raise
+        raise _read_refused(e, what, path) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -294,18 +313,44 @@ def open_read(path: str | os.PathLike, what: str, *, limit: int | None = None, i
                                    f"damaged or foreign file (nothing was read)")
         os.set_blocking(fd, True)
         f = open(fd, "rb", closefd=True)  # the one plain open of a checked descriptor
-    except BaseException:
+    except BaseException as e:
         os.close(fd)
+        if isinstance(e, OSError) and not isinstance(e, DataInputError):
+            raise _read_refused(e, what, path) from None
         raise
     f.raw.name = os.fspath(path)  # (numpy's memory maps record it: the collators re-open maps by name)
     return f
 
 
+def _link_target(path: str | os.PathLike) -> str:
+    """Where the link ``path`` points, or ``?`` (it may be gone or replaced by now: a racing writer)."""
+    try:
+        return os.readlink(path)
+    except OSError:
+        return "?"
+
+
+def _read_refused(e: OSError, what: str, path: str | os.PathLike) -> ReadRefusedError:
+    """The one line for an ``OSError`` of opening ``path`` to read (not a missing file): `ReadRefusedError`."""
+    cause = cause_of(e, path)
+    if e.errno in (errno.ENOTDIR, errno.EINVAL):  # a folder on the path swapped for a file while it was opened
+        cause = f"{(e.strerror or 'refused').lower()} (did a folder on its path change while fastmt read it?)"
+    return ReadRefusedError(" ".join(f"cannot read {what} {path}: {cause}".split()), e.errno)
+
+
 def read_bytes(path: str | os.PathLike, what: str, *, limit: int, inside: str | os.PathLike | None = None,
                own: bool = False) -> bytes:
-    """The bytes of ``path`` through `open_read` (never more than ``limit``)."""
-    data = bytearray()
+    """The bytes of ``path`` through `open_read` (never more than ``limit``), read into one buffer of the file's
+    size (a file that grows while it is read, or a /proc file of size 0: in blocks up to the limit)."""
     with open_read(path, what, limit=limit, inside=inside, own=own) as f:
+        size = os.fstat(f.fileno()).st_size
+        if 0 < size <= limit:  # one buffer of the file's size (+1 byte to see it grow): never a second copy
+            data = f.read(size + 1)
+            if len(data) <= size:
+                return data
+            data = bytearray(data)
+        else:
+            data = bytearray()
         # in blocks, never a buffer of the whole cap at once (a 4 GB cap is not 4 GB of memory for a 1 KB file)
         while chunk := f.read(min(16 * MIB, limit + 1 - len(data))):
             data += chunk
@@ -318,7 +363,7 @@ def decode_text(data: bytes, path: str | os.PathLike, what: str, *, bom: bool = 
     """UTF-8 text (a leading byte-order mark dropped when ``bom``); a byte that is not UTF-8 is `BadFileError`
     naming the line."""
     if bom:
-        data = data.removeprefix(b"\xef\xbb\xbf")
+        data = data.removeprefix(_BOM)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -358,11 +403,13 @@ def read_json(path: str | os.PathLike, what: str, *, limit: int = RECORD_MAX, in
 def read_json_lines(path: str | os.PathLike, what: str, *, limit: int = LOG_MAX,
                     inside: str | os.PathLike | None = None) -> list[tuple[bytes, Any]]:
     """Each line of a JSON-lines file as ``(raw line with its newline, the parsed value or None)``: a line that is
-    blank, torn or not JSON gives None, never an error (the file as a whole through `open_read`)."""
+    blank, torn or not JSON gives None, never an error (the file as a whole through `open_read`); a byte-order
+    mark at the start of a line (the first or any other) is dropped before the line is parsed."""
     out = []
     for raw in read_bytes(path, what, limit=limit, inside=inside).splitlines(keepends=True):
-        try:
-            value = parse_json(raw.decode("utf-8"), path, what) if raw.strip() else None
+        try:  # a byte-order mark opening a line (an editor's, or a file appended to one) is not part of the record
+            text = raw.removeprefix(_BOM)
+            value = parse_json(text.decode("utf-8"), path, what) if text.strip() else None
         except (BadFileError, UnicodeDecodeError):
             value = None
         out.append((raw, value))
@@ -372,7 +419,8 @@ def read_json_lines(path: str | os.PathLike, what: str, *, limit: int = LOG_MAX,
 def load_npy(path: str | os.PathLike, what: str = "array", *, inside: str | os.PathLike | None = None,
              own: bool = False, mmap: bool = True):
     """A ``.npy`` array through `open_read`: its header is checked against the file before anything is allocated
-    (a plain dtype, no objects, and the shape it declares exactly the bytes the file holds), then memory-mapped
+    (a plain number dtype in this machine's byte order: no objects, strings, unicode, void, structured or
+    sub-array dtypes; and the shape it declares exactly the bytes the file holds), then memory-mapped
     read-only (``mmap``) or read. A damaged header is `BadFileError`, never an allocation or a crash."""
     import numpy as np
 
@@ -388,6 +436,10 @@ def load_npy(path: str | os.PathLike, what: str = "array", *, inside: str | os.P
                 raise ValueError(f"format version {version}")
             if dtype.hasobject or not all(isinstance(n, int) and n >= 0 for n in shape):
                 raise ValueError(f"dtype {dtype} / shape {shape} is not a plain array")
+            if dtype.kind not in "biuf" or dtype.fields is not None or dtype.subdtype is not None:
+                raise ValueError(f"dtype {dtype.str} is not a plain number (fastmt writes only bool, int, uint, float)")
+            if not dtype.isnative:
+                raise ValueError(f"dtype {dtype.str} is not this machine's byte order (fastmt writes only that)")
             offset = f.tell()
             need = dtype.itemsize
             for n in shape:
@@ -545,6 +597,7 @@ _CAUSES = {
     errno.EPERM: "operation not permitted (user {uid})",
     errno.ENOSPC: "no space left on the device ({free} free)",
     errno.EDQUOT: "disk quota exceeded",
+    errno.EFBIG: "a file would pass this process's file-size limit (ulimit -f: {fsize})",
     errno.ENOTDIR: "a part of the path is a file, not a folder",
     errno.ENAMETOOLONG: "a name in it is too long for the file system",
     errno.EISDIR: "it is a folder",
@@ -559,7 +612,7 @@ _CAUSES = {
 
 
 def cause_of(e: OSError, path: str | os.PathLike | None = None) -> str:
-    """A few words for ``e``'s errno (free space added for ENOSPC)."""
+    """A few words for ``e``'s errno (free space added for ENOSPC, the file-size limit for EFBIG)."""
     free = "?"
     if e.errno == errno.ENOSPC and path is not None:
         with contextlib.suppress(OSError):
@@ -567,12 +620,22 @@ def cause_of(e: OSError, path: str | os.PathLike | None = None) -> str:
     text = _CAUSES.get(e.errno)
     if text is None:
         return (e.strerror or str(e)).rstrip(".")
-    return text.format(uid=os.geteuid(), free=free)
+    return text.format(uid=os.geteuid(), free=free, fsize=_fsize_limit())
+
+
+def _fsize_limit() -> str:
+    """This process's file-size limit (RLIMIT_FSIZE) in words."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return "unlimited" if soft == resource.RLIM_INFINITY else _size(soft)
 
 
 def os_error_line(e: OSError, what: str, path: str | os.PathLike, fix: str) -> str:
     """``cannot use <what> <path>: <cause> (<file it failed on>). Fix: <fix>`` on one line."""
     on = f" (at {e.filename})" if getattr(e, "filename", None) and str(e.filename) != str(path) else ""
+    if e.errno == errno.EFBIG:  # no folder has room past this limit: it is the process's
+        fix = "raise the file-size limit of this shell (ulimit -f unlimited) or of the job that started fastmt"
     return " ".join(f"cannot use {what} {path}: {cause_of(e, path)}{on}. Fix: {fix}".split())
 
 

@@ -428,6 +428,14 @@ def build_data(cfg: DataConfig, log=print, tokenizer: Tokenizer | None = None) -
             C.remove(entry.path, cache)
             entry = _resolve(cfg, inp, sets, cache, tokenizer, log)
             tok = _tokenizer_of(entry, cfg, cache, sets, tokenizer)
+        why = E.damage(entry, tok.vocab_size, cfg.max_len)  # contents, once per open: a damaged entry is rebuilt
+        if why is not None:
+            C.discard(entry.path, why, log, cache)
+            entry = _resolve(cfg, inp, sets, cache, tokenizer, log)
+            tok = _tokenizer_of(entry, cfg, cache, sets, tokenizer)
+            why = E.damage(entry, tok.vocab_size, cfg.max_len)
+            if why is not None:  # what this build just wrote: a bug, never a loop
+                raise RuntimeError(f"the data build of {entry.path} wrote a damaged entry: {why}")
     meta = B.as_read_by(entry.meta, inp)  # a reused entry: this run's file names, not its builder's
     report = CleanReport.from_dict(meta["report"])
     split_record = {**E.split_record(meta), "tokenizer_key": tok.key, "vocab_size": tok.vocab_size,

@@ -320,6 +320,7 @@ def _read_lines(c: Chunk, out: ChunkRows, src_lang: str, tgt_lang: str, *, tsv: 
                 bad("bad_encoding", n, f"byte 0x{line[e.start]:02x} (byte {e.start + 1} of the line) is not UTF-8, "
                                        f"near: {near}")
                 continue
+        text = text.removeprefix("\ufeff")  # a byte-order mark opening a line (files joined with cat): not the row's
         if not text.strip():
             bad("blank_line", n, "empty or whitespace only")
             continue

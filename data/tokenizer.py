@@ -32,6 +32,9 @@ def spm_settings(cfg) -> dict:
     }
 
 
+ENCODE_BATCH = 1 << 14  # texts per SentencePiece call in `Tokenizer.encode`
+
+
 class Tokenizer:
     """Thin wrapper over a SentencePiece model with the fixed special ids."""
 
@@ -79,12 +82,20 @@ class Tokenizer:
         return self.sp.get_piece_size()
 
     def encode(self, texts: list[str], *, add_eos: bool = False) -> list[np.ndarray]:
-        """Batch-encode to int32 arrays of subword ids (no specials unless ``add_eos``)."""
+        """Batch-encode to int32 arrays of subword ids (no specials unless ``add_eos``), `ENCODE_BATCH` texts at a
+        time (SentencePiece's lists of python ints take ~9x the arrays' memory); out of memory is ``MemoryError``."""
         if isinstance(texts, str):
             raise TypeError("encode takes a list of str; wrap a single sentence as [text]")
-        ids = self.sp.encode(list(texts), out_type=int, num_threads=self.num_threads)
-        tail = [EOS_ID] if add_eos else []
-        return [np.asarray(x + tail, dtype=np.int32) for x in ids]
+        texts, tail, out = list(texts), [EOS_ID] if add_eos else [], []
+        for lo in range(0, len(texts), ENCODE_BATCH):  # SentencePiece's python lists live one batch at a time
+            try:
+                ids = self.sp.encode(texts[lo:lo + ENCODE_BATCH], out_type=int, num_threads=self.num_threads)
+            except TypeError as e:  # pybind11's word for a result it could not allocate
+                if "Unable to convert function return value" not in str(e):
+                    raise
+                raise MemoryError(f"out of memory encoding {len(texts):,} texts") from None
+            out += [np.asarray(x + tail, dtype=np.int32) for x in ids]
+        return out
 
     def decode(self, ids: list) -> list[str]:
         """Decode each sequence up to its first EOS, dropping pad and BOS."""

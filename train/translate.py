@@ -1,9 +1,13 @@
 """``python -m train.translate --ckpt C "text" ...``: the ``fastmt translate`` command at its documented
-``python -m`` path; the command lives in train/cli/translate.py (this entry imports nothing else)."""
+``python -m`` path; the command lives in train/cli/translate.py (this entry imports nothing else, and sets
+the CPU threads' wait policy first: train/cli/cpu_wait.py)."""
 
 import sys
 
-from train.cli.translate import main
+from train.cli.cpu_wait import wait_passively
+
+wait_passively()  # before torch loads OpenMP: train/cli/cpu_wait.py
+from train.cli.translate import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -367,3 +367,94 @@ def test_changing_max_len_re_encodes_but_keeps_the_tokenizer(tmp_path):
     assert a.split_record["tokenizer_key"] == b.split_record["tokenizer_key"]
     assert any("trained SentencePiece" in m for m in logs_a)
     assert not any("trained SentencePiece" in m for m in logs_b), logs_b
+
+
+# ----------------------------------------------------------------------------------------------
+# Contents (issue 45 class 5): an entry whose arrays or texts are damaged in content, not in form, is rebuilt
+# ----------------------------------------------------------------------------------------------
+def _rewrite(path: Path, a: np.ndarray) -> None:
+    with open(path, "wb") as f:
+        np.save(f, a)
+
+
+def _meta(entry: Path, **changes) -> None:
+    meta = json.loads((entry / "meta.json").read_text())
+    (entry / "meta.json").write_text(json.dumps({**meta, **changes}))
+
+
+def _id_past_vocab(entry: Path, vocab: int) -> None:
+    a = np.load(entry / "train_src_ids.npy")
+    a[len(a) // 2] = vocab  # one id, one past the last piece
+    _rewrite(entry / "train_src_ids.npy", a)
+
+
+def _negative_id(entry: Path, vocab: int) -> None:
+    meta = json.loads((entry / "meta.json").read_text())
+    for s in ("train", "valid", "test"):
+        for side in ("src", "tgt"):
+            a = np.load(entry / f"{s}_{side}_ids.npy").astype(np.int32)
+            if s == "valid" and side == "tgt":
+                a[0] = -1
+            _rewrite(entry / f"{s}_{side}_ids.npy", a)
+    _meta(entry, id_dtype="int32", **{k: meta[k] for k in ("counts",)})
+
+
+def _float_ids(entry: Path, vocab: int) -> None:
+    for s in ("train", "valid", "test"):
+        for side in ("src", "tgt"):
+            p = entry / f"{s}_{side}_ids.npy"
+            _rewrite(p, np.load(p).astype(np.float32))
+    _meta(entry, id_dtype="float32")
+
+
+def _offsets_fall(entry: Path, vocab: int) -> None:
+    off = np.load(entry / "train_tgt_off.npy")
+    off[2], off[3] = off[3], off[2]  # the same ends, two rows out of order: a negative and a long row
+    _rewrite(entry / "train_tgt_off.npy", off)
+
+
+def _row_too_long(entry: Path, vocab: int) -> None:
+    off = np.load(entry / "train_src_off.npy")
+    off[1:-1] = off[-1]  # rising, but row 0 holds every token: longer than any row a build keeps
+    _rewrite(entry / "train_src_off.npy", off)
+
+
+def _text_not_string(entry: Path, vocab: int) -> None:
+    t = json.loads((entry / "valid_text.json").read_text())
+    t["src"][3] = 5
+    (entry / "valid_text.json").write_text(json.dumps(t))
+
+
+def _text_not_a_list(entry: Path, vocab: int) -> None:
+    t = json.loads((entry / "test_text.json").read_text())
+    (entry / "test_text.json").write_text(json.dumps({"src": "x" * len(t["src"]), "tgt": t["tgt"]}))
+
+
+def _big_endian(entry: Path, vocab: int) -> None:
+    p = entry / "train_rows.npy"
+    _rewrite(p, np.load(p).astype(">i8"))
+
+
+def _float_count(entry: Path, vocab: int) -> None:
+    meta = json.loads((entry / "meta.json").read_text())
+    _meta(entry, counts={**meta["counts"], "valid": float(meta["counts"]["valid"])})
+
+
+@pytest.mark.parametrize("damage", [_id_past_vocab, _negative_id, _float_ids, _offsets_fall, _row_too_long,
+                                    _text_not_string, _text_not_a_list, _big_endian, _float_count],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_an_entry_damaged_in_content_is_rebuilt(tmp_path, damage):
+    cfg = cfg_for(tmp_path, write_jsonl(tmp_path / "d.jsonl", make_rows(300)))
+    ref = build_data(cfg, **QUIET)
+    want, vocab = _arrays(ref), ref.tokenizer.vocab_size
+    (entry,) = Path(cfg.cache_dir).glob("corpus-*")
+    del ref  # its maps of the files about to be rewritten
+    damage(entry, vocab)
+    logs = []
+    healed = build_data(cfg, log=logs.append)
+    warnings = [line for line in logs if "unusable" in line]
+    assert len(warnings) == 1 and "\n" not in warnings[0] and str(entry) in warnings[0], logs
+    assert _arrays(healed) == want
+    logs = []
+    build_data(cfg, log=logs.append)  # and it stays healed: opened, checked, no warning
+    assert not [line for line in logs if "unusable" in line] and _built(logs) == 0

@@ -126,6 +126,25 @@ def test_a_forged_npy_header_is_refused_by_the_reader(tmp_path, shape, descr):
             load_npy(path, "cache array", mmap=mmap)
 
 
+@pytest.mark.parametrize("dtype", [">i8", ">f4", "<U4", "|S8", "|V8", [("a", "<i4"), ("b", "<i4")], "<M8[s]",
+                                   "<c16", "|O"],
+                         ids=["big-endian", "big-endian-float", "unicode", "bytes", "void", "structured",
+                              "datetime", "complex", "objects"])
+def test_an_npy_array_of_a_dtype_fastmt_never_writes_is_refused(tmp_path, dtype):
+    """Issue 45: only plain numbers in this machine's byte order; the file otherwise exact (its size matches the
+    header), so only the dtype can refuse it."""
+    from data.files import load_npy
+
+    path = tmp_path / "a.npy"
+    np.save(path, np.zeros(3, dtype=np.dtype(dtype)))
+    for mmap in (True, False):
+        with pytest.raises(F.BadFileError, match=f"{path}: not a .npy array fastmt wrote") as e:
+            load_npy(path, "cache array", mmap=mmap)
+        assert "\n" not in str(e.value)
+    np.save(path, np.arange(3, dtype=np.dtype(np.int64).newbyteorder("=")))  # the same file, native: read
+    assert load_npy(path, "cache array").tolist() == [0, 1, 2]
+
+
 def test_a_forged_npy_header_in_the_cache_is_healed_not_a_crash_on_every_run(tmp_path):
     from data import build_data
     from tests.security.test_cache import _cfg

@@ -80,6 +80,9 @@ def run_module(module: str, prog: str, argv: list[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from train.cli.cpu_wait import wait_passively
+
+    wait_passively()  # before any command imports torch (OpenMP reads it once): train/cli/cpu_wait.py
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
         print(usage(), file=sys.stdout if args else sys.stderr)

@@ -129,6 +129,20 @@ def run_command(run: Callable[[argparse.Namespace], int], args: argparse.Namespa
         if interrupted:
             print(interrupted, file=sys.stderr)
         return EXIT_ABORTED
+    except MemoryError:  # a test set larger than this process may hold (ulimit -v, a cgroup): one line, no traceback
+        files = [f for f in (getattr(args, "src", None), *(getattr(args, "ref", None) or [])) if f]
+        held = f" (it holds {', '.join(files)} whole, with their hypotheses)" if files else ""
+        print(f"error: out of memory{held} under this process's limit ({_memory_limit()}): split the input into "
+              f"smaller files (split -l 100000), or raise the limit (ulimit -v)", file=sys.stderr)
+        return 2
+
+
+def _memory_limit() -> str:
+    """This process's address-space limit (RLIMIT_AS) in words."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    return "ulimit -v unlimited" if soft == resource.RLIM_INFINITY else f"ulimit -v {soft // 1024} KB"
 
 
 @dataclass

@@ -346,10 +346,18 @@ def check_machine(cfg: Config, preset: str | None, log) -> None:
     if device == "cpu":
         busy = busy_machine()
         if busy and run.cpu_threads is None:
+            from train.cli import cpu_wait
+
             load, cores = busy
-            log(f"warning: this machine is busy (load {load:.1f} on the {cores} cores this process may use): threads "
-                f"of a CPU run then wait for each other; --run.cpu_threads 1 (or OMP_WAIT_POLICY=PASSIVE) ran the "
-                f"tiny preset 7-13x faster than all cores in that state")
+            if cpu_wait.in_force == cpu_wait.POLICY:  # set by this command's entry before torch started
+                log(f"warning: this machine is busy (load {load:.1f} on the {cores} cores this process may use): this "
+                    f"run gets a share of them; its threads wait passively (OMP_WAIT_POLICY=PASSIVE, fastmt's "
+                    f"default), so they do not spin on a taken core; --run.cpu_threads 1 avoids waiting at all")
+            else:
+                log(f"warning: this machine is busy (load {load:.1f} on the {cores} cores this process may use) and "
+                    f"the CPU threads may spin-wait (OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}): "
+                    f"beside busy neighbours the tiny preset took 4-25x longer than with OMP_WAIT_POLICY=PASSIVE "
+                    f"(fastmt's default when it starts torch) or --run.cpu_threads 1")
         slow = [w for w, on in ((f"{run.precision} autocast", run.precision != "fp32"),
                                 ("torch.compile", compiled)) if on]
         if slow:
