@@ -233,6 +233,9 @@ class Trainer(RunSetup, EpochEnd):
         # autocast is built once and re-entered every step
         self.autocast = torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
                                        enabled=self.amp_dtype is not None)
+        # our Triton kernels at this run's batch shape compiled in worker processes during the rest of setup
+        # (kernels.warm_compile; CUDA only): the first step loads them from Triton's cache (waited for there)
+        self.kernel_warm = self._warm_kernels() if self.device.type == "cuda" else None
 
         # position and counters (all saved in checkpoints)
         self.epoch = 0  # current epoch (0-based)
@@ -285,6 +288,11 @@ class Trainer(RunSetup, EpochEnd):
         if not self.model.training:  # (a walk over every module: only after an evaluation)
             self.model.train()
         t_first = time.perf_counter() if self.first_step_seconds is None else None
+        if self.kernel_warm is not None:  # the pool's kernels in Triton's cache before their first launch
+            warm, self.kernel_warm = self.kernel_warm.wait(), None
+            if warm["kernels"]:
+                self.log(f"kernels: {warm['kernels']} compiled in a pool during setup ({warm['failed']} failed: they "
+                         f"compile at their launch), {warm['seconds']:.1f} s")
         if self.step_plan.on:
             loss = self._graph_step(batches)
         else:
@@ -300,6 +308,30 @@ class Trainer(RunSetup, EpochEnd):
                     self.mega_cache.save()
                 self.split.add("compile", time.perf_counter() - t_first)
         return loss
+
+    def _warm_kernels(self):
+        """``kernels.warm_compile`` of one forward and backward of the first training batch (compiled regions run
+        eagerly, gradients through ``autograd.grad``: no parameter's ``.grad`` is touched). A failure costs nothing
+        but the warm start: the kernels then compile at their first launch, as without it."""
+        import kernels
+        from models.decoding import eager_compiled_regions
+
+        try:
+            loader = self.data.loader("train", epoch=0, rank=self.dist.rank, world_size=self.dist.world_size,
+                                      start_batch=0)
+            b = next(iter(loader)).to(self.device)
+            params = [p for p in self.model.parameters() if p.requires_grad]
+
+            def step():
+                with eager_compiled_regions(), self.autocast:
+                    loss = self.loss_module(b.tgt_out, **b.model_inputs(static_max_len=True))
+                torch.autograd.grad(loss.float(), params, allow_unused=True)
+
+            return kernels.warm_compile(step)
+        except Exception as e:  # noqa: BLE001 - only the warm start is lost
+            self.log(f"kernels: no warm compile ({type(e).__name__}: {' '.join(str(e).split())[:200]}); they compile "
+                     f"at their first launch")
+            return None
 
     def _graph_step(self, batches) -> torch.Tensor:
         """The static-buffer step (train/graph_step.py): one replay per step on CUDA after its capture."""
