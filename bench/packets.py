@@ -82,7 +82,7 @@ KERNEL_TEST_FILES = ("test_packed_attention.py", "test_layernorm.py", "test_atte
 # LayerNorm N=1 cases, which the H200 got wrong (issue 43: an fma contracted in the backward kernel)
 KERNEL_TESTS_FIRST = ("tests/kernels/test_layernorm.py::*-N1-*",
                       "tests/kernels/test_layernorm.py::test_fuzz_against_reference")
-CPU_ONLY_KERNEL_TESTS = ("test_launch.py", "test_lowp_emulation.py", "test_lion_codegen.py",
+CPU_ONLY_KERNEL_TESTS = ("test_launch.py", "test_lowp_emulation.py", "test_lion_codegen.py", "test_tuning.py",
                          "test_layernorm_codegen.py", "test_attention_codegen.py")
 
 

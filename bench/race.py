@@ -35,7 +35,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 SYSTEMS = ("fastmt", "hf", "eole")
-STAND_IN = "/work/shared/data/opus_mt_testsets/en-it/train.jsonl"
+STAND_IN = str(REPO.parent / "shared" / "data" / "opus_mt_testsets" / "en-it" / "train.jsonl")  # a dev checkout's
 # the small size every system trains at (fastmt override syntax)
 SIZE = {"model.d_model": "128", "model.n_heads": "4", "model.d_ff": "512", "model.enc_layers": "2",
         "model.dec_layers": "2", "data.vocab_size": "8000", "data.max_len": "64", "data.max_tokens": "4096"}
@@ -550,7 +550,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     a, fastmt_extra = p.parse_known_args(argv)
     if a.report_from is not None:
         try:
-            record = json.loads(a.report_from.read_text())
+            from data.files import read_json
+
+            record = read_json(a.report_from, "race record")
         except (OSError, ValueError) as e:
             p.error(f"--report-from {a.report_from}: {e}")
         if "--threshold" in argv:

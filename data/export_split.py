@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from data.files import TEXTS_MAX, TOKENIZER_MAX, read_bytes, read_text
+
 SPLITS = ("train", "valid", "test")
 SIDES = ("src", "tgt")
 
@@ -32,13 +34,13 @@ def pairs_sha256(src: Iterable[str], tgt: Iterable[str]) -> str:
 
 
 def file_sha256(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    return hashlib.sha256(read_bytes(path, "exported split file", limit=TEXTS_MAX)).hexdigest()
 
 
 def read_pairs(folder: Path, split: str) -> tuple[list[str], list[str]]:
     """The (sources, targets) of an exported ``split``, as the files hold them."""
-    src = (Path(folder) / f"{split}.src").read_text(encoding="utf-8").split("\n")[:-1]
-    tgt = (Path(folder) / f"{split}.tgt").read_text(encoding="utf-8").split("\n")[:-1]
+    src = read_text(Path(folder) / f"{split}.src", "exported split file", limit=TEXTS_MAX).split("\n")[:-1]
+    tgt = read_text(Path(folder) / f"{split}.tgt", "exported split file", limit=TEXTS_MAX).split("\n")[:-1]
     if len(src) != len(tgt):
         raise ValueError(f"{folder}/{split}.src has {len(src)} lines but {split}.tgt has {len(tgt)}")
     return src, tgt
@@ -117,7 +119,7 @@ def export_split(bundle, cfg, out: Path) -> dict:
                                "row_index_sha256": hashlib.sha256(rows.tobytes()).hexdigest(),
                                **{f"{side}_sha256": file_sha256(out / f"{s}.{side}") for side in SIDES}}
     tok = bundle.tokenizer
-    proto = tok.model_proto if tok.model_proto is not None else Path(tok.model_file).read_bytes()
+    proto = tok.model_proto if tok.model_proto is not None else read_bytes(tok.model_file, "tokenizer", limit=TOKENIZER_MAX)
     (out / "spm.model").write_bytes(proto)
     record["spm_sha256"] = file_sha256(out / "spm.model")
     (out / "split.json").write_text(json.dumps(record, indent=2) + "\n")

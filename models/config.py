@@ -26,7 +26,6 @@ from data.declare import (
     refused,
 )
 from kernels import ATTN_BACKENDS, ATTN_HEAD_DIMS  # what kernels.attention accepts (kernels/__init__.py)
-from models.components import NORMS as NORM_BACKENDS  # kind -> the backends (model.norm) that compute it
 
 Sharing = Literal["none", "all", "cycle", "cycle_rev"]
 Positions = Literal["sinusoidal", "learned"]
@@ -117,6 +116,9 @@ class ModelConfig:
             need(v in allowed, f"{name}={v!r} is not one of {allowed}")
         need(isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0,
              f"dropout={self.dropout!r} must be in [0, 1)")
+        # kind -> the backends (model.norm) that compute it; imported here: importing a config starts no torch
+        from models.components import NORMS as NORM_BACKENDS
+
         backends = NORM_BACKENDS.get(self.norm_kind, {"torch": None})
         need(self.norm in backends, f"norm_kind={self.norm_kind!r} runs on norm={' or '.join(map(repr, backends))} only "
                                     f"(models/components.py NORMS): pass --model.norm {next(iter(backends))}")

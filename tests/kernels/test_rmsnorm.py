@@ -129,8 +129,3 @@ def test_model_rmsnorm_runs_fused_with_the_torch_modules_parameters(monkeypatch)
     torch.testing.assert_close(y, y_t, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(s, s_t)
     torch.testing.assert_close(fused.plain(s), torch_.plain(s))
-
-
-def test_module_refuses_a_bad_activation_by_name():
-    with pytest.raises(ValueError, match="activation='relu6'"):
-        RMSNorm(8, activation="relu6")

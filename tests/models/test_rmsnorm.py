@@ -91,3 +91,11 @@ def test_both_export_targets_refuse_rmsnorm_by_name(target):
     refuse_unsupported(target, get_preset("tiny", vocab_size=40), "ckpt")  # the default exports
     with pytest.raises(UserError, match=r"model\.norm_kind='rmsnorm'|norm_kind"):
         refuse_unsupported(target, _cfg(), "ckpt")
+
+
+def test_the_kernels_module_refuses_a_bad_activation_by_name():
+    """(CPU work: kept out of tests/kernels, whose files the GPU runbook's kernel-test step runs on the device.)"""
+    from kernels.layernorm import RMSNorm
+
+    with pytest.raises(ValueError, match="activation='relu6'"):
+        RMSNorm(8, activation="relu6")

@@ -32,6 +32,8 @@ BENCH: dict[str, tuple[str, str]] = {
     "frontier": ("bench.frontier", "validation BLEU against wall seconds, fastmt against the HF baseline (GPU)"),
     "sweep": ("bench.sweep", "the optimiser sweep on wall time to BLEU (GPU)"),
     "peers": ("bench.peers", "the Hugging Face baseline (MarianMT) on fastmt's data (needs the peers extra)"),
+    "race": ("bench.race", "the CPU race: fastmt, the HF baseline and eole at the small size, seeds, one scoring"),
+    "batch-sweep": ("bench.batch_sweep", "tokens a step x lr / warm-up: seconds to validation BLEU 15 and 20 (GPU)"),
     "vocab-sweep": ("bench.vocab_sweep", "vocabulary size and batching settings behind the data defaults"),
     "data-scale": ("bench.data_scale", "cold and warm start of the data layer on generated 0.02-5 M-pair corpora"),
     "readme-figures": ("bench.readme_figures", "re-measure the README's CPU figures (split table, epoch planning)"),

@@ -41,6 +41,7 @@ from data.files import (
     CHECKPOINT_MAX,
     BadFileError,
     FileRefusedError,
+    ReadRefusedError,
     atomic_write,
     cause_of,
     check_stored_zip,
@@ -180,6 +181,11 @@ def _torch_load(path: Path, map_location, mmap: bool = False, inside: str | os.P
                                         f"writes it in place?): its hash would not name what was loaded; nothing was "
                                         f"changed. Run again once it is written")
             return ckpt
+    except ReadRefusedError as e:  # the OS refused the read (permission, I/O): not the file's content
+        if e.errno not in NOT_CONTENT:
+            raise
+        raise CheckpointIOError(f"cannot read checkpoint {path}: {cause_of(e, path)}; nothing was changed. Fix "
+                                f"the cause and run again") from e
     except (FileRefusedError, CheckpointIOError):
         raise
     except pickle.UnpicklingError as e:

@@ -21,7 +21,10 @@ from train.overrides import DuplicateKeyError
 def write_ckpt(path: Path, tok, config: dict | None = None) -> Path:
     mcfg = get_preset("tiny", vocab_size=tok.vocab_size, d_model=32, n_heads=2, d_ff=64, enc_layers=1,
                       dec_layers=1, max_positions=24)
-    torch.save({"model": Transformer(mcfg).state_dict(), "config": {"model": dataclasses.asdict(mcfg), **(config or {})},
+    record = {**get_config("tiny").record(), "model": dataclasses.asdict(mcfg)}  # every section, as the trainer's
+    for section, values in (config or {}).items():
+        record[section] = {**record[section], **values}
+    torch.save({"model": Transformer(mcfg).state_dict(), "config": record,
                 "position": {"epoch": 1, "batch_index": 0, "step": 1},
                 "tokenizer": {"model_file": "spm.model", "key": tok.key, "model_bytes": tok.model_bytes()}}, path)
     return path
