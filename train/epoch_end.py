@@ -157,6 +157,11 @@ class EpochEnd:
         if partial:
             record["partial_epoch"] = True
         record["mfu"] = self._mfu(st, record["tgt_tokens_per_second"])
+        # the step (issue 42): wall ms and the training thread's CPU ms per optimizer step, CUDA graphs replayed a step
+        record["step_ms"] = 1000 * train_seconds / st.steps if st.steps else None
+        record["host_ms_per_step"] = 1000 * st.host_seconds / st.steps if st.steps else None
+        graph = getattr(self, "step_graph", None)
+        record["graphs_per_step"] = 1 if graph is not None and graph.captures else 0
         record["peak_dtype"] = self.peak_dtype
         from train.compile import compiled_graphs, graph_breaks
 

@@ -444,7 +444,10 @@ class Trainer(RunSetup, EpochEnd):
                 group.append(batch)
                 if len(group) < self.cfg.optim.accum_steps and self.batch_index + len(group) < n_micro:
                     continue
+                host0 = time.thread_time()  # the training thread's CPU time: what the host pays for a step
                 loss = self.train_step(group)
+                self.stats.host_seconds += time.thread_time() - host0
+                self.stats.steps += 1
                 self.batch_index += len(group)
                 steps_this_call += 1
                 self.stats.add(loss, group)

@@ -149,6 +149,8 @@ class EpochStats:
     micro_batches: int = 0
     sentences: int = 0
     seconds: float = 0.0  # training seconds before the current stretch (resume)
+    steps: int = 0  # optimizer steps this epoch
+    host_seconds: float = 0.0  # CPU time of the training thread inside those steps (the host's cost of a step)
     t0: float = 0.0  # perf_counter at the start of the current stretch
 
     @classmethod
