@@ -127,27 +127,10 @@ def run_logged(cmd: list[str], log_path: Path, *, timeout_s: float, threads: int
                log: Callable[[str], None] = print) -> int:
     """Run ``cmd`` in its own process group, output appended to ``log_path``; past ``timeout_s`` the whole group
     is killed and ``TimeoutError`` raised; any other exit raises ``RuntimeError`` with the log's tail."""
-    from bench.frontier import kill_group
+    from bench.frontier import run_in_group
 
     log(f"[eole] {' '.join(cmd)}")
-    with open(log_path, "a") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(threads), start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            kill_group(proc.pid, grace_s=2.0)
-            proc.wait()
-            raise TimeoutError(f"{cmd[1]} ran past its {timeout_s:.0f} s deadline (killed); log {log_path}") from None
-        except BaseException:
-            kill_group(proc.pid)
-            proc.wait()
-            raise
-        finally:
-            kill_group(proc.pid, grace_s=0.0)
-    if rc != 0:
-        tail = " | ".join(Path(log_path).read_text(errors="replace").strip().splitlines()[-4:])
-        raise RuntimeError(f"{cmd[1]} exited {rc}: {tail[:600]}")
-    return rc
+    return run_in_group(cmd, log_path, timeout_s=timeout_s, env=_env(threads), append=True, tail_lines=4)
 
 
 def step_seconds(log_text: str) -> dict[int, float]:

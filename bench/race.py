@@ -25,7 +25,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -96,28 +95,11 @@ def _env(threads: int) -> dict[str, str]:
 
 def _run(cmd: list[str], log_path: Path, timeout_s: float, threads: int, log: Callable[[str], None]) -> float:
     """Run ``cmd`` in its own process group (killed whole at ``timeout_s``); returns its wall seconds."""
-    from bench.frontier import kill_group
+    from bench.frontier import run_in_group
 
     log(f"[race] {' '.join(cmd)}")
     t0 = time.perf_counter()
-    with open(log_path, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=_env(threads),
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            kill_group(proc.pid, grace_s=2.0)
-            proc.wait()
-            raise TimeoutError(f"ran past {timeout_s:.0f} s (killed): {log_path}") from None
-        except BaseException:
-            kill_group(proc.pid)
-            proc.wait()
-            raise
-        finally:
-            kill_group(proc.pid, grace_s=0.0)
-    if rc != 0:
-        tail = " | ".join(log_path.read_text(errors="replace").strip().splitlines()[-3:])
-        raise RuntimeError(f"exit {rc}: {tail[:500]}")
+    run_in_group(cmd, log_path, timeout_s=timeout_s, env=_env(threads), cwd=REPO)
     return time.perf_counter() - t0
 
 
