@@ -26,8 +26,10 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,8 +65,9 @@ class RaceConfig:
     systems: tuple[str, ...] = SYSTEMS
     threshold: float = 0.5  # valid BLEU of the time-to-threshold column
     threads: int = 1
+    jobs: int = 1  # runs trained (and scored) at once: on 2 cores, 2 one-thread runs
     timeout_s: float = 3600.0  # per training process
-    hf_lr: float = 1e-3  # the HF baseline's peak lr (the CPU lr check: bench/results/peers-cpu.md)
+    hf_lr: float = 2e-3  # the HF baseline's peak lr: the best of the CPU lr check (bench/results/peers-cpu.md)
     eole_peak_lr: float = 2e-3  # eole's noam peak
     fastmt_overrides: tuple[str, ...] = ()  # more --x.y V for fastmt (e.g. --optim.ema_decay 0.999)
     extra: dict = field(default_factory=dict)
@@ -77,6 +80,8 @@ class RaceConfig:
             raise ValueError(f"--systems: unknown {unknown or list(self.systems)}; choose from {','.join(SYSTEMS)}")
         if not self.seeds:
             raise ValueError("--seeds: give at least one seed")
+        if self.jobs < 1 or self.threads < 1:
+            raise ValueError(f"--jobs {self.jobs} and --threads {self.threads} must be at least 1")
 
 
 def fastmt_config(rc: RaceConfig, cache: Path):
@@ -325,50 +330,62 @@ def run_race(rc: RaceConfig, log: Callable[[str], None] = print,
                               "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                               "tokens_per_batch_fastmt": hf_tokens_per_batch(bundle)}
     eole_tokens = record["eole_batch_tokens"] = eole_batch_tokens(bundle)
-    for seed in rc.seeds:
-        for system in rc.systems:
-            run: dict[str, Any] = {"system": system, "seed": seed, "load_before": load_sample()}
-            try:
-                if system == "fastmt":
-                    got = train_fastmt(rc, seed, work, cache, log)
-                elif system == "hf":
-                    got = train_hf(rc, seed, work, cache, log)
-                else:
-                    got = train_eole(rc, seed, work, split_dir, bundle.tokenizer.vocab_size, eole_tokens, log)
-                run.update({k: v for k, v in got.items() if k != "checkpoints"})
-                run["command"] = " ".join(str(x) for x in got["command"])
-                run["points"] = []
-                last = max(got["checkpoints"])
-                for step, ckpt in sorted(got["checkpoints"].items()):
-                    t0 = time.perf_counter()
-                    sets = [("valid", valid_src, valid_ref)] + ([("test", test_src, test_ref)] if step == last else [])
-                    point: dict[str, Any] = {"step": step, "train_seconds": got["seconds"].get(step)}
-                    for name, src, ref in sets:
-                        if system == "fastmt":
-                            hyps = translate_fastmt(ckpt, src)
-                        elif system == "hf":
-                            hyps = translate_hf(ckpt, cfg, bundle, src)
-                        else:
-                            hyps = translate_eole(ckpt, split_dir / f"{name}.src",
-                                                  work / f"eole-s{seed}" / f"{name}-{step}.hyp")
-                        s = score(hyps, ref)
-                        point[f"{name}_bleu"], point[f"{name}_chrf"] = s["bleu"], s["chrf"]
-                        point["bleu_signature"] = s["bleu_signature"]
-                        point[f"{name}_sentences"] = len(hyps)
-                    point["decode_seconds"] = time.perf_counter() - t0
-                    run["points"].append(point)
-                    log(f"[race] {system} seed {seed} step {step}: valid BLEU {point['valid_bleu']:.2f}"
-                        + (f", test BLEU {point['test_bleu']:.2f}" if "test_bleu" in point else "")
-                        + f" ({point['train_seconds'] or float('nan'):.0f} s of training)")
-                run["status"] = "ok"
-            except Exception as e:  # noqa: BLE001 - one system's failure is a row, the race goes on
-                run["status"] = f"error: {type(e).__name__}: {' '.join(str(e).split())[:400]}"
-                log(f"[race] {system} seed {seed}: {run['status']}")
-            run["load_after"] = load_sample()
+    lock = threading.Lock()
+
+    def one(seed: int, system: str) -> None:
+        run: dict[str, Any] = {"system": system, "seed": seed, "load_before": load_sample()}
+        try:
+            if system == "fastmt":
+                got = train_fastmt(rc, seed, work, cache, log)
+            elif system == "hf":
+                got = train_hf(rc, seed, work, cache, log)
+            else:
+                got = train_eole(rc, seed, work, split_dir, bundle.tokenizer.vocab_size, eole_tokens, log)
+            run.update({k: v for k, v in got.items() if k != "checkpoints"})
+            run["command"] = " ".join(str(x) for x in got["command"])
+            run["points"] = []
+            last = max(got["checkpoints"])
+            for step, ckpt in sorted(got["checkpoints"].items()):
+                t0 = time.perf_counter()
+                sets = [("valid", valid_src, valid_ref)] + ([("test", test_src, test_ref)] if step == last else [])
+                point: dict[str, Any] = {"step": step, "train_seconds": got["seconds"].get(step)}
+                for name, src, ref in sets:
+                    if system == "fastmt":
+                        hyps = translate_fastmt(ckpt, src)
+                    elif system == "hf":
+                        hyps = translate_hf(ckpt, cfg, bundle, src)
+                    else:
+                        hyps = translate_eole(ckpt, split_dir / f"{name}.src",
+                                              work / f"eole-s{seed}" / f"{name}-{step}.hyp")
+                    s = score(hyps, ref)
+                    point[f"{name}_bleu"], point[f"{name}_chrf"] = s["bleu"], s["chrf"]
+                    point["bleu_signature"] = s["bleu_signature"]
+                    point[f"{name}_sentences"] = len(hyps)
+                point["decode_seconds"] = time.perf_counter() - t0
+                run["points"].append(point)
+                log(f"[race] {system} seed {seed} step {step}: valid BLEU {point['valid_bleu']:.2f}"
+                    + (f", test BLEU {point['test_bleu']:.2f}" if "test_bleu" in point else "")
+                    + f" ({point['train_seconds'] or float('nan'):.0f} s of training)")
+            run["status"] = "ok"
+        except Exception as e:  # noqa: BLE001 - one system's failure is a row, the race goes on
+            run["status"] = f"error: {type(e).__name__}: {' '.join(str(e).split())[:400]}"
+            log(f"[race] {system} seed {seed}: {run['status']}")
+        run["load_after"] = load_sample()
+        with lock:
             record["runs"].append(run)
             record["load"].append(run["load_after"])
             if on_update is not None:
                 on_update(record)
+
+    jobs = [(seed, system) for seed in rc.seeds for system in rc.systems]
+    if rc.jobs == 1:
+        for job in jobs:
+            one(*job)
+    else:  # each job is a child process plus in-process scoring at one thread: a thread pool drives them
+        with ThreadPoolExecutor(max_workers=rc.jobs) as pool:
+            for f in [pool.submit(one, *job) for job in jobs]:
+                f.result()
+        record["runs"].sort(key=lambda r: (rc.seeds.index(r["seed"]), rc.systems.index(r["system"])))
     record["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     return record
 
@@ -437,7 +454,9 @@ def markdown(record: dict, command: str) -> str:
               f"batch (the same real tokens), eole batch_size {record.get('eole_batch_tokens')} tokens as eole counts them "
               f"(about the longer side of each pair, sized for the same real tokens; eole's log says how many it got)",
               f"- {rc['steps']} optimizer steps per run, weights kept every {rc['eval_every']}; seeds "
-              f"{', '.join(map(str, rc['seeds']))}; {rc['threads']} thread each, systems run one after another",
+              f"{', '.join(map(str, rc['seeds']))}; {rc['threads']} thread each, "
+              + ("runs one after another" if rc.get("jobs", 1) == 1
+                 else f"{rc['jobs']} runs at once (each its own thread; the load columns show the machine)"),
               "- scoring: one function (`bench.race.score` = fastmt's `corpus_scores`), greedy decoding by each "
               "system's own decoder, the whole validation split at each kept step and the whole test split at the "
               "last; signature `" + next((p["bleu_signature"] for r in record["runs"] for p in r.get("points", [])),
@@ -491,6 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
     p.add_argument("--threshold", type=float, default=RaceConfig.threshold, help="valid BLEU of time-to-threshold")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--jobs", type=int, default=RaceConfig.jobs, help="runs at once (each --threads threads)")
     p.add_argument("--timeout-s", type=float, default=RaceConfig.timeout_s, help="per training process")
     p.add_argument("--hf-lr", type=float, default=RaceConfig.hf_lr)
     p.add_argument("--eole-peak-lr", type=float, default=RaceConfig.eole_peak_lr)
@@ -553,7 +573,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         work=a.work or REPO / "runs" / time.strftime("race-%Y%m%d-%H%M%S"), steps=a.steps,
                         eval_every=a.eval_every, seeds=seeds,
                         systems=tuple(s.strip() for s in a.systems.split(",") if s.strip()),
-                        threshold=a.threshold, threads=a.threads, timeout_s=a.timeout_s, hf_lr=a.hf_lr,
+                        threshold=a.threshold, threads=a.threads, jobs=a.jobs, timeout_s=a.timeout_s, hf_lr=a.hf_lr,
                         eole_peak_lr=a.eole_peak_lr, fastmt_overrides=tuple(fastmt_extra))
     except ValueError as e:
         p.error(str(e))
