@@ -127,7 +127,7 @@ def run_logged(cmd: list[str], log_path: Path, *, timeout_s: float, threads: int
                log: Callable[[str], None] = print) -> int:
     """Run ``cmd`` in its own process group, output appended to ``log_path``; past ``timeout_s`` the whole group
     is killed and ``TimeoutError`` raised; any other exit raises ``RuntimeError`` with the log's tail."""
-    from bench.frontier import run_in_group
+    from bench.harness import run_in_group
 
     log(f"[eole] {' '.join(cmd)}")
     return run_in_group(cmd, log_path, timeout_s=timeout_s, env=_env(threads), append=True, tail_lines=4)

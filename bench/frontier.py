@@ -25,6 +25,7 @@ import torch
 
 from bench import cli
 from bench import harness as H
+from bench.harness import kill_group, run_in_group  # noqa: F401 - the one deadline runner
 from bench.quality import read_run
 from train.runs.folder import free_run_name, read_marker
 
@@ -92,49 +93,6 @@ class Stopped(Exception):
 
 def _raise_stopped(signum, _frame):
     raise Stopped(f"signal {signum}")
-
-
-def kill_group(pgid: int, grace_s: float = 5.0) -> None:
-    """End a contestant's process group: TERM, then KILL after ``grace_s`` for whatever still runs (the
-    contestant's own children included: data workers, compile workers, a stray ``sleep``)."""
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 0.0)):
-        try:
-            os.killpg(pgid, sig)
-        except (ProcessLookupError, PermissionError):
-            return
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(pgid, 0)
-            except (ProcessLookupError, PermissionError):
-                return
-            time.sleep(0.05)
-
-
-def run_in_group(cmd: list[str], log_path: Path, *, timeout_s: float, env: dict[str, str], cwd=None,
-                 append: bool = False, tail_lines: int = 3) -> int:
-    """Run ``cmd`` in its own process group, stdout and stderr to ``log_path``; past ``timeout_s`` the whole group
-    is killed (``kill_group``) and ``TimeoutError`` raised, an interrupt kills it too; any non-zero exit raises
-    ``RuntimeError`` with the log's last ``tail_lines`` lines. Returns 0."""
-    with open(log_path, "a") if append else open(log_path, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            kill_group(proc.pid, grace_s=2.0)
-            proc.wait()
-            raise TimeoutError(f"{Path(cmd[0]).name} ran past its {timeout_s:.0f} s deadline (killed); log "
-                               f"{log_path}") from None
-        except BaseException:
-            kill_group(proc.pid)
-            proc.wait()
-            raise
-        finally:
-            kill_group(proc.pid, grace_s=0.0)
-    if rc != 0:
-        tail = " | ".join(Path(log_path).read_text(errors="replace").strip().splitlines()[-tail_lines:])
-        raise RuntimeError(f"{' '.join(cmd[:2])} exited {rc}: {tail[:600]}")
-    return rc
 
 
 def run_contestant(c: Contestant, cmd: list[str], log_path: Path, *, timeout_s: float,

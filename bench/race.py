@@ -100,7 +100,7 @@ def _env(threads: int) -> dict[str, str]:
 
 def _run(cmd: list[str], log_path: Path, timeout_s: float, threads: int, log: Callable[[str], None]) -> float:
     """Run ``cmd`` in its own process group (killed whole at ``timeout_s``); returns its wall seconds."""
-    from bench.frontier import run_in_group
+    from bench.harness import run_in_group
 
     log(f"[race] {' '.join(cmd)}")
     t0 = time.perf_counter()
