@@ -55,6 +55,10 @@ def score(hyps: Sequence[str], refs: Sequence[str]) -> dict[str, Any]:
 
 
 # -- Configuration ------------------------------------------------------------------------------------
+class RaceSetupError(ValueError):
+    """The race cannot run as asked on this data (said in one line before anything trains)."""
+
+
 @dataclass
 class RaceConfig:
     data_files: tuple[str, ...]
@@ -132,6 +136,9 @@ def train_fastmt(rc: RaceConfig, seed: int, work: Path, cache: Path, log) -> dic
         t += float(r["epoch_seconds"])
         seconds[int(r["step"])] = t
     ckpts = {int(p.stem.split("-")[1]): p for p in (run_dir / "checkpoints").glob("step-*.pt")}
+    want = set(range(rc.eval_every, rc.steps + 1, rc.eval_every))
+    if set(ckpts) != want:
+        raise RuntimeError(f"fastmt kept weights at steps {sorted(ckpts)}, not {sorted(want)}")
     return {"checkpoints": ckpts, "seconds": seconds, "process_seconds": wall, "command": cmd}
 
 
@@ -321,6 +328,10 @@ def run_race(rc: RaceConfig, log: Callable[[str], None] = print,
     cache = work / "cache"
     cfg = fastmt_config(rc, cache)
     bundle = build_data(cfg.data, log=lambda m: None)
+    shortest = min(len(bundle.plan("train", epoch=e)) for e in range(rc.steps // rc.eval_every))
+    if rc.eval_every > shortest:  # fastmt keeps its weights at epoch ends: an "epoch" must hold eval_every batches
+        raise RaceSetupError(f"--eval-every {rc.eval_every} is more than the {shortest} batches of a fastmt epoch on "
+                         f"this data: give --eval-every <= {shortest} (and --steps a multiple of it)")
     split_dir = work / "split"
     split = export_split(bundle, cfg.data, split_dir)
     valid_src, valid_ref = read_pairs(split_dir, "valid")
@@ -586,7 +597,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         record["command"] = command
         write_report(record, command, out, plot=plot)
 
-    record = run_race(rc, on_update=write)
+    try:
+        record = run_race(rc, on_update=write)
+    except RaceSetupError as e:
+        p.error(str(e))
     write(record, plot=True)
     for row in summarize(record):
         print(json.dumps(row))
