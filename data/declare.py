@@ -42,7 +42,7 @@ _MISSING = dataclasses.MISSING
 KEY = "fastmt"  # the dataclass field metadata key of a declaration
 
 # The config format: bump it when a field is added, and declare the new field with ``since=`` the new number.
-CONFIG_FORMAT = 6
+CONFIG_FORMAT = 7
 FORMAT_KEY = "format"  # the key of a config record (beside its sections) that holds the format it was written in
 FORMATS = {  # what each format added (formats 1-4 are those of fastmt before formats were recorded, by date)
     1: "the fields of fastmt at 57e30c7 (2026-11-23): the oldest run folders fastmt reads",
@@ -51,6 +51,7 @@ FORMATS = {  # what each format added (formats 1-4 are those of fastmt before fo
     4: "model.norm_kind (2026-11-27)",
     5: "no field: the first format recorded in the files themselves",
     6: "run.step_graph, optim.ema_decay (2026-11-28)",
+    7: "run.cpu_adapt (2026-11-28)",
 }
 
 

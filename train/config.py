@@ -142,6 +142,9 @@ class RunConfig:
     # CPU runs: torch.set_num_threads(n); None = torch's default: every physical core this process may use
     # (its CPU affinity), or $OMP_NUM_THREADS when set
     cpu_threads: int | None = declare(None, SAFE, Bounds(1, MAX_THREADS, machine="cores", why=RESOURCE))
+    # CPU runs: adapt the thread count while training, down to 1 while other programs use the cores (never above
+    # cpu_threads; train/cpu_threads.py); false keeps it fixed
+    cpu_adapt: bool = declare(True, SAFE, since=7)
     precision: Precision = declare("bf16", PRECISION)  # autocast dtype; fp16 adds a GradScaler; fp32 = no autocast
     compile: bool | None = declare(None, SAFE)  # torch.compile the training forward; None: on for CUDA, off for CPU
     # "blocks": regional compilation, one compiled code object per block type (reused by every layer and

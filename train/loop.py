@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from train import ema
+from train import cpu_threads, ema
 from train.bounds import machine_capped
 from train.compile import compile_for_training, compiles, configure_caches
 from train.config import Config, check_consistency
@@ -101,6 +101,7 @@ class Trainer(RunSetup, EpochEnd):
             self._device_warmup = _warm_device(self.device)  # CUDA's context made while the data is built
             _configure_backend(cfg, self.device)
             self._build(cfg, data, resume, init_from)
+            self.threads = _thread_adapter(cfg, self.device, self.log)
         except BaseException:
             self.close()
             raise
@@ -110,6 +111,8 @@ class Trainer(RunSetup, EpochEnd):
         """Release the run folder (fit() does this when it returns). A checkpoint write still in progress is
         finished first (its failure, when nothing else reported it, said in one line). A folder this Trainer
         created that holds no checkpoint (the run failed or never trained) is removed."""
+        if getattr(self, "threads", None) is not None:
+            cpu_threads.install(None)
         ckpts = getattr(self, "ckpts", None)
         if ckpts is not None:
             try:
@@ -452,6 +455,8 @@ class Trainer(RunSetup, EpochEnd):
                 steps_this_call += 1
                 self.stats.add(loss, group)
                 group = []
+                if self.threads is not None:
+                    self.threads.poll()
                 if self.step % run.log_every == 0:
                     stop_reason = self._log_step(loss, bar, t_log, tok_log)
                     t_log, tok_log = time.perf_counter(), self.stats.real_tokens
@@ -519,6 +524,7 @@ class Trainer(RunSetup, EpochEnd):
         summary.setdefault("wall_seconds", wall)
         summary.setdefault("time_split", self.split.split(wall))
         summary["time_to_bleu_lines"] = self.clock.summary_lines()
+        summary["cpu_threads"] = self.threads.summary() if self.threads is not None else None
         if self.is_main:
             reason = summary["stop_reason"]
             summary["commands"] = next_commands(self.run_dir, stop_reason=reason,
@@ -708,6 +714,18 @@ def _warm_device(device: torch.device) -> threading.Thread | None:
     thread = threading.Thread(target=warm, name="fastmt-cuda-init", daemon=True)
     thread.start()
     return thread
+
+
+def _thread_adapter(cfg: Config, device: torch.device, log) -> cpu_threads.ThreadAdapter | None:
+    """The CPU run's thread adapter (train/cpu_threads.py), installed for the decoding loops too; None on a GPU,
+    with ``run.cpu_adapt false``, on one core, or where /proc cannot be read."""
+    if device.type != "cpu" or not cfg.run.cpu_adapt or torch.get_num_threads() < 2:
+        return None
+    adapter = cpu_threads.ThreadAdapter(torch.get_num_threads(), log=log)
+    if not adapter.works:
+        return None
+    cpu_threads.install(adapter)
+    return adapter
 
 
 def _configure_backend(cfg: Config, device: torch.device) -> None:

@@ -82,10 +82,10 @@ def run_module(module: str, prog: str, argv: list[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from train.cli.cpu_wait import wait_passively
+    from train.cli import cpu_wait
 
-    wait_passively()  # before any command imports torch (OpenMP reads it once): train/cli/cpu_wait.py
     args = list(sys.argv[1:] if argv is None else argv)
+    cpu_wait.choose(training=args[:1] == ["train"])  # before any command imports torch: train/cli/cpu_wait.py
     if not args or args[0] in ("-h", "--help", "help"):
         print(usage(), file=sys.stdout if args else sys.stderr)
         return 0 if args else 2

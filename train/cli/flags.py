@@ -345,19 +345,23 @@ def check_machine(cfg: Config, preset: str | None, log) -> None:
                              + (did_you_mean(run.compile_backend, backends) or f"; choose one of {backends}"))
     if device == "cpu":
         busy = busy_machine()
-        if busy and run.cpu_threads is None:
+        if busy and (run.cpu_threads or 2) > 1:
             from train.cli import cpu_wait
 
             load, cores = busy
-            if cpu_wait.in_force == cpu_wait.POLICY:  # set by this command's entry before torch started
+            if run.cpu_adapt:
                 log(f"warning: this machine is busy (load {load:.1f} on the {cores} cores this process may use): this "
-                    f"run gets a share of them; its threads wait passively (OMP_WAIT_POLICY=PASSIVE, fastmt's "
-                    f"default), so they do not spin on a taken core; --run.cpu_threads 1 avoids waiting at all")
+                    f"run gets a share of them; it adapts its CPU threads while it trains (one while other programs "
+                    f"use the cores: run.cpu_adapt), so they do not spin on a taken core")
+            elif cpu_wait.in_force == cpu_wait.POLICY:
+                log(f"warning: this machine is busy (load {load:.1f} on the {cores} cores this process may use): this "
+                    f"run gets a share of them; its threads wait passively (OMP_WAIT_POLICY=PASSIVE) and their "
+                    f"count is fixed (--run.cpu_adapt false); --run.cpu_threads 1 avoids waiting at all")
             else:
                 log(f"warning: this machine is busy (load {load:.1f} on the {cores} cores this process may use) and "
-                    f"the CPU threads may spin-wait (OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}): "
-                    f"beside busy neighbours the tiny preset took 4-25x longer than with OMP_WAIT_POLICY=PASSIVE "
-                    f"(fastmt's default when it starts torch) or --run.cpu_threads 1")
+                    f"the CPU threads may spin-wait (OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}) "
+                    f"with their count fixed (--run.cpu_adapt false): beside busy neighbours the tiny preset took "
+                    f"up to 20x longer; drop --run.cpu_adapt false, or use --run.cpu_threads 1")
         slow = [w for w, on in ((f"{run.precision} autocast", run.precision != "fp32"),
                                 ("torch.compile", compiled)) if on]
         if slow:

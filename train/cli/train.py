@@ -34,9 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     """Train; returns the exit code (train/errors.py): 0 finished, 2 a user error (one line), 3 stopped on
     non-finite values, 75 stopped by a signal with a checkpoint (resume with ``--resume auto``), 130 a
     second Ctrl-C (aborted at once; the newest checkpoint is intact), 1 a bug (traceback)."""
-    from train.cli.cpu_wait import wait_passively
+    from train.cli import cpu_wait
 
-    wait_passively()  # before torch is imported (OpenMP reads it once): train/cli/cpu_wait.py
+    cpu_wait.choose(training=True)  # before torch is imported (OpenMP reads it once): train/cli/cpu_wait.py
     try:
         cfg, args = resolve_config(argv)
     except SystemExit as e:  # a flag or setting mistake (one line already printed), or --help: its exit code

@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from train import cpu_threads
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
@@ -167,6 +169,7 @@ def translate(model, tokenizer, sentences: list[str], device: torch.device, *, b
     ctx = autocast if autocast is not None else torch.autocast(device.type, enabled=False)
     batches, members = [], []
     for start in range(0, len(order), rows):
+        cpu_threads.poll()  # a training's CPU thread adapter, between decoding batches (train/cpu_threads.py)
         idx = order[start : start + rows]
         lens = [len(encoded[i]) for i in idx]
         n_rows, width = (rows, _src_width(max(lens), max_src)) if fixed_shapes else (len(idx), max(lens))

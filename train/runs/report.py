@@ -129,6 +129,8 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
                      f"{summary['checkpoint_s']:.2f} s for them (longest save {1000 * summary['checkpoint_max_s']:.0f} "
                      f"ms); written in the background in {summary['checkpoint_write_s']:.1f} s, of which the run's "
                      f"end waited {summary.get('checkpoint_final_wait_s') or 0.0:.2f} s")
+    if summary.get("cpu_threads"):
+        lines.append(summary["cpu_threads"])
     commands = summary.get("commands") or {}
     if commands:
         lines.append("next:")

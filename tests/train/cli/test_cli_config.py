@@ -199,7 +199,7 @@ def test_impossible_devices_are_refused(capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
-def test_a_busy_machine_is_named_with_the_faster_setting(monkeypatch):
+def test_a_busy_machine_is_named_with_what_the_run_does_about_it(monkeypatch):
     import train.cli.flags
 
     cores = len(os.sched_getaffinity(0))
@@ -207,7 +207,7 @@ def test_a_busy_machine_is_named_with_the_faster_setting(monkeypatch):
     notes: list[str] = []
     resolve_config(["--preset", "tiny"], log=notes.append)
     (warning,) = notes
-    assert f"load {cores + 5.0:.1f} on the {cores} cores" in warning and "--run.cpu_threads 1" in warning
+    assert f"load {cores + 5.0:.1f} on the {cores} cores" in warning and "run.cpu_adapt" in warning
     notes.clear()
     resolve_config(["--preset", "tiny", "--run.cpu_threads", "1"], log=notes.append)  # the user chose
     monkeypatch.setattr(train.cli.flags.os, "getloadavg", lambda: (0.2, 0.0, 0.0))

@@ -76,9 +76,10 @@ def _one_error_line(err: str) -> str:
 # the declarations
 # ----------------------------------------------------------------------------------------------
 def _drop_format_6(record: dict) -> None:
-    """A record as fastmt wrote it before format 6 (run.step_graph, optim.ema_decay)."""
+    """A record as fastmt wrote it before format 6 (run.step_graph, optim.ema_decay; format 7's run.cpu_adapt)."""
     record["run"].pop("step_graph")
     record["optim"].pop("ema_decay")
+    record["run"].pop("cpu_adapt")
 
 
 def test_every_field_names_the_format_it_appeared_in_and_formats_only_grow():
@@ -90,7 +91,7 @@ def test_every_field_names_the_format_it_appeared_in_and_formats_only_grow():
     assert {k for k, v in since.items() if v > 1} == {
         "eval.cuda_graphs", "eval.average_last", "data.build_workers", "data.split_grouping",
         "data.spm_sample_pairs", "data.valid_files", "data.test_files", "model.norm_kind", "run.step_graph",
-        "optim.ema_decay"}
+        "optim.ema_decay", "run.cpu_adapt"}
     assert since["model.norm_kind"] == 4 and since["data.valid_files"] == 3 and since["eval.cuda_graphs"] == 2
     assert get_config("tiny").record()[FORMAT_KEY] == CONFIG_FORMAT
 
