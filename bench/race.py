@@ -401,6 +401,34 @@ def run_race(rc: RaceConfig, log: Callable[[str], None] = print,
     return record
 
 
+def score_averages(record: dict, k: int, log: Callable[[str], None] = print) -> None:
+    """fastmt's checkpoint averaging (``eval.average_last``) measured on the race's own kept weights: the mean of each
+    fastmt run's last ``k`` checkpoints, scored like every point (``run["averaged"][k]``); trains nothing."""
+    import torch
+
+    from data.export_split import read_pairs
+    from train.runs.checkpoint import average_checkpoints
+
+    work = Path(record["config"]["work"])
+    sets = {name: read_pairs(work / "split", name) for name in ("valid", "test")}
+    for run in record["runs"]:
+        if run["system"] != "fastmt" or run.get("status") != "ok":
+            continue
+        run_dir = work / f"fastmt-s{run['seed']}"
+        paths = sorted((run_dir / "checkpoints").glob("step-*.pt"))[-k:]
+        if len(paths) < k:
+            raise RaceSetupError(f"--average-last {k}: {run_dir / 'checkpoints'} keeps {len(paths)} step checkpoints")
+        out = run_dir / f"average-last-{k}.pt"
+        torch.save(average_checkpoints(paths), out)
+        got: dict[str, Any] = {"checkpoints": [p.name for p in paths]}
+        for name, (src, ref) in sets.items():
+            s = score(translate_fastmt(out, src), ref)
+            got[f"{name}_bleu"], got[f"{name}_chrf"] = s["bleu"], s["chrf"]
+        run.setdefault("averaged", {})[str(k)] = got
+        log(f"[race] fastmt seed {run['seed']}: the average of the last {k} kept weights: valid BLEU "
+            f"{got['valid_bleu']:.2f}, test BLEU {got['test_bleu']:.2f}")
+
+
 # -- Summary and report -------------------------------------------------------------------------------------
 def _mean_sd(xs: list[float]) -> str:
     xs = [x for x in xs if x is not None]
@@ -440,6 +468,21 @@ def summarize(record: dict) -> list[dict[str, Any]]:
                                                          else "")) if reached else f"never ({len(tt)} runs)"
         out.append(row)
     return out
+
+
+def averages_table(record: dict) -> list[str]:
+    """The report's lines on checkpoint averaging (none when no run was averaged)."""
+    averaged = [(r, k, a) for r in record["runs"] for k, a in sorted((r.get("averaged") or {}).items())]
+    if not averaged:
+        return []
+    lines = ["", "## Checkpoint averaging (fastmt's eval.average_last, on the race's kept weights)", "",
+             "| seed | averaged | valid BLEU (last single) | valid BLEU (average) | test BLEU (last single) | "
+             "test BLEU (average) |", "|---|---|---|---|---|---|"]
+    for r, k, a in averaged:
+        last = r["points"][-1]
+        lines.append(f"| {r['seed']} | last {k}: {', '.join(a['checkpoints'])} | {last['valid_bleu']:.2f} | "
+                     f"{a['valid_bleu']:.2f} | {last.get('test_bleu', float('nan')):.2f} | {a['test_bleu']:.2f} |")
+    return lines
 
 
 def markdown(record: dict, command: str) -> str:
@@ -490,6 +533,7 @@ def markdown(record: dict, command: str) -> str:
             lines.append(f"| {r['system']} | {r['seed']} | {r.get('status', '')[:120]} | {f(p.get('step'))} | "
                          f"{f(p.get('train_seconds'))} | {f(p.get('valid_bleu'))} | {f(p.get('test_bleu'))} | "
                          f"{f(r.get('process_seconds'))} | {r.get('load_before')} → {r.get('load_after')} |")
+    lines += averages_table(record)
     if record.get("lr_check"):
         lc = record["lr_check"]
         lines += ["", "## The HF baseline's learning-rate check", "", lc.get("how", ""), "",
@@ -527,6 +571,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eole-peak-lr", type=float, default=RaceConfig.eole_peak_lr)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "peers-cpu.md",
                    help="the report (a .json record and a .png frontier beside it)")
+    p.add_argument("--average-last", type=int, metavar="K", help="also score the mean of each fastmt run's last K "
+                   "kept weights (checkpoint averaging; with --report-from: on that race's work folder)")
     p.add_argument("--report-from", type=Path, metavar="JSON",
                    help="write the report (--out) again from a race's .json record (with --threshold if given); "
                         "trains nothing")
@@ -561,6 +607,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return hf_worker(argv[1:])
     p = build_parser()
     a, fastmt_extra = p.parse_known_args(argv)
+    if a.average_last is not None and a.average_last < 2:
+        p.error(f"--average-last {a.average_last}: give 2 or more kept weights to average")
     if a.report_from is not None:
         try:
             from data.files import read_json
@@ -570,6 +618,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error(f"--report-from {a.report_from}: {e}")
         if "--threshold" in argv:
             record["config"]["threshold"] = a.threshold
+        if a.average_last:
+            try:
+                score_averages(record, a.average_last)
+            except (RaceSetupError, OSError) as e:
+                p.error(str(e))
         write_report(record, record.get("command", "python -m bench.race"), a.out)
         print(f"[race] report: {a.out}")
         return 0
@@ -599,6 +652,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         record = run_race(rc, on_update=write)
+        if a.average_last:
+            score_averages(record, a.average_last)
     except RaceSetupError as e:
         p.error(str(e))
     write(record, plot=True)

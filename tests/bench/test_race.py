@@ -166,3 +166,36 @@ def test_summary_means_spreads_and_time_to_threshold():
         R.RaceConfig(data_files=("a",), work=Path("w"), steps=10, eval_every=3)
     with pytest.raises(ValueError, match="unknown"):
         R.RaceConfig(data_files=("a",), work=Path("w"), systems=("marian",))
+    with pytest.raises(ValueError, match="--jobs 0"):
+        R.RaceConfig(data_files=("a",), work=Path("w"), jobs=0)
+
+
+def test_checkpoint_averaging_scores_the_mean_of_each_fastmt_runs_last_k_kept_weights(tmp_path, monkeypatch):
+    """``--average-last K`` averages each fastmt run's newest K step checkpoints (by step, not by name order of
+    other files), scores them with the race's one scorer and reports them beside the last single point."""
+    import train.runs.checkpoint as C
+
+    (tmp_path / "split").mkdir()
+    for name in ("valid", "test"):
+        (tmp_path / "split" / f"{name}.src").write_text("a\nb\n")
+        (tmp_path / "split" / f"{name}.tgt").write_text("il gatto dorme sul letto\nla casa è molto grande\n")
+    ckpts = tmp_path / "fastmt-s0" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    for step in (160, 320, 480):
+        (ckpts / f"step-{step:08d}.pt").write_bytes(b"")
+    (ckpts / "best.pt").write_bytes(b"")
+    seen = {}
+    monkeypatch.setattr(C, "average_checkpoints", lambda paths: seen.setdefault("paths", [p.name for p in paths]))
+    monkeypatch.setattr(R, "translate_fastmt", lambda ckpt, src: ["il gatto dorme sul letto", "la casa è molto grande"] if ckpt.name == "average-last-2.pt"
+                        else ["?"] * len(src))
+    rec = _record({("fastmt", 0): [{"step": 480, "train_seconds": 1.0, "valid_bleu": 1.0, "test_bleu": 2.0}],
+                   ("eole", 0): [{"step": 480, "train_seconds": 1.0, "valid_bleu": 1.0}]})
+    rec["config"]["work"] = str(tmp_path)
+    R.score_averages(rec, 2, log=lambda m: None)
+    assert seen["paths"] == ["step-00000320.pt", "step-00000480.pt"]
+    got = rec["runs"][0]["averaged"]["2"]
+    assert got["valid_bleu"] == got["test_bleu"] == pytest.approx(100.0) and "averaged" not in rec["runs"][1]
+    assert R.averages_table(rec)[-1] == ("| 0 | last 2: step-00000320.pt, step-00000480.pt | 1.00 | 100.00 | 2.00 "
+                                         "| 100.00 |")
+    with pytest.raises(R.RaceSetupError, match="keeps 3 step checkpoints"):
+        R.score_averages(rec, 4, log=lambda m: None)
