@@ -77,11 +77,22 @@ class WeightEMA:
 
 def inference_weights(ckpt: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The weights a checkpoint translates with: the training weights with the average over them when the run
-    kept one (``optim.ema_decay``)."""
+    kept one (``optim.ema_decay``). An average that does not fit the weights (a name the model lacks, another
+    shape, not a float tensor: a damaged or forged file) is refused (``ValueError``, one line) before any is used."""
     model = dict(ckpt["model"])
     ema = ckpt.get("ema")
-    if not (isinstance(ema, dict) and isinstance(ema.get("weights"), dict)):
+    if ema is None or (isinstance(ema, dict) and ema.get("weights") is None):
         return model
+    if not (isinstance(ema, dict) and isinstance(ema.get("weights"), dict)):
+        raise ValueError("its 'ema' entry is not the weight average fastmt writes: a damaged or forged checkpoint")
+    for k, w in ema["weights"].items():
+        v = model.get(k)
+        if not (isinstance(w, torch.Tensor) and w.is_floating_point() and isinstance(v, torch.Tensor)
+                and w.shape == v.shape):
+            what = (f"a {type(w).__name__}" if not isinstance(w, torch.Tensor) else f"{w.dtype} {tuple(w.shape)}")
+            want = "no such weight" if not isinstance(v, torch.Tensor) else f"the weight is {tuple(v.shape)}"
+            raise ValueError(f"its weight average holds {k!r} as {what} ({want}): a damaged or forged checkpoint; "
+                             f"translate another checkpoint of the run")
     # a tied weight is one parameter under two state-dict names (the embedding and the output projection): the
     # average is kept under the first, and every name whose tensor starts where that one does takes it too
     at = {(model[k].data_ptr(), tuple(model[k].shape)): k for k in ema["weights"] if k in model}

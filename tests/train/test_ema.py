@@ -75,6 +75,24 @@ def test_state_round_trip_and_inference_weights():
         WeightEMA(model, 1.0)
 
 
+def test_a_forged_average_is_refused_before_any_weight_is_used():
+    """A weight average that does not fit the model (another shape, a name it lacks, not a float tensor, not a
+    dict) is refused in one line naming the weight, not a size-mismatch traceback at load_state_dict."""
+    model = _model()
+    good = WeightEMA(model, 0.99).state_dict()
+    name, first = next(iter(good["weights"].items()))
+    for forged, says in (({name: torch.zeros(3, 1)}, f"{name!r} as torch.float32 (3, 1)"),
+                         ({"nope.weight": first}, "'nope.weight'"),
+                         ({name: first.long()}, "torch.int64"),
+                         ({name: [1.0]}, "as a list")):
+        with pytest.raises(ValueError, match="damaged or forged") as e:
+            inference_weights({"model": model.state_dict(), "ema": {"updates": 1, "weights": forged}})
+        assert says in str(e.value), e.value
+    with pytest.raises(ValueError, match="'ema' entry"):
+        inference_weights({"model": model.state_dict(), "ema": [1, 2]})
+    assert inference_weights({"model": model.state_dict(), "ema": None}).keys() == model.state_dict().keys()
+
+
 def test_config_declares_the_switch_off_by_default():
     from train.config import OptimConfig
 

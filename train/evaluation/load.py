@@ -180,7 +180,11 @@ def load_for_inference(ckpt_path: str | Path, device: str | torch.device = "cpu"
     if not isinstance(ckpt["model"], dict):
         raise UserError(f"{ckpt_path}: its 'model' entry is a {type(ckpt['model']).__name__}, not a state dict")
     check_model_config(cfg, ckpt["model"], ckpt_path)
+    try:
+        weights = inference_weights(ckpt)  # the run's weight average when it kept one (train/ema.py)
+    except ValueError as e:
+        raise UserError(f"{ckpt_path}: {e}") from e
     model = Transformer(cfg).to(device)
-    model.load_state_dict(inference_weights(ckpt))  # the run's weight average when it kept one (train/ema.py)
+    model.load_state_dict(weights)
     model.eval()
     return model, tok, ckpt
