@@ -620,10 +620,10 @@ def cause_of(e: OSError, path: str | os.PathLike | None = None) -> str:
     text = _CAUSES.get(e.errno)
     if text is None:
         return (e.strerror or str(e)).rstrip(".")
-    return text.format(uid=os.geteuid(), free=free, fsize=_fsize_limit())
+    return text.format(uid=os.geteuid(), free=free, fsize=fsize_limit())
 
 
-def _fsize_limit() -> str:
+def fsize_limit() -> str:
     """This process's file-size limit (RLIMIT_FSIZE) in words."""
     import resource
 

@@ -297,6 +297,12 @@ def _write_error(e: BaseException, path: Path, obj: Any) -> CheckpointWriteError
             cause += " (the file system may be out of inodes: check df -i)"
         fix = "free some space (old runs' checkpoints, *.prev-* run folders) or set --run.out_dir on a larger disk"
         code = code or errno.ENOSPC
+    elif code == errno.EFBIG:  # the process's file-size limit (ulimit -f), not the disk: any folder fails alike
+        from data.files import fsize_limit
+
+        cause = (f"the checkpoint (~{need / 2**20:.1f} MB) would pass this process's file-size limit "
+                 f"(ulimit -f: {fsize_limit()})")
+        fix = "raise the limit (ulimit -f unlimited, or the job's file-size limit) and resume with --resume auto"
     elif code == errno.EROFS:
         cause = f"read-only file system ({mount})"
         fix = "remount it read-write or set --run.out_dir to a writable folder"

@@ -180,6 +180,25 @@ def test_fsync_failure_is_translated(tmp_path, monkeypatch, code, cause):
     _assert_nothing_lost(tmp_path, m, before)
 
 
+def test_a_file_size_limit_is_named_not_the_disk(tmp_path):
+    """EFBIG (``ulimit -f``, a job's file-size limit) is the process's limit, not the disk's: the line names the limit
+    and how to raise it, and nothing is lost. A real limit, set for the write and put back."""
+    import resource
+    import signal
+
+    m, before = _manager_with_one_checkpoint(tmp_path)
+    old_limit, old_handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, old_limit[1]))
+        with pytest.raises(CheckpointWriteError, match=r"file-size limit \(ulimit -f: 65,536 bytes\)") as e:
+            m.save(_state(2, n=64 * 1024), 2, metric=5.0)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert e.value.errno == errno.EFBIG and "ulimit -f unlimited" in str(e.value) and "check the disk" not in str(e.value)
+    _assert_nothing_lost(tmp_path, m, before)
+
+
 def test_read_only_file_system_is_translated(tmp_path, monkeypatch):
     m, before = _manager_with_one_checkpoint(tmp_path)
 
