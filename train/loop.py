@@ -101,7 +101,7 @@ class Trainer(RunSetup, EpochEnd):
             self._device_warmup = _warm_device(self.device)  # CUDA's context made while the data is built
             _configure_backend(cfg, self.device)
             self._build(cfg, data, resume, init_from)
-            self.threads = _thread_adapter(cfg, self.device, self.log)
+            self.threads = _thread_adapter(cfg, self.device, self._note)
         except BaseException:
             self.close()
             raise
@@ -438,7 +438,7 @@ class Trainer(RunSetup, EpochEnd):
                 set_rng_state(self._pending_rng)
                 self._pending_rng = None
             self.stats.t0 = time.perf_counter()
-            bar = self._progress(epoch, n_micro)
+            bar = self._bar = self._progress(epoch, n_micro)
             t_log, tok_log = time.perf_counter(), self.stats.real_tokens
             group: list = []
             for batch in it if self.batch_index < n_micro else ():
@@ -468,6 +468,7 @@ class Trainer(RunSetup, EpochEnd):
                     break
             if bar is not None:
                 bar.close()
+            self._bar = None
             del it, loader
             if stop_reason == "nonfinite_unguarded":
                 # without the guard the bad steps were applied: saving now would make `--resume auto`
@@ -681,6 +682,14 @@ class Trainer(RunSetup, EpochEnd):
                  "run_id": self.run_id, "parent": self.parent}
         write_provenance(self.run_dir, self.cfg.to_dict(), getattr(self.data, "split_record", None), extra,
                          step=self.step, log=self.log)
+
+    def _note(self, msg: str) -> None:
+        """A line said while an epoch's progress bar may be on screen (above the bar, not through it)."""
+        bar = getattr(self, "_bar", None)
+        if bar is not None and self.log is print:
+            bar.write(msg)
+        else:
+            self.log(msg)
 
     def _progress(self, epoch: int, n_micro: int):
         """A progress bar over the steps this epoch will really take (``run.max_steps`` included)."""
