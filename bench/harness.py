@@ -7,6 +7,7 @@ import csv
 import datetime as _dt
 import math
 import os
+import platform
 import re
 import signal
 import subprocess
@@ -260,6 +261,38 @@ def provenance(device: torch.device | str) -> Row:
     return row
 
 
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else ``platform.processor()``, else 'unknown CPU'."""
+    from data.files import read_text
+
+    try:
+        for line in read_text("/proc/cpuinfo", "CPU description", limit=64 * 2**20).splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, ValueError):
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def machine() -> str:
+    """'<CPU>, <n> cores, <m> GiB': the host of a CPU measurement (cores: the ones this process may use)."""
+    mem = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    return f"{cpu_name()}, {len(os.sched_getaffinity(0))} cores, {mem:.0f} GiB"
+
+
+def code_sha(repo: Path | str, scope: str = ".") -> str:
+    """``<short sha>`` of the checkout at ``repo``, ``+dirty`` when tracked or new files under ``scope`` changed;
+    'unknown' without git (a tree exported with ``git archive``)."""
+    try:
+        sha = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--", scope],
+                               capture_output=True, text=True).stdout.strip()
+        return sha + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 PROVENANCE_COLUMNS = ("gpu", "gpu_slug", "torch", "triton", "cuda", "driver", "python", "git_sha", "git_dirty")
 
 
@@ -313,9 +346,14 @@ def append_csv(path: Path | str, rows: Iterable[Mapping[str, Any]], columns: Seq
     return path
 
 
-def read_csv(path: Path | str) -> list[dict[str, str]]:
+def read_csv(path: Path | str, columns: Sequence[str] | None = None) -> list[dict[str, str]]:
+    """The rows of a CSV (``[]`` when there is none); given ``columns``, every row has exactly those keys (a row
+    written before a column existed: "")."""
+    if not Path(path).is_file():
+        return []
     with Path(path).open(newline="") as f:
-        return list(csv.DictReader(f))
+        rows = list(csv.DictReader(f))
+    return rows if columns is None else [{k: r.get(k) or "" for k in columns} for r in rows]
 
 
 def write_results(out: Path, name: str, slug: str, rows: Sequence[Mapping[str, Any]], columns: Sequence[str],
@@ -350,13 +388,25 @@ def fmt(v: Any) -> str:
     return str(v)
 
 
-def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str],
-                   headers: Sequence[str] | None = None) -> str:
+def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], headers: Sequence[str] | None = None,
+                   *, right: Sequence[str] = (), cell: Callable[[Any], str] = fmt) -> str:
+    """A markdown table of ``rows``' ``columns`` (``headers``: their titles), each value through ``cell``
+    (``fmt``: 3 significant figures, '-' for none); the columns in ``right`` right-aligned."""
     headers = list(headers or columns)
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---:" if c in right else "---" for c in columns) + "|"]
     for r in rows:
-        lines.append("| " + " | ".join(fmt(r.get(c)).replace("|", "\\|") for c in columns) + " |")
+        lines.append("| " + " | ".join(cell(r.get(c)).replace("|", "\\|") for c in columns) + " |")
     return "\n".join(lines)
+
+
+def tail(path: Path | str, lines: int = 3, width: int = 240) -> str:
+    """The last ``lines`` lines of a log (where a traceback names its error), each cut to ``width`` characters,
+    joined by ' | '; '' when it cannot be read."""
+    try:
+        text = Path(path).read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return " | ".join(line[:width] for line in text[-lines:])
 
 
 def text_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str],
