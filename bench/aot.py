@@ -52,6 +52,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
+from bench import harness as H  # noqa: E402
 from kernels.tuning import CompileOnlyDriver  # noqa: E402
 
 
@@ -179,7 +180,7 @@ def plan_train(*, autotune: bool = True, preset: str = "fast") -> None:
 
 
 def _train_step(model, batch: dict) -> None:
-    with _env(FASTMT_NORM_BACKEND="triton"), torch.autocast("cpu", dtype=torch.bfloat16):
+    with H.environ(FASTMT_NORM_BACKEND="triton"), torch.autocast("cpu", dtype=torch.bfloat16):
         hidden = model(**{k: v for k, v in batch.items() if k not in ("tgt_out", "real_pairs")}, return_hidden=True)
         hidden.float().sum().backward()
 
@@ -320,7 +321,7 @@ def plan_kernel_test() -> None:
         return [v for n, v in sorted(vars(module).items()) if n.startswith("_") and hasattr(v, "configs")
                 and hasattr(v, "base_fn")]
 
-    with _env(FASTMT_AUTOTUNE="0"):
+    with H.environ(FASTMT_AUTOTUNE="0"):
         for case in seq["cover"]:  # test_gpu_grid_padded
             padded(*case)
         for tiling in ("sequence", "stream"):  # test_gpu_grid_varlen
@@ -360,11 +361,11 @@ def plan_kernel_test() -> None:
                         p = torch.empty(n)
                         lion_step_triton(p, torch.empty(n, dtype=grad_dtype), torch.empty(n), lr, lr_t,
                                          0.9, 0.99, 0.1, flag)
-    with _env(FASTMT_AUTOTUNE="full"), _all_configs(True):  # test_gpu_autotuned_matches (both tilings): the
+    with H.environ(FASTMT_AUTOTUNE="full"), _all_configs(True):  # test_gpu_autotuned_matches (both tilings): the
         # autotuner times every pruned config, pinned keys too
         padded("B2-H4-Tq300-Tk77", 64, torch.bfloat16, True, True)
         packed("decoder-causal", 64, torch.bfloat16, 3)
-    with _env(FASTMT_AUTOTUNE="0", TRITON_INTERPRET="0"):
+    with H.environ(FASTMT_AUTOTUNE="0", TRITON_INTERPRET="0"):
         run_selected_tests()
 
 
@@ -421,20 +422,6 @@ PLANS = {"train": plan_train, "kernel-test": plan_kernel_test}
 
 
 @contextlib.contextmanager
-def _env(**values):
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-@contextlib.contextmanager
 def _all_configs(enabled: bool):
     """``kernels._utils.launch`` compiling what a GPU's first launch of the key compiles: the pinned config
     (kernels/pinned.py), else every config the kernel's pruner keeps (what the Autotuner compiles when it times
@@ -442,7 +429,7 @@ def _all_configs(enabled: bool):
     from kernels import _utils
 
     if not enabled:
-        with _env(FASTMT_AUTOTUNE="0"):
+        with H.environ(FASTMT_AUTOTUNE="0"):
             yield
         return
     def every_config(kernel, grid, key, *args, **kwargs):

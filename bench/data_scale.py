@@ -181,7 +181,7 @@ def run_child(code: Path, corpus: Path, cache: Path, workers: int, timeout_s: fl
     try:
         H.run_in_group([sys.executable, "-c", CHILD, str(corpus), str(cache), str(marker), str(workers), str(result)],
                        cache.parent / f"child-{os.getpid()}.log", timeout_s=timeout_s, cwd=str(code), tail_lines=20,
-                       env={**os.environ, "PYTHONPATH": str(code)})
+                       env=H.child_env(PYTHONPATH=str(code)))
     finally:
         stop.set()
         sampler.join()
@@ -402,7 +402,10 @@ def main(argv=None) -> int:
         shutil.rmtree(cache, ignore_errors=True)
         for phase in ["cold"] + ["warm"] * a.warm_runs:
             load0 = f"{os.getloadavg()[0]:.2f}"
-            rec = run_child(a.code, corpus, cache, a.workers, a.timeout_s)
+            try:
+                rec = run_child(a.code, corpus, cache, a.workers, a.timeout_s)
+            except (RuntimeError, TimeoutError) as e:  # the rows of the builds before it are in the CSV
+                raise SystemExit(f"bench.data_scale: the {phase} build of {pairs:,} pairs failed: {e}") from None
             row = {"date": date.today().isoformat(), "code": code, "tag": a.tag, "corpus": label,
                    "pairs": pairs, "phase": phase, "build_s": f"{rec['build_s']:.3f}",
                    "process_s": f"{rec['process_s']:.3f}", "first_batch_s": f"{rec['first_batch_s']:.4f}",

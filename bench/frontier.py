@@ -103,12 +103,12 @@ def run_contestant(c: Contestant, cmd: list[str], log_path: Path, *, timeout_s: 
     and with this process: a SIGTERM here (``timeout`` ending the runbook's step) or Ctrl-C kills the group
     and raises (``Stopped``, ``KeyboardInterrupt``), so nothing keeps training on the GPU after the step."""
     log(f"[frontier] {c.name}: {' '.join(cmd[1:])}")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_stopped) if main_thread else None
     t0, status, rc = time.perf_counter(), "ok", 0
     try:
-        run_in_group(cmd, log_path, timeout_s=timeout_s, env=env, cwd=H.REPO_ROOT)
+        run_in_group(cmd, log_path, timeout_s=timeout_s, cwd=H.REPO_ROOT,
+                     env=H.child_env(PYTHONUNBUFFERED="1", HF_DATASETS_DISABLE_PROGRESS_BARS="1"))
     except TimeoutError:
         status, rc = "timeout", None
     except RuntimeError as e:  # "<cmd> exited <rc>: <log tail>"
@@ -248,14 +248,10 @@ def write_outputs(rows: list[dict[str, Any]], prov: Mapping[str, Any], corpus: s
                   markdown: Callable[..., str] | None = None) -> dict[str, Path]:
     """Write ``<name>-<gpu>.csv`` (keeping the rows of contestants not in ``rows`` unless ``fresh``), ``.md``
     (``markdown(rows, prov, corpus, smoke=...)``, default the frontier's) and ``.png``."""
-    csv_path = H.result_path(out, name, prov["gpu_slug"], "csv")
-    mine = {str(r["contestant"]) for r in rows}
-    kept = [] if fresh or not csv_path.is_file() else [r for r in H.read_csv(csv_path) if r["contestant"] not in mine]
-    rows = kept + rows
     title = f"fastmt {'time-to-quality ' if name == 'frontier' else ''}{name} — {prov['gpu']} — {corpus}"
-    return H.write_results(out, name, prov["gpu_slug"], rows, COLUMNS,
-                           (markdown or frontier_markdown)(rows, prov, corpus, smoke=smoke),
-                           (lambda path: frontier_plot(rows, path, title=title)) if plot else None)
+    return H.write_results(out, name, prov["gpu_slug"], rows, COLUMNS, lambda rows: (markdown or frontier_markdown)(
+        rows, prov, corpus, smoke=smoke), keep=None if fresh else "contestant", plot=(
+        lambda rows, path: frontier_plot(rows, path, title=title)) if plot else None)
 
 
 # -- The frontier ----------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime as _dt
 import math
@@ -13,7 +14,7 @@ import signal
 import subprocess
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,27 @@ def peak_memory_mb(fn: Callable[[], Any], device: torch.device | str,
     fn()
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device) / 2**20
+
+
+@contextlib.contextmanager
+def environ(values: Mapping[str, str] = {}, **more: str) -> Iterator[None]:  # noqa: B006 - read only
+    """``values`` and ``more`` set in ``os.environ`` for the block; those keys (only) restored after."""
+    values = {**values, **more}
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        os.environ.update({k: v for k, v in old.items() if v is not None})
+        for k in (k for k, v in old.items() if v is None):
+            os.environ.pop(k, None)
+
+
+def child_env(threads: int | None = None, **values: str) -> dict[str, str]:
+    """A child process's environment: this one's, OpenMP and MKL pinned to ``threads`` (their pools read them at
+    start), ``values`` set."""
+    pinned = {} if threads is None else {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    return {**os.environ, **pinned, **values}
 
 
 def short_error(exc: BaseException, limit: int = 160) -> str:
@@ -357,16 +379,22 @@ def read_csv(path: Path | str, columns: Sequence[str] | None = None) -> list[dic
 
 
 def write_results(out: Path, name: str, slug: str, rows: Sequence[Mapping[str, Any]], columns: Sequence[str],
-                  markdown: str, plot: Callable[[Path], Path] | None = None) -> dict[str, Path]:
+                  markdown: str | Callable[[list], str], plot: Callable[[list, Path], Path] | None = None, *,
+                  keep: str | None = None) -> dict[str, Path]:
     """``<out>/<name>-<slug>.csv`` rewritten with ``rows`` (one table per device: the latest run; git keeps
-    the history), the ``.md`` holding ``markdown`` and, given ``plot(path)``, the ``.png``."""
+    the history), the ``.md`` holding ``markdown`` (or ``markdown(rows)``) and, given ``plot(rows, path)``, the
+    ``.png``. ``keep``: a column; the file's earlier rows whose value there no new row has come first (the
+    contestants or settings not run now)."""
     out.mkdir(parents=True, exist_ok=True)
     paths = {ext: result_path(out, name, slug, ext) for ext in ("csv", "md")}
+    if keep is not None:
+        mine = {str(r[keep]) for r in rows}
+        rows = [r for r in read_csv(paths["csv"]) if r.get(keep) not in mine] + list(rows)
     paths["csv"].unlink(missing_ok=True)
     append_csv(paths["csv"], rows, columns)
-    paths["md"].write_text(markdown)
+    paths["md"].write_text(markdown if isinstance(markdown, str) else markdown(rows))
     if plot is not None:
-        paths["png"] = plot(result_path(out, name, slug, "png"))
+        paths["png"] = plot(rows, result_path(out, name, slug, "png"))
     return paths
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from bench.harness import run_in_group
+from bench.harness import child_env, run_in_group
 from data.files import read_json, read_text
 
 ENGINES = ("fastmt", "fastmt-cuda-graph", "ct2-float32", "ct2-int8", "hf-generate")
@@ -149,12 +149,6 @@ def check_out(out: Path) -> None:
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         raise SystemExit(f"bench.inference: --out {out}: {parent} is {'not writable' if parent.is_dir() else 'a file'}; "
                          f"give a folder")
-
-
-def child_env(threads: int) -> dict[str, str]:
-    """The environment of an engine's process: OpenMP and MKL pinned to ``threads`` as well (CTranslate2's and
-    torch's pools read them at start)."""
-    return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
 
 
 # -- one engine, in a child process -------------------------------------------------------------------------
