@@ -1,5 +1,6 @@
 """The shared harness of bench/: timing, device ceilings, FLOP/byte counts, provenance, result files
-(``<out>/<name>-<gpu>.{csv,md,png}``). The timing protocol and counting conventions: bench/README.md."""
+(``<out>/<name>-<gpu>.{csv,md,png}``), child environments and the one deadline runner (``run_in_group``). The timing
+protocol and counting conventions: bench/README.md."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from bench.harness import child_env, run_in_group
+from bench.harness import child_env, run_in_group, tail
 from data.files import read_json, read_text
 
 ENGINES = ("fastmt", "fastmt-cuda-graph", "ct2-float32", "ct2-int8", "hf-generate")
@@ -248,8 +248,10 @@ def measure(args, ckpt: Path, src: list[str], ref: list[str], work: Path, device
             try:  # its own process group under a deadline; a failure: the log's last lines
                 run_in_group([sys.executable, "-m", "bench.inference", "--child", str(job)], work / f"{engine}.log",
                              timeout_s=args.timeout_s, env=child_env(args.threads), tail_lines=5)
-            except (RuntimeError, TimeoutError) as e:
-                raise SystemExit(f"bench.inference: the {engine} engine failed: {e}") from None
+            except (RuntimeError, TimeoutError) as e:  # the log goes with the temporary folder: its end is said
+                raise SystemExit(f"bench.inference: the {engine} engine failed: {e}"
+                                 + (f"; it ended: {tail(work / f'{engine}.log')}" if isinstance(e, TimeoutError)
+                                    else "")) from None
             passes[engine].append({**read_json(result, "benchmark result", limit=4 * 2**30), "load": (load_before, os.getloadavg()[0])})
     rows, first = [], None
     for engine in engines:
