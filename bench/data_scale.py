@@ -326,21 +326,28 @@ def spm_sample_rows(source: Path, sizes: list[int], work: Path, vocab: int = 800
     return rows
 
 
+SPM_HEADERS = ("sample pairs", "of train", "vocab", "valid src / tgt subwords per sentence", "train src / tgt",
+               "valid byte-fallback share", "pieces shared with the all-pairs model")
+
+
+def spm_cells(r: dict) -> dict:
+    """One ``spm_sample_rows`` row as the table's cells."""
+    k = min(r["sample_pairs"] or r["of_train"], r["of_train"])
+    return dict(zip(SPM_HEADERS, (f"{'all ' if not r['sample_pairs'] else ''}{k:,}", f"{k / r['of_train']:.1%}",
+                                  f"{r['vocab']:,}", f"{r['valid_src_per_sent']:.2f} / {r['valid_tgt_per_sent']:.2f}",
+                                  f"{r['train_src_per_sent']:.2f} / {r['train_tgt_per_sent']:.2f}",
+                                  f"{r['valid_byte_share']:.3%}", f"{r['shared_pieces']:.1%}")))
+
+
 def write_spm_table(rows: list[dict], md: Path, source: Path) -> None:
     lines = ["# SentencePiece on a seeded sample of the train split (stand-in corpus, CPU)", "",
              f"`python -m bench.data_scale --spm-sample K,... --vocab V,... --from {source}` "
              f"({date.today().isoformat()}, {H.machine()}). Stand-in corpus: real human translations in "
              "the OPUS Books row format, not OPUS Books. Split as `build_data` does (1000 valid, 1000 test, seed 0); "
              "BPE; subwords per sentence exclude EOS/BOS.", "",
-             "| sample pairs | of train | vocab | valid src / tgt subwords per sentence | train src / tgt | "
-             "valid byte-fallback share | pieces shared with the all-pairs model |",
-             "|---:|---:|---:|---|---|---:|---:|"]
-    for r in rows:
-        k = min(r["sample_pairs"] or r["of_train"], r["of_train"])
-        lines.append(f"| {'all ' if not r['sample_pairs'] else ''}{k:,} | {k / r['of_train']:.1%} | {r['vocab']:,} "
-                     f"| {r['valid_src_per_sent']:.2f} / {r['valid_tgt_per_sent']:.2f} "
-                     f"| {r['train_src_per_sent']:.2f} / {r['train_tgt_per_sent']:.2f} "
-                     f"| {r['valid_byte_share']:.3%} | {r['shared_pieces']:.1%} |")
+             H.markdown_table([spm_cells(r) for r in rows], SPM_HEADERS, SPM_HEADERS, cell=str, right=(
+                 "sample pairs", "of train", "vocab", "valid byte-fallback share",
+                 "pieces shared with the all-pairs model"))]
     md.write_text("\n".join(lines) + "\n")
 
 

@@ -470,13 +470,12 @@ def markdown(record: dict, command: str) -> str:
         cell=cell)]
     if record.get("lr_check"):
         lc = record["lr_check"]
-        lines += ["", "## The HF baseline's learning-rate check", "", lc.get("how", ""), "",
-                  "| peak lr | " + " | ".join(f"train loss @ {k}" for k in lc["steps"]) + " | train s |",
-                  "|---|" + "---|" * (len(lc["steps"]) + 1)]
-        for row in lc["rows"]:
-            lines.append(f"| {row['lr']:g} | " + " | ".join(
-                "n/a" if row["train_loss"].get(str(k)) is None else f"{row['train_loss'][str(k)]:.3f}"
-                for k in lc["steps"]) + f" | {row.get('seconds', 'n/a')} |")
+        table = [{"lr": f"{row['lr']:g}", **{k: "n/a" if row["train_loss"].get(str(k)) is None else
+                                              f"{row['train_loss'][str(k)]:.3f}" for k in lc["steps"]},
+                  "seconds": row.get("seconds", "n/a")} for row in lc["rows"]]
+        lines += ["", "## The HF baseline's learning-rate check", "", lc.get("how", ""), "", H.markdown_table(
+            table, ["lr", *lc["steps"], "seconds"], ["peak lr", *(f"train loss @ {k}" for k in lc["steps"]), "train s"],
+            cell=str)]
     if record.get("notes"):
         lines += ["", "## Notes", ""] + [f"- {n}" for n in record["notes"]]
     lines += ["", "## Commands", "", f"- the race (rerun it as is; `fastmt bench peers --cpu ...` is the same): "
