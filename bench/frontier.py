@@ -112,7 +112,7 @@ def run_contestant(c: Contestant, cmd: list[str], log_path: Path, *, timeout_s: 
     except TimeoutError:
         status, rc = "timeout", None
     except RuntimeError as e:  # "<cmd> exited <rc>: <log tail>"
-        status, rc = "error", int(re.search(r" exited (-?\d+):", str(e)).group(1))
+        status, rc = "error", next((int(m[1]) for m in re.finditer(r" exited (-?\d+):", str(e))), None)
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
