@@ -14,9 +14,9 @@ Plans (``--plan``):
                Autotuner compiles each to time it
   kernel-test  the runbook's kernel-test step (tests/kernels -m "not slow" on CUDA) with the step's policy
                (``FASTMT_AUTOTUNE=0``: the first fitting config; every config where a test walks them,
-               every pruned one where a test autotunes): the CUDA grids and the other tests' launches, with
-               the tests' own case lists and input builders (LayerNorm weights in x's dtype, mixed residual
-               dtypes, Lion's sizes, gradient dtypes and lr kinds), then the step's selection itself
+               every pruned one where a test autotunes): the CUDA grids and the other tests' launches, from
+               the case lists the kernel ops declare (``KernelOp.shapes``; LayerNorm weights in x's dtype,
+               mixed residual dtypes, Lion's sizes, gradient dtypes and lr kinds), then the step's selection itself
                (``kernel_test_selection()``) run by pytest in this process on CPU tensors: every launch of
                every test not marked ``gpu`` compiles what the GPU run will request
 
@@ -26,8 +26,8 @@ the options, and the kernels' source (Triton hashes it with its line numbers). `
 ``AOT-KEYS.json`` with those, a hash of ``kernels/*.py`` and the git sha; ``--check`` (run by
 ``bench/gpu_run.sh`` where it unpacks the cache) exits 1 naming every key that differs on this machine and tree
 (the git sha is reported, not checked: a commit that changes no kernel keeps every entry valid). Run with the interpreter off: ``python -m bench.aot --plan train --out DIR``.
-A development tool of the runbook: its kernel-test plan reads the CUDA grids from tests/kernels, so it lives
-in bench/ (the top layer), not in kernels/.
+A development tool of the runbook: its kernel-test plan takes the CUDA grids from the shapes the kernel ops
+declare (``KernelOp.shapes``, which tests/kernels parametrize over too) and runs the kernel-test selection.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
+from bench import harness as H  # noqa: E402
 from kernels.tuning import CompileOnlyDriver  # noqa: E402
 
 
@@ -167,20 +168,19 @@ def plan_train(*, autotune: bool = True, preset: str = "fast") -> None:
     import dataclasses
 
     from models import Transformer
-    from tests.utils import pack_batch  # the packed layout as data/ builds it
     from train.config import get_config
 
     cfg = get_config(preset)
     model_cfg = dataclasses.replace(cfg.model, attn_backend="triton", dropout=0.0)
     model = Transformer(model_cfg)
     capacity = cfg.data.max_tokens // 2  # per side (data/batching.py splits the budget)
-    batch = _packed_like(capacity, cfg.data.max_len, model_cfg.vocab_size, pack_batch)
+    batch = _packed_like(capacity, cfg.data.max_len, model_cfg.vocab_size)
     with _all_configs(autotune):
         _train_step(model, batch)
 
 
 def _train_step(model, batch: dict) -> None:
-    with _env(FASTMT_NORM_BACKEND="triton"), torch.autocast("cpu", dtype=torch.bfloat16):
+    with H.environ(FASTMT_NORM_BACKEND="triton"), torch.autocast("cpu", dtype=torch.bfloat16):
         hidden = model(**{k: v for k, v in batch.items() if k not in ("tgt_out", "real_pairs")}, return_hidden=True)
         hidden.float().sum().backward()
 
@@ -198,7 +198,6 @@ def pin_table(arch: int = 90, presets: tuple[str, ...] = PIN_PRESETS) -> dict:
 
     from kernels import _utils
     from models import Transformer
-    from tests.utils import pack_batch
     from train.config import get_config
 
     table: dict[str, dict[str, dict]] = {}
@@ -215,7 +214,7 @@ def pin_table(arch: int = 90, presets: tuple[str, ...] = PIN_PRESETS) -> dict:
     for preset in presets:
         cfg = get_config(preset)
         model_cfg = dataclasses.replace(cfg.model, attn_backend="triton", dropout=0.0)
-        batch = _packed_like(cfg.data.max_tokens // 2, cfg.data.max_len, model_cfg.vocab_size, pack_batch)
+        batch = _packed_like(cfg.data.max_tokens // 2, cfg.data.max_len, model_cfg.vocab_size)
         with compile_only(arch), rebound(_utils.launch, record):
             _train_step(Transformer(model_cfg), batch)
     return {name: dict(sorted(keys.items())) for name, keys in sorted(table.items())}
@@ -248,37 +247,49 @@ def write_pin_table(path: Path, arch: int = 90) -> dict:
     return table
 
 
-def _packed_like(capacity: int, max_len: int, vocab: int, pack_batch) -> dict:
-    """A packed batch of ``capacity`` tokens per side with segments of the corpus's mean length (~16)."""
+def _packed_like(capacity: int, max_len: int, vocab: int) -> dict:
+    """A packed batch of ``capacity`` tokens per side (docs/ARCHITECTURE.md "Packed batches") with segments of the
+    corpus's mean length (~16): (1, C) streams, real segments, then empty slots, then the tail padding cut into
+    dummy segments of ``max_len``; positions inside each segment, 0 on the tail."""
     gen = torch.Generator().manual_seed(0)
     lens = torch.randint(4, 30, (capacity // 16,), generator=gen).tolist()
     while sum(lens) > capacity - max_len:
         lens.pop()
-    B, T = len(lens), max(lens)
-    padded = {"src": torch.randint(4, vocab, (B, T), generator=gen, dtype=torch.int32),
-              "tgt_in": torch.randint(4, vocab, (B, T), generator=gen, dtype=torch.int32),
-              "tgt_out": torch.randint(4, vocab, (B, T), generator=gen, dtype=torch.int32),
-              "src_lengths": torch.tensor(lens, dtype=torch.int32), "tgt_lengths": torch.tensor(lens, dtype=torch.int32)}
-    slots = len(lens) + -(-capacity // max_len) + 1
-    return pack_batch(padded, (capacity, capacity), slots, max_len)
+    slots, tail = len(lens) + -(-capacity // max_len) + 1, capacity - sum(lens)
+    n_dummy = -(-tail // max_len)
+    seg = torch.tensor(lens + [0] * (slots - len(lens) - n_dummy) + [max_len] * (n_dummy - 1)
+                       + [tail - (n_dummy - 1) * max_len], dtype=torch.int32)
+    pos = torch.cat([torch.arange(int(n), dtype=torch.int32) for n in seg])
+    pos[sum(lens):] = 0
+    batch = {"real_pairs": len(lens), "max_src_len": max_len, "max_tgt_len": max_len}
+    for side, keys in (("src", ("src",)), ("tgt", ("tgt_in", "tgt_out"))):
+        for key in keys:
+            batch[key] = torch.zeros(1, capacity, dtype=torch.int32)
+            batch[key][0, : sum(lens)] = torch.randint(4, vocab, (sum(lens),), generator=gen, dtype=torch.int32)
+        batch.update({f"{side}_lengths": seg, f"cu_seqlens_{side}": torch.nn.functional.pad(
+            seg.cumsum(0, dtype=torch.int32), (1, 0)), f"{side}_pos": pos[None]})
+    return batch
 
 
 def plan_kernel_test() -> None:
-    """The launches of tests/kernels' CUDA grids (``make kernel-test`` on a GPU, slow ones left out): the
-    first fitting config per launch (``FASTMT_AUTOTUNE=0``, the tests' policy), every config in the
-    tests that walk them, every pruned config in the ones that autotune."""
+    """The launches of tests/kernels' CUDA grids (``make kernel-test`` on a GPU, slow ones left out), from the
+    shapes the ops declare (``KernelOp.shapes``): the first fitting config per launch (``FASTMT_AUTOTUNE=0``, the
+    tests' policy), every config in the tests that walk them, every pruned config in the ones that autotune."""
     import math
 
     import kernels.packed_attention as pa
     import kernels.sequence_attention as sa
-    from kernels.layernorm import layer_norm_bwd, layer_norm_fwd
+    from kernels.flash_attention import SEQUENCE_ATTENTION_OP, STREAM_ATTENTION_OP
+    from kernels.layernorm import LAYER_NORM_OP, layer_norm, layer_norm_bwd, layer_norm_fwd
     from kernels.lion import lion_step_triton
-    from tests.kernels import test_layernorm as tln
-    from tests.kernels import test_packed_attention as tpa
-    from tests.kernels import test_sequence_attention as tsa
+
+    seq, stream = SEQUENCE_ATTENTION_OP.shapes, STREAM_ATTENTION_OP.shapes
+
+    def cu(lengths):
+        return torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
 
     def padded(shape, D, dtype, causal, ragged):
-        B, H, Tq, Tk = tsa.GPU_SHAPES[shape]
+        B, H, Tq, Tk = seq["padded"][shape]
         q, k, v, do = (torch.empty(B, H, T, D, dtype=dtype) for T in (Tq, Tk, Tk, Tq))
         ql = torch.full((B,), Tq, dtype=torch.int32)
         kl = torch.full((B,), Tk, dtype=torch.int32)
@@ -286,7 +297,7 @@ def plan_kernel_test() -> None:
         sa.sequence_attention_bwd(do, q, k, v, out, lse, ql, kl, Tq, Tk, causal, 1 / math.sqrt(D))
 
     def varlen(lq, lk, H, D, dtype, causal, tiling):
-        cu_q, cu_k = tpa._cu(lq), tpa._cu(lk)
+        cu_q, cu_k = cu(lq), cu(lk)
         q, do = (torch.empty(sum(lq), H, D, dtype=dtype) for _ in range(2))
         k, v = (torch.empty(sum(lk), H, D, dtype=dtype) for _ in range(2))
         scale = 1 / math.sqrt(D)
@@ -299,27 +310,28 @@ def plan_kernel_test() -> None:
             pa.stream_attention_bwd(do, q, k, v, out, lse, cu_q, cu_k, seg_q, seg_k, causal, scale)
 
     def packed(kind, D, dtype, seed=0):
-        gen = torch.Generator().manual_seed(seed)
-        src, tgt = tpa._packed_layout(gen, (2048, 2048), 176, 128, mean=15, p99=75)
+        layout = stream["packed_layout"]
+        src, tgt = pa.packed_layout(torch.Generator().manual_seed(seed), layout["capacity"], layout["slots"],
+                                    layout["max_len"], mean=layout["mean"], p99=layout["p99"])
         lq, lk, causal = {"encoder-self": (src, src, False), "decoder-causal": (tgt, tgt, True),
                           "cross": (tgt, src, False)}[kind]
         varlen(lq, lk, 8, D, dtype, causal, "stream")
 
-    with _env(FASTMT_AUTOTUNE="0"):
-        for case in tsa.GPU_COVER:  # test_gpu_grid_padded
+    def autotuned(module):  # the module's autotuned kernels (a Triton Autotuner keeps its ``configs``)
+        return [v for n, v in sorted(vars(module).items()) if n.startswith("_") and hasattr(v, "configs")
+                and hasattr(v, "base_fn")]
+
+    with H.environ(FASTMT_AUTOTUNE="0"):
+        for case in seq["cover"]:  # test_gpu_grid_padded
             padded(*case)
         for tiling in ("sequence", "stream"):  # test_gpu_grid_varlen
-            for lengths, D, dtype, causal in (("self-ragged", 64, torch.bfloat16, True),
-                                              ("self-ragged", 16, torch.float16, False),
-                                              ("cross-ragged-nokeys", 128, torch.float16, False),
-                                              ("cross-ragged-nokeys", 64, torch.bfloat16, True)):
-                varlen(*tsa.GPU_VARLEN[lengths], 4, D, dtype, causal, tiling)
-        for p in tpa.GPU_PACKED:  # test_gpu_packed_batches
-            packed(*p.values)
-        for module, names, case in ((sa, tsa.SEQUENCE_KERNELS, lambda: padded("B2-H4-Tq300-Tk77", 64, torch.bfloat16,
-                                                                                 True, True)),
-                                    (pa, tpa.STREAM_KERNELS, lambda: packed("decoder-causal", 64, torch.bfloat16, 2))):
-            kernels = [getattr(module, n) for n in names]  # test_gpu_every_config_is_correct: each config alone
+            for lengths, D, dtype, causal in seq["varlen_cover"]:
+                varlen(*seq["varlen"][lengths], 4, D, dtype, causal, tiling)
+        for case in stream["packed"]:  # test_gpu_packed_batches
+            packed(*case)
+        for module, case in ((sa, lambda: padded("B2-H4-Tq300-Tk77", 64, torch.bfloat16, True, True)),
+                             (pa, lambda: packed("decoder-causal", 64, torch.bfloat16, 2))):
+            kernels = autotuned(module)  # test_gpu_every_config_is_correct: each config alone
             saved = [k.configs for k in kernels]
             try:
                 for index in range(max(len(c) for c in saved)):
@@ -329,17 +341,17 @@ def plan_kernel_test() -> None:
             finally:
                 for k, c in zip(kernels, saved):
                     k.configs = c
-        for case in tln.GPU_CASES:  # test_layernorm's test_gpu_grid (fast cases), its own inputs
-            if any(m.name == "slow" for m in case.marks):
-                continue
-            dtype, N, residual, bias, act = case.values
-            rows = max(3, 2**17 // N) + 1
-            tln.run(*tln.make_inputs(rows, N, dtype, residual=residual, bias=bias, device="cpu", seed=N),
-                    act, "triton")
-        for x_dtype, r_dtype in ((torch.bfloat16, torch.float32), (torch.float16, torch.float32),
-                                 (torch.float32, torch.bfloat16)):  # test_mixed_residual_dtype_matches_reference
-            x, r = torch.empty(37, 200, dtype=x_dtype), torch.empty(37, 200, dtype=r_dtype)
-            w, b = torch.empty(200), torch.empty(200)
+        fast = set(LAYER_NORM_OP.shapes["fast"])
+        for dtype, N, residual, bias, act in LAYER_NORM_OP.shapes["full"]:  # test_layernorm's test_gpu_grid (fast)
+            if (dtype, N, residual, bias, act) in fast:
+                rows = max(3, 2**17 // N) + 1
+                x, r = (torch.empty(rows, N, dtype=dtype, requires_grad=True) if t else None for t in (1, residual))
+                w, b = (torch.empty(N, dtype=dtype, requires_grad=True) if t else None for t in (1, bias))
+                y, s = layer_norm(x, w, b, r, activation=act, return_residual=True, backend="triton")
+                torch.autograd.backward([y, s] if residual else [y], [torch.empty_like(y)] * (1 + residual))
+        for rows, N, x_dtype, r_dtype in LAYER_NORM_OP.shapes["mixed_residual"]:
+            x, r = torch.empty(rows, N, dtype=x_dtype), torch.empty(rows, N, dtype=r_dtype)
+            w, b = torch.empty(N), torch.empty(N)
             y, s, stats = layer_norm_fwd(x, w, b, r, 1e-5, "gelu")
             layer_norm_bwd(y, s, s, w, b, stats, "gelu")
         for n in (1, 4, 1000, 1024, 1500, 2049, 3001):  # test_lion's sizes (off and on every block)
@@ -349,11 +361,11 @@ def plan_kernel_test() -> None:
                         p = torch.empty(n)
                         lion_step_triton(p, torch.empty(n, dtype=grad_dtype), torch.empty(n), lr, lr_t,
                                          0.9, 0.99, 0.1, flag)
-    with _env(FASTMT_AUTOTUNE="full"), _all_configs(True):  # test_gpu_autotuned_matches (both tilings): the
+    with H.environ(FASTMT_AUTOTUNE="full"), _all_configs(True):  # test_gpu_autotuned_matches (both tilings): the
         # autotuner times every pruned config, pinned keys too
         padded("B2-H4-Tq300-Tk77", 64, torch.bfloat16, True, True)
         packed("decoder-causal", 64, torch.bfloat16, 3)
-    with _env(FASTMT_AUTOTUNE="0", TRITON_INTERPRET="0"):
+    with H.environ(FASTMT_AUTOTUNE="0", TRITON_INTERPRET="0"):
         run_selected_tests()
 
 
@@ -410,20 +422,6 @@ PLANS = {"train": plan_train, "kernel-test": plan_kernel_test}
 
 
 @contextlib.contextmanager
-def _env(**values):
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-@contextlib.contextmanager
 def _all_configs(enabled: bool):
     """``kernels._utils.launch`` compiling what a GPU's first launch of the key compiles: the pinned config
     (kernels/pinned.py), else every config the kernel's pruner keeps (what the Autotuner compiles when it times
@@ -431,7 +429,7 @@ def _all_configs(enabled: bool):
     from kernels import _utils
 
     if not enabled:
-        with _env(FASTMT_AUTOTUNE="0"):
+        with H.environ(FASTMT_AUTOTUNE="0"):
             yield
         return
     def every_config(kernel, grid, key, *args, **kwargs):

@@ -105,11 +105,8 @@ def sweep_markdown(rows: Sequence[Mapping[str, Any]], prov: Mapping[str, Any], *
 
 def write_table(rows: list[dict[str, Any]], prov: Mapping[str, Any], out: Path, *, smoke: bool) -> dict[str, Path]:
     """``batch-sweep-<gpu>.{csv,md}``: the rows of settings not in ``rows`` kept from an earlier table."""
-    csv_path = H.result_path(out, "batch-sweep", prov["gpu_slug"], "csv")
-    mine = {r["setting"] for r in rows}
-    kept = [r for r in H.read_csv(csv_path) if r.get("setting") not in mine] if csv_path.is_file() else []
-    rows = kept + rows
-    return H.write_results(out, "batch-sweep", prov["gpu_slug"], rows, COLUMNS, sweep_markdown(rows, prov, smoke=smoke))
+    return H.write_results(out, "batch-sweep", prov["gpu_slug"], rows, COLUMNS,
+                           lambda rows: sweep_markdown(rows, prov, smoke=smoke), keep="setting")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -23,22 +23,22 @@ without it, a synthetic en-it corpus is generated (Zipf-distributed words, seede
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
-import platform
 import shutil
-import subprocess
 import sys
 import tempfile
+import threading
 import time
 from datetime import date
 from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "bench" / "results"
+from bench import harness as H
+from data.files import read_json
+
+REPO, RESULTS = H.REPO_ROOT, H.RESULTS_DIR
 SIZES_M = (0.02, 0.2, 1.0, 5.0)
 BUILD_PHASES = ("read", "clean", "hash", "scratch", "group", "tokenizer", "encode", "write")  # data.build.PHASES
 COLUMNS = ("date", "code", "tag", "corpus", "pairs", "phase", "build_s", "process_s", "first_batch_s",
@@ -46,7 +46,7 @@ COLUMNS = ("date", "code", "tag", "corpus", "pairs", "phase", "build_s", "proces
            "load_before", "load_after", "machine") + tuple(f"{k}_s" for k in BUILD_PHASES) + ("cpu_s",)
 
 # The child: imports, build_data (timed), a marker so the parent stops sampling memory, then torch and the
-# first training batch (timed). Prints one JSON line.
+# first training batch (timed). Writes one JSON record to argv[5].
 CHILD = r"""
 import json, os, resource, sys, time
 t0 = time.perf_counter()
@@ -70,7 +70,7 @@ t4 = time.perf_counter()
 pairs = sum(len(s) for s in bundle.splits.values())
 meta = json.load(open(os.path.join(bundle.split_record["cache"], "meta.json")))
 phases = (meta.get("build") or {}).get("phases", {}) if "built " in " ".join(logs) else {}
-print(json.dumps({"phases": phases, "import_s": t1 - t0, "build_s": t2 - t1, "cpu_s": c2 - c1, "first_batch_s": t4 - t3, "pairs": pairs,
+open(sys.argv[5], "w").write(json.dumps({"phases": phases, "import_s": t1 - t0, "build_s": t2 - t1, "cpu_s": c2 - c1, "first_batch_s": t4 - t3, "pairs": pairs,
                   "rows": bundle.report.rows, "maxrss_self_mb": ru_self / 1024,
                   "maxrss_child_mb": ru_child / 1024, "pss_end_mb": pss_end}))
 """
@@ -140,11 +140,11 @@ def _children_of() -> dict[int, list[int]]:
     return kids
 
 
-def tree_memory(pid: int, pss: bool = True) -> tuple[float, float]:
-    """(RSS, PSS) in MB summed over ``pid`` and its descendants. RSS comes from /proc/PID/statm (cheap); PSS
+def tree_memory(roots: list[int], pss: bool = True) -> tuple[float, float]:
+    """(RSS, PSS) in MB summed over ``roots`` and their descendants. RSS comes from /proc/PID/statm (cheap); PSS
     from smaps_rollup, which walks the page tables under the process's mmap lock, so it is read only when
     ``pss`` (every 10th sample: reading it every 20 ms slowed a 2 GB build measurably)."""
-    kids, todo, rss, pss_kb = _children_of(), [pid], 0.0, 0
+    kids, todo, rss, pss_kb = _children_of(), list(roots), 0.0, 0
     page = os.sysconf("SC_PAGE_SIZE")
     while todo:
         p = todo.pop()
@@ -160,87 +160,57 @@ def tree_memory(pid: int, pss: bool = True) -> tuple[float, float]:
     return rss, pss_kb / 1024
 
 
-def run_child(code: Path, corpus: Path, cache: Path, workers: int) -> dict:
-    marker = cache.parent / f".built-{os.getpid()}"
+def run_child(code: Path, corpus: Path, cache: Path, workers: int, timeout_s: float) -> dict:
+    """One build in a fresh child (``bench.harness.run_in_group``: its own process group, killed past
+    ``timeout_s``), the memory of this process's children sampled every 20 ms until the build's marker appears."""
+    marker, result = cache.parent / f".built-{os.getpid()}", cache.parent / f".result-{os.getpid()}.json"
     marker.unlink(missing_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(code)}
-    t0 = time.perf_counter()
-    # output to files, not pipes: this loop does not read while it samples, and a child that wrote more than a
-    # pipe holds would block until the parent read
-    with tempfile.TemporaryFile("w+") as fout, tempfile.TemporaryFile("w+") as ferr:
-        proc = subprocess.Popen([sys.executable, "-c", CHILD, str(corpus), str(cache), str(marker), str(workers)],
-                                env=env, cwd=str(code), stdout=fout, stderr=ferr, text=True)
-        peak_rss = peak_pss = 0.0
+    peak, stop = [0.0, 0.0], threading.Event()
+
+    def sample():
         n = 0
-        while proc.poll() is None and not marker.exists():
-            rss, pss = tree_memory(proc.pid, pss=n % 10 == 0)
-            peak_rss, peak_pss = max(peak_rss, rss), max(peak_pss, pss)
+        while not stop.is_set() and not marker.exists():
+            rss, pss = tree_memory(_children_of().get(os.getpid(), []), pss=n % 10 == 0)
+            peak[:] = max(peak[0], rss), max(peak[1], pss)
             n += 1
             time.sleep(0.02)
-        proc.wait()
-        fout.seek(0), ferr.seek(0)
-        out, err = fout.read(), ferr.read()
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    t0 = time.perf_counter()
+    sampler.start()
+    try:
+        H.run_in_group([sys.executable, "-c", CHILD, str(corpus), str(cache), str(marker), str(workers), str(result)],
+                       cache.parent / f"child-{os.getpid()}.log", timeout_s=timeout_s, cwd=str(code), tail_lines=20,
+                       env=H.child_env(PYTHONPATH=str(code)))
+    finally:
+        stop.set()
+        sampler.join()
+        marker.unlink(missing_ok=True)
     wall = time.perf_counter() - t0
-    marker.unlink(missing_ok=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"child failed ({proc.returncode}):\n{err[-3000:]}")
-    rec = json.loads(out.strip().splitlines()[-1])
-    rec.update(process_s=wall, rss_tree_mb=max(peak_rss, rec["maxrss_self_mb"]),
-               pss_tree_mb=max(peak_pss, rec["pss_end_mb"]))  # short (warm) builds end before a PSS sample
+    rec = read_json(result, "data_scale child record")
+    result.unlink()
+    rec.update(process_s=wall, rss_tree_mb=max(peak[0], rec["maxrss_self_mb"]),
+               pss_tree_mb=max(peak[1], rec["pss_end_mb"]))  # short (warm) builds end before a PSS sample
     return rec
 
 
 # ----------------------------------------------------------------------------------------------
-# Labels, table, plot
+# Table, plot
 # ----------------------------------------------------------------------------------------------
-def machine() -> str:
-    cpu = platform.processor() or "cpu"
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {len(os.sched_getaffinity(0))} cores, {os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.0f} GiB"
-
-
-def git_sha(code: Path) -> str:
-    try:
-        sha = subprocess.run(["git", "-C", str(code), "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(code), "status", "--porcelain", "--", "data"],
-                               capture_output=True, text=True).stdout.strip()
-        return sha + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def load_rows(path: Path) -> list[dict]:
     """The CSV's rows, every one with every column of `COLUMNS` (rows written before a column existed: "")."""
-    if not path.is_file():
-        return []
-    with path.open(newline="") as f:
-        return [{k: r.get(k) or "" for k in COLUMNS} for r in csv.DictReader(f)]
+    return H.read_csv(path, COLUMNS)
 
 
-def append_row(path: Path, row: dict) -> None:
-    """Append ``row``; a CSV whose header lacks columns added since is rewritten with them first (old rows: "")."""
-    header = []
-    if path.is_file():
-        with path.open(newline="") as f:
-            header = next(csv.reader(f), [])
-    if header != list(COLUMNS):
-        rows = load_rows(path)
-        with path.open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=COLUMNS)
-            w.writeheader()
-            w.writerows(rows)
-    with path.open("a", newline="") as f:
-        csv.DictWriter(f, fieldnames=COLUMNS).writerow(row)
+def _num(v, spec: str) -> str:
+    return "" if v in ("", None) else format(float(v), spec)
+
+
+def _dash(v) -> str:
+    return "—" if v in ("", None) else str(v)
 
 
 def write_table(rows: list[dict], md: Path) -> None:
-    def f(v, fmt):
-        return "—" if v in ("", None) else format(float(v), fmt)
-
     lines = ["# Data layer at scale: cold and warm start (CPU)", "",
              "`python -m bench.data_scale` (module docstring: what is measured and how). build = `build_data` wall; "
              "process = the whole child (interpreter, imports, build, torch import, first batch); memory = peak over "
@@ -249,89 +219,80 @@ def write_table(rows: list[dict], md: Path) -> None:
              "before/after each run is given.", ""]
     lines += ["## Summary: medians over the rows below, per corpus, size, code and phase", "",
               "CPU s: user + system seconds of the build's processes (a cost the machine's load does not change "
-              "much; recorded since issue 37); pairs/CPU-s: pairs per such second.", "",
-              "| corpus | pairs | phase | code (tag) | build s | CPU s | peak RSS tree MB | peak PSS tree MB | pairs/s/core "
-              "| pairs/CPU-s | runs | load |",
-              "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+              "much; recorded since issue 37); pairs/CPU-s: pairs per such second.", ""]
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["corpus"], int(r["pairs"]), r["phase"], f"{r['code']} ({r['tag']})"), []).append(r)
+    summary = []
     for (corpus, pairs, phase, code), rs in sorted(groups.items()):
         def med(k, rs=rs):
             v = [float(r[k]) for r in rs if r[k] not in ("", None)]
             return float(np.median(v)) if v else None
 
         loads = [float(r["load_before"]) for r in rs] + [float(r["load_after"]) for r in rs]
-        pps, cpu = med("pairs_per_s_core"), med("cpu_s")
-        per_cpu = pairs / cpu if cpu and phase == "cold" else None
-        lines.append(f"| {corpus} | {pairs:,} | {phase} | {code} | {med('build_s'):.3f} "
-                     f"| {'—' if cpu is None else f'{cpu:.1f}'} | {med('rss_tree_mb'):.0f} "
-                     f"| {med('pss_tree_mb'):.0f} | {'' if pps is None else f'{pps:,.0f}'} "
-                     f"| {'' if per_cpu is None else f'{per_cpu:,.0f}'} | {len(rs)} | {min(loads):.1f}–{max(loads):.1f} |")
-    lines.append("")
+        cpu = med("cpu_s")
+        summary.append({"corpus": corpus, "pairs": f"{pairs:,}", "phase": phase, "code": code,
+                        "build_s": f"{med('build_s'):.3f}", "cpu_s": _dash(_num(cpu, ".1f")),
+                        "rss": f"{med('rss_tree_mb'):.0f}", "pss": f"{med('pss_tree_mb'):.0f}",
+                        "pps": _num(med("pairs_per_s_core"), ",.0f"),
+                        "per_cpu": _num(pairs / cpu if cpu and phase == "cold" else None, ",.0f"),
+                        "runs": len(rs), "load": f"{min(loads):.1f}–{max(loads):.1f}"})
+    lines += [H.markdown_table(summary, list(summary[0]) if summary else [], [
+        "corpus", "pairs", "phase", "code (tag)", "build s", "CPU s", "peak RSS tree MB", "peak PSS tree MB",
+        "pairs/s/core", "pairs/CPU-s", "runs", "load"], right=("pairs", "build_s", "cpu_s", "rss", "pss", "pps",
+                                                              "per_cpu", "runs"), cell=str), ""]
     timed = [r for r in rows if r["phase"] == "cold" and any(r.get(f"{k}_s") for k in BUILD_PHASES)]
     if timed:
         lines += ["## Where a cold build's time goes (seconds per phase, `data.build`)", "",
                   "read/clean/hash/scratch: pass A (parse, clean, normalise + hash, scratch files), split from its "
                   "wall time by the workers' seconds in each step; group: the leakage-free split (streaming passes "
                   "over the hashes); tokenizer: its sample + SentencePiece training; encode: pass B; write: the "
-                  "arrays and meta.json. Load = the 1-minute load average before → after (2 cores).", "",
-                  "| date | code | corpus | pairs | build s | CPU s | " + " | ".join(BUILD_PHASES)
-                  + " | slowest | RSS tree MB | load |", "|---|---|---|---:|---:|---:|" + "---:|" * len(BUILD_PHASES)
-                  + "---|---:|---|"]
+                  "arrays and meta.json. Load = the 1-minute load average before → after (2 cores).", ""]
+        table = []
         for r in timed:
             sec = {k: float(r[f"{k}_s"] or 0) for k in BUILD_PHASES}
-            lines.append(f"| {r['date']} | {r['code']} | {r['corpus']} | {int(r['pairs']):,} | {float(r['build_s']):.1f} "
-                         f"| {f(r['cpu_s'], '.1f')} | " + " | ".join(f"{sec[k]:.1f}" for k in BUILD_PHASES)
-                         + f" | {max(sec, key=sec.get)} | {float(r['rss_tree_mb']):.0f} "
-                         f"| {r['load_before']} → {r['load_after']} |")
-        lines.append("")
+            table.append({"date": r["date"], "code": r["code"], "corpus": r["corpus"], "pairs": f"{int(r['pairs']):,}",
+                          "build_s": f"{float(r['build_s']):.1f}", "cpu_s": _dash(_num(r["cpu_s"], ".1f")),
+                          **{k: f"{sec[k]:.1f}" for k in BUILD_PHASES}, "slowest": max(sec, key=sec.get),
+                          "rss": f"{float(r['rss_tree_mb']):.0f}", "load": f"{r['load_before']} → {r['load_after']}"})
+        lines += [H.markdown_table(table, list(table[0]), ["date", "code", "corpus", "pairs", "build s", "CPU s",
+                                                           *BUILD_PHASES, "slowest", "RSS tree MB", "load"],
+                                   right=("pairs", "build_s", "cpu_s", *BUILD_PHASES, "rss"), cell=str), ""]
+    heads = ["date", "code", "tag", "corpus", "pairs", "phase", "build s", "process s", "first batch s",
+             "pairs/s/core", "RSS tree MB", "PSS tree MB", "getrusage self / child MB", "load"]
     for mach in sorted({r["machine"] for r in rows}):
-        lines += [f"## {mach}", "",
-                  "| date | code | tag | corpus | pairs | phase | build s | process s | first batch s | pairs/s/core "
-                  "| RSS tree MB | PSS tree MB | getrusage self / child MB | load |",
-                  "|---|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
-        for r in rows:
-            if r["machine"] != mach:
-                continue
-            lines.append(
-                f"| {r['date']} | {r['code']} | {r['tag']} | {r['corpus']} | {int(r['pairs']):,} | {r['phase']} "
-                f"| {f(r['build_s'], '.2f')} | {f(r['process_s'], '.2f')} | {f(r['first_batch_s'], '.3f')} "
-                f"| {f(r['pairs_per_s_core'], ',.0f')} | {f(r['rss_tree_mb'], '.0f')} | {f(r['pss_tree_mb'], '.0f')} "
-                f"| {f(r['maxrss_self_mb'], '.0f')} / {f(r['maxrss_child_mb'], '.0f')} "
-                f"| {r['load_before']} → {r['load_after']} |")
-        lines.append("")
+        table = [{"date": r["date"], "code": r["code"], "tag": r["tag"], "corpus": r["corpus"],
+                  "pairs": f"{int(r['pairs']):,}", "phase": r["phase"], "build_s": _num(r["build_s"], ".2f"),
+                  "process_s": _num(r["process_s"], ".2f"), "first_batch_s": _num(r["first_batch_s"], ".3f"),
+                  "pps": _num(r["pairs_per_s_core"], ",.0f"), "rss": _num(r["rss_tree_mb"], ".0f"),
+                  "pss": _num(r["pss_tree_mb"], ".0f"), "ru": f"{_dash(_num(r['maxrss_self_mb'], '.0f'))} / "
+                  f"{_dash(_num(r['maxrss_child_mb'], '.0f'))}", "load": f"{r['load_before']} → {r['load_after']}"}
+                 for r in rows if r["machine"] == mach]
+        lines += [f"## {mach}", "", H.markdown_table(table, list(table[0]), heads, cell=_dash, right=(
+            "pairs", "build_s", "process_s", "first_batch_s", "pps", "rss", "pss", "ru")), ""]
     md.write_text("\n".join(lines))
 
 
 def plot(rows: list[dict], png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     series: dict[tuple, list] = {}
     for r in rows:
         series.setdefault((r["tag"], r["code"], r["phase"], r["corpus"]), []).append(r)
+    fig, axes = H.new_figure(1, 2, width=5.5, height=4.2)
     for (tag, code, phase, corpus), rs in sorted(series.items()):
         rs = sorted(rs, key=lambda r: int(r["pairs"]))
         x = [int(r["pairs"]) for r in rs]
         style = "-o" if phase == "cold" else "--s"
         label = f"{tag} ({code}) {phase}, {corpus}"
-        axes[0].plot(x, [float(r["build_s"]) for r in rs], style, label=label)
-        axes[1].plot(x, [float(r["pss_tree_mb"]) for r in rs], style, label=label)
-    for ax, title in zip(axes, ("build_data wall (s)", "peak PSS of the process tree (MB)")):
+        axes[0][0].plot(x, [float(r["build_s"]) for r in rs], style, label=label)
+        axes[0][1].plot(x, [float(r["pss_tree_mb"]) for r in rs], style, label=label)
+    for ax, title in zip(axes[0], ("build_data wall (s)", "peak PSS of the process tree (MB)")):
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("pairs")
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend(fontsize=7)
-    fig.suptitle(f"bench.data_scale — {rows[-1]['machine']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    axes[0][0].legend(fontsize=7)
+    H.save_figure(fig, png, suptitle=f"bench.data_scale — {rows[-1]['machine']}")
 
 
 def spm_sample_rows(source: Path, sizes: list[int], work: Path, vocab: int = 8000) -> list[dict]:
@@ -365,21 +326,28 @@ def spm_sample_rows(source: Path, sizes: list[int], work: Path, vocab: int = 800
     return rows
 
 
+SPM_HEADERS = ("sample pairs", "of train", "vocab", "valid src / tgt subwords per sentence", "train src / tgt",
+               "valid byte-fallback share", "pieces shared with the all-pairs model")
+
+
+def spm_cells(r: dict) -> dict:
+    """One ``spm_sample_rows`` row as the table's cells."""
+    k = min(r["sample_pairs"] or r["of_train"], r["of_train"])
+    return dict(zip(SPM_HEADERS, (f"{'all ' if not r['sample_pairs'] else ''}{k:,}", f"{k / r['of_train']:.1%}",
+                                  f"{r['vocab']:,}", f"{r['valid_src_per_sent']:.2f} / {r['valid_tgt_per_sent']:.2f}",
+                                  f"{r['train_src_per_sent']:.2f} / {r['train_tgt_per_sent']:.2f}",
+                                  f"{r['valid_byte_share']:.3%}", f"{r['shared_pieces']:.1%}")))
+
+
 def write_spm_table(rows: list[dict], md: Path, source: Path) -> None:
     lines = ["# SentencePiece on a seeded sample of the train split (stand-in corpus, CPU)", "",
              f"`python -m bench.data_scale --spm-sample K,... --vocab V,... --from {source}` "
-             f"({date.today().isoformat()}, {machine()}). Stand-in corpus: real human translations in "
+             f"({date.today().isoformat()}, {H.machine()}). Stand-in corpus: real human translations in "
              "the OPUS Books row format, not OPUS Books. Split as `build_data` does (1000 valid, 1000 test, seed 0); "
              "BPE; subwords per sentence exclude EOS/BOS.", "",
-             "| sample pairs | of train | vocab | valid src / tgt subwords per sentence | train src / tgt | "
-             "valid byte-fallback share | pieces shared with the all-pairs model |",
-             "|---:|---:|---:|---|---|---:|---:|"]
-    for r in rows:
-        k = min(r["sample_pairs"] or r["of_train"], r["of_train"])
-        lines.append(f"| {'all ' if not r['sample_pairs'] else ''}{k:,} | {k / r['of_train']:.1%} | {r['vocab']:,} "
-                     f"| {r['valid_src_per_sent']:.2f} / {r['valid_tgt_per_sent']:.2f} "
-                     f"| {r['train_src_per_sent']:.2f} / {r['train_tgt_per_sent']:.2f} "
-                     f"| {r['valid_byte_share']:.3%} | {r['shared_pieces']:.1%} |")
+             H.markdown_table([spm_cells(r) for r in rows], SPM_HEADERS, SPM_HEADERS, cell=str, right=(
+                 "sample pairs", "of train", "vocab", "valid byte-fallback share",
+                 "pieces shared with the all-pairs model"))]
     md.write_text("\n".join(lines) + "\n")
 
 
@@ -401,6 +369,8 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=0, help="DataLoader workers of the first-batch measure")
     p.add_argument("--warm-runs", type=int, default=2, help="warm starts per size (each a row)")
     p.add_argument("--out", type=Path, default=RESULTS, help="folder of data-scale-cpu.{csv,md,png}")
+    p.add_argument("--timeout-s", type=float, default=7200.0, help="deadline of each build's child process (killed "
+                                                                   "with its workers past it)")
     p.add_argument("--keep", action="store_true", help="keep the caches (corpora are always kept)")
     p.add_argument("--spm-sample", metavar="K,K", help="instead: tokenizer statistics per spm_sample_pairs on --from")
     p.add_argument("--vocab", default="8000", help="--spm-sample: vocabulary sizes (comma-separated)")
@@ -423,7 +393,7 @@ def main(argv=None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     csv_path = a.out / "data-scale-cpu.csv"
     label = "stand-in corpus replicated" if a.source else "synthetic"
-    code, mach = a.code_sha or git_sha(a.code), machine()
+    code, mach = a.code_sha or H.code_sha(a.code, "data"), H.machine()
     cores = len(os.sched_getaffinity(0))
     for size in sizes:
         pairs = int(round(size * 1e6))
@@ -439,7 +409,10 @@ def main(argv=None) -> int:
         shutil.rmtree(cache, ignore_errors=True)
         for phase in ["cold"] + ["warm"] * a.warm_runs:
             load0 = f"{os.getloadavg()[0]:.2f}"
-            rec = run_child(a.code, corpus, cache, a.workers)
+            try:
+                rec = run_child(a.code, corpus, cache, a.workers, a.timeout_s)
+            except (RuntimeError, TimeoutError) as e:  # the rows of the builds before it are in the CSV
+                raise SystemExit(f"bench.data_scale: the {phase} build of {pairs:,} pairs failed: {e}") from None
             row = {"date": date.today().isoformat(), "code": code, "tag": a.tag, "corpus": label,
                    "pairs": pairs, "phase": phase, "build_s": f"{rec['build_s']:.3f}",
                    "process_s": f"{rec['process_s']:.3f}", "first_batch_s": f"{rec['first_batch_s']:.4f}",
@@ -454,7 +427,7 @@ def main(argv=None) -> int:
             if rec["phases"]:
                 print("[data_scale] phases (s): " + ", ".join(f"{k} {rec['phases'][k]:.1f}" for k in BUILD_PHASES
                                                               if k in rec["phases"]), flush=True)
-            append_row(csv_path, row)
+            H.append_csv(csv_path, [row], COLUMNS)
         if not a.keep:
             shutil.rmtree(cache, ignore_errors=True)
     rows = load_rows(csv_path)

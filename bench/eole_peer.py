@@ -117,20 +117,15 @@ def eole_config(split_dir: Path, work: Path, r: EoleRecipe, vocab_size: int) -> 
     }
 
 
-def _env(threads: int) -> dict[str, str]:
-    n = str(threads)
-    return {**os.environ, "OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "PYTHONUNBUFFERED": "1",
-            "PYTHONPATH": "", "CUDA_VISIBLE_DEVICES": ""}
-
-
 def run_logged(cmd: list[str], log_path: Path, *, timeout_s: float, threads: int = 1,
                log: Callable[[str], None] = print) -> int:
     """Run ``cmd`` in its own process group, output appended to ``log_path``; past ``timeout_s`` the whole group
     is killed and ``TimeoutError`` raised; any other exit raises ``RuntimeError`` with the log's tail."""
-    from bench.harness import run_in_group
+    from bench.harness import child_env, run_in_group
 
     log(f"[eole] {' '.join(cmd)}")
-    return run_in_group(cmd, log_path, timeout_s=timeout_s, env=_env(threads), append=True, tail_lines=4)
+    return run_in_group(cmd, log_path, timeout_s=timeout_s, append=True, tail_lines=4,
+                        env=child_env(threads, PYTHONUNBUFFERED="1", PYTHONPATH="", CUDA_VISIBLE_DEVICES=""))
 
 
 def step_seconds(log_text: str) -> dict[int, float]:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -25,7 +25,7 @@ import torch
 
 from bench import cli
 from bench import harness as H
-from bench.harness import kill_group, run_in_group  # noqa: F401 - the one deadline runner
+from bench.harness import run_in_group
 from bench.quality import read_run
 from train.runs.folder import free_run_name, read_marker
 
@@ -103,27 +103,16 @@ def run_contestant(c: Contestant, cmd: list[str], log_path: Path, *, timeout_s: 
     and with this process: a SIGTERM here (``timeout`` ending the runbook's step) or Ctrl-C kills the group
     and raises (``Stopped``, ``KeyboardInterrupt``), so nothing keeps training on the GPU after the step."""
     log(f"[frontier] {c.name}: {' '.join(cmd[1:])}")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_stopped) if main_thread else None
-    t0 = time.perf_counter()
+    t0, status, rc = time.perf_counter(), "ok", 0
     try:
-        with open(log_path, "w") as out:
-            proc = subprocess.Popen(cmd, cwd=H.REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True)
-            try:
-                rc = proc.wait(timeout=timeout_s)
-                status = "ok" if rc == 0 else "error"
-            except subprocess.TimeoutExpired:
-                kill_group(proc.pid, grace_s=0.0)
-                rc = proc.wait()
-                status = "timeout"
-            except BaseException:
-                kill_group(proc.pid)
-                proc.wait()
-                raise
-            finally:
-                kill_group(proc.pid, grace_s=0.0)  # whatever the contestant left behind in its group
+        run_in_group(cmd, log_path, timeout_s=timeout_s, cwd=H.REPO_ROOT,
+                     env=H.child_env(PYTHONUNBUFFERED="1", HF_DATASETS_DISABLE_PROGRESS_BARS="1"))
+    except TimeoutError:
+        status, rc = "timeout", None
+    except RuntimeError as e:  # "<cmd> exited <rc>: <log tail>"
+        status, rc = "error", next((int(m[1]) for m in re.finditer(r" exited (-?\d+):", str(e))), None)
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
@@ -146,15 +135,6 @@ def claimed_run_dir(work: Path, run_name: str, before: set[str]) -> Path:
     return work / new[0] if len(new) == 1 else work / run_name
 
 
-def _tail(path: Path, lines: int = 3, width: int = 240) -> str:
-    """The last lines of a log (where a traceback names its error), each cut to ``width`` characters."""
-    try:
-        text = path.read_text(errors="replace").strip().splitlines()
-    except OSError:
-        return ""
-    return " | ".join(line[:width] for line in text[-lines:])
-
-
 def contestant_rows(c: Contestant, result: Mapping[str, Any], run_dir: Path, log_path: Path, *, budget_s: float,
                     cmd: Sequence[str]) -> list[dict[str, Any]]:
     """One row per epoch point; one error row when the run produced none or failed."""
@@ -165,7 +145,7 @@ def contestant_rows(c: Contestant, result: Mapping[str, Any], run_dir: Path, log
     if status == "ok" and not epochs:
         status = "error"
     error = "" if status == "ok" else (
-        f"{status}: exit {result['returncode']}, {len(epochs)} epoch rows; log: {_tail(log_path)}")
+        f"{status}: exit {result['returncode']}, {len(epochs)} epoch rows; log: {H.tail(log_path)}")
     rows = [{**common, "status": status, "epoch": r.get("epoch"), "wall_seconds": r["wall_seconds"],
              "bleu": r.get("bleu"), "valid_loss": r.get("valid_loss"), "epoch_seconds": r.get("epoch_seconds"),
              "eval_seconds": r.get("eval_seconds"), "partial_epoch": bool(r.get("partial_epoch")),
@@ -268,14 +248,10 @@ def write_outputs(rows: list[dict[str, Any]], prov: Mapping[str, Any], corpus: s
                   markdown: Callable[..., str] | None = None) -> dict[str, Path]:
     """Write ``<name>-<gpu>.csv`` (keeping the rows of contestants not in ``rows`` unless ``fresh``), ``.md``
     (``markdown(rows, prov, corpus, smoke=...)``, default the frontier's) and ``.png``."""
-    csv_path = H.result_path(out, name, prov["gpu_slug"], "csv")
-    mine = {str(r["contestant"]) for r in rows}
-    kept = [] if fresh or not csv_path.is_file() else [r for r in H.read_csv(csv_path) if r["contestant"] not in mine]
-    rows = kept + rows
     title = f"fastmt {'time-to-quality ' if name == 'frontier' else ''}{name} — {prov['gpu']} — {corpus}"
-    return H.write_results(out, name, prov["gpu_slug"], rows, COLUMNS,
-                           (markdown or frontier_markdown)(rows, prov, corpus, smoke=smoke),
-                           (lambda path: frontier_plot(rows, path, title=title)) if plot else None)
+    return H.write_results(out, name, prov["gpu_slug"], rows, COLUMNS, lambda rows: (markdown or frontier_markdown)(
+        rows, prov, corpus, smoke=smoke), keep=None if fresh else "contestant", plot=(
+        lambda rows, path: frontier_plot(rows, path, title=title)) if plot else None)
 
 
 # -- The frontier ----------------------------------------------------------------------------------

@@ -1,18 +1,21 @@
 """The shared harness of bench/: timing, device ceilings, FLOP/byte counts, provenance, result files
-(``<out>/<name>-<gpu>.{csv,md,png}``). The timing protocol and counting conventions: bench/README.md."""
+(``<out>/<name>-<gpu>.{csv,md,png}``), child environments and the one deadline runner (``run_in_group``). The timing
+protocol and counting conventions: bench/README.md."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime as _dt
 import math
 import os
+import platform
 import re
 import signal
 import subprocess
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,6 +113,27 @@ def peak_memory_mb(fn: Callable[[], Any], device: torch.device | str,
     fn()
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device) / 2**20
+
+
+@contextlib.contextmanager
+def environ(values: Mapping[str, str] = {}, **more: str) -> Iterator[None]:  # noqa: B006 - read only
+    """``values`` and ``more`` set in ``os.environ`` for the block; those keys (only) restored after."""
+    values = {**values, **more}
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        os.environ.update({k: v for k, v in old.items() if v is not None})
+        for k in (k for k, v in old.items() if v is None):
+            os.environ.pop(k, None)
+
+
+def child_env(threads: int | None = None, **values: str) -> dict[str, str]:
+    """A child process's environment: this one's, OpenMP and MKL pinned to ``threads`` (their pools read them at
+    start), ``values`` set."""
+    pinned = {} if threads is None else {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    return {**os.environ, **pinned, **values}
 
 
 def short_error(exc: BaseException, limit: int = 160) -> str:
@@ -260,6 +284,38 @@ def provenance(device: torch.device | str) -> Row:
     return row
 
 
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else ``platform.processor()``, else 'unknown CPU'."""
+    from data.files import read_text
+
+    try:
+        for line in read_text("/proc/cpuinfo", "CPU description", limit=64 * 2**20).splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, ValueError):
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def machine() -> str:
+    """'<CPU>, <n> cores, <m> GiB': the host of a CPU measurement (cores: the ones this process may use)."""
+    mem = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    return f"{cpu_name()}, {len(os.sched_getaffinity(0))} cores, {mem:.0f} GiB"
+
+
+def code_sha(repo: Path | str, scope: str = ".") -> str:
+    """``<short sha>`` of the checkout at ``repo``, ``+dirty`` when tracked or new files under ``scope`` changed;
+    'unknown' without git (a tree exported with ``git archive``)."""
+    try:
+        sha = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--", scope],
+                               capture_output=True, text=True).stdout.strip()
+        return sha + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 PROVENANCE_COLUMNS = ("gpu", "gpu_slug", "torch", "triton", "cuda", "driver", "python", "git_sha", "git_dirty")
 
 
@@ -313,22 +369,33 @@ def append_csv(path: Path | str, rows: Iterable[Mapping[str, Any]], columns: Seq
     return path
 
 
-def read_csv(path: Path | str) -> list[dict[str, str]]:
+def read_csv(path: Path | str, columns: Sequence[str] | None = None) -> list[dict[str, str]]:
+    """The rows of a CSV (``[]`` when there is none); given ``columns``, every row has exactly those keys (a row
+    written before a column existed: "")."""
+    if not Path(path).is_file():
+        return []
     with Path(path).open(newline="") as f:
-        return list(csv.DictReader(f))
+        rows = list(csv.DictReader(f))
+    return rows if columns is None else [{k: r.get(k) or "" for k in columns} for r in rows]
 
 
 def write_results(out: Path, name: str, slug: str, rows: Sequence[Mapping[str, Any]], columns: Sequence[str],
-                  markdown: str, plot: Callable[[Path], Path] | None = None) -> dict[str, Path]:
+                  markdown: str | Callable[[list], str], plot: Callable[[list, Path], Path] | None = None, *,
+                  keep: str | None = None) -> dict[str, Path]:
     """``<out>/<name>-<slug>.csv`` rewritten with ``rows`` (one table per device: the latest run; git keeps
-    the history), the ``.md`` holding ``markdown`` and, given ``plot(path)``, the ``.png``."""
+    the history), the ``.md`` holding ``markdown`` (or ``markdown(rows)``) and, given ``plot(rows, path)``, the
+    ``.png``. ``keep``: a column; the file's earlier rows whose value there no new row has come first (the
+    contestants or settings not run now)."""
     out.mkdir(parents=True, exist_ok=True)
     paths = {ext: result_path(out, name, slug, ext) for ext in ("csv", "md")}
+    if keep is not None:
+        mine = {str(r[keep]) for r in rows}
+        rows = [r for r in read_csv(paths["csv"]) if r.get(keep) not in mine] + list(rows)
     paths["csv"].unlink(missing_ok=True)
     append_csv(paths["csv"], rows, columns)
-    paths["md"].write_text(markdown)
+    paths["md"].write_text(markdown if isinstance(markdown, str) else markdown(rows))
     if plot is not None:
-        paths["png"] = plot(result_path(out, name, slug, "png"))
+        paths["png"] = plot(rows, result_path(out, name, slug, "png"))
     return paths
 
 
@@ -350,13 +417,25 @@ def fmt(v: Any) -> str:
     return str(v)
 
 
-def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str],
-                   headers: Sequence[str] | None = None) -> str:
+def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], headers: Sequence[str] | None = None,
+                   *, right: Sequence[str] = (), cell: Callable[[Any], str] = fmt) -> str:
+    """A markdown table of ``rows``' ``columns`` (``headers``: their titles), each value through ``cell``
+    (``fmt``: 3 significant figures, '-' for none); the columns in ``right`` right-aligned."""
     headers = list(headers or columns)
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---:" if c in right else "---" for c in columns) + "|"]
     for r in rows:
-        lines.append("| " + " | ".join(fmt(r.get(c)).replace("|", "\\|") for c in columns) + " |")
+        lines.append("| " + " | ".join(cell(r.get(c)).replace("|", "\\|") for c in columns) + " |")
     return "\n".join(lines)
+
+
+def tail(path: Path | str, lines: int = 3, width: int = 240) -> str:
+    """The last ``lines`` lines of a log (where a traceback names its error), each cut to ``width`` characters,
+    joined by ' | '; '' when it cannot be read."""
+    try:
+        text = Path(path).read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return " | ".join(line[:width] for line in text[-lines:])
 
 
 def text_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str],

@@ -25,7 +25,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from bench.harness import child_env, run_in_group, tail
 from data.files import read_json, read_text
 
 ENGINES = ("fastmt", "fastmt-cuda-graph", "ct2-float32", "ct2-int8", "hf-generate")
@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=positive, default=1, help="CPU threads of each engine (default 1)")
     p.add_argument("--repeats", type=positive, default=3, help="timed passes per engine, in turns (median reported)")
     p.add_argument("--train-steps", type=int, default=600, help="steps of the model trained without --ckpt")
+    p.add_argument("--timeout-s", type=float, default=3600.0, help="deadline of each engine's pass (its process "
+                                                                   "group is killed past it)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of " + ",".join(ENGINES))
     p.add_argument("--child", help=argparse.SUPPRESS)  # internal: run one engine from a job file
@@ -149,12 +151,6 @@ def check_out(out: Path) -> None:
                          f"give a folder")
 
 
-def child_env(threads: int) -> dict[str, str]:
-    """The environment of an engine's process: OpenMP and MKL pinned to ``threads`` as well (CTranslate2's and
-    torch's pools read them at start)."""
-    return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-
-
 # -- one engine, in a child process -------------------------------------------------------------------------
 def run_child(job_file: str) -> None:
     job = read_json(job_file, "benchmark job")
@@ -221,16 +217,6 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def cpu_name() -> str:
-    try:
-        for line in read_text("/proc/cpuinfo", "CPU description", limit=64 * 2**20).splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, ValueError):
-        pass
-    return "unknown CPU"
-
-
 # -- the parent ---------------------------------------------------------------------------------------------
 def measure(args, ckpt: Path, src: list[str], ref: list[str], work: Path, device: str) -> list[dict]:
     from train.cli.export import main as export
@@ -259,8 +245,13 @@ def measure(args, ckpt: Path, src: list[str], ref: list[str], work: Path, device
                                            "beam": args.beam, "alpha": args.length_penalty, "a": 1.5, "b": 10,
                                            "batch": args.batch_size}}))
             load_before = os.getloadavg()[0]
-            subprocess.run([sys.executable, "-m", "bench.inference", "--child", str(job)], check=True,
-                           env=child_env(args.threads))
+            try:  # its own process group under a deadline; a failure: the log's last lines
+                run_in_group([sys.executable, "-m", "bench.inference", "--child", str(job)], work / f"{engine}.log",
+                             timeout_s=args.timeout_s, env=child_env(args.threads), tail_lines=5)
+            except (RuntimeError, TimeoutError) as e:  # the log goes with the temporary folder: its end is said
+                raise SystemExit(f"bench.inference: the {engine} engine failed: {e}"
+                                 + (f"; it ended: {tail(work / f'{engine}.log')}" if isinstance(e, TimeoutError)
+                                    else "")) from None
             passes[engine].append({**read_json(result, "benchmark result", limit=4 * 2**30), "load": (load_before, os.getloadavg()[0])})
     rows, first = [], None
     for engine in engines:
@@ -285,7 +276,7 @@ def measure(args, ckpt: Path, src: list[str], ref: list[str], work: Path, device
 
 
 def markdown(rows: list[dict], args, n: int, corpus: str, device: str, ckpt_note: str, loads: tuple) -> str:
-    from bench.harness import markdown_table, provenance, provenance_markdown
+    from bench.harness import cpu_name, markdown_table, provenance, provenance_markdown
 
     prov = provenance(device)
     base = next((r for r in rows if r["engine"] == "fastmt"), rows[0])

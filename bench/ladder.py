@@ -475,7 +475,7 @@ def write_outputs(rows: list[dict[str, Any]], ctx: dict[str, Any], out: Path, *,
     title = f"fastmt speedup ladder — {ctx['prov']['gpu']} — {ctx['corpus']}"
     return H.write_results(out, "ladder", ctx["prov"]["gpu_slug"], rows, COLUMNS,
                            report.ladder_markdown(rows, ctx, smoke=smoke),
-                           (lambda path: report.ladder_plot(rows, path, title=title)) if plot else None)
+                           (lambda rows, path: report.ladder_plot(rows, path, title=title)) if plot else None)
 
 
 # -- Command line ----------------------------------------------------------------------------------

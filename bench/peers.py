@@ -184,6 +184,20 @@ def _loss(model, b: dict[str, torch.Tensor], tok, **options) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), b["labels"].flatten(), ignore_index=-100, **options)
 
 
+def train_step(model, opt, b: dict[str, torch.Tensor], tok, recipe, lr: float) -> torch.Tensor:
+    """One optimizer step of the HF baseline at ``lr`` (the peer's run and the CPU race's): the label-smoothed loss
+    (SDPA's flash/efficient kernels on CUDA), gradients clipped to the recipe's norm. Returns the loss (detached)."""
+    for g in opt.param_groups:
+        g["lr"] = lr
+    with sdpa_kernels(b["input_ids"].device):
+        loss = _loss(model, b, tok, label_smoothing=recipe.label_smoothing)
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
 @torch.no_grad()
 def valid_loss(model, src, tgt, tok, device: torch.device, batch_size: int) -> float | None:
     """Mean un-smoothed cross-entropy per real target token over the whole split."""
@@ -360,16 +374,8 @@ def _train(cfg, recipe: PeerRecipe, bundle, run_dir: Path, metrics, device: torc
         n_batches = 0
         for batch in train_loader(train_src, train_tgt, recipe, tok.pad_id, epoch):
             b = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            lr = recipe.lr * sched.factor(step, t_train + time.perf_counter() - t_epoch)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            with sdpa_kernels(device):
-                loss = _loss(model, b, tok, label_smoothing=recipe.label_smoothing)
-                loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            loss_sum += loss.detach()
+            loss_sum += train_step(model, opt, b, tok, recipe,
+                                   recipe.lr * sched.factor(step, t_train + time.perf_counter() - t_epoch))
             n_batches += 1
             step += 1
             if step >= total:

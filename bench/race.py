@@ -34,6 +34,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench import harness as H
+
 REPO = Path(__file__).resolve().parent.parent
 SYSTEMS = ("fastmt", "hf", "eole")
 STAND_IN = str(REPO.parent / "shared" / "data" / "opus_mt_testsets" / "en-it" / "train.jsonl")  # a dev checkout's
@@ -96,19 +98,13 @@ def fastmt_config(rc: RaceConfig, cache: Path):
                                                 "data.cache_dir": str(cache)})
 
 
-def _env(threads: int) -> dict[str, str]:
-    n = str(threads)
-    return {**os.environ, "OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "PYTHONUNBUFFERED": "1",
-            "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
-
-
 def _run(cmd: list[str], log_path: Path, timeout_s: float, threads: int, log: Callable[[str], None]) -> float:
     """Run ``cmd`` in its own process group (killed whole at ``timeout_s``); returns its wall seconds."""
-    from bench.harness import run_in_group
-
     log(f"[race] {' '.join(cmd)}")
     t0 = time.perf_counter()
-    run_in_group(cmd, log_path, timeout_s=timeout_s, env=_env(threads), cwd=REPO)
+    H.run_in_group(cmd, log_path, timeout_s=timeout_s, cwd=REPO, env=H.child_env(
+        threads, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="",
+        HF_DATASETS_DISABLE_PROGRESS_BARS="1"))
     return time.perf_counter() - t0
 
 
@@ -228,16 +224,9 @@ def hf_worker(argv: Sequence[str]) -> int:
     while step < a.steps:
         for batch in P.train_loader(src, tgt, recipe, tok.pad_id, epoch):
             t0 = time.perf_counter()
-            for g in opt.param_groups:
-                g["lr"] = recipe.lr * sched.factor(step)
-            loss = P._loss(model, batch, tok, label_smoothing=recipe.label_smoothing)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            window.append(P.train_step(model, opt, batch, tok, recipe, recipe.lr * sched.factor(step)))
             step += 1
             t_train += time.perf_counter() - t0
-            window.append(loss.detach())
             if step % a.eval_every == 0:
                 mean = float(torch.stack(window).mean())  # the label-smoothed training loss since the last point
                 window = []
@@ -485,6 +474,11 @@ def averages_table(record: dict) -> list[str]:
     return lines
 
 
+def cell(v: Any) -> str:
+    """A report's cell: floats to 2 decimals, none as ''."""
+    return "" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))
+
+
 def markdown(record: dict, command: str) -> str:
     rc = record["config"]
     summ = summarize(record)
@@ -521,28 +515,22 @@ def markdown(record: dict, command: str) -> str:
               f"- machine: {platform.machine()}, {os.cpu_count()} logical CPUs shared with other work; /proc/loadavg "
               f"(1, 5, 15 min) before and after each run: {'; '.join(record['load'])}",
               f"- started {record['started']}, finished {record.get('finished', 'NOT FINISHED (partial record)')}",
-              "", "## Results (mean ± sd over seeds)", "", "| " + " | ".join(heads) + " |",
-              "|" + "---|" * len(heads)]
-    for row in summ:
-        lines.append("| " + " | ".join(str(row.get(k, "")) for k in keys) + " |")
-    lines += ["", "## Runs", "", "| system | seed | status | step | train s | valid BLEU | test BLEU | process s | "
-              "load before → after |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in record["runs"]:
-        for p in r.get("points") or [{}]:
-            f = lambda v: "" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))  # noqa: E731
-            lines.append(f"| {r['system']} | {r['seed']} | {r.get('status', '')[:120]} | {f(p.get('step'))} | "
-                         f"{f(p.get('train_seconds'))} | {f(p.get('valid_bleu'))} | {f(p.get('test_bleu'))} | "
-                         f"{f(r.get('process_seconds'))} | {r.get('load_before')} → {r.get('load_after')} |")
+              "", "## Results (mean ± sd over seeds)", "", H.markdown_table(summ, keys, heads, cell=cell)]
+    runs = [{"system": r["system"], "seed": r["seed"], "status": r.get("status", "")[:120], **{k: p.get(k) for k in (
+        "step", "train_seconds", "valid_bleu", "test_bleu")}, "process_seconds": r.get("process_seconds"),
+        "load": f"{r.get('load_before')} → {r.get('load_after')}"} for r in record["runs"] for p in r.get("points") or [{}]]
+    lines += ["", "## Runs", "", H.markdown_table(runs, list(runs[0]) if runs else [], [
+        "system", "seed", "status", "step", "train s", "valid BLEU", "test BLEU", "process s", "load before → after"],
+        cell=cell)]
     lines += averages_table(record)
     if record.get("lr_check"):
         lc = record["lr_check"]
-        lines += ["", "## The HF baseline's learning-rate check", "", lc.get("how", ""), "",
-                  "| peak lr | " + " | ".join(f"train loss @ {k}" for k in lc["steps"]) + " | train s |",
-                  "|---|" + "---|" * (len(lc["steps"]) + 1)]
-        for row in lc["rows"]:
-            lines.append(f"| {row['lr']:g} | " + " | ".join(
-                "n/a" if row["train_loss"].get(str(k)) is None else f"{row['train_loss'][str(k)]:.3f}"
-                for k in lc["steps"]) + f" | {row.get('seconds', 'n/a')} |")
+        table = [{"lr": f"{row['lr']:g}", **{k: "n/a" if row["train_loss"].get(str(k)) is None else
+                                              f"{row['train_loss'][str(k)]:.3f}" for k in lc["steps"]},
+                  "seconds": row.get("seconds", "n/a")} for row in lc["rows"]]
+        lines += ["", "## The HF baseline's learning-rate check", "", lc.get("how", ""), "", H.markdown_table(
+            table, ["lr", *lc["steps"], "seconds"], ["peak lr", *(f"train loss @ {k}" for k in lc["steps"]), "train s"],
+            cell=str)]
     if record.get("notes"):
         lines += ["", "## Notes", ""] + [f"- {n}" for n in record["notes"]]
     lines += ["", "## Commands", "", f"- the race (rerun it as is; `fastmt bench peers --cpu ...` is the same): "

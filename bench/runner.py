@@ -17,7 +17,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -169,19 +169,6 @@ def _pick(out, keep: tuple[int, ...] | None = None) -> tuple[torch.Tensor, ...]:
     return outs if keep is None else tuple(outs[i] for i in keep)
 
 
-@contextlib.contextmanager
-def _environ(env: Mapping[str, str]) -> Iterator[None]:
-    """``env`` set in ``os.environ`` for the block; those keys (only) restored after."""
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        os.environ.update({k: v for k, v in old.items() if v is not None})
-        for k in (k for k, v in old.items() if v is None):
-            os.environ.pop(k, None)
-
-
 @dataclass
 class FirstCall:
     outs: tuple[torch.Tensor, ...]
@@ -275,7 +262,7 @@ def run_provider(ctx: Context, case: Case, provider: Provider, inputs, base: dic
         for mode in opts.modes:
             emit(mode, "skipped", error="Triton needs a CUDA device (--cpu-triton runs it through the interpreter)")
         return
-    with _environ(provider.env), warnings.catch_warnings(record=True) as caught:
+    with H.environ(provider.env), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")  # each distinct warning once: SDPA explains its refusals
         try:
             prep = provider.prepare(case, inputs, opts)

@@ -34,6 +34,8 @@ import time
 
 import torch
 
+from bench import harness as H
+
 SIZES = {  # --size: the model the audit builds (None: the preset's own)
     "preset": None,
     "small": dict(d_model=256, n_heads=4, d_ff=1024, enc_layers=3, dec_layers=3, vocab_size=8000),
@@ -132,11 +134,6 @@ def build(args):
     return cfg, device, step, None, plan.reason if plan is not None else "eager step (no train/graph_step.py)", compiled
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def profile_counts(step, batches, device) -> dict[str, float]:
     """Regions, eager ops, host syncs and CUDA graph launches per step, from torch.profiler's event tree."""
     from torch.profiler import ProfilerActivity, profile
@@ -145,7 +142,7 @@ def profile_counts(step, batches, device) -> dict[str, float]:
     with profile(activities=acts) as prof:
         for b in batches:
             step(b)
-        _sync(device)
+        H.synchronize(device)
     regions = eager = syncs = graphs = 0
     names = collections.Counter()
     events = prof.events()
@@ -205,13 +202,13 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     for b in batches[:args.warmup]:
         step(b)
-    _sync(device)
+    H.synchronize(device)
     warm_s = time.perf_counter() - t0
     times = []
     for b in batches[args.warmup:]:
         t = time.perf_counter()
         step(b)
-        _sync(device)
+        H.synchronize(device)
         times.append(time.perf_counter() - t)
     counts = profile_counts(step, batches[args.warmup:args.warmup + min(args.steps, 3)], device)
     step_s = statistics.median(times)

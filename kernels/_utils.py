@@ -223,13 +223,16 @@ class KernelOp:
     ``schema``/``bwd_schema``: the ops' argument lists in torch's schema language, e.g.
     ``"(Tensor x, Tensor? bias, float eps) -> (Tensor, Tensor)"``; ``mutates_args``: the inputs an in-place op
     writes (an optimizer step; no backward then). Outputs are returned as the forward launcher returns them.
+    ``shapes``: the launches the op declares, {name: cases} in plain tuples (its GPU tests' grids; ``bench.aot``
+    compiles them ahead of time from here), kept as ``op.shapes``.
     """
 
     def __init__(self, name: str, fwd, schema: str, fake, *, bwd=None, bwd_schema: str | None = None,
-                 bwd_fake=None, save=None, grads=None, eager_bwd=None, mutates_args: tuple[str, ...] = ()):
+                 bwd_fake=None, save=None, grads=None, eager_bwd=None, mutates_args: tuple[str, ...] = (),
+                 shapes: dict | None = None):
         if (bwd is None) != (grads is None) or (bwd is None) != (save is None):
             raise ValueError(f"KernelOp {name}: bwd, save and grads come together")
-        self.name, self.fwd = name, fwd
+        self.name, self.fwd, self.shapes = name, fwd, dict(shapes or {})
         self.op = torch.library.custom_op(name, fwd, mutates_args=mutates_args, schema=schema)
         self.op.register_fake(fake)
         self.function = None

@@ -159,13 +159,35 @@ def _stream_fwd(q, k, v, cu_q, cu_k, seg_q, seg_k, causal, softmax_scale):
 
 
 _BWD_HEAD = "(Tensor do, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+# The launches each op declares (``op.shapes``): its GPU tests' grids, which ``bench.aot`` compiles ahead of time.
+_BF16, _FP16 = torch.bfloat16, torch.float16
+_VARLEN = {"self-ragged": ([37, 1, 256, 129], [37, 1, 256, 129]), "cross-ragged-nokeys": ([50, 300, 7], [64, 0, 513])}
+_VARLEN_COVER = [("self-ragged", 64, _BF16, True), ("self-ragged", 16, _FP16, False),  # (lengths, D, dtype, causal)
+                 ("cross-ragged-nokeys", 128, _FP16, False), ("cross-ragged-nokeys", 64, _BF16, True)]
+_SEQUENCE_SHAPES = {
+    "padded": {"B1-T1": (1, 1, 1, 1), "B2-H3-T17": (2, 3, 17, 17), "B4-H4-T128": (4, 4, 128, 128),  # (B, H, Tq, Tk)
+               "B2-H3-Tq127-Tk255": (2, 3, 127, 255), "B2-H4-Tq300-Tk77": (2, 4, 300, 77),
+               "B1-H2-Tq1023-Tk1024": (1, 2, 1023, 1024)},
+    # (shape, D, dtype, causal, ragged): three shapes per head dim, then the long and degenerate ones
+    "cover": [(shape, D, dtype, causal, ragged) for D in (16, 32, 64, 128) for shape, dtype, causal, ragged in (
+        ("B2-H3-T17", _BF16, True, True), ("B2-H3-Tq127-Tk255", _FP16, False, True),
+        ("B2-H4-Tq300-Tk77", _BF16, True, False))] + [
+        ("B1-T1", 64, _FP16, True, False), ("B4-H4-T128", 64, _BF16, False, False),
+        ("B1-H2-Tq1023-Tk1024", 64, _BF16, True, True), ("B1-H2-Tq1023-Tk1024", 128, _FP16, False, False)],
+    "varlen": _VARLEN, "varlen_cover": _VARLEN_COVER}
+_STREAM_SHAPES = {
+    "varlen": _VARLEN, "varlen_cover": _VARLEN_COVER,
+    # (kind, D, dtype) of one packed batch of PACKED_LAYOUT's shape (kernels.packed_attention.packed_layout)
+    "packed": [("encoder-self", 64, _BF16), ("decoder-causal", 64, _BF16), ("cross", 64, _BF16),
+               ("decoder-causal", 16, _FP16), ("cross", 32, _FP16), ("encoder-self", 128, _FP16)],
+    "packed_layout": {"capacity": (2048, 2048), "slots": 176, "max_len": 128, "mean": 15, "p99": 75}}
 SEQUENCE_ATTENTION_OP = KernelOp(
     "fastmt::sequence_attention_fwd", sequence_attention_fwd,
     "(Tensor q, Tensor k, Tensor v, Tensor seq_q, Tensor seq_k, SymInt max_seqlen_q, SymInt max_seqlen_k, "
     "bool causal, float softmax_scale) -> (Tensor, Tensor)", _fwd_fake_sequence,
     bwd=sequence_attention_bwd, bwd_fake=_bwd_fake, save=_save, grads=_grads,
     bwd_schema=_BWD_HEAD + "Tensor seq_q, Tensor seq_k, SymInt max_seqlen_q, SymInt max_seqlen_k, bool causal, "
-                           "float softmax_scale) -> (Tensor, Tensor, Tensor)",
+                           "float softmax_scale) -> (Tensor, Tensor, Tensor)", shapes=_SEQUENCE_SHAPES,
 )
 STREAM_ATTENTION_OP = KernelOp(
     "fastmt::stream_attention_fwd", _stream_fwd,
@@ -173,7 +195,7 @@ STREAM_ATTENTION_OP = KernelOp(
     "float softmax_scale) -> (Tensor, Tensor)", _fwd_fake_stream,
     bwd=stream_attention_bwd, bwd_fake=_bwd_fake, save=_save, grads=_grads,
     bwd_schema=_BWD_HEAD + "Tensor cu_q, Tensor cu_k, Tensor seg_q, Tensor seg_k, bool causal, "
-                           "float softmax_scale) -> (Tensor, Tensor, Tensor)",
+                           "float softmax_scale) -> (Tensor, Tensor, Tensor)", shapes=_STREAM_SHAPES,
 )
 
 

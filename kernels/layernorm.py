@@ -51,7 +51,7 @@ from kernels._utils import (
     resolve_backend,
     triton_usable,
 )
-from kernels.layernorm_tiles import BWD_TILES, FWD_TILES, block_n, layer_norm_autotune
+from kernels.layernorm_tiles import BWD_TILES, FWD_TILES, block_n, gpu_shapes, layer_norm_autotune
 
 ACTIVATIONS = (None, "gelu", "gelu_tanh")
 MAX_TRITON_N = 8192  # widest row the kernels hold in registers
@@ -459,7 +459,7 @@ _FWD_SCHEMA = ("(Tensor x, Tensor weight, Tensor? bias, Tensor? residual, float 
 _BWD_SCHEMA = "(Tensor dy, Tensor? ds, Tensor s, Tensor weight, Tensor? bias, Tensor stats, str activation) -> (Tensor, Tensor)"
 _ROLES = {"bwd_schema": _BWD_SCHEMA, "bwd_fake": _bwd_fake, "save": _save, "grads": _grads}
 LAYER_NORM_OP = KernelOp("fastmt::layer_norm_fwd", layer_norm_fwd, _FWD_SCHEMA, _fwd_fake, bwd=layer_norm_bwd,
-                         eager_bwd=_eager_bwd, **_ROLES)
+                         eager_bwd=_eager_bwd, shapes=gpu_shapes(ACTIVATIONS), **_ROLES)
 RMS_NORM_OP = KernelOp("fastmt::rms_norm_fwd", rms_norm_fwd, _FWD_SCHEMA, _fwd_fake, bwd=rms_norm_bwd,
                        eager_bwd=_rms_eager_bwd, **_ROLES)
 

@@ -11,6 +11,7 @@ each thread >= 8 contiguous elements (16-byte bf16 loads).
 
 from __future__ import annotations
 
+import torch
 import triton
 
 from kernels._utils import autotune
@@ -56,3 +57,20 @@ def layer_norm_autotune(interpret_rows: int, key: list[str], limits: dict):
     `BWD_TILES`); ``interpret_rows`` rows per program under the interpreter."""
     return autotune(tile_grid(), key, interpret_config=triton.Config({"ROWS": interpret_rows}, num_warps=4),
                     prune=tile_pruner(**limits))
+
+
+GPU_WIDTHS = (1, 7, 64, 512, 1000, 1024, 4095, 8192)  # off and on the block sizes, a 1-wide and an 8192-wide row
+
+
+def gpu_shapes(activations: tuple) -> dict:
+    """The launches the LayerNorm op declares (``LAYER_NORM_OP.shapes``; its GPU tests and ``bench.aot`` read them):
+    "full", every (dtype, width, residual, bias, activation); "fast", every dtype x width once with the flags rotating
+    (each width meets residual/bias/activation variants; every combination compiles its own kernel: the full
+    product is slow); "mixed_residual", (rows, width, x dtype, residual dtype)."""
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    return {"full": [(dt, N, res, bias, act) for dt in dtypes for N in GPU_WIDTHS for res in (True, False)
+                     for bias in (True, False) for act in activations],
+            "fast": [(dt, N, i % 2 == 0, i % 4 != 3, activations[i % 3])
+                     for i, (dt, N) in enumerate((dt, N) for N in GPU_WIDTHS for dt in dtypes)],
+            "mixed_residual": [(37, 200, torch.bfloat16, torch.float32), (37, 200, torch.float16, torch.float32),
+                               (37, 200, torch.float32, torch.bfloat16)]}

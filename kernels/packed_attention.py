@@ -33,11 +33,38 @@ kernels -> launchers ``stream_attention_fwd`` / ``stream_attention_bwd`` (their 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels._utils import LOG2E, LOG2E_C, autotune, block_configs, empty, fp32_dot, launch, pow2, unit_last
+
+
+def packed_layout(gen: torch.Generator, capacity: tuple[int, int], slots: int, max_len: int, mean: float,
+                  p99: float) -> tuple[list[int], list[int]]:
+    """Segment lengths (src, tgt) of one packed batch as data/batching.py builds it: pairs drawn from a
+    log-normal with the given mean and p99 until a stream is full, then empty slots, then each tail cut
+    into dummy segments of <= max_len; ``slots`` entries per side."""
+    sigma = 2.326 - math.sqrt(2.326**2 - 2 * math.log(p99 / mean))  # p99 / mean = exp(2.326 s - s^2 / 2)
+    mu = math.log(mean) - sigma**2 / 2
+    n_dummy = -(-max(capacity) // max_len)
+    src, tgt = [], []
+    while len(src) < slots - n_dummy:
+        s = int(min(max(round(math.exp(mu + sigma * float(torch.randn(1, generator=gen)))), 1), max_len))
+        t = int(min(max(round(s * (0.8 + 0.4 * float(torch.rand(1, generator=gen)))), 1), max_len))
+        if sum(src) + s > capacity[0] or sum(tgt) + t > capacity[1]:
+            break
+        src.append(s)
+        tgt.append(t)
+    real = len(src)
+    for side, cap in ((src, capacity[0]), (tgt, capacity[1])):
+        side += [0] * (slots - n_dummy - real)  # empty slots
+        tail = cap - sum(side)
+        side += [min(max_len, tail - i * max_len) if tail > i * max_len else 0 for i in range(n_dummy)]
+        assert sum(side) == cap and len(side) == slots
+    return src, tgt
 
 
 # ----------------------------------------------------------------------------------------------

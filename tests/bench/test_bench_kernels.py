@@ -332,7 +332,7 @@ def test_our_corpus_providers_through_the_interpreter():
     ref = registry.op("attention").reference(case, d)
     for name in ("ours-sequence", "ours-stream"):
         provider = registry.get("attention", name, "corpus")
-        with runner._environ(provider.env):
+        with H.environ(provider.env):
             assert os.environ["FASTMT_ATTN_TILING"] == name.removeprefix("ours-")
             prep = provider.prepare(case, d, OPTS)
             first = runner.first_call(prep.fn, prep.leaves, torch.device("cpu"))

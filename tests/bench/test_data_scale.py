@@ -55,7 +55,8 @@ def test_the_default_work_folder_is_made_for_each_run():
 def test_a_results_file_written_before_the_phase_columns_keeps_its_rows(tmp_path):
     """bench/results/data-scale-cpu.csv predates the per-phase columns: appending rewrites its header, old rows get
     empty phase cells, nothing is lost."""
-    from bench.data_scale import COLUMNS, append_row, load_rows
+    from bench.data_scale import COLUMNS, load_rows
+    from bench.harness import append_csv
 
     old_columns = [c for c in COLUMNS if not c.endswith("_s") or c in ("build_s", "process_s", "first_batch_s")]
     path = tmp_path / "data-scale-cpu.csv"
@@ -63,7 +64,7 @@ def test_a_results_file_written_before_the_phase_columns_keeps_its_rows(tmp_path
         w = csv.DictWriter(f, fieldnames=old_columns)
         w.writeheader()
         w.writerow({c: "7" for c in old_columns})
-    append_row(path, {c: "8" for c in COLUMNS})
+    append_csv(path, [{c: "8" for c in COLUMNS}], COLUMNS)
     rows = load_rows(path)
     assert [r["date"] for r in rows] == ["7", "8"] and rows[0]["encode_s"] == "" and rows[1]["encode_s"] == "8"
     with path.open(newline="") as f:

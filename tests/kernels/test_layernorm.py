@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 import kernels.layernorm as ln
 import kernels.layernorm_tiles as tiles
 from kernels._utils import interpreting
-from kernels.layernorm import ACTIVATIONS, LayerNorm, layer_norm, layer_norm_reference
+from kernels.layernorm import ACTIVATIONS, LAYER_NORM_OP, LayerNorm, layer_norm, layer_norm_reference
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 SHORT = {F32: "f32", BF16: "bf16", F16: "f16"}
@@ -510,20 +510,12 @@ def test_autotune_once_per_key_then_direct_launches():
 # ----------------------------------------------------------------------------------------------
 # CUDA: a wider grid through the compiled kernels
 # ----------------------------------------------------------------------------------------------
-GPU_WIDTHS = (1, 7, 64, 512, 1000, 1024, 4095, 8192)
-
-
 def _gpu_case(dtype, N, residual, bias, act, marks=()):
     cid = f"{SHORT[dtype]}-N{N}-{'res' if residual else 'nores'}-{'bias' if bias else 'nobias'}-{act or 'noact'}"
     return pytest.param(dtype, N, residual, bias, act, id=cid, marks=marks)
 
 
-_GPU_FULL = [(dt, N, res, bias, act) for dt in (F32, BF16, F16) for N in GPU_WIDTHS for res in (True, False)
-             for bias in (True, False) for act in ACTIVATIONS]
-# Every dtype x width once, the flags rotating (each width meets residual/bias/activation variants);
-# the full product (every combination compiles its own kernel) is slow.
-_GPU_FAST = {(dt, N, i % 2 == 0, i % 4 != 3, ACTIVATIONS[i % 3])
-             for i, (dt, N) in enumerate((dt, N) for N in GPU_WIDTHS for dt in (F32, BF16, F16))}
+_GPU_FULL, _GPU_FAST = LAYER_NORM_OP.shapes["full"], set(LAYER_NORM_OP.shapes["fast"])  # the op's declared launches
 GPU_CASES = [_gpu_case(*c, marks=() if c in _GPU_FAST else pytest.mark.slow) for c in _GPU_FULL]
 
 

@@ -10,7 +10,6 @@ once and the autotuner once.
 
 from __future__ import annotations
 
-import math
 import os
 
 import pytest
@@ -22,6 +21,7 @@ import kernels.packed_attention as pa
 from kernels import _utils
 from kernels._utils import interpreting
 from kernels.flash_attention import (
+    STREAM_ATTENTION_OP,
     STREAM_MEAN_MAX,
     FlashAttention,
     attention,
@@ -30,6 +30,7 @@ from kernels.flash_attention import (
     pad_varlen,
     unpad_varlen,
 )
+from kernels.packed_attention import packed_layout as _packed_layout
 from kernels.packed_attention import segment_ids
 from tests.kernels.test_attention import _check_against_reference, _fwd_bwd
 
@@ -81,31 +82,6 @@ def _stream_case(lq, lk, H, D, dtype, causal, seed=0, max_len=None, ids=False):
         return unpad_varlen(out, cu_q, tq)
 
     return (q, k, v, do), kernel, reference
-
-
-def _packed_layout(gen: torch.Generator, capacity: tuple[int, int], slots: int, max_len: int, mean: float,
-                   p99: float) -> tuple[list[int], list[int]]:
-    """Segment lengths (src, tgt) of one packed batch as data/batching.py builds it: pairs drawn from a
-    log-normal with the given mean and p99 until a stream is full, then empty slots, then each tail cut
-    into dummy segments of <= max_len; ``slots`` entries per side."""
-    sigma = 2.326 - math.sqrt(2.326**2 - 2 * math.log(p99 / mean))  # p99 / mean = exp(2.326 s - s^2 / 2)
-    mu = math.log(mean) - sigma**2 / 2
-    n_dummy = -(-max(capacity) // max_len)
-    src, tgt = [], []
-    while len(src) < slots - n_dummy:
-        s = int(min(max(round(math.exp(mu + sigma * float(torch.randn(1, generator=gen)))), 1), max_len))
-        t = int(min(max(round(s * (0.8 + 0.4 * float(torch.rand(1, generator=gen)))), 1), max_len))
-        if sum(src) + s > capacity[0] or sum(tgt) + t > capacity[1]:
-            break
-        src.append(s)
-        tgt.append(t)
-    real = len(src)
-    for side, cap in ((src, capacity[0]), (tgt, capacity[1])):
-        side += [0] * (slots - n_dummy - real)  # empty slots
-        tail = cap - sum(side)
-        side += [min(max_len, tail - i * max_len) if tail > i * max_len else 0 for i in range(n_dummy)]
-        assert sum(side) == cap and len(side) == slots
-    return src, tgt
 
 
 # ----------------------------------------------------------------------------------------------
@@ -317,14 +293,8 @@ def _gpu_packed_case(kind, D, dtype, seed=0, capacity=(2048, 2048), slots=176, m
     return _stream_case(lq, lk, 8, D, dtype, causal, seed=seed, max_len=max_len, ids=True)
 
 
-GPU_PACKED = [
-    pytest.param("encoder-self", 64, BF16, id="encoder-self-D64-bf16"),
-    pytest.param("decoder-causal", 64, BF16, id="decoder-causal-D64-bf16"),
-    pytest.param("cross", 64, BF16, id="cross-D64-bf16"),
-    pytest.param("decoder-causal", 16, F16, id="decoder-causal-D16-fp16"),
-    pytest.param("cross", 32, F16, id="cross-D32-fp16"),
-    pytest.param("encoder-self", 128, F16, id="encoder-self-D128-fp16"),
-]
+GPU_PACKED = [pytest.param(kind, D, dtype, id=f"{kind}-D{D}-{'bf16' if dtype == BF16 else 'fp16'}")
+              for kind, D, dtype in STREAM_ATTENTION_OP.shapes["packed"]]  # the op's declared launches
 
 
 @pytest.mark.gpu

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import kernels.sequence_attention as sa
 from kernels import _utils
 from kernels.flash_attention import (
+    SEQUENCE_ATTENTION_OP,
     attention,
     attention_reference,
     pad_varlen,
@@ -258,14 +259,7 @@ def test_opcheck(layout):
 # CUDA: a covering grid (every head dim, dtype, causal/full, ragged/dense, q != k, odd sizes, each
 # with the others varied), the full product (slow), every config once, the autotuner once
 # ----------------------------------------------------------------------------------------------
-GPU_SHAPES = {
-    "B1-T1": (1, 1, 1, 1),
-    "B2-H3-T17": (2, 3, 17, 17),
-    "B4-H4-T128": (4, 4, 128, 128),
-    "B2-H3-Tq127-Tk255": (2, 3, 127, 255),
-    "B2-H4-Tq300-Tk77": (2, 4, 300, 77),
-    "B1-H2-Tq1023-Tk1024": (1, 2, 1023, 1024),
-}
+GPU_SHAPES = SEQUENCE_ATTENTION_OP.shapes["padded"]  # the op's declared launches
 BF16, FP16 = torch.bfloat16, torch.float16
 
 
@@ -284,18 +278,7 @@ def _gpu_id(shape, D, dtype, causal, ragged):
         ("ragged" if ragged else "dense")
 
 
-# (shape, D, dtype, causal, ragged): three shapes per head dim, then the long and degenerate ones
-GPU_COVER = [
-    (shape, D, dtype, causal, ragged)
-    for D in (16, 32, 64, 128)
-    for shape, dtype, causal, ragged in (("B2-H3-T17", BF16, True, True), ("B2-H3-Tq127-Tk255", FP16, False, True),
-                                         ("B2-H4-Tq300-Tk77", BF16, True, False))
-] + [
-    ("B1-T1", 64, FP16, True, False),
-    ("B4-H4-T128", 64, BF16, False, False),
-    ("B1-H2-Tq1023-Tk1024", 64, BF16, True, True),
-    ("B1-H2-Tq1023-Tk1024", 128, FP16, False, False),
-]
+GPU_COVER = SEQUENCE_ATTENTION_OP.shapes["cover"]  # (shape, D, dtype, causal, ragged)
 
 
 @pytest.mark.gpu
@@ -315,8 +298,7 @@ def test_gpu_grid_padded_full(poison, shape, D, dtype, causal, ragged):
     _gpu_padded_case(shape, D, dtype, causal, ragged)
 
 
-GPU_VARLEN = {"self-ragged": ([37, 1, 256, 129], [37, 1, 256, 129]),
-              "cross-ragged-nokeys": ([50, 300, 7], [64, 0, 513])}
+GPU_VARLEN = SEQUENCE_ATTENTION_OP.shapes["varlen"]
 
 
 def _gpu_varlen_case(monkeypatch, tiling, lengths, D, dtype, causal):
@@ -329,11 +311,8 @@ def _gpu_varlen_case(monkeypatch, tiling, lengths, D, dtype, causal):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tiling", ["sequence", "stream"])
 @pytest.mark.parametrize("lengths,D,dtype,causal", [
-    pytest.param("self-ragged", 64, BF16, True, id="self-ragged-D64-bf16-causal"),
-    pytest.param("self-ragged", 16, FP16, False, id="self-ragged-D16-fp16-full"),
-    pytest.param("cross-ragged-nokeys", 128, FP16, False, id="cross-ragged-nokeys-D128-fp16-full"),
-    pytest.param("cross-ragged-nokeys", 64, BF16, True, id="cross-ragged-nokeys-D64-bf16-causal"),
-])
+    pytest.param(*c, id=f"{c[0]}-D{c[1]}-{'bf16' if c[2] == BF16 else 'fp16'}-{'causal' if c[3] else 'full'}")
+    for c in SEQUENCE_ATTENTION_OP.shapes["varlen_cover"]])
 def test_gpu_grid_varlen(poison, monkeypatch, tiling, lengths, D, dtype, causal):
     _gpu_varlen_case(monkeypatch, tiling, lengths, D, dtype, causal)
 
