@@ -154,7 +154,7 @@ def test_a_run_folder_another_user_owns_or_may_change_is_refused(tmp_path, how):
 
 def test_a_group_writable_folder_counts_only_when_the_group_holds_another_user(tmp_path):
     _root_only()
-    from data.files import group_has_others, ownership_problem
+    from data.ownership import group_has_others, ownership_problem
 
     mine = tmp_path / "mine"
     mine.mkdir()

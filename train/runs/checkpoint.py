@@ -47,9 +47,9 @@ from data.files import (
     check_stored_zip,
     fd_path,
     open_read,
-    own_folder,
     remove_inside,
 )
+from data.ownership import own_folder
 from train.errors import UserError
 from train.runs.snapshot import BackgroundWriter, StagingPool, snapshot
 
