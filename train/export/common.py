@@ -52,7 +52,7 @@ def pieces(tok) -> list[str]:
 
 
 def applied_blocks(stack) -> list:
-    """The block module run at each applied layer of a ``models.transformer.Stack`` (shared blocks repeat)."""
+    """The block module run at each applied layer of a ``models.layers.Stack`` (shared blocks repeat)."""
     return [stack.blocks[i] for i in stack.schedule]
 
 
