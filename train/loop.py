@@ -47,7 +47,6 @@ from train.objective import BleuClock, WallSplit, process_seconds
 from train.optim import build_optimizer, build_scheduler
 from train.preflight import build_data_checked, check_model_fits_data, tokenizer_of
 from train.runs.checkpoint import (
-    CheckpointManager,
     CheckpointMismatchError,
     check_tokenizer,
     rng_state,
@@ -63,6 +62,7 @@ from train.runs.resume import (
     saved_total_steps,
     schedule_replanned,
 )
+from train.runs.saving import CheckpointManager
 from train.runs.signals import stop_on_signals
 from train.runs.start import RunSetup, check_same_data, data_record
 from train.step import EpochStats, StepCounters, forward_backward, optimizer_step, out_of_memory_advice

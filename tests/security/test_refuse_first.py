@@ -117,8 +117,8 @@ def test_export_refuses_a_parent_another_user_could_swap_out_in(tmp_path, capsys
 # ----------------------------------------------------------------------------------------------
 def test_a_planted_checkpoints_link_is_refused_and_its_target_untouched(tmp_path):
     from tests.security.test_checkpoints import _state
-    from train.runs.checkpoint import CheckpointManager
     from train.runs.folder import write_marker
+    from train.runs.saving import CheckpointManager
 
     run = tmp_path / "run"
     run.mkdir()

@@ -83,7 +83,7 @@ _KILLABLE = textwrap.dedent(
     from pathlib import Path
     import torch
     from tests.utils import tiny_config
-    from train.runs.checkpoint import CheckpointManager
+    from train.runs.saving import CheckpointManager
     from train.loop import Trainer
 
     cache, tmp, where = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
