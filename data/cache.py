@@ -38,6 +38,7 @@ from pathlib import Path
 
 from . import files as F
 from .files import umask  # noqa: F401 - re-exported (the cache's modes follow it)
+from .ownership import ownership_problem
 
 TMP_PREFIX = ".tmp-"
 _HELD: set[int] = set()  # fds of the locks this process holds (forked build workers close their copies)
@@ -89,11 +90,11 @@ def _open_lock(path: Path) -> int | None:
 
 def writable(cache: Path) -> bool:
     """May this process write in ``cache``? Not on a read-only mount, nor without permission, nor in a cache that
-    another user owns or that group/others may change (`data.files.ownership_problem`, at every folder above it
+    another user owns or that group/others may change (`data.ownership.ownership_problem`, at every folder above it
     too): such a cache is used read-only (a complete entry is read, nothing is built, locked or recorded)."""
     try:
         return (os.access(cache, os.W_OK | os.X_OK) and not os.statvfs(cache).f_flag & os.ST_RDONLY
-                and F.ownership_problem(cache) is None)
+                and ownership_problem(cache) is None)
     except OSError:
         return False
 
@@ -105,7 +106,7 @@ def why_read_only(cache: Path) -> str:
             return "a read-only file system"
     except OSError as e:
         return e.strerror or str(e)
-    return F.ownership_problem(cache) or f"user {os.geteuid()} may not write in it"
+    return ownership_problem(cache) or f"user {os.geteuid()} may not write in it"
 
 
 def subfolder(cache: Path, name: str) -> Path:

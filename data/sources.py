@@ -254,7 +254,7 @@ def read_local(files: tuple[str, ...], src_lang: str, tgt_lang: str, *, name: st
     """The one in-process reader of local files: ``(files, rows)`` where ``files`` are the `SourceFile` s (each
     one's ``read`` filled in as its chunks are read) and ``rows`` yields, chunk by chunk in input order,
     ``(chunk, file, base, ChunkRows)`` with ``base + position`` a row's line / row number in its file.
-    `load_local` keeps rows the way a training corpus does; `data.build.read_eval_files` strictly."""
+    `load_local` keeps rows the way a training corpus does; `data.build_scan.read_eval_files` strictly."""
     src_files, chunks = plan_chunks(tuple(files), name=name)
 
     def rows():

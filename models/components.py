@@ -181,7 +181,7 @@ def norm_for(cfg, dim: int, activation: str | None = None) -> nn.Module:
 # ----------------------------------------------------------------------------------------------
 def attend(q, k, v, q_side, k_side, causal: bool, *, backend: str) -> torch.Tensor:
     """kernels.attention on (B, H, T, D) tensors (padded) or (total, H, D) tensors (varlen); ``q_side``/``k_side``:
-    models.transformer.Side."""
+    models.layers.Side."""
     if q.dim() == 3:
         return attention(q, k, v, causal=causal, cu_seqlens_q=q_side.cu_seqlens, cu_seqlens_k=k_side.cu_seqlens,
                          max_seqlen_q=q_side.max_len, max_seqlen_k=k_side.max_len, backend=backend,

@@ -33,7 +33,7 @@ from models.config import ModelConfig
 
 
 def count_params(model: nn.Module) -> dict[str, int]:
-    from models.transformer import Stack
+    from models.layers import Stack
 
     unique = sum(p.numel() for p in model.parameters())  # .parameters() yields a shared tensor once
     applied = unique

@@ -106,7 +106,7 @@ def test_the_graph_is_read():
     graph = import_graph()
     assert "models.decoding.state" in graph["models.transformer"]
     assert "models.decoding.decoder" in graph["models.decoding"]
-    assert "kernels" in graph["models.transformer"]
+    assert "kernels" in graph["models.layers"]
     assert any(m.startswith("train.") for m in graph["train.loop"])
     # a function-level import is read too (the train command imports the loop inside main())
     assert "train.loop" in graph["train.cli.train"]

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -92,6 +93,20 @@ def tiny_trainer(bundle, tmp: Path, *, cls: type[Trainer] = Trainer, resume=None
     cfg = tiny_config(tmp, **changes)
     same = dataclasses.replace(cfg.data, cache_dir=bundle.cfg.cache_dir) == bundle.cfg
     return cls(cfg, data=bundle if same else None, resume=resume, log=log)
+
+
+def signal_after_step(tr: Trainer, at: int, sig: int) -> None:
+    """``tr.train_step`` sends ``sig`` to this process once optimizer step ``at`` is done, as Ctrl-C, SLURM or
+    ``timeout`` would in the middle of a run."""
+    step = tr.train_step
+
+    def stepped(batches):
+        loss = step(batches)
+        if tr.step == at:
+            os.kill(os.getpid(), sig)
+        return loss
+
+    tr.train_step = stepped
 
 
 class RecordingTrainer(Trainer):

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from data.files import ownership_problem
+from data.ownership import ownership_problem
 from train.errors import UserError
 
 
@@ -63,7 +63,7 @@ def check_private(path: Path, flag: str = "--run.cache_dir") -> Path:
     elif st.st_mode & 0o022:  # (group write too, even a private group's: this folder holds code)
         problem = f"other users may write in it (mode {stat.filemode(st.st_mode)})"
     else:  # another owner; a folder above it owned by another user or that others may write without the sticky
-        problem = ownership_problem(path)  # bit, which lets them swap this one out (data.files: one rule for all)
+        problem = ownership_problem(path)  # bit, which lets them swap this one out (data.ownership: one rule for all)
     if problem:
         raise CacheDirError(f"{flag} {path}: {problem}; the compile caches hold code that the next compiled run "
                             f"loads, so fastmt uses only a folder of yours that nobody else can write. Fix: "

@@ -22,9 +22,10 @@ from train import ema
 from train.distributed import barrier, gather_object
 from train.errors import EXIT_NONFINITE
 from train.evaluation.scores import DECODE_RECORD_KEYS, decoding_settings, record_fields
-from train.runs.checkpoint import atomic_save, average_last_epochs, best_record, load_checkpoint, rng_state
+from train.runs.checkpoint import average_last_epochs, load_checkpoint, rng_state
 from train.runs.folder import done_record
 from train.runs.metrics import plot_curves
+from train.runs.saving import atomic_save, best_record
 from train.step import EpochStats
 
 

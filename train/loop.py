@@ -3,7 +3,8 @@
 ``Trainer(cfg).fit()`` trains for ``run.epochs`` (or ``run.max_steps`` / ``run.max_wall_seconds``),
 evaluating every ``eval.every`` epochs; ``Trainer.train_step(batches)`` is one optimizer step (the
 benchmark ladder calls it). The step itself lives in train/step.py, the epoch and run ends in
-train/epoch_end.py, the objective (wall seconds to each BLEU threshold, early stopping) in
+train/epoch_end.py, the state a checkpoint holds in train/trainer_state.py, the stop decisions in
+train/stopping.py, the objective (wall seconds to each BLEU threshold, early stopping) in
 train/objective.py, compilation in train/compile.py.
 
 Setup order: the config's own cross-field checks (train/config.py) -> decide the run folder and what it continues
@@ -38,7 +39,7 @@ from train import cpu_threads, ema
 from train.bounds import machine_capped
 from train.compile import compile_for_training, compiles, configure_caches
 from train.config import Config, check_consistency
-from train.distributed import DistInfo, all_reduce_max, barrier, init_distributed
+from train.distributed import DistInfo, barrier, init_distributed
 from train.epoch_end import EpochEnd, NonFiniteLossError
 from train.errors import UserError
 from train.graph_step import NormalisedLoss, StepGraph, plan_step_graph
@@ -47,25 +48,22 @@ from train.objective import BleuClock, WallSplit, process_seconds
 from train.optim import build_optimizer, build_scheduler
 from train.preflight import build_data_checked, check_model_fits_data, tokenizer_of
 from train.runs.checkpoint import (
-    CheckpointManager,
     CheckpointMismatchError,
     check_tokenizer,
-    rng_state,
     set_rng_state,
 )
 from train.runs.folder import discard_unused_run_folder
-from train.runs.metrics import write_provenance
 from train.runs.plan import RunFinishedError
 from train.runs.report import longer_flag, next_commands, where_stopped
 from train.runs.resume import (
-    apply_hyperparameters,
-    replan_scheduler,
-    saved_total_steps,
     schedule_replanned,
 )
+from train.runs.saving import CheckpointManager
 from train.runs.signals import stop_on_signals
-from train.runs.start import RunSetup, check_same_data, data_record
+from train.runs.start import RunSetup, check_same_data
 from train.step import EpochStats, StepCounters, forward_backward, optimizer_step, out_of_memory_advice
+from train.stopping import Stopping
+from train.trainer_state import TrainerState
 
 __all__ = ["Trainer", "NonFiniteLossError", "RunFinishedError"]
 
@@ -78,7 +76,7 @@ def _quiet(*_args, **_kwargs):
     pass
 
 
-class Trainer(RunSetup, EpochEnd):
+class Trainer(RunSetup, EpochEnd, TrainerState, Stopping):
     """Builds everything from a ``Config``: data, model, optimizer, schedule, scaler, logging, checkpoints.
 
     ``data`` may be passed in (a built ``DataBundle``) to share one across Trainers (benchmarks, tests).
@@ -554,155 +552,6 @@ class Trainer(RunSetup, EpochEnd):
         if in_row >= self.cfg.run.max_nonfinite:
             return "nonfinite"
         return None
-
-    def _stop_reason(self, steps_this_call: int, stop_after: int | None) -> str | None:
-        run = self.cfg.run
-        if run.max_steps is not None and self.step >= run.max_steps:
-            return "max_steps"
-        wall, signalled = self._agreed_stop(at_epoch_end=False)
-        if wall:
-            return "wall_budget"
-        if signalled or (stop_after is not None and steps_this_call >= stop_after):
-            self._signalled()
-            return "interrupted"
-        return None
-
-    def _agreed_stop(self, *, at_epoch_end: bool) -> tuple[bool, bool]:
-        """(wall budget spent, stop signal received): this process's view, or under DDP every rank's combined,
-        so that all ranks stop at the same step (a rank stepping on alone would wait forever in its next
-        all-reduce). Ranks combine them at logging steps and epoch ends only: one small all-reduce there."""
-        run = self.cfg.run
-        wall = run.max_wall_seconds is not None and self.clock.wall() >= run.max_wall_seconds
-        signalled = self._stop_signal is not None
-        if self.dist.world_size == 1:
-            return wall, signalled
-        if not at_epoch_end and self.step % run.log_every:
-            return False, False
-        flags = torch.tensor([wall, signalled], dtype=torch.float32, device=self.device)
-        all_reduce_max(flags)
-        wall, signalled = (bool(x) for x in flags.tolist())
-        if signalled and self._stop_signal is None:
-            self._stop_signal = "a signal to another rank"
-        return wall, signalled
-
-    def _signalled(self) -> str | None:
-        """The stop signal received, if any; announced once, from the loop."""
-        name = self._stop_signal
-        if name is not None and not self._stop_announced:
-            self._stop_announced = True
-            self.log(self._stop_message(name))
-        return name
-
-    @staticmethod
-    def _stop_message(name: str) -> str:
-        return f"\n{name}: stopping after this step with a checkpoint" + (
-            " (Ctrl-C again to abort)" if name == "SIGINT" else "")
-
-    # ------------------------------------------------------------------------------------------
-    # state, provenance, progress
-    # ------------------------------------------------------------------------------------------
-    def _micro_batches_in_epoch(self, epoch: int) -> int:
-        n = self.data.num_batches("train", epoch=epoch, rank=self.dist.rank, world_size=self.dist.world_size)
-        if n == 0:
-            raise UserError("the training split has no batches: check --data-files and data.valid_size/test_size")
-        cap = self.cfg.run.max_batches_per_epoch
-        return n if cap is None else min(n, cap)
-
-    def _steps_in_epoch(self, epoch: int) -> int:
-        return math.ceil(self._micro_batches_in_epoch(epoch) / self.cfg.optim.accum_steps)
-
-    def position(self) -> dict[str, int]:
-        """Where the run stands: the epoch in progress or next (0-based), its batches done, the steps taken."""
-        return {"epoch": self.epoch, "batch_index": self.batch_index, "step": self.step}
-
-    def state_dict(self) -> dict[str, Any]:
-        tok = self.data.tokenizer
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "rng": rng_state(),
-            "position": {"epoch": self.epoch, "batch_index": self.batch_index, "step": self.step,
-                         "total_steps": self.total_steps, "world_size": self.dist.world_size, "counters": self.counters.state_dict(),
-                         "epoch_stats": self.stats.state_dict(), "best_value": self.ckpts.best_value,
-                         "clock": self.clock.state_dict(self.clock.wall()), "split": self.split.state_dict()},
-            "config": self.cfg.record(),
-            "tokenizer": {"model_file": tok.model_file, "key": tok.key, "model_bytes": tok.model_bytes()},
-            "data": data_record(getattr(self.data, "split_record", None)),  # what a resume checks it reads again
-            "lineage": {"run_id": self.run_id, "parent": self.parent},
-            "params": self.params,
-            "history": self.history,
-            **({"ema": self.ema.state_dict()} if self.ema is not None else {}),
-        }
-
-    def _load_state(self, ckpt: dict[str, Any]) -> tuple[float | None, dict | None]:
-        """Restore a checkpoint's state; the optimizer takes this config's hyper-parameters, and the schedule
-        is re-planned from the current step when its settings or the run's length changed. Returns
-        ``(best_value, schedule)``: the schedule's new plan, or None when the saved one was kept."""
-        self.model.load_state_dict(ckpt["model"])  # copies into the flat buffers' views
-        self.ema = ema.from_checkpoint(ckpt, self.model, self.cfg.optim.ema_decay)
-        self.optimizer.load_state_dict(ckpt["optimizer"])
-        apply_hyperparameters(self.optimizer, self.model, self.cfg.optim)
-        self.scaler.load_state_dict(ckpt["scaler"])
-        pos = ckpt["position"]
-        self.epoch, self.batch_index, self.step = pos["epoch"], pos["batch_index"], pos["step"]
-        n = self.data.num_batches("train", epoch=self.epoch, rank=self.dist.rank, world_size=self.dist.world_size)
-        if self.batch_index > n:  # (counts and types: checked when the file was read, train/runs/checkpoint.py)
-            raise ValueError(f"its position.batch_index {self.batch_index:,} is past the {n:,} batches of epoch "
-                             f"{self.epoch + 1} of this data")
-        self.counters.load_state_dict(pos.get("counters", {}))
-        self.stats = EpochStats.from_state(pos.get("epoch_stats", {}), self.device)
-        if "clock" in pos:
-            self.clock.load_state_dict(pos["clock"])
-        self.split.load_state_dict(pos.get("split", {}))
-        self.history = list(ckpt.get("history", []))
-        ranks = ckpt.get("rank_rng") or []  # a DDP run's: each rank's own (the rank count is checked to match)
-        self._pending_rng = ranks[self.dist.rank] if len(ranks) == self.dist.world_size else ckpt["rng"]
-        now = rng_state()  # the saved state is applied at the first step: tried here, so a bad one fails now
-        set_rng_state(self._pending_rng)
-        set_rng_state(now)
-        schedule = None
-        if self._replan:
-            self.scheduler = replan_scheduler(self.optimizer, self.cfg.optim, self.total_steps, self.step)
-            schedule = {"total_steps": self.total_steps, "previous_total_steps": saved_total_steps(ckpt),
-                        "lr": self.scheduler.get_last_lr()[0], "from_step": self.step}
-        else:
-            self.scheduler.load_state_dict(ckpt["scheduler"])
-        return pos.get("best_value"), schedule
-
-    def _write_provenance(self) -> None:
-        if not self.is_main:
-            return
-        extra = {"params": self.params, "device": str(self.device), "world_size": self.dist.world_size,
-                 "peak_flops": self.peak_flops, "peak_dtype": self.peak_dtype, "peak_note": self.peak_note,
-                 "compiled": self.compiled, "step_graph": self.step_plan.reason, "compile_caches": self.compile_caches,
-                 "total_steps": self.total_steps,
-                 "steps_per_epoch": self.steps_per_epoch, "tokenizer": self.data.tokenizer.model_file,
-                 "run_id": self.run_id, "parent": self.parent}
-        write_provenance(self.run_dir, self.cfg.to_dict(), getattr(self.data, "split_record", None), extra,
-                         step=self.step, log=self.log)
-
-    def _note(self, msg: str) -> None:
-        """A line said while an epoch's progress bar may be on screen (above the bar, not through it)."""
-        bar = getattr(self, "_bar", None)
-        if bar is not None and self.log is print:
-            bar.write(msg)
-        else:
-            self.log(msg)
-
-    def _progress(self, epoch: int, n_micro: int):
-        """A progress bar over the steps this epoch will really take (``run.max_steps`` included)."""
-        if not (self.is_main and self.cfg.run.progress):
-            return None
-        from tqdm import tqdm
-
-        accum = self.cfg.optim.accum_steps
-        done, total = self.batch_index // accum, math.ceil(n_micro / accum)
-        if self.cfg.run.max_steps is not None:
-            total = min(total, done + max(self.cfg.run.max_steps - self.step, 0))
-        return tqdm(total=total, initial=done, desc=f"epoch {epoch + 1}/{self.cfg.run.epochs}", dynamic_ncols=True,
-                    leave=False)
 
 
 def _warm_device(device: torch.device) -> threading.Thread | None:

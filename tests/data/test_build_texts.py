@@ -3,7 +3,9 @@ only its rows."""
 
 import pickle
 
-import data.build as B
+import data.build_encode
+import data.build_scan
+import data.build_tokenizer
 import data.sources
 from data import build_data
 from tests.data.helpers import cfg_for, make_rows, write_jsonl
@@ -13,7 +15,7 @@ def test_each_chunk_decoded_once_and_the_sample_reads_only_its_rows(tmp_path, mo
     files = write_jsonl(tmp_path / "d.jsonl", make_rows(600))
     monkeypatch.setattr(data.sources, "CHUNK_BYTES", 4096)  # ~20 chunks
     monkeypatch.setattr(pickle, "load", lambda *a, **k: (_ for _ in ()).throw(AssertionError("unpickled")))
-    reads, real_texts, real_blob = [], B._load_texts, B._load_blob
+    reads, real_texts, real_blob = [], data.build_scan.load_texts, data.build_scan.load_blob
 
     def counted(tmp, i, rows):
         reads.append((i, len(rows)))
@@ -23,8 +25,8 @@ def test_each_chunk_decoded_once_and_the_sample_reads_only_its_rows(tmp_path, mo
         reads.append((i, None))
         return real_blob(tmp, i)
 
-    monkeypatch.setattr(B, "_load_texts", counted)
-    monkeypatch.setattr(B, "_load_blob", whole)
+    monkeypatch.setattr(data.build_tokenizer, "load_texts", counted)  # where each phase reads them
+    monkeypatch.setattr(data.build_encode, "load_blob", whole)
     logs = []
     b = build_data(cfg_for(tmp_path, files, build_workers=1, spm_sample_pairs=150, vocab_size=350), log=logs.append)
     whole = [i for i, n in reads if n is None]

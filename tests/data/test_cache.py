@@ -57,7 +57,7 @@ def test_warm_start_reads_no_corpus_and_touch_reuses_by_content(tmp_path, monkey
 
     with monkeypatch.context() as m:  # a warm start stats the files: no chunk read, no content hash
         m.setattr(data.sources, "read_chunk", refuse)
-        m.setattr("data.build.read_chunk", refuse)
+        m.setattr("data.build_scan.read_chunk", refuse)
         m.setattr("data.cache.content_hash", refuse)
         logs = []
         warm = build_data(cfg, log=logs.append)
@@ -190,12 +190,12 @@ import os, sys, time
 import data.build
 import data.sources
 if os.environ.get("HANG_MARK"):  # stop inside the encoding (the workers', or this process's): a build in progress
-    def _hang(job, _encode=data.build._encode):
+    def _hang(job, _encode=data.build.encode_chunk):
         open(os.environ["HANG_MARK"], "a").close()
         while not os.path.exists(os.environ["HANG_MARK"] + ".go"):  # released by the test, or killed
             time.sleep(0.01)
         return _encode(job)
-    data.build._encode = _hang
+    data.build.encode_chunk = _hang
 from data.config import toy
 from data import build_data
 extra = {}
@@ -347,9 +347,9 @@ def test_build_workers_leave_stop_signals_to_the_main_process():
     """A signal to the whole group (SLURM, ``timeout``, Ctrl-C) reaches the build workers too: they ignore it,
     as DataLoader workers do, so the main process stops the build (its tasks end, nothing dies mid-write)
     instead of a worker dying and the build failing as "a worker died"."""
-    from data.build import _Runner
+    from data.workers import BuildRunner
 
-    run = _Runner(2)
+    run = BuildRunner(2)
     try:
         got = run.map(_worker_dispositions, [0, 1])
     finally:

@@ -77,9 +77,9 @@ def test_a_hub_layout_folder_builds_through_load_dataset_with_workers(tmp_path, 
     """Build workers (forked: the parent's loaded dataset; spawned: ``hub_dataset`` loads it again) read the
     chunks; the same arrays either way, and a DataLoader with 2 worker processes (started the same way)
     yields every batch of the plan."""
-    import data.build as B
+    import data.workers as W
 
-    monkeypatch.setattr(B, "START_METHOD", start_method)
+    monkeypatch.setattr(W, "START_METHOD", start_method)
     folder = hub_folder(tmp_path, toy_rows(900))
     logs: list[str] = []
     bundle = build_data(cfg_for(tmp_path, folder, num_workers=2), log=logs.append)
@@ -96,7 +96,7 @@ def test_a_hub_layout_folder_builds_through_load_dataset_with_workers(tmp_path, 
     assert sum(int((b.tgt_out != 0).sum()) for b in batches) > 0
     # the other start method, another cache: the very same arrays
     other = "spawn" if start_method == "fork" else "fork"
-    monkeypatch.setattr(B, "START_METHOD", other)
+    monkeypatch.setattr(W, "START_METHOD", other)
     again = build_data(cfg_for(tmp_path, folder, cache_dir=str(tmp_path / "cache2")), log=lambda *_: None)
     a, b = arrays(bundle), arrays(again)
     assert all(np.array_equal(a[k], b[k]) for k in a)

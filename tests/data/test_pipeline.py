@@ -11,6 +11,9 @@ from data import Batch, DataConfig, build_data
 from data.sources import HubUnavailableError, load_hub
 from tests.data.helpers import BAD_ROWS, cfg_for, make_rows, write_jsonl
 
+# the Batch fields that are int32 in every batching mode, packed included (docs/ARCHITECTURE.md "Batch")
+INT32_FIELDS = ("src", "tgt_in", "tgt_out", "src_lengths", "tgt_lengths", "cu_seqlens_src", "cu_seqlens_tgt")
+
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
@@ -110,15 +113,7 @@ def test_loader_batches_match_reference_and_cover_epoch(corpus, mode):
     seen = []
     for batch in b.loader("train", epoch=1, batching=mode):
         assert isinstance(batch, Batch)
-        for name in (
-            "src",
-            "tgt_in",
-            "tgt_out",
-            "src_lengths",
-            "tgt_lengths",
-            "cu_seqlens_src",
-            "cu_seqlens_tgt",
-        ):
+        for name in INT32_FIELDS:
             assert getattr(batch, name).dtype == torch.int32, name
         B, S = batch.src.shape
         T = batch.tgt_in.shape[1]
@@ -155,15 +150,7 @@ def _check_packed_batch(b, split, batch):
     assert batch.tgt_in.shape == batch.tgt_out.shape == batch.tgt_pos.shape == (1, Ct)
     for name in ("src_lengths", "tgt_lengths"):
         assert getattr(batch, name).shape == (N,)
-    for name in (
-        "src",
-        "tgt_in",
-        "tgt_out",
-        "src_lengths",
-        "tgt_lengths",
-        "cu_seqlens_src",
-        "cu_seqlens_tgt",
-    ):
+    for name in INT32_FIELDS:
         assert getattr(batch, name).dtype == torch.int32, name
     assert batch.src_pos.dtype == batch.tgt_pos.dtype == torch.int32
     src, tin, tout = batch.src[0].tolist(), batch.tgt_in[0].tolist(), batch.tgt_out[0].tolist()

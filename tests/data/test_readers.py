@@ -1,12 +1,12 @@
 """`data.sources.read_local` is the one reader of local files: `load_local` (a training corpus, lenient) and
-`data.build.read_eval_files` (your own valid/test files, strict) number rows the same way, across chunks."""
+`data.build_scan.read_eval_files` (your own valid/test files, strict) number rows the same way, across chunks."""
 
 import json
 
 import pytest
 
 from data import sources
-from data.build import read_eval_files
+from data.build_scan import read_eval_files
 from data.clean import DataInputError, clean_text
 from data.sources import load_local, read_local
 from tests.data.helpers import make_rows

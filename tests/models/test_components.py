@@ -14,7 +14,8 @@ import torch
 
 from models import ModelConfig, Transformer
 from models import components as C
-from models.transformer import LAYOUTS, EncoderBlock, Stack
+from models.layers import EncoderBlock, Stack
+from models.transformer import LAYOUTS
 from train.config import Config
 from train.fields import field_infos
 

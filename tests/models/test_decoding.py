@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from models import Transformer
-from models import transformer as transformer_module
+from models import layers as layers_module
 from models.decoding import (
     Batch,
     Decoder,
@@ -318,7 +318,7 @@ def test_live_step_attends_with_sdpa_and_skips_the_source_mask_it_does_not_need(
             calls.append(attn_mask is None)
         return original(q, k, v, attn_mask=attn_mask, **kw)
 
-    monkeypatch.setattr(transformer_module.F, "scaled_dot_product_attention", sdpa)
+    monkeypatch.setattr(layers_module.F, "scaled_dot_product_attention", sdpa)
     model = build_eos(40, 1, 3.0)
     for lens, masked in (([6, 6, 6], False), ([6, 3, 5], True)):
         batch = make_batch(lens, [2] * 3, 40, seed=4)
@@ -369,13 +369,13 @@ def test_static_spans_give_few_step_shapes(monkeypatch, spans, max_shapes):
     """A static step's self-attention reads a span that changes only at span boundaries (here T=23:
     "full" 23, "pow2" 16 then 23); the position is on the device (no host counter advances)."""
     shapes = set()
-    original = transformer_module.attention
+    original = layers_module.attention
 
     def recording(q, k, v, **kw):
         shapes.add((tuple(q.shape), tuple(k.shape), kw.get("k_lengths") is not None))
         return original(q, k, v, **kw)
 
-    monkeypatch.setattr(transformer_module, "attention", recording)
+    monkeypatch.setattr(layers_module, "attention", recording)
     model = build_eos(40, 0, 1.0)
     batch = make_batch([9, 4, 5], [2] * 3, 40, seed=6)
     dec = Decoder(model, beam_size=2, spans=spans, check_every=1000, **IDS)

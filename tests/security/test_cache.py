@@ -41,18 +41,28 @@ def built(tmp_path):
 # ----------------------------------------------------------------------------------------------
 # row 2: keys read from files never become paths outside the cache
 # ----------------------------------------------------------------------------------------------
+WORK = "a week of work"
+
+
+def _project(tmp_path: Path) -> Path:
+    """A user's folder beside the cache, ``project/work.txt``: what a key read from a cache file must never reach
+    (the poisoned keys below name it as ``x/../../project``)."""
+    target = tmp_path / "project"
+    target.mkdir()
+    (target / "work.txt").write_text(WORK)
+    return target
+
+
 def test_row2_a_poisoned_index_key_deletes_nothing_outside_the_cache(built, tmp_path):
     cfg, bundle = built
     cache = Path(cfg.cache_dir)
-    target = tmp_path / "project"
-    target.mkdir()
-    (target / "work.txt").write_text("a week of work")
+    target = _project(tmp_path)
     (cache / "corpus-x").mkdir()
     (index,) = (cache / "index").glob("*.json")
     index.write_text(json.dumps({"corpus": "x/../../project"}))  # cache/corpus-x/../../project = tmp/project
     logs = []
     again = build_data(cfg, log=logs.append)
-    assert (target / "work.txt").read_text() == "a week of work"
+    assert (target / "work.txt").read_text() == WORK
     assert len(again.splits["train"]) == len(bundle.splits["train"])
     assert any("is not a cache key" in m for m in logs)  # reported as a damaged entry
 
@@ -60,16 +70,14 @@ def test_row2_a_poisoned_index_key_deletes_nothing_outside_the_cache(built, tmp_
 def test_row2_a_poisoned_tokenizer_key_in_meta_deletes_nothing_outside_the_cache(built, tmp_path):
     cfg, bundle = built
     cache = Path(cfg.cache_dir)
-    target = tmp_path / "project"
-    target.mkdir()
-    (target / "work.txt").write_text("a week of work")
+    target = _project(tmp_path)
     (cache / "spm-x").mkdir()
     (meta_path,) = cache.glob("corpus-*/meta.json")
     meta = json.loads(meta_path.read_text())
     meta["tokenizer_key"] = "x/../../project"
     meta_path.write_text(json.dumps(meta))
     again = build_data(cfg, log=_quiet)
-    assert (target / "work.txt").read_text() == "a week of work"
+    assert (target / "work.txt").read_text() == WORK
     assert again.tokenizer.vocab_size == bundle.tokenizer.vocab_size
 
 

@@ -19,7 +19,6 @@ import torch
 from tests.security.conftest import FIXTURES
 from train.runs.checkpoint import (
     CheckpointIOError,
-    CheckpointManager,
     CheckpointUnsafeError,
     latest_loadable_checkpoint,
     load_checkpoint,
@@ -27,6 +26,7 @@ from train.runs.checkpoint import (
     step_checkpoints,
 )
 from train.runs.folder import write_marker
+from train.runs.saving import CheckpointManager
 
 REPO = Path(__file__).resolve().parents[2]
 LEGACY = FIXTURES / "legacy-run"

@@ -117,8 +117,8 @@ def test_export_refuses_a_parent_another_user_could_swap_out_in(tmp_path, capsys
 # ----------------------------------------------------------------------------------------------
 def test_a_planted_checkpoints_link_is_refused_and_its_target_untouched(tmp_path):
     from tests.security.test_checkpoints import _state
-    from train.runs.checkpoint import CheckpointManager
     from train.runs.folder import write_marker
+    from train.runs.saving import CheckpointManager
 
     run = tmp_path / "run"
     run.mkdir()
@@ -154,7 +154,7 @@ def test_a_run_folder_another_user_owns_or_may_change_is_refused(tmp_path, how):
 
 def test_a_group_writable_folder_counts_only_when_the_group_holds_another_user(tmp_path):
     _root_only()
-    from data.files import group_has_others, ownership_problem
+    from data.ownership import group_has_others, ownership_problem
 
     mine = tmp_path / "mine"
     mine.mkdir()

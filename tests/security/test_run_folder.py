@@ -14,10 +14,10 @@ import pytest
 
 from data.files import FileRefusedError
 from tests.security.conftest import FIXTURES, victim
-from train.runs.checkpoint import atomic_save
 from train.runs.folder import write_marker, write_text_atomic
 from train.runs.lock import RunLock
 from train.runs.metrics import MetricsLogger, plot_curves, write_provenance
+from train.runs.saving import atomic_save
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -105,7 +105,7 @@ def test_evaluation_and_decoding_add_no_compiled_variant(toy_bundle, tmp_path):
     losses after the round trip are the eager twin's."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from models.transformer import DecoderBlock, EncoderBlock
+    from models.layers import DecoderBlock, EncoderBlock
     from train.evaluation.decode import translate
     from train.evaluation.scores import evaluate_split
 

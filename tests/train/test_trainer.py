@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.utils import assert_close_by_name, first_batches, params, quiet, records, tiny_config, tiny_trainer
+from tests.utils import (
+    assert_close_by_name,
+    first_batches,
+    params,
+    quiet,
+    records,
+    signal_after_step,
+    tiny_config,
+    tiny_trainer,
+)
 from train.loop import NonFiniteLossError, Trainer
 from train.runs.checkpoint import load_checkpoint, step_checkpoints
 
@@ -130,19 +139,10 @@ def test_missing_data_file(tmp_path):
 
 
 def test_sigint_stops_at_a_step_boundary_with_checkpoint(toy_bundle, tmp_path):
-    import os
     import signal
 
     tr = tiny_trainer(toy_bundle, tmp_path)
-    step = tr.train_step
-
-    def step_then_ctrl_c(batches):
-        loss = step(batches)
-        if tr.step == 2:
-            os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C: handled, not raised
-        return loss
-
-    tr.train_step = step_then_ctrl_c
+    signal_after_step(tr, 2, signal.SIGINT)  # as Ctrl-C: handled, not raised
     # a background shell starts pytest with SIGINT ignored: install Python's handler for this test
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:

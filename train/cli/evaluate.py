@@ -177,8 +177,8 @@ def check_writable(out: Path) -> None:
 
 def check_eval_folder(folder: Path) -> None:
     """The default output folder ``<run>/eval`` (or the folder it would be made in) is a real folder of this user's
-    that nobody else can change (`data.files.ownership_problem`), else ``UserError`` before anything is decoded."""
-    from data.files import ownership_problem
+    that nobody else can change (`data.ownership.ownership_problem`), else ``UserError`` before anything is decoded."""
+    from data.ownership import ownership_problem
 
     if folder.is_symlink():
         raise UserError(f"{folder} is a symbolic link (to {os.readlink(folder)}): fastmt writes the hypotheses only "

@@ -52,7 +52,7 @@ def pieces(tok) -> list[str]:
 
 
 def applied_blocks(stack) -> list:
-    """The block module run at each applied layer of a ``models.transformer.Stack`` (shared blocks repeat)."""
+    """The block module run at each applied layer of a ``models.layers.Stack`` (shared blocks repeat)."""
     return [stack.blocks[i] for i in stack.schedule]
 
 
@@ -282,7 +282,7 @@ def check_out(out: Path, force: bool, ckpt: str | Path) -> None:
     ``--force``; ``--force`` replaces only a real folder of this user's that an earlier export wrote (its records
     read as an export's, every entry a regular file). A link at OUT (dangling or not) is refused: the export would
     be written, or a folder replaced, at its target. OUT's parent must be a folder nobody else can swap OUT in."""
-    from data.files import ownership_problem, swap_problem
+    from data.ownership import ownership_problem, swap_problem
 
     if out.is_symlink():
         raise UserError(f"OUT {out} is a symbolic link (to {os.readlink(out)}): fastmt export writes only a real "

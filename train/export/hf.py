@@ -98,19 +98,19 @@ def state_dict(src: Source) -> dict[str, torch.Tensor]:
         if cfg.ffn_norm:
             ln(f"{p}.activation_fn.ln", block.ffn.act)
 
+    def self_attn(p, norm, attn):  # the fused QKV projection split into Pegasus' q/k/v_proj
+        ln(f"{p}.self_attn_layer_norm", norm)
+        for name, w in zip("qkv", attn.qkv.weight.split(d)):
+            linear(f"{p}.self_attn.{name}_proj", w)
+        linear(f"{p}.self_attn.out_proj", attn.out.weight)
+
     for i, block in enumerate(applied_blocks(model.encoder)):
         p = f"model.encoder.layers.{i}"
-        ln(f"{p}.self_attn_layer_norm", block.norm_attn)
-        for name, w in zip("qkv", block.attn.qkv.weight.split(d)):
-            linear(f"{p}.self_attn.{name}_proj", w)
-        linear(f"{p}.self_attn.out_proj", block.attn.out.weight)
+        self_attn(p, block.norm_attn, block.attn)
         ffn(p, block)
     for i, block in enumerate(applied_blocks(model.decoder)):
         p = f"model.decoder.layers.{i}"
-        ln(f"{p}.self_attn_layer_norm", block.norm_self)
-        for name, w in zip("qkv", block.self_attn.qkv.weight.split(d)):
-            linear(f"{p}.self_attn.{name}_proj", w)
-        linear(f"{p}.self_attn.out_proj", block.self_attn.out.weight)
+        self_attn(p, block.norm_self, block.self_attn)
         ln(f"{p}.encoder_attn_layer_norm", block.norm_cross)
         linear(f"{p}.encoder_attn.q_proj", block.cross_attn.q.weight)
         for name, w in zip("kv", block.cross_attn.kv.weight.split(d)):

@@ -37,8 +37,8 @@ from data.files import (
     read_json,
     read_json_lines,
     remove_inside,
-    swap_problem,
 )
+from data.ownership import swap_problem
 from train.errors import UserError
 from train.runs.lock import LOCK_NAME, RunLock, RunLockedError
 

@@ -23,11 +23,10 @@ from data.files import (
     BadFileError,
     FileRefusedError,
     open_nofollow,
-    ownership_problem,
     parse_json,
     read_bytes,
-    swap_problem,
 )
+from data.ownership import ownership_problem, swap_problem
 from train.errors import UserError
 
 LOCK_NAME = ".lock"

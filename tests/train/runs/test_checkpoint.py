@@ -14,12 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-import train.runs.checkpoint as ck
+import train.runs.saving as sv
 from train.runs.checkpoint import (
-    CheckpointManager,
     CheckpointReadError,
     CheckpointWriteError,
-    atomic_save,
     latest_checkpoint,
     latest_loadable_checkpoint,
     load_checkpoint,
@@ -27,6 +25,7 @@ from train.runs.checkpoint import (
     set_rng_state,
     step_checkpoints,
 )
+from train.runs.saving import CheckpointManager, atomic_save
 
 
 def _state(step: int, n: int = 4096) -> dict:
@@ -156,8 +155,8 @@ def test_torch_stream_writer_failure_is_translated(tmp_path, monkeypatch, after_
         except OSError:
             raise RuntimeError(_STREAM_ERROR)  # noqa: B904 - torch raises it this way
 
-    monkeypatch.setattr(ck.torch, "save", failing_save)
-    monkeypatch.setattr(ck.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 0, free_mb * 2**20))
+    monkeypatch.setattr(sv.torch, "save", failing_save)
+    monkeypatch.setattr(sv.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 0, free_mb * 2**20))
     with pytest.raises(CheckpointWriteError, match=cause) as e:
         m.save(_state(2, n=2**20), 2, metric=5.0)  # 4 MB of float32
     assert e.value.errno == (errno.ENOSPC if "no space" in cause else None)
@@ -173,7 +172,7 @@ def test_fsync_failure_is_translated(tmp_path, monkeypatch, code, cause):
     def failing_fsync(fd):
         raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr(ck.os, "fsync", failing_fsync)
+    monkeypatch.setattr(sv.os, "fsync", failing_fsync)
     with pytest.raises(CheckpointWriteError, match=cause) as e:
         m.save(_state(2), 2, metric=5.0)
     assert e.value.errno == code and isinstance(e.value.__cause__, OSError)
@@ -298,13 +297,13 @@ def _live_state(step: int) -> dict:
 def _held_writes(monkeypatch):
     """Hold every background write until the returned event is set."""
     go = __import__("threading").Event()
-    real = ck.atomic_save
+    real = sv.atomic_save
 
     def held(obj, path):
         assert go.wait(timeout=120)
         return real(obj, path)
 
-    monkeypatch.setattr(ck, "atomic_save", held)
+    monkeypatch.setattr(sv, "atomic_save", held)
     return go
 
 
@@ -351,7 +350,7 @@ def test_a_background_write_failure_is_raised_at_the_next_wait(tmp_path, monkeyp
     def no_space(obj, f, *args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(ck.torch, "save", no_space)
+    monkeypatch.setattr(sv.torch, "save", no_space)
     m.save(_live_state(2), 2, metric=0.5)  # returns: the failure is the writer's
     with pytest.raises(CheckpointWriteError, match="step-00000002.pt: no space left on device.*step-00000001.pt"):
         m.wait()

@@ -22,12 +22,12 @@ from train.errors import UserError
 from train.runs.checkpoint import (
     CheckpointMismatchError,
     CheckpointReadError,
-    atomic_save,
     load_checkpoint,
     read_checkpoint,
     step_checkpoints,
 )
 from train.runs.folder import RunFolderError
+from train.runs.saving import atomic_save
 
 KW = dict(epochs=2, max_batches_per_epoch=2, keep_last=5)  # 4 steps; stopped after 3: mid-epoch 2
 

@@ -17,7 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.utils import RecordingTrainer, assert_equal_params, records, tiny_trainer, torch_threads
+from tests.utils import (
+    RecordingTrainer,
+    assert_equal_params,
+    records,
+    signal_after_step,
+    tiny_trainer,
+    torch_threads,
+)
 from train.loop import RunFinishedError
 from train.runs.checkpoint import load_checkpoint, step_checkpoints
 from train.runs.folder import RunLockedError
@@ -83,7 +90,7 @@ _KILLABLE = textwrap.dedent(
     from pathlib import Path
     import torch
     from tests.utils import tiny_config
-    from train.runs.checkpoint import CheckpointManager
+    from train.runs.saving import CheckpointManager
     from train.loop import Trainer
 
     cache, tmp, where = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
@@ -180,15 +187,7 @@ def test_kill_9_then_resume_auto_is_exact(toy_bundle, tmp_path, uninterrupted, w
 
 def test_sigterm_stops_at_a_step_boundary_with_checkpoint(toy_bundle, tmp_path):
     tr = tiny_trainer(toy_bundle, tmp_path)
-    step = tr.train_step
-
-    def step_then_sigterm(batches):
-        loss = step(batches)
-        if tr.step == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return loss
-
-    tr.train_step = step_then_sigterm
+    signal_after_step(tr, 2, signal.SIGTERM)
     previous = signal.getsignal(signal.SIGTERM)
     assert tr.fit()["stop_reason"] == "interrupted"
     assert signal.getsignal(signal.SIGTERM) is previous  # restored
