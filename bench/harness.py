@@ -494,7 +494,7 @@ def run_in_group(cmd: list[str], log_path: Path, *, timeout_s: float, env: dict[
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            if not check:
+            if not check:  # TERM to the group, the leader grace_s to end, then KILL to whatever is left
                 try:
                     os.killpg(proc.pid, signal.SIGTERM)
                     proc.wait(timeout=grace_s)

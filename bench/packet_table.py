@@ -13,9 +13,8 @@ is cut into *packets*: one device call each, each at most 5 minutes of command t
   code it measures (``bench/results/packets.jsonl``: one record per landed packet, with the hash of the
   files it exercises, ``code_hash``).
 
-This module is the one table (``PACKETS``) that ``bench/runbook.py`` runs, ``plan`` prints and the tests check,
-with the landed records ``next`` reads; stdlib only (the GPU image's python3 runs it before the carried wheels
-are installed). The command line is ``python3 -m bench.packets`` (bench/packets.py).
+This module is the one table (``PACKETS``, with every constant of a run) that bench/runbook.py runs, ``plan``
+prints and the tests check, and the landed records ``next`` reads. Its command line: ``python3 -m bench.packets``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """The GPU runbook's command line, and the landing of a device call's results.
 
-  python3 -m bench.packets run PACKET|STEP ...  run a packet (one device call) on the device machine: bench/runbook.py
-                                           (`bash bench/gpu_run.sh PACKET` is the same; `run plan`, `run next`,
-                                           `run show STEP [PACKET]`, GPU_RUN_REHEARSAL=1: see bench/runbook.py)
+  python3 -m bench.packets run PACKET ...  run a packet (one device call) on the device machine: bench/runbook.py
+                                           (= `bash bench/gpu_run.sh PACKET`; also run plan|next|show STEP [PACKET])
   python3 -m bench.packets plan            the session's arithmetic against its 900 s
   python3 -m bench.packets next            the first packet with no result for the current code
   python3 -m bench.packets hash PACKET     the hash of the code PACKET measures
@@ -10,7 +9,7 @@
   python3 -m bench.packets check-out DIR   is DIR within what a device call brings back (8 files, 16 MiB each)
   python3 -m bench.packets last-run PACKET the run folder of PACKET's newest landed record (packet 2's compare)
 
-The packets' table, their records and ``next`` are bench/packet_table.py's (re-exported here).
+The packets' table, their records and ``next`` are bench/packet_table.py's.
 
 ``land`` trusts nothing it reads: the names a record puts in a path (``date``, ``gpu_slug``, ``sha``,
 ``packet``) match one pattern (``SAFE_NAME``), every destination is checked to lie inside bench/results/, the
@@ -33,24 +32,10 @@ import time
 import zlib
 from pathlib import Path
 
-from bench.packet_table import (  # noqa: F401 - re-exported: the names it always offered
-    BY_NAME,
-    RECORDS,
-    ROOT,
-    SAFE_NAME,
-    PacketError,
-    _check_records_file,
-    check_out,
-    code_hash,
-    kernel_test_files,
-    last_run,
-    next_line,
-    next_packet,
-    plan_lines,
-    read_records,
-    record_problem,
-    safe_name,
-)
+from bench import packet_table as T
+
+# the names this module always offered (bench/aot.py, the tests)
+BY_NAME, check_out, code_hash, kernel_test_files = T.BY_NAME, T.check_out, T.code_hash, T.kernel_test_files
 
 # -- landing a call's results ---------------------------------------------------------------------------------
 # what an archive may hold: what the runbook packs is at most 15 MiB compressed of records, logs, metrics and plots
@@ -73,30 +58,30 @@ class _Capped:
         data = self.raw.read(self.limit + 1 - self.seen if n is None or n < 0 else min(n, self.limit + 1 - self.seen))
         self.seen += len(data)
         if self.seen > self.limit:
-            raise PacketError(f"{self.where}: unpacks to more than {self.limit // 2**20} MiB: not a runbook's results "
+            raise T.PacketError(f"{self.where}: unpacks to more than {self.limit // 2**20} MiB: not a runbook's results "
                               f"(what it packs is at most 15 MiB compressed); nothing was landed")
         return data
 
 
 def _member_path(m: tarfile.TarInfo, tgz: Path) -> tuple[str, ...] | None:
-    """The member's path components (None for a folder entry); `PacketError` for anything but a regular file
+    """The member's path components (None for a folder entry); `T.PacketError` for anything but a regular file
     at a relative path of safe names."""
     kind = ("a folder" if m.isdir() else "a symbolic link" if m.issym() else "a hard link" if m.islnk() else
             "a device" if m.ischr() or m.isblk() else "a FIFO" if m.isfifo() else "a sparse file" if m.issparse()
             else None if m.isreg() else f"of type {m.type!r}")
     name = m.name.removesuffix("/") if m.isdir() else m.name
     parts = tuple(name.split("/"))
-    if name.startswith("/") or not all(SAFE_NAME.fullmatch(x) for x in parts) or len(parts) > MEMBER_DEPTH + 1:
-        raise PacketError(f"{tgz}: member {m.name[:100]!r} is not a relative path of names (letters, digits, '.', "
+    if name.startswith("/") or not all(T.SAFE_NAME.fullmatch(x) for x in parts) or len(parts) > MEMBER_DEPTH + 1:
+        raise T.PacketError(f"{tgz}: member {m.name[:100]!r} is not a relative path of names (letters, digits, '.', "
                           f"'_', '-'; no '..', no absolute path, at most {MEMBER_DEPTH} folders down): not a "
                           f"runbook's results; nothing was landed")
     if kind == "a folder":
         return None
     if kind is not None:
-        raise PacketError(f"{tgz}: member {m.name[:100]!r} is {kind}: a runbook's results hold regular files only; "
+        raise T.PacketError(f"{tgz}: member {m.name[:100]!r} is {kind}: a runbook's results hold regular files only; "
                           f"nothing was landed")
     if m.size > MEMBER_MAX:
-        raise PacketError(f"{tgz}: member {m.name[:100]!r} is {m.size:,} bytes unpacked, over {MEMBER_MAX // 2**20} "
+        raise T.PacketError(f"{tgz}: member {m.name[:100]!r} is {m.size:,} bytes unpacked, over {MEMBER_MAX // 2**20} "
                           f"MiB: not a runbook's results; nothing was landed")
     return parts
 
@@ -111,7 +96,7 @@ def _unpack(tgz: Path, call_dir: Path, stage: Path) -> list[str]:
     try:
         with open_read(tgz, "results archive", limit=ARCHIVE_MAX, inside=call_dir) as f:
             if f.read(2) != b"\x1f\x8b":
-                raise PacketError(f"{tgz}: not a gzip archive (the runbook packs results.tgz with tar -czf): give the "
+                raise T.PacketError(f"{tgz}: not a gzip archive (the runbook packs results.tgz with tar -czf): give the "
                                   f"folder a device call's files are at")
             f.seek(0)
             with gzip.GzipFile(fileobj=f, mode="rb") as gz, \
@@ -119,46 +104,46 @@ def _unpack(tgz: Path, call_dir: Path, stage: Path) -> list[str]:
                 total = 0
                 for m in tar:
                     if len(names) >= MEMBERS_MAX:
-                        raise PacketError(f"{tgz}: more than {MEMBERS_MAX} members: not a runbook's results; "
+                        raise T.PacketError(f"{tgz}: more than {MEMBERS_MAX} members: not a runbook's results; "
                                           f"nothing was landed")
                     parts = _member_path(m, tgz)
                     if parts is None:
                         continue
                     total += m.size
                     if total > UNPACKED_MAX:
-                        raise PacketError(f"{tgz}: its members unpack to more than {UNPACKED_MAX // 2**20} MiB: not a "
+                        raise T.PacketError(f"{tgz}: its members unpack to more than {UNPACKED_MAX // 2**20} MiB: not a "
                                           f"runbook's results; nothing was landed")
                     folder = stage
                     for part in parts[:-1]:
                         folder = folder / part
                         if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
-                            raise PacketError(f"{tgz}: member {m.name[:100]!r} goes below a file of the archive; "
+                            raise T.PacketError(f"{tgz}: member {m.name[:100]!r} goes below a file of the archive; "
                                               f"nothing was landed")
                         folder.mkdir(exist_ok=True)
                     src = tar.extractfile(m)
                     try:
                         fd = os.open(folder / parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
                     except FileExistsError:
-                        raise PacketError(f"{tgz}: member {m.name[:100]!r} is in the archive twice; nothing was "
+                        raise T.PacketError(f"{tgz}: member {m.name[:100]!r} is in the archive twice; nothing was "
                                           f"landed") from None
                     with os.fdopen(fd, "wb") as out:
                         left = m.size
                         while left > 0:
                             chunk = src.read(min(left, 2**20))
                             if not chunk:
-                                raise PacketError(f"{tgz}: member {m.name[:100]!r} is cut short: a truncated "
+                                raise T.PacketError(f"{tgz}: member {m.name[:100]!r} is cut short: a truncated "
                                                   f"archive; nothing was landed")
                             out.write(chunk)
                             left -= len(chunk)
                     names.append("/".join(parts))
     except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as e:
-        raise PacketError(f"{tgz}: not a readable tar.gz ({type(e).__name__}: {' '.join(str(e).split())[:120]}): a "
+        raise T.PacketError(f"{tgz}: not a readable tar.gz ({type(e).__name__}: {' '.join(str(e).split())[:120]}): a "
                           f"truncated or foreign archive; land the device call's results.tgz as it came back"
                           ) from None
     return names
 
 
-def land(call_dir: Path, root: Path = ROOT, records: Path | None = None) -> Path:
+def land(call_dir: Path, root: Path = T.ROOT, records: Path | None = None) -> Path:
     """Unpack a device call's ``results.tgz`` (and ``summary.txt``) into ``bench/results/gpu-<date>-<gpu>-<sha>-
     <packet>/`` and append its packet records (``packet-record.json`` files in it) to ``bench/results/packets.jsonl``.
     Returns the folder. Nothing outside ``bench/results/`` is written; an existing folder is never overwritten;
@@ -167,15 +152,15 @@ def land(call_dir: Path, root: Path = ROOT, records: Path | None = None) -> Path
 
     tgz = call_dir / "results.tgz"
     if not call_dir.is_dir():
-        raise PacketError(f"{call_dir}: not a folder: give the folder a device call's files are at")
+        raise T.PacketError(f"{call_dir}: not a folder: give the folder a device call's files are at")
     if not os.path.lexists(tgz):
-        raise PacketError(f"{tgz}: no results.tgz in {call_dir} (give the folder the device call's files are at)")
+        raise T.PacketError(f"{tgz}: no results.tgz in {call_dir} (give the folder the device call's files are at)")
     results = root / "bench" / "results"
     if results.is_symlink() or not results.is_dir():
-        raise PacketError(f"{results}: not the repository's own folder (missing, or a symbolic link): results land "
+        raise T.PacketError(f"{results}: not the repository's own folder (missing, or a symbolic link): results land "
                           f"only in a real bench/results/")
-    rec_path = records or (root / RECORDS)
-    _check_records_file(rec_path)  # a folder or FIFO there is refused before anything lands
+    rec_path = records or (root / T.RECORDS)
+    T._check_records_file(rec_path)  # a folder or FIFO there is refused before anything lands
     summary = call_dir / "summary.txt"
     summary_bytes = None
     if os.path.lexists(summary):  # never read through a link (the call's folder is the user's; its files are not)
@@ -187,23 +172,23 @@ def land(call_dir: Path, root: Path = ROOT, records: Path | None = None) -> Path
         recs = []
         for name in sorted(n for n in names if n.split("/")[-1] == "packet-record.json"):
             rec = parse_json(read_text(stage / name, "packet record", inside=stage), f"{tgz}: {name}", "packet record")
-            problem = record_problem(rec)
+            problem = T.record_problem(rec)
             if problem:
-                raise PacketError(f"{tgz}: {name}: {problem}: not a runbook's record; nothing was landed")
+                raise T.PacketError(f"{tgz}: {name}: {problem}: not a runbook's record; nothing was landed")
             for key in ("date", "gpu_slug", "sha"):
                 if key in rec and rec[key] is not None:
-                    safe_name(rec[key], key, f"{tgz}: {name}")
+                    T.safe_name(rec[key], key, f"{tgz}: {name}")
             recs.append(rec)
         head = recs[0] if recs else {}
         slug = "-".join(("gpu", head.get("date") or time.strftime("%Y-%m-%d"), head.get("gpu_slug") or "gpu",
                          (head.get("sha") or "unknown")[:7], head.get("packet", "steps")))
-        safe_name(slug, "folder name", str(tgz))
+        T.safe_name(slug, "folder name", str(tgz))
         dest = check_inside(results, results / slug, "land results in")
         if os.path.lexists(dest):
-            raise PacketError(f"{dest} exists: land each call once (remove it first to land again)")
+            raise T.PacketError(f"{dest} exists: land each call once (remove it first to land again)")
         if summary_bytes is not None:
             if os.path.lexists(stage / "summary.txt"):
-                raise PacketError(f"{tgz}: holds a summary.txt of its own beside {summary}; nothing was landed")
+                raise T.PacketError(f"{tgz}: holds a summary.txt of its own beside {summary}; nothing was landed")
             fd = os.open(stage / "summary.txt", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
             with os.fdopen(fd, "wb") as out:
                 out.write(summary_bytes)
@@ -235,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("run", help="run a packet or step on the device machine (run --help)")
     sub.add_parser("plan")
     nx = sub.add_parser("next")
-    nx.add_argument("--records", type=Path, default=ROOT / RECORDS)
+    nx.add_argument("--records", type=Path, default=T.ROOT / T.RECORDS)
     hs = sub.add_parser("hash")
     hs.add_argument("packet", choices=sorted(BY_NAME))
     ld = sub.add_parser("land")
@@ -244,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     co.add_argument("dir", type=Path)
     lr = sub.add_parser("last-run")
     lr.add_argument("packet")
-    lr.add_argument("--records", type=Path, default=ROOT / RECORDS)
+    lr.add_argument("--records", type=Path, default=T.ROOT / T.RECORDS)
     a = p.parse_args(argv)
     try:
         return _run(a)
@@ -255,15 +240,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(a: argparse.Namespace) -> int:
     if a.cmd == "plan":
-        print("\n".join(plan_lines()))
+        print("\n".join(T.plan_lines()))
     elif a.cmd == "hash":
         print(code_hash(BY_NAME[a.packet]))
     elif a.cmd == "next":
-        print(next_line(a.records))
+        print(T.next_line(a.records))
     elif a.cmd == "land":
-        print(land(a.dir, root=ROOT))
+        print(land(a.dir, root=T.ROOT))
     elif a.cmd == "last-run":
-        run = last_run(read_records(a.records, warn=False), a.packet)
+        run = T.last_run(T.read_records(a.records, warn=False), a.packet)
         if run is None:
             return 1
         print(run)

@@ -1,30 +1,18 @@
-"""The GPU runbook: everything fastmt measures on a GPU (H100 or H200), in packets of one device call each, from
-one command on a bare device machine (the image's python3 with torch and triton, no network). The packets, their
-steps and limits are bench/packet_table.py's one table; bench/README.md ("A 15-minute GPU session") has the rest.
+"""The GPU runbook: runs a packet of bench/packet_table.py's one table (one device call) on a bare device machine
+(the image's python3 with torch and triton, no network); bench/README.md ("A 15-minute GPU session") has the rest.
 
-  python3 -m bench.packets run packet1     every session's first call (<= 300 s): `make train` cold to BLEU, its
-                                           record, the kernel tests on the device, training path first
-  python3 -m bench.packets run packet2     only when packet 1 came back clean: the HF baseline, same split and budget
-  python3 -m bench.packets run next|plan   the packet to run next; every packet's steps and limits against 900 s
-  python3 -m bench.packets run PACKET|STEP ...      any packet (`plan` lists them) or step on its own
-  python3 -m bench.packets run show STEP [PACKET]   the step's command, one word per line (what a test collects)
-  GPU_RUN_REHEARSAL=1 ... run packet1      the rehearsal on a CPU machine: every step in its smoke form, the same
-                                           $OUT layout (CI runs it)
-`bash bench/gpu_run.sh ARGS` is the same command ($PYTHON, else .venv/bin/python in a rehearsal, else python3).
+  python3 -m bench.packets run packet1|packet2|PACKET|STEP ...   (= bash bench/gpu_run.sh ...)
+  python3 -m bench.packets run plan|next|show STEP [PACKET]     the session's arithmetic; the packet to run; a command
+  GPU_RUN_REHEARSAL=1 ... run packet1     the rehearsal on a CPU machine: every step in its smoke form (CI runs it)
 
-Each step runs under its own limit and log in its own process session (bench.harness.run_in_group: TERM to its
-group 10 s before the limit, KILL at it); the run goes on after a failure. No step starts past the deadline
-(GPU_RUN_DEADLINE_S; default: the command time); each gets min(its limit, what is left after a minimum share for
-the steps after it). Training steps start from empty Triton and Inductor caches in this run's scratch folder, with
-nvidia-smi sampling the GPU. After every step $OUT/results.tgz (what this run wrote under bench/results/, its logs
-runs/gpu_run/<id>/, runs/*/metrics.jsonl, provenance.json, *.png; files over 2 MiB left out past 15 MiB) and
-$OUT/summary.txt are packed again, so what finished comes back even if the call is cut short; a SIGTERM stops the
-step in flight with its group, then packs. An OUT it cannot write, or one holding an earlier run's results, is
-refused before any step (exit 2); without OUT: runs/gpu_run/<id>.out/. Exit 0 when every step is ok, else 1.
-
-Environment: PYTHON (the steps' interpreter; default this one); GPU_RUN_DEADLINE_S; LIMIT_<STEP> (seconds, e.g.
-LIMIT_KERNEL_TEST); the steps' extra arguments as shell words (bench.packet_table.EXTRA: TRAIN_ARGS, ...);
-FASTMT_GIT_SHA: the commit, recorded in results when the copy on the machine has no .git.
+Each step runs under its limit in its own process session (bench.harness.run_in_group: TERM to its group 10 s
+before the limit, KILL at it); no step starts past the deadline (GPU_RUN_DEADLINE_S; default: the command time)
+and each leaves a minimum share to the steps after it. Training starts from empty Triton and Inductor caches in
+this run's scratch folder, nvidia-smi sampling beside it. After every step $OUT/results.tgz and summary.txt are
+packed again (``packet_table.pack_results``); a SIGTERM stops the step in flight with its group, then packs. An
+OUT it cannot write, or one holding an earlier run's results, is refused before any step (exit 2); without OUT:
+runs/gpu_run/<id>.out/. Exit 0 when every step is ok, else 1. Environment: PYTHON (the steps' interpreter);
+LIMIT_<STEP> (seconds); the steps' extra words (packet_table.EXTRA); FASTMT_GIT_SHA (a copy without .git).
 """
 
 from __future__ import annotations
@@ -80,8 +68,7 @@ class Runbook:
         self.logdir = root / "runs" / "gpu_run" / self.run_id
         self.items: list[tuple[str | None, str]] = []  # (packet or None, step) in order
         self.packets, self.data_files, self.pack_notes = [], [], []  # packets named; .data files; what pack left out
-        self.status: dict[str, str] = {}  # each step's (key's) status and seconds
-        self.secs: dict[str, int] = {}
+        self.status, self.secs = {}, {}  # each step's (key's) status and seconds
         self.caches, self.has_timeout, self.sampler, self.current = "", False, None, None
         self.packed_bytes, self.pack_failed = 0, None
 
@@ -509,11 +496,8 @@ class Runbook:
 
     def main(self, words: list[str]) -> int:
         mode, show = self.parse(words)
-        if mode == "plan":
-            print("\n".join(T.plan_lines()))
-            return 0
-        if mode == "next":
-            print(T.next_line(self.root / T.RECORDS, self.root))
+        if mode in ("plan", "next"):
+            print("\n".join(T.plan_lines()) if mode == "plan" else T.next_line(self.root / T.RECORDS, self.root))
             return 0
         if mode == "show":  # the command as the step would run it (its default limit, no setup)
             self.read_data_files()
@@ -566,8 +550,7 @@ class Runbook:
                      f"process group; packing what finished")
         self.finish()
         if self.pack_failed is not None:
-            msg = f"gpu_run: could not write {self.dest}/results.tgz or summary.txt: {self.pack_failed}"
-            print(msg, file=sys.stderr)
+            print(f"gpu_run: could not write {self.dest}/results.tgz or summary.txt: {self.pack_failed}", file=sys.stderr)
             return 2
         return code or (0 if all(self.status.get(self.key(p, s)) == "ok" for p, s in self.items) else 1)
 
@@ -587,7 +570,3 @@ def main(argv: list[str] | None = None, environ: dict | None = None, root: Path 
     except UsageError as e:
         print(f"gpu_run: {e}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

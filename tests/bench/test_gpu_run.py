@@ -767,13 +767,13 @@ def test_next_names_the_first_packet_without_a_landed_result_for_the_current_cod
     from bench import packets as P
 
     records = tmp_path / "packets.jsonl"
-    assert P.next_packet(P.read_records(records)).name == "packet1"
+    assert T.next_packet(T.read_records(records)).name == "packet1"
     p1 = {"packet": "packet1", "code": P.code_hash(P.BY_NAME["packet1"]), "complete": True}
     records.write_text(json.dumps(p1) + "\n")
-    assert P.next_packet(P.read_records(records)).name == "packet2"
+    assert T.next_packet(T.read_records(records)).name == "packet2"
     # an incomplete packet (a step timed out), or one measured on other code, does not count
     records.write_text(json.dumps({**p1, "complete": False}) + "\n" + json.dumps({**p1, "code": "0" * 16}) + "\n")
-    assert P.next_packet(P.read_records(records)).name == "packet1"
+    assert T.next_packet(T.read_records(records)).name == "packet1"
     out = gpu_run("next")
     assert out.startswith("packet") and "code " in out
 
