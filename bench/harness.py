@@ -514,6 +514,9 @@ def run_in_group(cmd: list[str], log_path: Path, *, timeout_s: float, env: dict[
         finally:
             kill_group(proc.pid, grace_s=0.0)
     if rc != 0 and check:
-        tail = " | ".join(Path(log_path).read_text(errors="replace").strip().splitlines()[-tail_lines:])
+        from data.files import LOG_MAX, read_bytes  # a log its own child wrote, through the safe-file layer
+
+        text = read_bytes(log_path, "log", limit=LOG_MAX).decode(errors="replace")
+        tail = " | ".join(text.strip().splitlines()[-tail_lines:])
         raise RuntimeError(f"{' '.join(cmd[:2])} exited {rc}: {tail[:600]}")
     return rc if rc >= 0 else 128 - rc

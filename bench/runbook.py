@@ -48,6 +48,17 @@ def _words(environ: dict, var: str) -> list[str]:
                          ) from None
 
 
+def text_of(path: Path, what: str = "log") -> str:
+    """A file the runbook or its steps wrote, through the safe-file layer (no link followed, size capped); what
+    cannot be read is said, not raised."""
+    from data.files import LOG_MAX, read_bytes
+
+    try:
+        return read_bytes(path, what, limit=LOG_MAX).decode(errors="replace")
+    except (OSError, ValueError) as e:
+        return f"<{what} {path} unreadable: {' '.join(str(e).split())[:200]}>\n"
+
+
 def mentions(flag: str, words: list[str]) -> bool:
     """Is ``flag`` among ``words`` (as FLAG or FLAG=VALUE)?"""
     return any(w == flag or w.startswith(flag + "=") for w in words)
@@ -98,7 +109,7 @@ class Runbook:
     def read_data_files(self) -> list[str]:
         """The carried .data/FILES (absolute paths) into ``data_files``; warnings for listed files that are missing."""
         listing = self.root / ".data" / "FILES"
-        names = [n.strip() for n in (listing.read_text().splitlines() if listing.is_file() else []) if n.strip()]
+        names = [n.strip() for n in (text_of(listing, ".data/FILES").splitlines() if listing.is_file() else []) if n.strip()]
         self.data_files = [str(self.root / ".data" / n) for n in names if (self.root / ".data" / n).is_file()]
         return [f"WARNING: .data/{n} is listed but missing" for n in names if not (self.root / ".data" / n).is_file()]
 
@@ -109,7 +120,7 @@ class Runbook:
             rc = run_in_group(cmd, self.logdir / log, timeout_s=120, env=env or self.env, cwd=self.root, check=False)
         except OSError as e:  # the interpreter or tool is missing
             return 127, f"{cmd[0]}: {e.strerror}"
-        return rc, (self.logdir / log).read_text(errors="replace")
+        return rc, text_of(self.logdir / log)
 
     def note(self, text: str) -> None:
         with open(self.summary, "a") as f:
@@ -385,7 +396,7 @@ class Runbook:
             counts = ", ".join(f"{v} {k}" for k, v in sorted(count(str(outcomes)).items())) or "no finished test"
             self.log(f"{key} outcomes (streamed, kept whatever stopped the step): {counts}")
         self.log(f"END {key}: {self.status[key]} in {self.secs[key]}s -> {log.relative_to(self.work)}")
-        print("\n".join(f"    {x}" for x in log.read_text(errors="replace").splitlines()[-12:]), flush=True)
+        print("\n".join(f"    {x}" for x in text_of(log).splitlines()[-12:]), flush=True)
 
     def start_sampler(self, path: Path) -> None:
         """nvidia-smi's utilization every 500 ms into ``path``, beside the step (nothing without nvidia-smi)."""
@@ -442,11 +453,11 @@ class Runbook:
         record = self.work / "bench" / "results" / "packet-record.json"
         if record.is_file():
             text += ["", "==== packet record (every number; bench/results/packet-record.json)",
-                     record.read_text().rstrip("\n")]
+                     text_of(record, "packet record").rstrip("\n")]
         for _, s in self.items:
             log = self.logdir / f"{s}.log"
             if log.is_file():
-                lines = log.read_text(errors="replace").splitlines()
+                lines = text_of(log).splitlines()
                 mark = [i for i, x in enumerate(lines) if "== bench.kernels summary" in x]
                 text += ["", f"==== tail of {s}.log", *(lines[mark[0]:][-60:] if mark else lines[-30:])]
         self.note("\n".join([*text, "", *self.pack_notes]))
@@ -460,7 +471,7 @@ class Runbook:
                 shutil.copyfile(self.summary, self.dest / "summary.txt")
             except OSError as e:
                 self.pack_failed = f"{self.dest}/summary.txt: {e.strerror}"
-        lines = self.summary.read_text().splitlines()
+        lines = text_of(self.summary, "summary").splitlines()
         start = max((i for i, x in enumerate(lines) if x == "==== steps"), default=len(lines))
         print("\n".join(lines[start:][-120:]))
 
