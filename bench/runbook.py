@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 from bench import packet_table as T
-from bench.harness import kill_group, run_in_group
 
 
 class UsageError(ValueError):
@@ -116,6 +115,8 @@ class Runbook:
     def capture(self, cmd: list[str], log: str = "setup.log", env: dict | None = None) -> tuple[int, str]:
         """A setup command's exit status and output, kept in the log folder's ``log`` (under the deadline runner,
         like every step)."""
+        from bench.harness import run_in_group  # imports torch: not for plan, next and show
+
         try:
             rc = run_in_group(cmd, self.logdir / log, timeout_s=120, env=env or self.env, cwd=self.root, check=False)
         except OSError as e:  # the interpreter or tool is missing
@@ -371,7 +372,9 @@ class Runbook:
         cmd = self.step_command(step, packet, limit)
         self.log(f"START {key} (limit {limit}s): {shlex.join(cmd)}")
         cached, log = self.triton_entries(), self.logdir / f"{step}.log"
-        kill_after = 10 if limit > 40 else 3  # TERM first: pytest writes its summary, contestants' groups die
+        kill_after = 10 if limit > 40 else 3
+        from bench.harness import run_in_group
+  # TERM first: pytest writes its summary, contestants' groups die
         try:
             if step in T.TRAINS:
                 self.start_sampler(self.logdir / f"{step}-gpu.csv")
@@ -409,6 +412,8 @@ class Runbook:
 
     def stop_sampler(self) -> None:
         if self.sampler is not None:
+            from bench.harness import kill_group
+
             kill_group(self.sampler.pid, grace_s=0.0)
             self.sampler.wait()
             self.sampler = None
