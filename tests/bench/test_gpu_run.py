@@ -299,6 +299,16 @@ def test_the_wrapper_forwards_to_the_python_runbook_with_the_interpreter_it_name
     assert len((ROOT / "bench" / "gpu_run.sh").read_text().splitlines()) <= 5
 
 
+def test_plan_next_and_show_need_no_torch():
+    """The device image's python3 runs the runbook before the carried wheels; `plan`, `next` and `show` never
+    import torch (only a run's steps need the deadline runner, bench.harness)."""
+    block = "import sys; sys.modules['torch'] = None; from bench.packets import main; "
+    for words in (["run", "plan"], ["run", "show", "train", "packet1"], ["plan"]):
+        out = subprocess.run([sys.executable, "-c", block + f"sys.exit(main({words!r}))"], cwd=ROOT, text=True,
+                             capture_output=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert out.returncode == 0 and out.stdout, (words, out.stderr[-2000:])
+
+
 # ----------------------------------------------------------------------------------------------
 # A run, with a fake interpreter that records what each step gets: this run's own scratch folders, PYTHONPATH
 # only when the install into it worked, cold caches, the pack, the record
