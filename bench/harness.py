@@ -484,10 +484,8 @@ def run_in_group(cmd: list[str], log_path: Path, *, timeout_s: float, env: dict[
     is killed (``kill_group``) and ``TimeoutError`` raised, an interrupt kills it too; any non-zero exit raises
     ``RuntimeError`` with the log's last ``tail_lines`` lines. Returns 0.
 
-    ``check=False`` (the runbook's steps): nothing is raised for the child; the exit status comes back as a shell
-    reports it (128 + N for a signal N), and 124 past ``timeout_s``, where the group gets TERM, its leader up to
-    ``grace_s`` more to finish (pytest writes its summary), then KILL: ``timeout --kill-after``'s contract. Stdin
-    is /dev/null."""
+    ``check=False`` (the runbook's steps; stdin /dev/null): the exit status as a shell reports it (128 + N for signal
+    N); past ``timeout_s`` the group gets TERM, the leader ``grace_s`` more to end, then KILL, and 124 comes back."""
     with open(log_path, "a") if append else open(log_path, "w") as out:
         proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                 stdin=None if check else subprocess.DEVNULL)

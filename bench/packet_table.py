@@ -4,14 +4,9 @@ A session that is lent a GPU has 15 minutes of device time in all (every start, 
 give-back count), at most 10 minutes a call, and no machine starts with under 4 minutes left. So the runbook
 is cut into *packets*: one device call each, each at most 5 minutes of command time and useful on its own.
 
-- ``packet1`` is the first call of every session: `make train`'s job truly cold (empty Triton and Inductor
-  caches) ending by itself with its test and plot, its time-to-BLEU record, then the kernel tests on the
-  device (the training path's kernels first). Start-up + packet 1 + a rerun of packet 1 fit a session.
-- ``packet2`` only when packet 1 came back clean: the Hugging Face baseline on the same split under the
-  same wall budget, compared with packet 1's run.
-- then the queue, in priority order; ``next`` names the first packet with no committed result for the
-  code it measures (``bench/results/packets.jsonl``: one record per landed packet, with the hash of the
-  files it exercises, ``code_hash``).
+``packet1`` is every session's first call, ``packet2`` only when packet 1 came back clean, then the queue in
+priority order; ``next`` names the first packet with no landed result (``bench/results/packets.jsonl``) for the
+code it measures now (``code_hash``).
 
 This module is the one table (``PACKETS``, with every constant of a run) that bench/runbook.py runs, ``plan``
 prints and the tests check, and the landed records ``next`` reads. Its command line: ``python3 -m bench.packets``.

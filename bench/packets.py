@@ -148,7 +148,7 @@ def land(call_dir: Path, root: Path = T.ROOT, records: Path | None = None) -> Pa
     <packet>/`` and append its packet records (``packet-record.json`` files in it) to ``bench/results/packets.jsonl``.
     Returns the folder. Nothing outside ``bench/results/`` is written; an existing folder is never overwritten;
     anything refused (see the module's docstring) is refused before anything lands."""
-    from data.files import append_text, check_inside, open_read, parse_json, read_text
+    from data.files import append_text, check_inside, open_read, parse_json, read_text, umask
 
     tgz = call_dir / "results.tgz"
     if not call_dir.is_dir():
@@ -192,7 +192,7 @@ def land(call_dir: Path, root: Path = T.ROOT, records: Path | None = None) -> Pa
             fd = os.open(stage / "summary.txt", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
             with os.fdopen(fd, "wb") as out:
                 out.write(summary_bytes)
-        os.chmod(stage, 0o755 & ~_umask())
+        os.chmod(stage, 0o755 & ~umask())
         os.rename(stage, dest)  # one step: the folder is there whole, or not at all
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
@@ -202,11 +202,6 @@ def land(call_dir: Path, root: Path = T.ROOT, records: Path | None = None) -> Pa
                     "packet records")
     return dest
 
-
-def _umask() -> int:
-    from data.files import umask
-
-    return umask()
 
 # -- command line -------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:

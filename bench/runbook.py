@@ -93,14 +93,11 @@ class Runbook:
         own = [s.limit for s in T.BY_NAME[packet].steps if s.name == step] if packet else []
         return (own[0] if own else T.STEP_LIMITS[step]) * self.scale
 
-    def elapsed(self) -> int:
-        return int(time.monotonic() - self.t0)
-
     def key(self, packet: str | None, step: str) -> str:
         return f"{packet}:{step}" if packet else step
 
     def log(self, msg: str) -> None:
-        line = f"[gpu_run +{self.elapsed()}s] {msg}"
+        line = f"[gpu_run +{int(time.monotonic() - self.t0)}s] {msg}"
         print(line, flush=True)
         if self.summary is not None:
             self.note(line)
@@ -115,7 +112,7 @@ class Runbook:
     def capture(self, cmd: list[str], log: str = "setup.log", env: dict | None = None) -> tuple[int, str]:
         """A setup command's exit status and output, kept in the log folder's ``log`` (under the deadline runner,
         like every step)."""
-        from bench.harness import run_in_group  # imports torch: not for plan, next and show
+        from bench.harness import run_in_group
 
         try:
             rc = run_in_group(cmd, self.logdir / log, timeout_s=120, env=env or self.env, cwd=self.root, check=False)
@@ -268,8 +265,7 @@ class Runbook:
                    HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1",
                    HF_HOME=str(self.scratch / "hf-home"))
         if env.pop("PYTHONPATH", None):
-            self.log(f"PYTHONPATH={self.environ['PYTHONPATH']} from the environment is dropped (only this run's "
-                     f"folders)")
+            self.log(f"PYTHONPATH={self.environ['PYTHONPATH']} from the environment is dropped (only this run's)")
         wheels = sorted(str(w.relative_to(r)) for w in (r / ".whl").glob("*.whl"))
         if wheels:
             site = self.scratch / "site"
@@ -309,10 +305,9 @@ class Runbook:
         rc, text = self.capture(["git", "status", "--porcelain", "--untracked-files=no"])
         self.log(f"git: {env['FASTMT_GIT_SHA']}" + (" (uncommitted changes)" if rc == 0 and text.strip() else ""))
         # cold caches: Triton's and Inductor's in this run's own scratch folder, empty (a warm machine's rerun too)
-        env["TRITON_CACHE_DIR"], env["TORCHINDUCTOR_CACHE_DIR"] = (str(self.scratch / "triton-cache"),
-                                                                   str(self.scratch / "inductor-cache"))
-        for var in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
-            Path(env[var]).mkdir()
+        for var, name in (("TRITON_CACHE_DIR", "triton-cache"), ("TORCHINDUCTOR_CACHE_DIR", "inductor-cache")):
+            (self.scratch / name).mkdir()
+            env[var] = str(self.scratch / name)
         self.caches = "cold"
         if any(s in T.TRAINS for _, s in self.items):
             self.log("caches: Triton and Inductor empty for the training (the AOT cache is unpacked by the aot step)")
@@ -339,13 +334,10 @@ class Runbook:
             return
         tgz, cache = self.root / ".whl" / "triton-aot-sm90.tgz", self.env["TRITON_CACHE_DIR"]
         if not tgz.is_file():
-            self.log("triton cache: no .whl/triton-aot-sm90.tgz (make gpu-wheels builds it): every kernel compiles "
-                     "here")
-            return
+            return self.log("triton cache: no .whl/triton-aot-sm90.tgz (make gpu-wheels builds it): every kernel compiles")
         self.capture(["tar", "-xzf", str(tgz), "-C", cache], "setup-aot.log")
         env = {k: v for k, v in self.env.items() if k != "TRITON_INTERPRET"}
-        _, check = self.capture([self.py, "-m", "bench.aot", "--check", f"{cache}/AOT-KEYS.json"], "setup-aot-check.log",
-                                env)
+        _, check = self.capture([self.py, "-m", "bench.aot", "--check", f"{cache}/AOT-KEYS.json"], "aot-check.log", env)
         self.log(f"triton cache: {self.triton_entries()} kernels compiled ahead of time in {cache}; "
                  f"{(check.strip().splitlines() or [''])[-1]}")
         self.caches += " aot"
@@ -353,8 +345,10 @@ class Runbook:
     # -- the steps ---------------------------------------------------------------------------------------------
     def run_step(self, packet: str | None, step: str, later: int) -> None:
         """Run one step under min(its limit, what is left less ``later``: the minimum shares of the steps after)."""
+        from bench.harness import run_in_group  # imports torch: not for plan, next and show
+
         key = self.current = self.key(packet, step)
-        limit, remaining = self.limit_of(step, packet), self.deadline - self.elapsed() - T.PACK_S
+        limit, remaining = self.limit_of(step, packet), self.deadline - int(time.monotonic() - self.t0) - T.PACK_S
         if remaining < T.MIN_STEP_S:
             self.status[key], self.secs[key] = f"skipped ({remaining}s left before the deadline)", 0
             self.log(f"SKIP {key}: {remaining}s left before the deadline")
@@ -372,9 +366,7 @@ class Runbook:
         cmd = self.step_command(step, packet, limit)
         self.log(f"START {key} (limit {limit}s): {shlex.join(cmd)}")
         cached, log = self.triton_entries(), self.logdir / f"{step}.log"
-        kill_after = 10 if limit > 40 else 3
-        from bench.harness import run_in_group
-  # TERM first: pytest writes its summary, contestants' groups die
+        kill_after = 10 if limit > 40 else 3  # TERM first: pytest writes its summary, contestants' groups die
         try:
             if step in T.TRAINS:
                 self.start_sampler(self.logdir / f"{step}-gpu.csv")
@@ -388,8 +380,7 @@ class Runbook:
             self.stop_sampler()
             self.secs[key] = int(time.monotonic() - t0)
         self.current = None
-        self.log(f"{key} compiled {self.triton_entries() - cached} Triton kernels here (not in the cache; ours and "
-                 f"Inductor's)")
+        self.log(f"{key} compiled {self.triton_entries() - cached} Triton kernels here (ours and Inductor's)")
         self.status[key] = ("ok" if rc == 0 else f"TIMEOUT after {limit}s (rc {rc})" if rc in (124, 137)
                             else f"FAILED (rc {rc})")
         outcomes = self.logdir / f"{step}.outcomes.jsonl"
@@ -440,9 +431,9 @@ class Runbook:
         out = results / "packet-record.json"
         try:
             rec = T.make_record(packet, steps, quality=quality, outcomes=outcomes if outcomes.is_file() else None,
-                              caches=self.caches, root=self.root, sha=self.env.get("FASTMT_GIT_SHA"),
-                              cold_run=cold if (cold / "metrics.jsonl").is_file() else None,
-                              warm_run=warm if (warm / "metrics.jsonl").is_file() else None)
+                                caches=self.caches, root=self.root, sha=self.env.get("FASTMT_GIT_SHA"),
+                                cold_run=cold if (cold / "metrics.jsonl").is_file() else None,
+                                warm_run=warm if (warm / "metrics.jsonl").is_file() else None)
             out.write_text(json.dumps(rec, indent=1, sort_keys=True) + "\n")
             self.note(f"packet record: {out} (complete {rec['complete']}, clean {rec['clean']})")
         except (OSError, ValueError) as e:
