@@ -558,15 +558,28 @@ def kill_group(pgid: int, grace_s: float = 5.0) -> None:
 
 
 def run_in_group(cmd: list[str], log_path: Path, *, timeout_s: float, env: dict[str, str], cwd=None,
-                 append: bool = False, tail_lines: int = 3) -> int:
+                 append: bool = False, tail_lines: int = 3, check: bool = True, grace_s: float = 2.0) -> int:
     """Run ``cmd`` in its own process group, stdout and stderr to ``log_path``; past ``timeout_s`` the whole group
     is killed (``kill_group``) and ``TimeoutError`` raised, an interrupt kills it too; any non-zero exit raises
-    ``RuntimeError`` with the log's last ``tail_lines`` lines. Returns 0."""
+    ``RuntimeError`` with the log's last ``tail_lines`` lines. Returns 0.
+
+    ``check=False`` (the runbook's steps; stdin /dev/null): the exit status as a shell reports it (128 + N for signal
+    N); past ``timeout_s`` the group gets TERM, the leader ``grace_s`` more to end, then KILL, and 124 comes back."""
     with open(log_path, "a") if append else open(log_path, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                stdin=None if check else subprocess.DEVNULL)
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            if not check:  # TERM to the group, the leader grace_s to end, then KILL to whatever is left
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                    proc.wait(timeout=grace_s)
+                except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired):
+                    pass
+                kill_group(proc.pid, grace_s=0.0)
+                proc.wait()
+                return 124
             kill_group(proc.pid, grace_s=2.0)
             proc.wait()
             raise TimeoutError(f"{Path(cmd[0]).name} ran past its {timeout_s:.0f} s deadline (killed); log "
@@ -577,7 +590,10 @@ def run_in_group(cmd: list[str], log_path: Path, *, timeout_s: float, env: dict[
             raise
         finally:
             kill_group(proc.pid, grace_s=0.0)
-    if rc != 0:
-        tail = " | ".join(Path(log_path).read_text(errors="replace").strip().splitlines()[-tail_lines:])
+    if rc != 0 and check:
+        from data.files import LOG_MAX, read_bytes  # a log its own child wrote, through the safe-file layer
+
+        text = read_bytes(log_path, "log", limit=LOG_MAX).decode(errors="replace")
+        tail = " | ".join(text.strip().splitlines()[-tail_lines:])
         raise RuntimeError(f"{' '.join(cmd[:2])} exited {rc}: {tail[:600]}")
-    return rc
+    return rc if rc >= 0 else 128 - rc

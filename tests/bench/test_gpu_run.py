@@ -1,11 +1,15 @@
-"""bench/gpu_run.sh, the GPU runbook, read as the device machine would run it (issue 28): the plan fits a
-session's device time, the kernel-test step selects every kernel test that would use the GPU, pass-through
-variables keep quoted words, the setup's scratch folders are this run's own, every step ends at its limit
-with its children (pytest with its summary and JUnit file; the frontier's contestants and theirs), and the
-Lion tests skip cleanly without lion-pytorch. No test here needs CUDA."""
+"""The GPU runbook (bench/runbook.py, `python -m bench.packets run`; bench/gpu_run.sh is a wrapper of it), read as
+the device machine would run it (issues 28, 46): the plan fits a session's device time, the kernel-test step
+selects every kernel test that would use the GPU, pass-through variables keep quoted words, the setup's scratch
+folders are this run's own, every step ends at its limit with its children (pytest with its summary and JUnit
+file; the frontier's contestants and theirs; the runbook's own SIGTERM), what comes back is packed within the
+device's limits, and the Lion tests skip cleanly without lion-pytorch. No test here needs CUDA: the steps' runs
+use a fake interpreter that records what each step gets."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -13,26 +17,39 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
+from bench import packet_table as T
+from bench import runbook as R
+
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "bench" / "gpu_run.sh"
+CLEAN = ("TRITON_CACHE_DIR", "HF_HOME", "TORCHINDUCTOR_CACHE_DIR", "PYTHONPATH", "OUT", "GPU_RUN_REHEARSAL",
+         "GPU_RUN_DEADLINE_S", *{v for v in T.EXTRA.values()})
 
 
-def gpu_run(*args: str, env: dict | None = None, script: Path = SCRIPT, timeout: float = 120) -> str:
-    full = {**os.environ, "PYTHON": sys.executable, **(env or {})}
-    out = subprocess.run(["bash", str(script), *args], env=full, capture_output=True, text=True, timeout=timeout)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    return out.stdout
+def runbook(*words: str, root: Path = ROOT, **env: str) -> tuple[int, str, str]:
+    """``python -m bench.packets run WORDS`` in this process: (exit status, stdout, stderr)."""
+    environ = {k: v for k, v in os.environ.items() if k not in CLEAN and not k.startswith("LIMIT_")} | env
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = R.main(list(words), environ=environ, root=root)
+    return rc, out.getvalue(), err.getvalue()
+
+
+def gpu_run(*words: str, **env: str) -> str:
+    rc, out, err = runbook(*words, **env)
+    assert rc == 0, out[-2000:] + err[-2000:]
+    return out
 
 
 def show(step: str, packet: str | None = None, **env: str) -> list[str]:
-    """The step's command (in ``packet``, else on its own), word by word, as the script would run it."""
-    return gpu_run("show", step, *([packet] if packet else []), env=env).splitlines()
+    """The step's command (in ``packet``, else on its own), word by word, as the runbook would run it."""
+    return gpu_run("show", step, *([packet] if packet else []), **env).splitlines()
 
 
 def pytest_args(words: list[str], junit: Path) -> list[str]:
@@ -62,14 +79,12 @@ def parse_plan(text: str) -> tuple[dict[str, dict], list[tuple[list[int], int, i
 
 
 def test_plan_fits_a_15_minute_session_with_a_rerun_of_packet1():
-    from bench import packets as P
-
     packets, sessions, budget = parse_plan(gpu_run("plan"))
-    assert budget == 900 == P.SESSION_S
-    assert list(packets) == [p.name for p in P.PACKETS] and list(packets)[:2] == ["packet1", "packet2"]
+    assert budget == 900 == T.SESSION_S
+    assert list(packets) == [p.name for p in T.PACKETS] and list(packets)[:2] == ["packet1", "packet2"]
     for name, p in packets.items():
         # the printed total is the sum of its parts, and it is the table's
-        assert p["command"] == sum(p["steps"].values()) == P.BY_NAME[name].command_s, (name, p)
+        assert p["command"] == sum(p["steps"].values()) == T.BY_NAME[name].command_s, (name, p)
         assert p["command"] <= (240 if name in ("packet2", "peers-eole") else 300), (name, p["command"])
     # start-up + packet1 + packet1 again + idle, and start-up + packet1 + packet2 + idle: each sums and fits
     assert len(sessions) == 2
@@ -77,7 +92,9 @@ def test_plan_fits_a_15_minute_session_with_a_rerun_of_packet1():
         assert sum(terms) == total <= of == budget, (terms, total)
     assert sessions[0][0][1:3] == [packets["packet1"]["command"]] * 2
     assert sessions[1][0][1:3] == [packets["packet1"]["command"], packets["packet2"]["command"]]
-    assert sessions[0][0][0] == P.STARTUP_S and sessions[0][0][-1] == P.IDLE_S
+    assert sessions[0][0][0] == T.STARTUP_S and sessions[0][0][-1] == T.IDLE_S
+    assert gpu_run("plan") == subprocess.run([sys.executable, "-m", "bench.packets", "plan"], cwd=ROOT, text=True,
+                                             capture_output=True, timeout=120).stdout  # one plan, two doors
 
 
 def test_packet1_runs_make_train_cold_first_then_its_record_then_the_kernels():
@@ -91,6 +108,9 @@ def test_packet1_runs_make_train_cold_first_then_its_record_then_the_kernels():
     assert list(packets)[2:5] == ["compile-warm", "peers-eole", "batch-sweep-4k"], list(packets)
     assert packets["compile-warm"]["order"] == ["setup", "train-cold", "train-warm", "pack"]
     assert "bench-kernels" in packets["packet3"]["steps"]
+    # a step named on its own gets its packet's limit, but the kernel tests, which get a packet's time alone
+    assert set(T.STEP_LIMITS) == {s.name for p in T.PACKETS for s in p.steps}
+    assert T.STEP_LIMITS["kernel-test"] > T.BY_NAME["packet1"].steps[-1].limit == 70
 
 
 def test_a_longer_step_limit_shows_in_the_commands_deadline():
@@ -104,6 +124,19 @@ def test_pytest_keeps_a_margin_that_holds_for_short_limits(limit, stop):
     stopped at 20, half the limit, before)."""
     words = show("kernel-test", "packet1", LIMIT_KERNEL_TEST=limit)
     assert f"--stop-after-s={stop}" in words, words
+
+
+@pytest.mark.parametrize("words, env, says", [
+    (("packet0",), {}, "unknown packet or step 'packet0'"),
+    (("show", "nope"), {}, "show STEP [PACKET]: STEP one of"),
+    (("quality",), {"LIMIT_QUALITY": "ten"}, "LIMIT_QUALITY=ten is not a number of seconds"),
+    (("quality",), {"GPU_RUN_DEADLINE_S": "-1"}, "GPU_RUN_DEADLINE_S=-1 is not a number of seconds"),
+    (("show", "train"), {"TRAIN_ARGS": "--run.name 'x"}, "TRAIN_ARGS=--run.name 'x is not valid shell words"),
+])
+def test_bad_words_are_one_line_and_exit_2_before_anything_runs(tmp_path, words, env, says):
+    rc, out, err = runbook(*words, OUT=str(tmp_path / "out"), **env)
+    assert rc == 2 and err.count("\n") == 1 and says in err, (rc, out, err)
+    assert "START" not in out and not (tmp_path / "out").exists()  # no step, no OUT made
 
 
 # ----------------------------------------------------------------------------------------------
@@ -204,6 +237,7 @@ def test_the_aot_plan_replays_the_kernel_test_steps_selection(tmp_path):
 def test_pass_through_arguments_keep_quoted_words(var, step):
     words = show(step, **{var: """-m 'not slow' -k "a b" --x '$HOME' `id`"""})
     assert words[-7:] == ["-m", "not slow", "-k", "a b", "--x", "$HOME", "`id`"]
+
     def stable(words):  # the run's time stamp (JUnit path, run name) aside
         return [re.sub(r"\d{8}T\d{6}Z", "<RUN_ID>", w) for w in words]
 
@@ -230,12 +264,11 @@ def test_the_rehearsal_trains_the_fast_structure_compiled_on_the_cpu_and_never_t
     """The rehearsal's train step compiles (Inductor on the CPU) the `fast` preset's structure at a tiny size, on
     the toy corpus only: with a carried .data/ it used to get --data-files and --data.dataset toy and exit 2."""
     repo = tmp_path / "repo"
-    shutil.copytree(ROOT / "bench", repo / "bench", ignore=shutil.ignore_patterns("results", "__pycache__"))
-    (repo / ".data").mkdir()
+    (repo / ".data").mkdir(parents=True)
     (repo / ".data" / "pairs.jsonl").write_text("{}\n")
     (repo / ".data" / "FILES").write_text("pairs.jsonl\n")
-    words = gpu_run("show", "train", "packet1", env={"GPU_RUN_REHEARSAL": "1"}, script=repo / "bench" / "gpu_run.sh")
-    words = words.splitlines()
+    rc, out, err = runbook("show", "train", "packet1", root=repo, GPU_RUN_REHEARSAL="1")
+    words = out.splitlines()
     for flag, value in (("--preset", "fast"), ("--run.compile", "true"), ("--run.device", "cpu"),
                         ("--data.dataset", "toy")):
         assert words[words.index(flag) + 1] == value, (flag, words)
@@ -243,12 +276,8 @@ def test_the_rehearsal_trains_the_fast_structure_compiled_on_the_cpu_and_never_t
     # the setup drops .data in a rehearsal; `show` reads it as the GPU would, so the step itself must not add it
     # when its smoke form names the data
     assert "--data-files" not in words
-
-
-def test_an_unclosed_quote_is_refused_before_anything_runs():
-    out = subprocess.run(["bash", str(SCRIPT), "show", "train"], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYTHON": sys.executable, "TRAIN_ARGS": "--run.name 'x"})
-    assert out.returncode == 2 and "TRAIN_ARGS=--run.name 'x is not valid shell words" in out.stderr, out.stderr
+    rc, out, _ = runbook("show", "train", "packet1", root=repo)  # on the GPU: the carried files
+    assert rc == 0 and str(repo / ".data" / "pairs.jsonl") in out.splitlines()
 
 
 def test_kernel_test_args_not_slow_is_a_valid_pytest_selection(tmp_path):
@@ -256,97 +285,276 @@ def test_kernel_test_args_not_slow_is_a_valid_pytest_selection(tmp_path):
     assert rc == 0 and items  # was three words and a pytest usage error
 
 
+def test_the_wrapper_forwards_to_the_python_runbook_with_the_interpreter_it_names(tmp_path):
+    """`bash bench/gpu_run.sh ARGS` is `$PYTHON -m bench.packets run ARGS`, from the repository root."""
+    env = {k: v for k, v in os.environ.items() if k not in CLEAN} | {"PYTHON": sys.executable}
+    out = subprocess.run(["bash", str(ROOT / "bench" / "gpu_run.sh"), "show", "quality", "packet1"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=120)
+    words = out.stdout.splitlines()
+    assert out.returncode == 0 and words[:3] == [sys.executable, "-m", "bench.quality"], out.stderr[-2000:]
+    assert words[words.index("--add-thresholds") + 1] == "10,15"
+    bad = subprocess.run(["bash", str(ROOT / "bench" / "gpu_run.sh"), "packet0"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown packet or step 'packet0'" in bad.stderr
+    assert len((ROOT / "bench" / "gpu_run.sh").read_text().splitlines()) <= 5
+
+
+def test_plan_next_and_show_need_no_torch():
+    """The device image's python3 runs the runbook before the carried wheels; `plan`, `next` and `show` never
+    import torch (only a run's steps need the deadline runner, bench.harness)."""
+    block = "import sys; sys.modules['torch'] = None; from bench.packets import main; "
+    for words in (["run", "plan"], ["run", "show", "train", "packet1"], ["plan"]):
+        out = subprocess.run([sys.executable, "-c", block + f"sys.exit(main({words!r}))"], cwd=ROOT, text=True,
+                             capture_output=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert out.returncode == 0 and out.stdout, (words, out.stderr[-2000:])
+
+
 # ----------------------------------------------------------------------------------------------
-# Setup: this run's own scratch folders, PYTHONPATH only when the install into it worked
+# A run, with a fake interpreter that records what each step gets: this run's own scratch folders, PYTHONPATH
+# only when the install into it worked, cold caches, the pack, the record
 # ----------------------------------------------------------------------------------------------
-FAKE_PYTHON = """#!/usr/bin/env bash
-# a python3 that records what a step gets, delegating the runbook's own helpers and everything else to the real one
-if [[ $1 == -m && $2 == pip ]]; then
-    target=; prev=
-    for a in "$@"; do [[ $prev == --target ]] && target=$a; prev=$a; done
-    [[ $FAKE_PIP == ok ]] || exit 1
-    mkdir -p "$target/fakepkg" && exit 0
-fi
-if [[ $1 == -m && ( $2 == bench.packets || $2 == bench.pytest_stop ) ]]; then
-    PYTHONPATH=FAKE_ROOT exec REAL "$@"
-fi
-if [[ $1 == -m ]]; then
-    {
-        echo "ARGS $*"
-        echo "CALL $2 $(find "$TRITON_CACHE_DIR" -mindepth 1 -maxdepth 1 | wc -l) $(find "$TORCHINDUCTOR_CACHE_DIR" -mindepth 1 | wc -l)"
-        echo "PYTHONPATH=${PYTHONPATH-<unset>}"
-        echo "TRITON_CACHE_DIR=$TRITON_CACHE_DIR"
-        echo "HF_HOME=$HF_HOME"
-        [[ -n ${PYTHONPATH:-} ]] && stat -c 'SITE %a %U' "$PYTHONPATH"
-    } >>"$FAKE_LOG"
-    exit 0
-fi
-exec REAL "$@"
+FAKE_PYTHON = """#!REAL
+# a python3 that records what a step gets ({"call": module, "triton": entries, "inductor": entries, ...}); a pip
+# install makes its target (FAKE_PIP=ok) or fails; FAKE_RC_<module> is a step's exit status; FAKE_SLEEP: `train`
+# starts a child and sleeps (its pids in FAKE_PIDS); `-c` (the runbook's probes) runs for real
+import json, os, pathlib, subprocess, sys, time
+args = sys.argv[1:]
+if args[:2] == ["-m", "pip"]:
+    if os.environ.get("FAKE_PIP") != "ok":
+        sys.exit(1)
+    site = pathlib.Path(args[args.index("--target") + 1])
+    (site / "fakepkg").mkdir(parents=True)
+    sys.exit(0)
+if args[:1] == ["-m"]:
+    def n(var, deep):
+        d = pathlib.Path(os.environ[var])
+        return sum(1 for _ in (d.rglob("*") if deep else d.iterdir()))
+    path = os.environ.get("PYTHONPATH")
+    seen = {"call": args[1], "args": args, "triton": n("TRITON_CACHE_DIR", False),
+            "inductor": n("TORCHINDUCTOR_CACHE_DIR", True), "PYTHONPATH": path or "<unset>",
+            "TRITON_CACHE_DIR": os.environ["TRITON_CACHE_DIR"], "HF_HOME": os.environ["HF_HOME"],
+            "site": oct(os.stat(path).st_mode & 0o777) if path else None}
+    with open(os.environ["FAKE_LOG"], "a") as f:
+        f.write(json.dumps(seen) + "\\n")
+    if args[1] == "train" and os.environ.get("FAKE_SLEEP"):
+        child = subprocess.Popen(["sleep", "600"])
+        pathlib.Path(os.environ["FAKE_PIDS"]).write_text(f"{os.getpid()} {child.pid}")
+        time.sleep(600)
+    sys.exit(int(os.environ.get("FAKE_RC_" + args[1].replace(".", "_"), "0")))
+os.execv(sys.executable, [sys.executable, *args])
 """
 
 
-def _copy_with_fake_python(tmp_path: Path, pip: str) -> tuple[Path, dict]:
+def fake_repo(tmp_path: Path, pip: str = "ok") -> tuple[Path, dict]:
+    """A checkout with the kernel tests' files, a carried wheel and a fake interpreter; the run's environment."""
     repo = tmp_path / "repo"
-    shutil.copytree(ROOT / "bench", repo / "bench", ignore=shutil.ignore_patterns("results", "__pycache__"))
     (repo / "tests" / "kernels").mkdir(parents=True)
-    from bench.packets import KERNEL_TEST_FILES
-
-    for name in KERNEL_TEST_FILES:
+    for name in T.KERNEL_TEST_FILES:
         (repo / "tests" / "kernels" / name).write_text("")
     (repo / ".whl").mkdir()
     (repo / ".whl" / "fake-1.0-py3-none-any.whl").write_bytes(b"not a wheel")
     fake = tmp_path / "python3"
-    fake.write_text(FAKE_PYTHON.replace("REAL", sys.executable).replace("FAKE_ROOT", str(ROOT)))
+    fake.write_text(FAKE_PYTHON.replace("REAL", sys.executable))
     fake.chmod(0o755)
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     env = {"PYTHON": str(fake), "FAKE_PIP": pip, "FAKE_LOG": str(tmp_path / "fake.log"), "OUT": str(tmp_path / "out"),
-           "TMPDIR": str(scratch), "PYTHONPATH": str(tmp_path / "planted"), "GPU_RUN_DEADLINE_S": "200"}
-    env.pop("TRITON_CACHE_DIR", None)
+           "TMPDIR": str(scratch), "PYTHONPATH": str(tmp_path / "planted"), "GPU_RUN_DEADLINE_S": "200",
+           "FASTMT_GIT_SHA": "abc1234"}
     return repo, env
 
 
-def _run_copy(repo: Path, env: dict, *what: str) -> dict:
-    full = {k: v for k, v in os.environ.items() if k not in ("TRITON_CACHE_DIR", "HF_HOME", "TORCHINDUCTOR_CACHE_DIR")}
-    out = subprocess.run(["bash", str(repo / "bench" / "gpu_run.sh"), *(what or ("quality",))], env={**full, **env},
-                         capture_output=True, text=True, timeout=180)
-    assert re.search(r"END (packet1:)?quality: ok", out.stdout), out.stdout[-3000:] + out.stderr[-2000:]
-    log = Path(env["FAKE_LOG"]).read_text()
-    return dict(line.split("=", 1) for line in log.splitlines() if "=" in line and not line.startswith(("ARGS", "CALL")))\
-        | {"site": next((x for x in log.splitlines() if x.startswith("SITE ")), ""), "stdout": out.stdout,
-           "calls": [x.split()[1:] for x in log.splitlines() if x.startswith("CALL ")]}
+def run_fake(repo: Path, env: dict, *words: str, rc: int = 0) -> tuple[list[dict], str]:
+    """Run WORDS (default: the quality step) in ``repo``: what each step saw, and the run's stdout."""
+    got, out, err = runbook(*(words or ("quality",)), root=repo, **env)
+    assert got == rc, out[-3000:] + err[-2000:]
+    log = Path(env["FAKE_LOG"])
+    return [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else [], out
 
 
 @pytest.mark.parametrize("pip", ["ok", "fails"])
 def test_scratch_folders_are_this_runs_and_pythonpath_only_a_working_install(tmp_path, pip):
-    repo, env = _copy_with_fake_python(tmp_path, pip)
-    seen = _run_copy(repo, env)
+    repo, env = fake_repo(tmp_path, pip)
+    calls, out = run_fake(repo, env)
+    seen = next(c for c in calls if c["call"] == "bench.quality")
     scratch = Path(env["TMPDIR"])
     for key in ("TRITON_CACHE_DIR", "HF_HOME"):  # never a fixed /tmp path another user could fill first
         assert Path(seen[key]).parent.parent == scratch and Path(seen[key]).parent.name.startswith("fastmt-gpu-run.")
     if pip == "ok":
         assert Path(seen["PYTHONPATH"]).parent == Path(seen["TRITON_CACHE_DIR"]).parent  # the run's own folder
-        assert seen["site"].startswith("SITE ")
+        assert seen["site"] is not None
     else:
         assert seen["PYTHONPATH"] == "<unset>"  # a failed install puts nothing on the path
     assert env["PYTHONPATH"] not in seen["PYTHONPATH"]  # nor does an inherited PYTHONPATH
     assert not list(scratch.iterdir())  # the scratch folder is gone after the run
-    tgz = Path(env["OUT"]) / "results.tgz"
-    assert tgz.is_file() and (Path(env["OUT"]) / "summary.txt").is_file()
+    assert re.search(r"END quality: ok", out)
+    assert (Path(env["OUT"]) / "results.tgz").is_file() and (Path(env["OUT"]) / "summary.txt").is_file()
 
 
 def test_two_runs_never_share_a_scratch_folder(tmp_path):
     seen = []
     for i in range(2):
-        repo, env = _copy_with_fake_python(tmp_path / str(i), "ok")
+        repo, env = fake_repo(tmp_path / str(i))
         env["TMPDIR"] = str(tmp_path)
-        seen.append(_run_copy(repo, env)["TRITON_CACHE_DIR"])
+        seen.append(next(c for c in run_fake(repo, env)[0] if c["call"] == "bench.quality")["TRITON_CACHE_DIR"])
     assert seen[0] != seen[1]
 
 
+def _fake_aot_tgz(repo: Path, tmp_path: Path) -> None:
+    src = tmp_path / "aot-src"
+    (src / "abcdef").mkdir(parents=True)
+    (src / "abcdef" / "kernel.json").write_text("{}")
+    (src / "AOT-KEYS.json").write_text("{}")
+    with tarfile.open(repo / ".whl" / "triton-aot-sm90.tgz", "w:gz") as tar:
+        for p in src.iterdir():
+            tar.add(p, arcname=p.name)
+
+
+def test_packet1_trains_with_empty_caches_and_unpacks_the_aot_cache_for_the_kernel_tests(tmp_path):
+    repo, env = fake_repo(tmp_path)
+    _fake_aot_tgz(repo, tmp_path)
+    env.pop("GPU_RUN_DEADLINE_S")
+    calls, _ = run_fake(repo, env, "packet1")
+    first = {c["call"]: (c["triton"], c["inductor"]) for c in reversed(calls)}
+    assert first["train"] == (0, 0), first  # Triton's and Inductor's caches empty: a cold `make train`
+    assert first["pytest"][0] >= 2, first  # the kernel tests run on the AOT cache, unpacked after the training
+    order = [c["call"] for c in calls]
+    assert order.index("train") < order.index("bench.quality") < order.index("bench.aot") < order.index("pytest")
+    out = Path(env["OUT"])
+    with tarfile.open(out / "results.tgz") as tar:
+        names = tar.getnames()
+        record = json.loads(tar.extractfile("bench/results/packet-record.json").read())
+    assert record["packet"] == "packet1" and record["caches"] == "cold aot" and record["sha"] == "abc1234"
+    assert [s["name"] for s in record["steps"]] == ["train", "quality", "aot", "kernel-test"]
+    assert record["complete"] and record["clean"] and record["code"] == T.code_hash(T.BY_NAME["packet1"], repo)
+    assert any(n.endswith("/summary.txt") for n in names) and any(n.endswith("/train.log") for n in names)
+    summary = (out / "summary.txt").read_text()
+    assert "==== packet record" in summary and '"packet": "packet1"' in summary
+    assert T.check_out(out) == []
+
+
+def test_a_warm_machines_rerun_is_cold_again(tmp_path):
+    """Two packet-1 runs one after the other on the same machine: the second's train step finds empty caches
+    again (each run's caches live in its own scratch folder, never in ~/.cache)."""
+    repo, env = fake_repo(tmp_path)
+    _fake_aot_tgz(repo, tmp_path)
+    env.pop("GPU_RUN_DEADLINE_S")
+    run_fake(repo, env, "packet1")
+    Path(env["FAKE_LOG"]).write_text("")
+    env["OUT"] = str(tmp_path / "out2")
+    calls, _ = run_fake(repo, env, "packet1")
+    assert next(c for c in calls if c["call"] == "train")["triton"] == 0
+
+
+def test_a_used_out_is_refused_and_nothing_of_the_earlier_run_is_overwritten(tmp_path):
+    repo, env = fake_repo(tmp_path)
+    run_fake(repo, env)
+    before = {p.name: p.read_bytes() for p in Path(env["OUT"]).iterdir()}
+    got, out, err = runbook("quality", root=repo, **env)
+    assert got == 2 and err.count("\n") == 1 and "already holds results.tgz and summary.txt" in err, err
+    assert "START" not in out and {p.name: p.read_bytes() for p in Path(env["OUT"]).iterdir()} == before
+
+
+@pytest.mark.parametrize("rc, status", [(1, "FAILED (rc 1)"), (124, "TIMEOUT after"), (137, "TIMEOUT after")])
+def test_a_failed_or_timed_out_step_is_recorded_and_the_next_step_still_runs(tmp_path, rc, status):
+    repo, env = fake_repo(tmp_path)
+    calls, out = run_fake(repo, env | {"FAKE_RC_train": str(rc)}, "train", "quality", rc=1)
+    assert [c["call"] for c in calls] == ["bench.env_report", "train", "bench.quality"]
+    assert re.search(rf"END train: {re.escape(status)}", out) and "END quality: ok" in out
+    summary = (Path(env["OUT"]) / "summary.txt").read_text()
+    assert re.search(rf"  train +{re.escape(status)}", summary)
+
+
+def test_no_step_starts_past_the_deadline(tmp_path):
+    repo, env = fake_repo(tmp_path)
+    env["GPU_RUN_DEADLINE_S"] = "20"  # 20 - 15 (the pack) leaves 5 s: under a step's minimum share
+    calls, out = run_fake(repo, env, "quality", rc=1)
+    assert "SKIP quality" in out and "bench.quality" not in [c["call"] for c in calls]
+    assert (Path(env["OUT"]) / "results.tgz").is_file()
+
+
+def test_the_pack_keeps_within_its_limit_leaving_out_big_files_then_all_but_records(tmp_path, monkeypatch):
+    work, dest = tmp_path / "work", tmp_path / "out"
+    logdir = work / "runs" / "gpu_run" / "ID"
+    for d in (work / "bench" / "results", logdir, work / "runs" / "default-ID", dest):
+        d.mkdir(parents=True, exist_ok=True)
+    old = work / "bench" / "results" / "old.md"
+    old.write_text("committed")
+    os.utime(old, (1, 1))
+    started = time.time() - 5
+    (logdir / "summary.txt").write_text("summary")
+    (work / "runs" / "default-ID" / "metrics.jsonl").write_text("{}\n")
+    (work / "runs" / "default-ID" / "model.pt").write_bytes(b"w" * 100)  # not a record: stays behind
+    (work / "bench" / "results" / "curve.png").write_bytes(os.urandom(3000))
+    (work / "bench" / "results" / "big.bin").write_bytes(os.urandom(5000))
+
+    def members() -> set[str]:
+        with tarfile.open(dest / "results.tgz") as tar:
+            return set(tar.getnames())
+    size, notes = T.pack_results(work, logdir, started, dest)
+    assert members() == {"runs/gpu_run/ID/summary.txt", "runs/default-ID/metrics.jsonl", "bench/results/curve.png",
+                         "bench/results/big.bin"} and not notes and size == (dest / "results.tgz").stat().st_size
+    monkeypatch.setattr(T, "MAX_TGZ_BYTES", 6000)
+    monkeypatch.setattr(T, "BIG_FILE_BYTES", 4000)
+    T.pack_results(work, logdir, started, dest)
+    assert "bench/results/big.bin" not in members() and "bench/results/curve.png" in members()
+    monkeypatch.setattr(T, "MAX_TGZ_BYTES", 2000)
+    _, notes = T.pack_results(work, logdir, started, dest)
+    assert members() == {"runs/gpu_run/ID/summary.txt", "runs/default-ID/metrics.jsonl"}
+    assert any("kept only records and logs" in n for n in notes) and not list(dest.glob("*.tmp"))
+
+
 # ----------------------------------------------------------------------------------------------
-# Steps end at their limit: pytest with its summary and JUnit file; contestants with their children
+# Steps end at their limit with their children; a SIGTERM to the runbook ends the step in flight with its group
 # ----------------------------------------------------------------------------------------------
+def test_a_step_past_its_limit_gets_term_then_kill_with_its_whole_group(tmp_path):
+    from bench.harness import run_in_group
+
+    script = tmp_path / "stubborn.py"
+    script.write_text(STUBBORN)
+    pids = tmp_path / "pids"
+    t0 = time.monotonic()
+    rc = run_in_group([sys.executable, str(script), str(pids)], tmp_path / "log", timeout_s=1.5, grace_s=1.0,
+                      env=dict(os.environ), check=False)
+    assert rc == 124 and time.monotonic() - t0 < 30
+    assert _all_gone([int(x) for x in pids.read_text().split()])
+    assert run_in_group(["sh", "-c", "exit 3"], tmp_path / "log", timeout_s=30, env=dict(os.environ),
+                        check=False) == 3
+    assert run_in_group(["sh", "-c", "kill -9 $$"], tmp_path / "log", timeout_s=30, env=dict(os.environ),
+                        check=False) == 137
+
+
+def test_sigterm_to_the_runbooks_group_ends_the_step_and_its_children_and_packs(tmp_path):
+    repo, env = fake_repo(tmp_path)
+    pids = tmp_path / "pids"
+    env |= {"FAKE_SLEEP": "1", "FAKE_PIDS": str(pids), "PYTHONPATH": str(ROOT)}
+    runner = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path; from bench import runbook;"
+                               f" sys.exit(runbook.main(['train'], root=Path({str(repo)!r})))"],
+                              env={k: v for k, v in os.environ.items() if k not in CLEAN} | env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (pids.exists() and len(pids.read_text().split()) == 2):
+            assert time.monotonic() < deadline and runner.poll() is None, runner.communicate()[0]
+            time.sleep(0.1)
+        step = [int(x) for x in pids.read_text().split()]
+        os.killpg(runner.pid, signal.SIGTERM)  # the device tool's end of a call: the runbook's group
+        out, _ = runner.communicate(timeout=60)
+        assert runner.returncode == 143, out[-3000:]
+        assert _all_gone(step), f"left running after the runbook stopped: {[p for p in step if _alive(p)]}"
+        assert "STOPPED by SIGTERM" in out and "packed" in out
+        with tarfile.open(Path(env["OUT"]) / "results.tgz") as tar:
+            assert any(n.endswith("/train.log") for n in tar.getnames())
+        assert "STOPPED (signal to the runbook)" in (Path(env["OUT"]) / "summary.txt").read_text()
+        assert not list(Path(env["TMPDIR"]).iterdir())  # the scratch folder is gone
+    finally:
+        if runner.poll() is None:
+            os.killpg(runner.pid, signal.SIGKILL)
+        for p in [int(x) for x in pids.read_text().split()] if pids.exists() else []:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+
+
 SLOW_TESTS = """
 import pathlib, time
 
@@ -512,60 +720,6 @@ def test_lion_tests_skip_cleanly_without_lion_pytorch(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# Packet 1: `make train` truly cold (the AOT cache unpacked only after it), a record that comes back
-# ----------------------------------------------------------------------------------------------
-def _fake_aot_tgz(repo: Path, tmp_path: Path) -> None:
-    import tarfile
-
-    src = tmp_path / "aot-src"
-    (src / "abcdef").mkdir(parents=True)
-    (src / "abcdef" / "kernel.json").write_text("{}")
-    (src / "AOT-KEYS.json").write_text("{}")
-    with tarfile.open(repo / ".whl" / "triton-aot-sm90.tgz", "w:gz") as tar:
-        for p in src.iterdir():
-            tar.add(p, arcname=p.name)
-
-
-def test_packet1_trains_with_empty_caches_and_unpacks_the_aot_cache_for_the_kernel_tests(tmp_path):
-    repo, env = _copy_with_fake_python(tmp_path, "ok")
-    _fake_aot_tgz(repo, tmp_path)
-    env.pop("GPU_RUN_DEADLINE_S")
-    seen = _run_copy(repo, env, "packet1")
-    calls = {c[0]: (int(c[1]), int(c[2])) for c in seen["calls"]}
-    assert calls["train"] == (0, 0), calls  # Triton's and Inductor's caches empty: a cold `make train`
-    assert calls["pytest"][0] >= 2, calls  # the kernel tests run on the AOT cache, unpacked after the training
-    order = [c[0] for c in seen["calls"]]
-    assert order.index("train") < order.index("bench.quality") < order.index("pytest")
-    out = Path(env["OUT"])
-    import tarfile
-
-    with tarfile.open(out / "results.tgz") as tar:
-        names = tar.getnames()
-        record = json.loads(tar.extractfile("bench/results/packet-record.json").read())
-    assert record["packet"] == "packet1" and record["caches"] == "cold aot"
-    assert [s["name"] for s in record["steps"]] == ["train", "quality", "aot", "kernel-test"]
-    assert record["complete"] and record["clean"] and record["code"]
-    assert any(n.endswith("/summary.txt") for n in names)
-    summary = (out / "summary.txt").read_text()
-    assert "==== packet record" in summary and '"packet": "packet1"' in summary
-    from bench.packets import check_out
-
-    assert check_out(out) == []
-
-
-def test_a_warm_machines_rerun_is_cold_again(tmp_path):
-    """Two packet-1 runs one after the other on the same machine: the second's train step finds empty caches
-    again (each run's caches live in its own scratch folder, never in ~/.cache)."""
-    repo, env = _copy_with_fake_python(tmp_path, "ok")
-    _fake_aot_tgz(repo, tmp_path)
-    env.pop("GPU_RUN_DEADLINE_S")
-    _run_copy(repo, env, "packet1")
-    Path(env["FAKE_LOG"]).write_text("")
-    seen = _run_copy(repo, env, "packet1")
-    assert {c[0]: int(c[1]) for c in seen["calls"]}["train"] == 0
-
-
-# ----------------------------------------------------------------------------------------------
 # No step can lose the packet: streamed outcomes under a KILL, the size check of what comes back
 # ----------------------------------------------------------------------------------------------
 def test_finished_test_outcomes_survive_a_kill(tmp_path):
@@ -597,7 +751,7 @@ def test_finished_test_outcomes_survive_a_kill(tmp_path):
 
 
 def test_check_out_names_what_a_device_call_would_not_bring_back(tmp_path):
-    from bench.packets import check_out
+    from bench.packets import check_out  # the command line's name for it
 
     out = tmp_path / "out"
     (out / "a" / "b" / "c").mkdir(parents=True)
@@ -623,13 +777,13 @@ def test_next_names_the_first_packet_without_a_landed_result_for_the_current_cod
     from bench import packets as P
 
     records = tmp_path / "packets.jsonl"
-    assert P.next_packet(P.read_records(records)).name == "packet1"
+    assert T.next_packet(T.read_records(records)).name == "packet1"
     p1 = {"packet": "packet1", "code": P.code_hash(P.BY_NAME["packet1"]), "complete": True}
     records.write_text(json.dumps(p1) + "\n")
-    assert P.next_packet(P.read_records(records)).name == "packet2"
+    assert T.next_packet(T.read_records(records)).name == "packet2"
     # an incomplete packet (a step timed out), or one measured on other code, does not count
     records.write_text(json.dumps({**p1, "complete": False}) + "\n" + json.dumps({**p1, "code": "0" * 16}) + "\n")
-    assert P.next_packet(P.read_records(records)).name == "packet1"
+    assert T.next_packet(T.read_records(records)).name == "packet1"
     out = gpu_run("next")
     assert out.startswith("packet") and "code " in out
 
@@ -754,7 +908,6 @@ def _done(split: dict) -> dict:
 
 @pytest.mark.parametrize("recorded", [True, False])
 def test_packet1_records_the_step_and_the_wall_split_and_null_for_what_the_run_did_not_record(tmp_path, recorded):
-    from bench import packets as P
 
     epochs = [_epoch(1, 40.0, 8.0), _epoch(2, 52.0, 12.0), _epoch(3, 64.0, 16.0)]
     for i, e in enumerate(epochs):
@@ -782,8 +935,8 @@ def test_packet1_records_the_step_and_the_wall_split_and_null_for_what_the_run_d
     else:  # the steady epochs' wall per optimizer step; nothing invented for what only the run can measure
         assert numbers["step_ms"] == pytest.approx(1000 * 20.0 / 200)
         assert numbers["host_ms_per_step"] is None and numbers["graphs_per_step"] is None
-    rec = P.make_record("packet1", [{"name": "train", "status": "ok", "seconds": 1}], quality=q)
-    assert set(P.NUMBER_KEYS) <= set(rec["numbers"]) and rec["numbers"]["compile_warm_s"] is None
+    rec = T.make_record("packet1", [{"name": "train", "status": "ok", "seconds": 1}], quality=q)
+    assert set(T.NUMBER_KEYS) <= set(rec["numbers"]) and rec["numbers"]["compile_warm_s"] is None
     assert rec["numbers"]["gpu_busy"] is None  # no samples: not measured
     assert "10" in rec["numbers"]["time_to_bleu_s"]
 
@@ -796,7 +949,6 @@ def test_a_cut_run_has_no_split_and_says_null(tmp_path):
 
 
 def test_the_compile_warm_packet_records_the_cold_and_the_warm_compile(tmp_path):
-    from bench import packets as P
 
     runs = {}
     for kind, compile_s in (("cold", 52.5), ("warm", 6.0)):
@@ -804,7 +956,7 @@ def test_the_compile_warm_packet_records_the_cold_and_the_warm_compile(tmp_path)
         with open(runs[kind] / "metrics.jsonl", "a") as fh:
             fh.write(json.dumps(_done({"setup": 9.0, "compile": compile_s, "train": 3.0, "eval": 4.0,
                                        "checkpoints": 1.0})) + "\n")
-    rec = P.make_record("compile-warm", [{"name": "train-cold", "status": "ok", "seconds": 90}],
+    rec = T.make_record("compile-warm", [{"name": "train-cold", "status": "ok", "seconds": 90}],
                         cold_run=runs["cold"], warm_run=runs["warm"])
     assert rec["numbers"]["compile_s"] == 52.5 and rec["numbers"]["compile_warm_s"] == 6.0
     assert rec["numbers"]["step_ms"] is None  # not measured by this packet
@@ -822,7 +974,7 @@ def test_the_queued_packets_name_their_commands():
     from bench import packets as P
 
     seen = set()
-    for name, settings in P.BATCH_SWEEP:
+    for name, settings in T.BATCH_SWEEP:
         words = show("batch-sweep", f"batch-sweep-{name}")
         assert "bench.batch_sweep" in words and words[words.index("--settings") + 1] == settings
         from bench.batch_sweep import parse_settings

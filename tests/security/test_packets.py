@@ -246,14 +246,12 @@ def test_a_good_call_still_lands_with_its_summary_and_record(tmp_path):
 # ----------------------------------------------------------------------------------------------
 # the runbook's OUT (class 6)
 # ----------------------------------------------------------------------------------------------
-def _runbook(tmp_path: Path, out: Path) -> subprocess.CompletedProcess:
-    from tests.bench.test_gpu_run import _copy_with_fake_python
+def _runbook(tmp_path: Path, out: Path) -> tuple[int, str, str]:
+    """The runbook's quality step (``python -m bench.packets run quality``) in a fake checkout, OUT=``out``."""
+    from tests.bench.test_gpu_run import fake_repo, runbook
 
-    repo, env = _copy_with_fake_python(tmp_path, "ok")
-    env["OUT"] = str(out)
-    full = {k: v for k, v in os.environ.items() if k not in ("TRITON_CACHE_DIR", "HF_HOME", "TORCHINDUCTOR_CACHE_DIR")}
-    return subprocess.run(["bash", str(repo / "bench" / "gpu_run.sh"), "quality"], env={**full, **env},
-                          capture_output=True, text=True, timeout=180)
+    repo, env = fake_repo(tmp_path, "ok")
+    return runbook("quality", root=repo, **(env | {"OUT": str(out)}))
 
 
 @pytest.mark.parametrize("kind", ["file", "dangling-link", "under-a-file", "read-only"])
@@ -271,10 +269,10 @@ def test_an_unusable_out_is_refused_before_any_step(tmp_path, tmpfs, kind):
         fs = tmpfs("64k", "ro")
         fs.read_only()
         out = fs.path
-    r = _runbook(tmp_path, out)
-    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
-    assert r.stderr.count("\n") == 1 and f"OUT={out}" in r.stderr, r.stderr
-    assert "START" not in r.stdout and "packed" not in r.stdout  # no step ran, nothing claims to be packed
+    rc, stdout, stderr = _runbook(tmp_path, out)
+    assert rc == 2, stdout[-2000:] + stderr[-2000:]
+    assert stderr.count("\n") == 1 and f"OUT={out}" in stderr, stderr
+    assert "START" not in stdout and "packed" not in stdout  # no step ran, nothing claims to be packed
     assert not (tmp_path / "fake.log").exists()
 
 

@@ -38,7 +38,7 @@ BENCH: dict[str, tuple[str, str]] = {
     "data-scale": ("bench.data_scale", "cold and warm start of the data layer on generated 0.02-5 M-pair corpora"),
     "readme-figures": ("bench.readme_figures", "re-measure the README's CPU figures (split table, epoch planning)"),
     "aot": ("bench.aot", "compile units per runbook step; Triton kernels compiled ahead of time for sm_90"),
-    "packets": ("bench.packets", "the GPU runbook's packets: plan, next, table, land and check a device call's results"),
+    "packets": ("bench.packets", "the GPU runbook: run a packet on the device machine; plan, next, land and check its results"),
     "inference": ("bench.inference", "translation speed and BLEU: fastmt, CTranslate2 (float32, int8), HF generate"),
 }
 
