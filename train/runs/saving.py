@@ -91,7 +91,7 @@ def _write_error(e: BaseException, path: Path, obj: Any) -> CheckpointWriteError
 
         cause = (f"the checkpoint (~{need / 2**20:.1f} MB) would pass this process's file-size limit "
                  f"(ulimit -f: {fsize_limit()})")
-        fix = "raise the limit (ulimit -f unlimited, or the job's file-size limit) and resume with --resume auto"
+        fix = "raise the limit (ulimit -f unlimited, or the job's file-size limit) and run again (--resume auto continues from a kept checkpoint)"
     elif code == errno.EROFS:
         cause = f"read-only file system ({mount})"
         fix = "remount it read-write or set --run.out_dir to a writable folder"
