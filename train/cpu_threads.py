@@ -168,6 +168,16 @@ class ThreadAdapter:
         self.changes += 1
         self.lowest = min(self.lowest, n)
 
+    def restore(self) -> None:
+        """The run is over: uninstall this adapter (`poll` no longer drives it) and put back the thread count it
+        started with, so what runs next in this process (a test, an export) gets the threads it asked for."""
+        global _active
+        if _active is self:
+            _active = None
+        if self.threads != self.max_threads:
+            self.set_threads(self.max_threads)
+            self.threads = self.max_threads
+
     def summary(self) -> str | None:
         if not self.changes:
             return None

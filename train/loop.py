@@ -109,8 +109,8 @@ class Trainer(RunSetup, EpochEnd, TrainerState, Stopping):
         """Release the run folder (fit() does this when it returns). A checkpoint write still in progress is
         finished first (its failure, when nothing else reported it, said in one line). A folder this Trainer
         created that holds no checkpoint (the run failed or never trained) is removed."""
-        if getattr(self, "threads", None) is not None:
-            cpu_threads.install(None)
+        if getattr(self, "threads", None) is not None:  # this run's adapter: off, and the count it started with
+            self.threads.restore()
         ckpts = getattr(self, "ckpts", None)
         if ckpts is not None:
             try:
@@ -412,6 +412,8 @@ class Trainer(RunSetup, EpochEnd, TrainerState, Stopping):
                 except (OSError, ValueError, AttributeError):  # captured or closed stdout
                     print(self._stop_message(name))
 
+        if self.threads is not None:  # the decoding loops poll it too, while this run trains (close() removes it)
+            cpu_threads.install(self.threads)
         try:
             with stop_on_signals(request_stop):
                 return self._fit(stop_after)
@@ -575,15 +577,12 @@ def _warm_device(device: torch.device) -> threading.Thread | None:
 
 
 def _thread_adapter(cfg: Config, device: torch.device, log) -> cpu_threads.ThreadAdapter | None:
-    """The CPU run's thread adapter (train/cpu_threads.py), installed for the decoding loops too; None on a GPU,
+    """The CPU run's thread adapter (train/cpu_threads.py; `fit` installs it for the decoding loops too); None on a GPU,
     with ``run.cpu_adapt false``, on one core, or where /proc cannot be read."""
     if device.type != "cpu" or not cfg.run.cpu_adapt or torch.get_num_threads() < 2:
         return None
     adapter = cpu_threads.ThreadAdapter(torch.get_num_threads(), log=log)
-    if not adapter.works:
-        return None
-    cpu_threads.install(adapter)
-    return adapter
+    return adapter if adapter.works else None
 
 
 def _configure_backend(cfg: Config, device: torch.device) -> None:

@@ -157,6 +157,17 @@ def test_a_probe_beside_a_real_neighbour_goes_back_quietly(machine):
     assert adapter.poll() == 1 and calls[-1] == 1  # no second probe before another 30 s
 
 
+def test_restore_uninstalls_and_puts_the_starting_count_back(machine):
+    proc, adapter, calls, _ = machine
+    cpu_threads.install(adapter)
+    proc.advance(0.6, others=1.0, own=1.0)
+    adapter.poll()
+    adapter.restore()
+    assert calls == [1, 2] and adapter.threads == 2 and cpu_threads._active is None
+    cpu_threads.poll()  # nothing installed: nothing measured
+    assert calls == [1, 2]
+
+
 def test_an_unreadable_proc_turns_the_adapter_off(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1}, raising=False)
     calls: list[int] = []
@@ -220,13 +231,15 @@ def test_the_trainer_polls_between_steps_and_decoding_batches_and_reports_it(toy
     notes: list[str] = []
     torch.set_num_threads(2)  # (the package's fixture puts its one thread back)
     tr = tiny_trainer(toy_bundle, tmp_path, epochs=1, max_batches_per_epoch=3, max_sentences=4, log=notes.append)
-    assert isinstance(tr.threads, Scripted) and cpu_threads._active is tr.threads
+    assert isinstance(tr.threads, Scripted) and cpu_threads._active is None  # installed by fit, not before
+    seen = []
+    monkeypatch.setattr(cpu_threads, "install", lambda a: (seen.append(a), setattr(cpu_threads, "_active", a)))
     summary = tr.fit()
-    assert Scripted.polls > 3  # every step (3) and every decoding batch of the validation
-    assert torch.get_num_threads() == 1 and any("2 -> 1" in n for n in notes)
-    assert "changed 1 time(s)" in summary["cpu_threads"]
-    assert summary["cpu_threads"] in summary_lines(summary)
-    assert cpu_threads._active is None  # the run's end uninstalls it
+    assert seen == [tr.threads] and Scripted.polls > 3  # every step (3) and every decoding batch of the validation
+    assert any("2 -> 1" in n for n in notes) and "changed 1 time(s)" in summary["cpu_threads"]
+    assert "now 1" in summary["cpu_threads"] and summary["cpu_threads"] in summary_lines(summary)
+    # the run's end uninstalls it and puts back the count it started with (what runs next gets its threads)
+    assert cpu_threads._active is None and torch.get_num_threads() == 2
 
 
 def test_no_adapter_with_cpu_adapt_false_or_one_thread(toy_bundle, tmp_path):
@@ -236,7 +249,7 @@ def test_no_adapter_with_cpu_adapt_false_or_one_thread(toy_bundle, tmp_path):
     torch.set_num_threads(2)
     cfg = tiny_config(tmp_path)
     assert isinstance(_thread_adapter(cfg, torch.device("cpu"), print), ThreadAdapter)
-    cpu_threads.install(None)
+    assert cpu_threads._active is None  # built, not installed (fit installs it)
     cfg.run.cpu_adapt = False
     assert _thread_adapter(cfg, torch.device("cpu"), print) is None
     cfg.run.cpu_adapt = True
