@@ -33,12 +33,14 @@ PROC = Path("/proc")
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _cpu_busy_ticks(cpus: set[int], proc: Path) -> tuple[int, int] | None:
-    """(busy, total) clock ticks of ``cpus`` since boot, from /proc/stat's per-CPU lines (None: unreadable)."""
-    try:
-        text = (proc / "stat").read_text()
-    except OSError:
-        return None
+def _cpu_busy_ticks(cpus: set[int], proc: Path, text: str | None = None) -> tuple[int, int] | None:
+    """(busy, total) clock ticks of ``cpus`` since boot, from /proc/stat's per-CPU lines (None: unreadable);
+    ``text``: /proc/stat as read earlier."""
+    if text is None:
+        try:
+            text = (proc / "stat").read_text()
+        except OSError:
+            return None
     busy = total = 0
     seen = 0
     for line in text.splitlines():
@@ -73,12 +75,24 @@ def _tree_ticks(pid: int, proc: Path) -> int:
     return ticks
 
 
+def snapshot(proc: Path = PROC) -> tuple[float, str, int] | None:
+    """(time, /proc/stat, this process tree's CPU ticks) now: the start of a first window (None: unreadable)."""
+    try:
+        return time.monotonic(), (proc / "stat").read_text(), _tree_ticks(os.getpid(), proc)
+    except OSError:
+        return None
+
+
+AT_IMPORT = snapshot()  # a training's first window starts here, at its imports: its first count is set before it builds
+
+
 class ThreadAdapter:
     """Sets torch's CPU thread count from the share of this process's cores that other programs take."""
 
     def __init__(self, max_threads: int, *, interval_s: float = 0.5, probe_s: float = 30.0, proc: Path = PROC,
                  set_threads: Callable[[int], None] | None = None, clock: Callable[[], float] = time.monotonic,
-                 log: Callable[[str], None] | None = None, pid: int | None = None):
+                 log: Callable[[str], None] | None = None, pid: int | None = None,
+                 since: tuple[float, str, int] | None = None):
         if set_threads is None:
             import torch
 
@@ -101,6 +115,10 @@ class ThreadAdapter:
         self._up_votes = 0
         self._last = self._sample()
         self.works = self._last is not None
+        fresh = since is not None and self.works and 0 < self._last[0] - since[0] < 60.0  # (a long process: stale)
+        busy = _cpu_busy_ticks(self.cpus, proc, since[1]) if fresh else None
+        if busy is not None:  # the first window started earlier (`snapshot`): the first poll may decide at once
+            self._last = (since[0], busy[0], since[2])
 
     def _sample(self) -> tuple[float, int, int] | None:
         cpu = _cpu_busy_ticks(self.cpus, self.proc)

@@ -98,8 +98,10 @@ class Trainer(RunSetup, EpochEnd, TrainerState, Stopping):
             self.log = log if self.is_main else _quiet
             self._device_warmup = _warm_device(self.device)  # CUDA's context made while the data is built
             _configure_backend(cfg, self.device)
-            self._build(cfg, data, resume, init_from)
             self.threads = _thread_adapter(cfg, self.device, self._note)
+            if self.threads is not None:  # the count for building too: the window since this run's imports
+                self.threads.poll()
+            self._build(cfg, data, resume, init_from)
         except BaseException:
             self.close()
             raise
@@ -581,7 +583,7 @@ def _thread_adapter(cfg: Config, device: torch.device, log) -> cpu_threads.Threa
     with ``run.cpu_adapt false``, on one core, or where /proc cannot be read."""
     if device.type != "cpu" or not cfg.run.cpu_adapt or torch.get_num_threads() < 2:
         return None
-    adapter = cpu_threads.ThreadAdapter(torch.get_num_threads(), log=log)
+    adapter = cpu_threads.ThreadAdapter(torch.get_num_threads(), log=log, since=cpu_threads.AT_IMPORT)
     return adapter if adapter.works else None
 
 

@@ -168,6 +168,25 @@ def test_restore_uninstalls_and_puts_the_starting_count_back(machine):
     assert calls == [1, 2]
 
 
+def test_a_first_window_from_an_earlier_snapshot_decides_at_the_first_poll(tmp_path, monkeypatch):
+    """A training's first window starts at its imports (`snapshot`): busy before it builds, it builds on one thread;
+    a snapshot older than a minute (a long-lived process) is not used."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1}, raising=False)
+    proc = FakeProc(tmp_path, cores=2)
+    monkeypatch.setattr(cpu_threads.os, "getpid", lambda: proc.pid)
+    monkeypatch.setattr(cpu_threads.time, "monotonic", lambda: proc.now)
+    since = cpu_threads.snapshot(tmp_path)
+    proc.advance(1.5, others=1.8, own=0.2)  # the imports: one thread of ours beside two busy neighbours
+    calls: list[int] = []
+    adapter = ThreadAdapter(2, proc=tmp_path, set_threads=calls.append, clock=lambda: proc.now, pid=proc.pid,
+                            since=since)
+    assert adapter.poll() == 1 and calls == [1]  # at once: no second window needed
+    proc.advance(70.0, others=0.0, own=1.0)
+    late = ThreadAdapter(2, proc=tmp_path, set_threads=calls.append, clock=lambda: proc.now, pid=proc.pid,
+                         since=since)
+    assert late.poll() == 2 and calls == [1]  # a stale snapshot: a window of its own first
+
+
 def test_an_unreadable_proc_turns_the_adapter_off(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1}, raising=False)
     calls: list[int] = []
