@@ -157,7 +157,7 @@ class RunConfig:
     # B, S and T all vary); False: one graph per (B, S, T), sensible only with fixed padding.
     compile_dynamic: bool | None = declare(None, SAFE)
     # the whole training step (forward, backward, clip, guard, update) as one CUDA graph per batch shape, fed
-    # through static buffers (train/graph_step.py); None: on for CUDA where it applies (packed, no DDP/fp16/accum),
+    # through static buffers (train/graph_step.py); None: on for CUDA where it applies (packed, no DDP/fp16),
     # off on the CPU; true on the CPU runs the same static-buffer step eagerly
     step_graph: bool | None = declare(None, SAFE, since=6)
     # persistent Inductor / Triton caches (a warm start compiles in seconds); they hold code, so private: ""

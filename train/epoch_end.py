@@ -162,7 +162,7 @@ class EpochEnd:
         record["step_ms"] = 1000 * train_seconds / st.steps if st.steps else None
         record["host_ms_per_step"] = 1000 * st.host_seconds / st.steps if st.steps else None
         graph = getattr(self, "step_graph", None)
-        record["graphs_per_step"] = 1 if graph is not None and graph.captures else 0
+        record["graphs_per_step"] = graph.graphs_per_step() if graph is not None else 0
         record["peak_dtype"] = self.peak_dtype
         from train.compile import compiled_graphs, graph_breaks
 

@@ -19,8 +19,14 @@ the AdamW / Lion update) as a function of tensors only:
 
 ``plan_step_graph`` decides whether it applies and says why not in one line (the Trainer records it):
 DDP (the all-reduce hooks), fp16 (GradScaler's dynamic scale is not graph-safe here: the eager step keeps it),
-gradient accumulation, batches that are not packed (token buckets change shape every batch), Adam (coupled
+batches that are not packed (token buckets change shape every batch), Adam (coupled
 L2: the eager fused kernel), activation checkpointing. Those runs take the eager step (train/step.py).
+
+Gradient accumulation (``optim.accum_steps`` k > 1) splits the step in two functions of static buffers: the
+forward-backward of one micro-batch, which adds its gradients (each micro-batch's loss divided by the whole step's
+target tokens, as the eager step) into the flat gradient buffers and its loss into a static sum, and the update,
+which clips, guards and updates from them, then zeroes both for the next step. On CUDA each is its own graph (one
+forward-backward graph per micro-batch shape, replayed k times, and one update graph): k + 1 replays a step.
 """
 
 from __future__ import annotations
@@ -59,8 +65,6 @@ def plan_step_graph(cfg, device_type: str, *, distributed: bool) -> StepGraphPla
         why.append("DDP (its all-reduce hooks run outside a captured step)")
     if cfg.run.precision == "fp16":
         why.append("fp16 (the GradScaler's dynamic scale stays on the eager step)")
-    if cfg.optim.accum_steps != 1:
-        why.append(f"optim.accum_steps={cfg.optim.accum_steps} (one micro-batch per step only)")
     if cfg.data.batching != "packed":
         why.append(f"data.batching={cfg.data.batching!r} (batch shapes vary; the graph needs packed batches)")
     if cfg.optim.name not in OPTIMIZERS:
@@ -70,7 +74,10 @@ def plan_step_graph(cfg, device_type: str, *, distributed: bool) -> StepGraphPla
     if why:
         return StepGraphPlan(False, False, "step graph not used: " + "; ".join(why) + "; the eager step runs")
     capture = device_type == "cuda"
-    return StepGraphPlan(True, capture, "step graph: one CUDA graph per step (captured per batch shape)" if capture
+    k = cfg.optim.accum_steps
+    graphs = ("one CUDA graph per step" if k == 1 else
+              f"{k} forward-backward replays and one update replay per step (optim.accum_steps={k})")
+    return StepGraphPlan(True, capture, f"step graph: {graphs} (captured per batch shape)" if capture
                          else "step graph: the static-buffer step, run eagerly (CPU: no CUDA graph)")
 
 
@@ -144,16 +151,20 @@ class StepGraph:
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._seen: dict[tuple, int] = {}
         self.update = torch.compile(self._update, fullgraph=True, **compile_update) if compile_update else self._update
-        self.captures = 0  # CUDA graphs captured (one per batch shape)
-        self.replays = 0  # steps run as one replay
+        self._compile_update = compile_update
+        self._loss_sum: torch.Tensor | None = None  # accumulation's static sums (_start_sums)
+        self.captures = 0  # CUDA graphs captured (one per batch shape, and the accumulated step's update)
+        self.replays = 0  # graph replays, all steps
+        self.replays_last_step = 0
 
     # -- static inputs ------------------------------------------------------------------------------
     def _key(self, batch) -> tuple:
         return tuple(tuple(getattr(batch, f).shape) for f in FIELDS) + (batch.max_src_len, batch.max_tgt_len)
 
-    def stage(self, batch) -> dict[str, torch.Tensor]:
-        """Copy ``batch`` (host, pinned) and the step's meta row (target tokens, each group's lr) into this shape's
-        static device buffers: one ``_foreach_copy_``, asynchronous from pinned memory."""
+    def stage(self, batch, n_tgt: int | None = None) -> dict[str, torch.Tensor]:
+        """Copy ``batch`` (host, pinned) and the step's meta row (target tokens: ``n_tgt``, the whole step's with
+        accumulation, else the batch's own; each group's lr) into this shape's static device buffers: one
+        ``_foreach_copy_``, asynchronous from pinned memory."""
         key = self._key(batch)
         bufs = self._buffers.get(key)
         if bufs is None:
@@ -161,7 +172,8 @@ class StepGraph:
             bufs["meta"] = torch.zeros(1 + len(self.optimizer.param_groups), dtype=torch.float32, device=self.device)
             bufs["_key"] = key
             self._buffers[key] = bufs
-        meta = torch.tensor([float(batch.num_target_tokens)] + [float(g["lr"]) for g in self.optimizer.param_groups],
+        n_tgt = batch.num_target_tokens if n_tgt is None else n_tgt
+        meta = torch.tensor([float(n_tgt)] + [float(g["lr"]) for g in self.optimizer.param_groups],
                             dtype=torch.float32)
         if self.device.type == "cuda":
             meta = meta.pin_memory()
@@ -183,9 +195,14 @@ class StepGraph:
     def _update(self, loss: torch.Tensor, meta: torch.Tensor, param_grads: tuple) -> torch.Tensor:
         """Gather, clip, guard and update: tensor ops only (compiled ``fullgraph=True`` when the run compiles).
         ``param_grads``: every parameter's gradient, in ``flat.params`` order."""
-        flat = self.flat
         with torch.no_grad():
             torch._foreach_copy_(self._views, list(param_grads))
+        return self._apply(loss, meta)
+
+    def _apply(self, loss: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+        """Clip, guard and update from the flat gradient buffers; returns the gradient norm."""
+        flat = self.flat
+        with torch.no_grad():
             grads = [f.grad for f in flat.flat]
             norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
             if self.grad_clip is not None:
@@ -210,36 +227,87 @@ class StepGraph:
         self.optimizer._opt_called = True  # (the LR scheduler checks the optimizer stepped before it)
         return loss, norm
 
+    # -- gradient accumulation: k forward-backward calls into the flat gradients, then one update -------
+    def _accumulate(self, bufs) -> torch.Tensor:
+        """One micro-batch: its loss (already divided by the step's target tokens) and gradients added to the
+        static sums. A non-finite micro-batch makes the sums non-finite: the update then skips the whole step."""
+        loss, grads = self._forward_backward(bufs)
+        with torch.no_grad():
+            torch._foreach_add_(self._views, list(grads))
+            self._loss_sum.add_(loss)
+        return self._loss_sum
+
+    def _update_sums(self) -> torch.Tensor:
+        """The accumulated step's update, then the sums zeroed for the next step; returns the step's loss."""
+        self.update_sums(self._loss_sum, self._step_meta)
+        self.optimizer._opt_called = True
+        loss = self._loss_sum.clone()
+        with torch.no_grad():
+            torch._foreach_zero_([f.grad for f in self.flat.flat] + [self._loss_sum])
+        return loss
+
     # -- one call per training step -----------------------------------------------------------------
-    def __call__(self, batch) -> torch.Tensor:
-        """One optimizer step of ``batch`` (a packed host Batch); returns its loss per target token (device)."""
-        bufs = self.stage(batch)
+    def _run(self, key: tuple, fn):
+        """``fn()`` on the CPU; on CUDA its first ``warmup`` calls for ``key`` eagerly on a side stream (real work:
+        compiles, autotunes, allocates), the next captured as a CUDA graph, every later one a replay of it.
+        Returns ``fn``'s output (a graph's static output: the caller copies what it keeps past the next replay)."""
         if not self.capture:
-            return self._step(bufs)[0]
-        key = bufs["_key"]
+            return fn()
         graph = self._graphs.get(key)
         if graph is not None:
             graph[0].replay()
             self.replays += 1
-            return graph[1].clone()  # the static output is overwritten by the next replay
+            return graph[1]
         n = self._seen[key] = self._seen.get(key, 0) + 1
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        if n <= self.warmup:  # real steps, eagerly on a side stream (compiles, autotunes, allocates)
+        if n <= self.warmup:
             with torch.cuda.stream(side):
-                loss = self._step(bufs)[0]
+                out = fn()
             torch.cuda.current_stream(self.device).wait_stream(side)
-            return loss
+            return out
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, stream=side):
-            out = self._step(bufs)[0]
+            out = fn()
         torch.cuda.current_stream(self.device).wait_stream(side)
         self._graphs[key] = (g, out)
         self.captures += 1
-        g.replay()  # capture records without running: this step's work
+        g.replay()  # capture records without running: this call's work
         self.replays += 1
-        return out.clone()
+        return out
+
+    def __call__(self, batches) -> torch.Tensor:
+        """One optimizer step of ``batches`` (a packed host Batch, or a step's micro-batches); returns its loss per
+        target token (device)."""
+        if not isinstance(batches, (list, tuple)):
+            batches = [batches]
+        replays = self.replays
+        if len(batches) == 1:
+            bufs = self.stage(batches[0])
+            loss = self._run(("step",) + bufs["_key"], lambda: self._step(bufs)[0])
+        else:
+            n_tgt = sum(b.num_target_tokens for b in batches)  # python ints from the collate: no sync
+            if self._loss_sum is None:
+                self._start_sums()
+            for b in batches:
+                bufs = self.stage(b, n_tgt=n_tgt)
+                self._run(("micro",) + bufs["_key"], lambda bufs=bufs: self._accumulate(bufs))
+            # the update reads its lr row from its own buffer (the micro-batches' buffers are per shape)
+            self._step_meta.copy_(bufs["meta"])
+            loss = self._run(("update",), self._update_sums)
+        self.replays_last_step = self.replays - replays
+        return loss.clone() if self.capture else loss
+
+    def _start_sums(self) -> None:
+        """The accumulated step's static sums (made outside any graph): the flat gradients zeroed, a loss sum, the
+        update's meta row, and the update (compiled like ``update`` when the run compiles)."""
+        torch._foreach_zero_([f.grad for f in self.flat.flat])
+        self._loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._step_meta = torch.zeros(1 + len(self.optimizer.param_groups), dtype=torch.float32, device=self.device)
+        self.update_sums = (torch.compile(self._apply, fullgraph=True, **self._compile_update)
+                            if self._compile_update else self._apply)
 
     def graphs_per_step(self) -> int:
-        return 1 if self.capture and self._graphs else 0
+        """CUDA graphs replayed by the last step (1, or k + 1 with accumulation; 0 before capture and on the CPU)."""
+        return self.replays_last_step
 

@@ -345,12 +345,12 @@ class Trainer(RunSetup, EpochEnd, TrainerState, Stopping):
                                         name=self.cfg.optim.name, device=self.device, autocast=self.autocast,
                                         grad_clip=self.cfg.optim.grad_clip, guard=run.nonfinite_guard,
                                         capture=self.step_plan.capture, compile_update=update)
-        (batch,) = batches
-        self._see_shape(batch)
+        for batch in batches:
+            self._see_shape(batch)
         if self.ckpts.staging:  # a checkpoint still copying the weights and moments: this step's update changes them
             self.checkpoint_waited(self.ckpts.wait_staged())
         try:
-            loss = self.step_graph(batch)
+            loss = self.step_graph(list(batches))
         except torch.OutOfMemoryError as e:
             raise torch.OutOfMemoryError(out_of_memory_advice(self.cfg)) from e
         if self.step + 1 < self.total_steps:
