@@ -46,7 +46,7 @@ TOKENS = {"preset": None, "small": 1024, "toy": 128}  # tokens a side per packed
 
 def packed_batch(vocab: int, tokens: int, seg: int, seed: int):
     """A packed Batch of ``tokens`` tokens a side: segments of ``seg`` tokens (the last shorter), random ids."""
-    from data.collate import Batch
+    from data.collate import Batch, segment_of_tokens
 
     g = torch.Generator().manual_seed(seed)
     lens = [seg] * (tokens // seg) + ([tokens % seg] if tokens % seg else [])
@@ -54,6 +54,7 @@ def packed_batch(vocab: int, tokens: int, seg: int, seed: int):
     lengths = torch.tensor(lens, dtype=torch.int32)
     cu = torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
     pos = torch.cat([torch.arange(k, dtype=torch.int32) for k in lens])[None]
+    seg_ids = torch.from_numpy(segment_of_tokens(lengths.numpy()))  # as the packed collate builds them
 
     def ids():
         return torch.randint(4, vocab, (1, tokens), generator=g, dtype=torch.int32)
@@ -61,7 +62,7 @@ def packed_batch(vocab: int, tokens: int, seg: int, seed: int):
     return Batch(src=ids(), tgt_in=ids(), tgt_out=ids(), src_lengths=lengths, tgt_lengths=lengths.clone(),
                  cu_seqlens_src=cu, cu_seqlens_tgt=cu.clone(), index=torch.arange(n), max_src_len=max(lens),
                  max_tgt_len=max(lens), num_real_tokens=2 * tokens, num_target_tokens=tokens, src_pos=pos,
-                 tgt_pos=pos.clone())
+                 tgt_pos=pos.clone(), src_seg=seg_ids, tgt_seg=seg_ids.clone())
 
 
 def build(args):

@@ -14,6 +14,8 @@ C_tgt, N for the whole run, k real pairs:
   src_lengths / tgt_lengths (N,) int32 segment lengths: k real pairs, then empty (0) slots, then the
                 tail padding cut into dummy segments of <= max_len, so cu_seqlens_*[-1] == C
   src_pos / tgt_pos (1, C) int32: index of each token inside its segment; 0 on the tail padding
+  src_seg / tgt_seg (C,) int32: the segment holding each token (kernels.packed_attention.segment_ids of
+                cu_seqlens_*), built here in the data workers so the step does not compute them
   index   (k,) int64 example indices of the real pairs (segment j < k is example index[j])
 """
 
@@ -49,6 +51,8 @@ class Batch:
     num_target_tokens: int  # real target tokens (tgt_out positions the loss counts), python int
     src_pos: torch.Tensor | None = None  # packed: (1, C_src) int32 position inside the segment; else None
     tgt_pos: torch.Tensor | None = None  # packed: (1, C_tgt) int32; else None
+    src_seg: torch.Tensor | None = None  # packed: (C_src,) int32 segment of each token; else None
+    tgt_seg: torch.Tensor | None = None  # packed: (C_tgt,) int32; else None
     packed: bool = False  # True for batching="packed"
 
     @property
@@ -73,7 +77,7 @@ class Batch:
             cu_seqlens_src=self.cu_seqlens_src, cu_seqlens_tgt=self.cu_seqlens_tgt,
             max_src_len=self.src.shape[1] if padded_bound else self.max_src_len,
             max_tgt_len=self.tgt_in.shape[1] if padded_bound else self.max_tgt_len,
-            src_pos=self.src_pos, tgt_pos=self.tgt_pos,
+            src_pos=self.src_pos, tgt_pos=self.tgt_pos, src_seg=self.src_seg, tgt_seg=self.tgt_seg,
         )
 
     def _map(self, fn) -> Batch:
@@ -204,6 +208,12 @@ def _segments(real: np.ndarray, capacity: int, layout: PackLayout) -> np.ndarray
     return seg
 
 
+def segment_of_tokens(seg: np.ndarray) -> np.ndarray:
+    """(C,) int32 index of the segment holding each token of a stream cut into ``seg`` (N,) lengths (empty segments
+    hold none): kernels.packed_attention.segment_ids of its cu_seqlens, on the host."""
+    return np.repeat(np.arange(len(seg), dtype=np.int32), seg)
+
+
 def _positions(seg: np.ndarray, used: int) -> np.ndarray:
     """(1, C) int32 index of each position inside its segment, 0 from ``used`` on (tail padding)."""
     cu = np.cumsum(seg) - seg
@@ -267,5 +277,7 @@ class PackedCollator(_SharedArrays):
             num_target_tokens=used_t,
             src_pos=torch.from_numpy(_positions(seg_s, used_s)),
             tgt_pos=torch.from_numpy(_positions(seg_t, used_t)),
+            src_seg=torch.from_numpy(segment_of_tokens(seg_s)),
+            tgt_seg=torch.from_numpy(segment_of_tokens(seg_t)),
             packed=True,
         )

@@ -101,19 +101,22 @@ class Transformer(nn.Module):
         self.tgt_pos.reset_parameters()
 
     # -- pieces ---------------------------------------------------------------------------------
-    def _side(self, tokens, lengths, cu_seqlens, max_len) -> Side:
-        """The Side of one side of a batch, in the model's layout (``LAYOUTS``)."""
-        return LAYOUTS[self.cfg.layout](self, tokens, lengths, cu_seqlens, max_len)
+    def _side(self, tokens, lengths, cu_seqlens, max_len, seg=None) -> Side:
+        """The Side of one side of a batch, in the model's layout (``LAYOUTS``); ``seg``: a packed batch's segment
+        ids, as its data workers built them (else computed here)."""
+        return LAYOUTS[self.cfg.layout](self, tokens, lengths, cu_seqlens, max_len, seg)
 
-    def _padded_side(self, tokens, lengths, cu_seqlens, max_len) -> Side:
+    def _padded_side(self, tokens, lengths, cu_seqlens, max_len, seg=None) -> Side:
         return Side(lengths, None, None, None)
 
-    def _packed_side(self, tokens, lengths, cu_seqlens, max_len) -> Side:
+    def _packed_side(self, tokens, lengths, cu_seqlens, max_len, seg=None) -> Side:
         """The batch's segments as they are: no gather, static shapes."""
         total = tokens.numel()
-        return Side(lengths, cu_seqlens, max_len, None, segment_ids(cu_seqlens, total, self._token_index(total, tokens.device)))
+        if seg is None:
+            seg = segment_ids(cu_seqlens, total, self._token_index(total, tokens.device))
+        return Side(lengths, cu_seqlens, max_len, None, seg)
 
-    def _varlen_side(self, tokens, lengths, cu_seqlens, max_len) -> Side:
+    def _varlen_side(self, tokens, lengths, cu_seqlens, max_len, seg=None) -> Side:
         """A padded batch's real tokens gathered into one (total,) stream."""
         B, T = tokens.shape
         if cu_seqlens is None:
@@ -161,7 +164,7 @@ class Transformer(nn.Module):
         return F.linear(h, self.output_weight())
 
     def _check_packed_inputs(self, src, tgt_in, cu_seqlens_src, cu_seqlens_tgt, max_src_len, max_tgt_len,
-                             src_pos, tgt_pos) -> None:
+                             src_pos, tgt_pos, src_seg=None, tgt_seg=None) -> None:
         """Static checks of a packed batch (shapes and python ints only: no host sync, no graph break)."""
         given = dict(cu_seqlens_src=cu_seqlens_src, cu_seqlens_tgt=cu_seqlens_tgt, max_src_len=max_src_len,
                      max_tgt_len=max_tgt_len, src_pos=src_pos, tgt_pos=tgt_pos)
@@ -173,31 +176,35 @@ class Transformer(nn.Module):
             raise ValueError(f"layout='packed' needs cu_seqlens_src/cu_seqlens_tgt of one shape (N+1,) "
                              f"(segment k of src pairs with segment k of tgt), got {tuple(cu_seqlens_src.shape)} and "
                              f"{tuple(cu_seqlens_tgt.shape)}")
-        for name, tokens, pos, max_len in (("src", src, src_pos, max_src_len),
-                                           ("tgt_in", tgt_in, tgt_pos, max_tgt_len)):
+        for name, tokens, pos, seg, max_len in (("src", src, src_pos, src_seg, max_src_len),
+                                                ("tgt_in", tgt_in, tgt_pos, tgt_seg, max_tgt_len)):
             if tokens.dim() != 2 or tokens.shape[0] != 1 or pos.shape != tokens.shape:
                 raise ValueError(f"layout='packed' needs {name} and its positions as (1, C) streams, got "
                                  f"{tuple(tokens.shape)} and {tuple(pos.shape)}")
+            if seg is not None and (seg.shape != tokens.shape[1:] or seg.dtype != torch.int32):
+                raise ValueError(f"layout='packed' needs {name}'s segment ids as an int32 ({tokens.shape[1]},) "
+                                 f"stream, got {seg.dtype} {tuple(seg.shape)}")
             if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len > self.cfg.max_positions:
                 raise ValueError(f"layout='packed': the {name} max_len bound {max_len!r} must be a python int <= "
                                  f"max_positions={self.cfg.max_positions}")
 
     def encode(self, src, src_lengths, cu_seqlens_src=None, max_src_len=None,
-               src_pos=None) -> tuple[torch.Tensor, Side]:
+               src_pos=None, src_seg=None) -> tuple[torch.Tensor, Side]:
         """Encoder states (B, S, d_model) (padded), (total_src, d_model) (varlen) or (C_src, d_model)
         (packed), and the src Side."""
-        side = self._side(src, src_lengths, cu_seqlens_src, max_src_len)
+        side = self._side(src, src_lengths, cu_seqlens_src, max_src_len, src_seg)
         return self.encoder(self._embed(src, side, self.src_embed, self.src_pos, src_pos), side), side
 
     # -- training forward ---------------------------------------------------------------------------
     def forward(self, src, tgt_in, src_lengths, tgt_lengths, cu_seqlens_src=None, cu_seqlens_tgt=None,
-                max_src_len=None, max_tgt_len=None, src_pos=None, tgt_pos=None, *,
+                max_src_len=None, max_tgt_len=None, src_pos=None, tgt_pos=None, src_seg=None, tgt_seg=None, *,
                 return_hidden: bool = False) -> torch.Tensor:
         """src (B, S), tgt_in (B, T) int token ids; lengths int32 (B,) -> logits (B, T, V).
 
         Packed layout: src (1, C_src), tgt_in (1, C_tgt) streams; lengths (N,), cu_seqlens (N+1,) int32;
         ``max_*_len`` the static max_len bound; ``src_pos``/``tgt_pos`` (1, C) int32 positions inside
-        each segment -> logits (1, C_tgt, V).
+        each segment; ``src_seg``/``tgt_seg`` (C,) int32 the segment of each token, optional (the packed
+        collate builds them; computed from cu_seqlens when None) -> logits (1, C_tgt, V).
 
         Logits at padded target positions (packed: tail padding) are unspecified (the loss ignores
         them). No log_softmax: the cross-entropy applies it. ``return_hidden``: the final decoder states
@@ -206,12 +213,12 @@ class Transformer(nn.Module):
         packed = self.cfg.layout == "packed"
         if packed:
             self._check_packed_inputs(src, tgt_in, cu_seqlens_src, cu_seqlens_tgt, max_src_len, max_tgt_len,
-                                      src_pos, tgt_pos)
-        elif src_pos is not None or tgt_pos is not None:
-            raise ValueError(f"src_pos/tgt_pos are packed-batch fields but layout={self.cfg.layout!r}; "
-                             f"build the model with layout='packed' for data batching='packed'")
-        memory, src_side = self.encode(src, src_lengths, cu_seqlens_src, max_src_len, src_pos)
-        tgt_side = self._side(tgt_in, tgt_lengths, cu_seqlens_tgt, max_tgt_len)
+                                      src_pos, tgt_pos, src_seg, tgt_seg)
+        elif any(v is not None for v in (src_pos, tgt_pos, src_seg, tgt_seg)):
+            raise ValueError(f"src_pos/tgt_pos/src_seg/tgt_seg are packed-batch fields but layout="
+                             f"{self.cfg.layout!r}; build the model with layout='packed' for data batching='packed'")
+        memory, src_side = self.encode(src, src_lengths, cu_seqlens_src, max_src_len, src_pos, src_seg)
+        tgt_side = self._side(tgt_in, tgt_lengths, cu_seqlens_tgt, max_tgt_len, tgt_seg)
         h = self.decoder(self._embed(tgt_in, tgt_side, self.tgt_embed, self.tgt_pos, tgt_pos), memory, tgt_side, src_side)
         if packed:
             h = rearrange(h, "c d -> 1 c d")  # (1, C_tgt, d)

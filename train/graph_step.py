@@ -40,7 +40,7 @@ from kernels.lion import lion_step_reference
 
 # the packed batch's tensor fields, in the order the static buffers hold them
 FIELDS = ("src", "tgt_in", "tgt_out", "src_lengths", "tgt_lengths", "cu_seqlens_src", "cu_seqlens_tgt",
-          "src_pos", "tgt_pos")
+          "src_pos", "tgt_pos", "src_seg", "tgt_seg")
 OPTIMIZERS = ("adamw", "lion")  # optim.name values the graph-safe update implements
 
 

@@ -236,10 +236,15 @@ def test_packed_collate_tail_cut_into_dummy_segments(corpus):
     tail = 320 - int(sp.src_lengths[i])
     assert seg[0] == sp.src_lengths[i] and seg[1 : 12 - 5] == [0] * 6 and sum(seg[7:]) == tail
     assert seg[7:11] == [64] * 4 and 0 < seg[11] <= 64
+    from kernels.packed_attention import segment_ids
+
+    for b2 in (batch, collate(np.argsort(sp.src_lengths)[:5].tolist())):  # built by the workers = the kernels' rule
+        for seg, cu, stream in ((b2.src_seg, b2.cu_seqlens_src, b2.src), (b2.tgt_seg, b2.cu_seqlens_tgt, b2.tgt_in)):
+            assert seg.dtype == torch.int32 and torch.equal(seg, segment_ids(cu, stream.shape[1]))
     moved = batch.to("cpu")
-    assert moved.packed and torch.equal(moved.src_pos, batch.src_pos)
+    assert moved.packed and torch.equal(moved.src_pos, batch.src_pos) and torch.equal(moved.tgt_seg, batch.tgt_seg)
     plain = next(iter(b.loader("valid", batching="token_bucket")))
-    assert plain.src_pos is None and plain.tgt_pos is None and not plain.packed
+    assert plain.src_pos is None and plain.tgt_pos is None and plain.src_seg is None and not plain.packed
     assert plain.to("cpu").src_pos is None
     if torch.cuda.is_available():
         assert batch.pin_memory().src_pos.is_pinned() and plain.pin_memory().src_pos is None

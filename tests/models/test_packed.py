@@ -102,6 +102,24 @@ def test_causal_within_a_segment_and_segments_isolated():
         assert (out[cu[1]] - ref[cu[1]]).abs().max() > 1e-3  # cross-attention reads its own segment's source
 
 
+def test_segment_ids_given_by_the_batch_give_the_same_logits_and_grads():
+    """A packed batch's precomputed segment ids (the data workers build them) are the model's own: same logits and
+    gradients with and without them; a wrong shape or dtype, or segment ids on a padded model, is refused."""
+    from kernels.packed_attention import segment_ids
+
+    model = build(layout="packed")
+    padded, packed = packed_batch(seed=4)
+    segs = {f"{side}_seg": segment_ids(packed[f"cu_seqlens_{side}"], packed[name].shape[1])
+            for side, name in (("src", "src"), ("tgt", "tgt_in"))}
+    assert_same(logits_and_grads(model, packed), logits_and_grads(model, {**packed, **segs}), atol=0, rtol=0)
+    with pytest.raises(ValueError, match=r"src's segment ids as an int32 \(32,\) stream, got torch.int64"):
+        model(**model_inputs(packed), src_seg=segs["src_seg"].long())
+    with pytest.raises(ValueError, match=r"tgt_in's segment ids .* got torch.int32 \(23,\)"):
+        model(**model_inputs(packed), tgt_seg=segs["tgt_seg"][1:])
+    with pytest.raises(ValueError, match="src_seg/tgt_seg are packed-batch fields but layout='padded'"):
+        build()(**model_inputs(padded), src_seg=segs["src_seg"])
+
+
 def test_compiled_packed_forward_backward_is_one_graph_and_matches_eager():
     """fullgraph=True raises on any graph break (a boolean index, a .item(), a data-dependent shape)."""
     torch._dynamo.reset()
@@ -147,7 +165,7 @@ def test_packed_inputs_are_validated():
         model(**dict(model_inputs(packed), src=padded["src"]))
     with pytest.raises(ValueError, match="max_len bound 40 must be a python int <= max_positions=32"):
         model(**dict(model_inputs(packed), max_src_len=40))
-    with pytest.raises(ValueError, match="src_pos/tgt_pos are packed-batch fields but layout='padded'"):
+    with pytest.raises(ValueError, match="src_pos/tgt_pos/src_seg/tgt_seg are packed-batch fields but layout='padded'"):
         build()(**model_inputs(padded), src_pos=packed["src_pos"], tgt_pos=packed["tgt_pos"])
     with pytest.raises(ValueError, match="SDPA does not have"):
         small_cfg(layout="packed", attn_backend="sdpa")
