@@ -3,8 +3,10 @@
 ``StepGraph(batch)`` runs one optimizer step (forward, backward, gradient clipping, the finiteness guard and
 the AdamW / Lion update) as a function of tensors only:
 
-- every batch lands in static input buffers (one ``_foreach_copy_`` of the packed batch's fields and of a
-  small float32 "meta" row: the step's target-token count and each group's learning rate). The schedule's
+- every batch lands in static input buffers (one ``_foreach_copy_`` of the packed batch's fields, segment ids
+  included, and of a small float32 "meta" row: the step's target-token count and each group's learning rate;
+  on CUDA the host-to-device copy runs on a side stream into a staging set while the previous step still runs,
+  then one device-local copy: ``prefetch``, ``_copy_ahead``). The schedule's
   next lr therefore reaches the update as a device tensor: no Python float that changes enters the step;
   ``grad_clip``, betas, eps and weight decay are constants of the run;
 - the update is written in tensor ops (``adamw_update_``; Lion: ``kernels.lion.lion_step`` with a tensor lr)
@@ -137,7 +139,7 @@ class StepGraph:
 
     def __init__(self, loss_fn: nn.Module, optimizer: torch.optim.Optimizer, flat, counters, *, name: str,
                  device: torch.device, autocast, grad_clip: float | None, guard: bool, capture: bool,
-                 compile_update: dict | None = None, warmup: int = 3):
+                 compile_update: dict | None = None, warmup: int = 3, prefetch: bool | None = None):
         self.loss_fn, self.optimizer, self.flat, self.counters = loss_fn, optimizer, flat, counters
         self.name, self.device, self.autocast = name, device, autocast
         self.grad_clip, self.guard, self.capture, self.warmup = grad_clip, guard, capture, warmup
@@ -152,6 +154,10 @@ class StepGraph:
         self._seen: dict[tuple, int] = {}
         self.update = torch.compile(self._update, fullgraph=True, **compile_update) if compile_update else self._update
         self._compile_update = compile_update
+        # the batch's host-to-device copy on a side stream, overlapping the previous step (``_copy_ahead``);
+        # None: on where the step is captured (CUDA). The CPU runs the same path synchronously when asked.
+        self.prefetch = capture if prefetch is None else prefetch
+        self._copy_stream = None
         self._loss_sum: torch.Tensor | None = None  # accumulation's static sums (_start_sums)
         self.captures = 0  # CUDA graphs captured (one per batch shape, and the accumulated step's update)
         self.replays = 0  # graph replays, all steps
@@ -163,8 +169,9 @@ class StepGraph:
 
     def stage(self, batch, n_tgt: int | None = None) -> dict[str, torch.Tensor]:
         """Copy ``batch`` (host, pinned) and the step's meta row (target tokens: ``n_tgt``, the whole step's with
-        accumulation, else the batch's own; each group's lr) into this shape's static device buffers: one
-        ``_foreach_copy_``, asynchronous from pinned memory."""
+        accumulation, else the batch's own; each group's lr) into this shape's static device buffers,
+        asynchronous from pinned memory: directly (one ``_foreach_copy_``), or with ``prefetch`` through a
+        staging set (``_copy_ahead``)."""
         key = self._key(batch)
         bufs = self._buffers.get(key)
         if bufs is None:
@@ -177,10 +184,45 @@ class StepGraph:
                             dtype=torch.float32)
         if self.device.type == "cuda":
             meta = meta.pin_memory()
-        torch._foreach_copy_([bufs[f] for f in FIELDS] + [bufs["meta"]],
-                             [getattr(batch, f) for f in FIELDS] + [meta], non_blocking=True)
+        static = [bufs[f] for f in FIELDS] + [bufs["meta"]]
+        host = [getattr(batch, f) for f in FIELDS] + [meta]
+        if self.prefetch:
+            self._copy_ahead(bufs, static, host)
+        else:
+            torch._foreach_copy_(static, host, non_blocking=True)
         bufs["_max"] = (batch.max_src_len, batch.max_tgt_len)
         return bufs
+
+    def _copy_ahead(self, bufs: dict, static: list[torch.Tensor], host: list[torch.Tensor]) -> None:
+        """The batch's host-to-device copy on a side stream into a staging set, then one device-to-device copy
+        into the static buffers on the step's stream.
+
+        The training loop hands the next batch over while the device still runs the previous step (the host is
+        ahead once the step is a replay): the slow copy (host memory over PCIe) then overlaps that step, and the
+        step's own stream pays only a device-local copy of ~100 KB. A staging set plus the static set (rather than
+        two static sets, one graph captured per set) keeps one captured graph per shape: capture time and graph
+        memory stay as without prefetching. Events order the reuse: the staging set is rewritten only after the
+        previous device-to-device copy out of it ran, and the step's stream waits only for its own batch."""
+        staging = bufs.get("_staging")
+        if staging is None:
+            staging = bufs["_staging"] = [torch.empty_like(t) for t in static]
+        if self.device.type != "cuda":  # the same two copies, synchronous
+            torch._foreach_copy_(staging, host)
+            torch._foreach_copy_(static, staging)
+            return
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+            self._copied, self._consumed = {}, {}
+        key, side, step_stream = bufs["_key"], self._copy_stream, torch.cuda.current_stream(self.device)
+        copied = self._copied.setdefault(key, torch.cuda.Event())
+        consumed = self._consumed.setdefault(key, torch.cuda.Event())
+        side.wait_event(consumed)  # (an event never recorded: no wait)
+        with torch.cuda.stream(side):
+            torch._foreach_copy_(staging, host, non_blocking=True)
+            copied.record(side)
+        step_stream.wait_event(copied)
+        torch._foreach_copy_(static, staging)
+        consumed.record(step_stream)
 
     # -- the pure step ------------------------------------------------------------------------------
     def _forward_backward(self, bufs) -> torch.Tensor:
