@@ -206,7 +206,7 @@ class StepGraph:
         staging = bufs.get("_staging")
         if staging is None:
             staging = bufs["_staging"] = [torch.empty_like(t) for t in static]
-        if self.device.type != "cuda":  # the same two copies, synchronous
+        if not self.capture:  # no streams (the CPU): the same two copies, synchronous
             torch._foreach_copy_(staging, host)
             torch._foreach_copy_(static, staging)
             return
