@@ -188,10 +188,10 @@ def _optimizer_python_lines(bundle, tmp, layers: int) -> int:
     return sum(lines.values())
 
 
-# aten ops a warm step's forward runs outside the compiled regions, on CPU: per side the segment ids (the slice
-# and the bucketize; their arange is kept per stream length), the embedding (table, scale, positions, dropout)
-# and the stack's final norm (residual add, LayerNorm in fp32 under CPU autocast), the packed-stream views
-EAGER_FORWARD_OPS = {"aten.slice": 2, "aten.bucketize": 2, "aten.view": 5, "aten.embedding": 2, "aten.mul": 4,
+# aten ops a warm step's forward runs outside the compiled regions, on CPU: per side the embedding (table, scale,
+# positions, dropout) and the stack's final norm (residual add, LayerNorm in fp32 under CPU autocast), the
+# packed-stream views. No segment ids: the packed collate builds them in the data workers (src_seg / tgt_seg)
+EAGER_FORWARD_OPS = {"aten.view": 5, "aten.embedding": 2, "aten.mul": 4,
                      "aten.index": 2, "aten.add": 4, "aten.empty_like": 2, "aten.bernoulli_": 2, "aten.div_": 2,
                      "aten._to_copy": 2, "aten.native_layer_norm": 2, "aten.zeros_like": 2}  # zero first residuals
 # autograd nodes of those (embedding, scale, position add, dropout, final norms)
