@@ -212,10 +212,10 @@ class StepGraph:
             return
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)
-            self._copied, self._consumed = {}, {}
-        key, side, step_stream = bufs["_key"], self._copy_stream, torch.cuda.current_stream(self.device)
-        copied = self._copied.setdefault(key, torch.cuda.Event())
-        consumed = self._consumed.setdefault(key, torch.cuda.Event())
+        if "_copied" not in bufs:  # per staging set: its copy landed / the step's stream copied out of it
+            bufs["_copied"], bufs["_consumed"] = torch.cuda.Event(), torch.cuda.Event()
+        side, step_stream = self._copy_stream, torch.cuda.current_stream(self.device)
+        copied, consumed = bufs["_copied"], bufs["_consumed"]
         side.wait_event(consumed)  # (an event never recorded: no wait)
         with torch.cuda.stream(side):
             torch._foreach_copy_(staging, host, non_blocking=True)
