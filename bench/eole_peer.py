@@ -1,11 +1,11 @@
 """eole (the OpenNMT-py successor) as a peer: trained and decoded by its own command line on fastmt's split.
 
 eole lives in its own virtual environment (bench/requirements-peers.txt; ``.venv-peers/bin/eole`` or
-``$FASTMT_EOLE``): it pins its own torch and pydantic. This module writes eole's config, runs ``eole build_vocab`` /
-``train`` / ``predict`` as subprocesses (each in its own process group, killed whole at its deadline) and reads
-eole's log for the seconds at each step. ``EoleRecipe`` is eole's WMT17 transformer recipe
-(recipes/wmt17/wmt17_ende_spm.yaml) at fastmt's size, with fastmt's SentencePiece model and a warm-up scaled to
-the run (``warmup_for``), noam's factor chosen so the peak is ``peak_lr``."""
+``$FASTMT_EOLE``): it pins its own torch and pydantic. This module writes eole's config, runs ``eole
+build_vocab`` / ``train`` / ``predict`` as subprocesses (each in its own process group, killed whole at its
+deadline) and reads eole's log for the seconds at each step. ``EoleRecipe`` is eole's WMT17 transformer recipe
+(recipes/wmt17/wmt17_ende_spm.yaml) at fastmt's size, with fastmt's SentencePiece model and a warm-up scaled
+to the run (``warmup_for``), noam's factor chosen so the peak is ``peak_lr``."""
 
 from __future__ import annotations
 

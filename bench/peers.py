@@ -1,9 +1,11 @@
-"""The Hugging Face baseline (../shared/gpu/PEERS.md §1), trained on fastmt's own data and split, and scored as
-fastmt is: ``transformers.MarianMTModel`` at the preset's size with fastmt's tokenizer, the ``Seq2SeqTrainer``
-recipe (``PeerRecipe``) as a plain loop, rows in fastmt's ``metrics.jsonl`` format (bench/frontier.py reads both
+"""The Hugging Face baseline (../shared/gpu/PEERS.md §1), trained on fastmt's own data and split, and scored
+as fastmt is.
+
+``transformers.MarianMTModel`` at the preset's size with fastmt's tokenizer, the ``Seq2SeqTrainer`` recipe
+(``PeerRecipe``) as a plain loop, rows in fastmt's ``metrics.jsonl`` format (bench/frontier.py reads both
 alike), validation and test through ``train.evaluation.scores.score_split``. Only the search is ``generate``'s
-(length penalty ``len ** alpha``, not GNMT's). ``python -m bench.peers``; needs the ``peers`` extra (transformers,
-accelerate); details in bench/README.md."""
+(length penalty ``len ** alpha``, not GNMT's). Needs the ``peers`` extra (transformers, accelerate); details
+in bench/README.md."""
 
 from __future__ import annotations
 

@@ -1,14 +1,15 @@
-"""The CPU race: fastmt, the Hugging Face baseline and eole at one small size (``SIZE``), one thread each, on the
-same rows, to a fixed step count, scored by one function (``score``). ``python -m bench.race`` (= ``fastmt bench
-peers --cpu``).
+"""The CPU race: fastmt, the Hugging Face baseline and eole at one small size (``SIZE``), one thread each, on
+the same rows, to a fixed step count, scored by one function (``score``). ``python -m bench.race`` (=
+``fastmt bench peers --cpu``).
 
-The split is built once and exported (data.export_split: the files every system reads, hashed in the report); per
-seed and system one training process keeps its weights every ``--eval-every`` steps; outside every training clock
-each kept weight set translates the whole validation split (greedy, each system's own decoder), the last one the
-test split too. Reported over seeds: BLEU at equal steps, the training seconds to each step (the system's own loop:
-startup, model build and evaluation excluded), and the first step at which validation BLEU reached
-``--threshold``. The recipes: fastmt's ``tiny`` preset at ``SIZE``; hf: ``bench.peers.PeerRecipe``, sentences a
-batch chosen for fastmt's real tokens a step; eole: bench/eole_peer.py, its WMT17 recipe at this size."""
+The split is built once and exported (data.export_split: the files every system reads, hashed in the report);
+per seed and system one training process keeps its weights every ``--eval-every`` steps; outside every
+training clock each kept weight set translates the whole validation split (greedy, each system's own decoder),
+the last one the test split too. Reported over seeds: BLEU at equal steps, the training seconds to each step
+(the system's own loop: startup, model build and evaluation excluded), and the first step at which validation
+BLEU reached ``--threshold``. The recipes: fastmt's ``tiny`` preset at ``SIZE``; hf:
+``bench.peers.PeerRecipe``, sentences a batch chosen for fastmt's real tokens a step; eole:
+bench/eole_peer.py, its WMT17 recipe at this size."""
 
 from __future__ import annotations
 
@@ -119,9 +120,10 @@ def train_fastmt(rc: RaceConfig, seed: int, work: Path, cache: Path, log) -> dic
            "--run.tensorboard", "false", "--run.progress", "false", "--run.plot", "false", *rc.fastmt_overrides]
     run_dir = _new(work / name)
     wall = _run(cmd, work / f"{name}.log", rc, log)
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    from train.runs.metrics import read_metrics
+
     seconds, t = {}, 0.0
-    for r in (r for r in rows if r.get("kind") == "epoch"):
+    for r in (r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("kind") == "epoch"):
         t += float(r["epoch_seconds"])
         seconds[int(r["step"])] = t
     ckpts = {int(p.stem.split("-")[1]): p for p in (run_dir / "checkpoints").glob("step-*.pt")}
@@ -432,9 +434,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.average_last is not None and a.average_last < 2:
         p.error(f"--average-last {a.average_last}: give 2 or more kept weights to average")
     if a.report_from is not None:
-        try:
-            from data.files import read_json
+        from data.files import read_json
 
+        try:
             record = read_json(a.report_from, "race record")
         except (OSError, ValueError) as e:
             p.error(f"--report-from {a.report_from}: {e}")
@@ -466,11 +468,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rc.work.exists() and any(rc.work.iterdir()):
         p.error(f"--work {rc.work} is not empty: give a new folder (nothing is overwritten)")
     command = "python -m bench.race " + " ".join(argv)
-    out = a.out
 
     def write(record, plot=False):
         record["command"] = command
-        write_report(record, command, out, plot=plot)
+        write_report(record, command, a.out, plot=plot)
 
     try:
         record = run_race(rc, on_update=write)
@@ -481,7 +482,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     write(record, plot=True)
     for row in summarize(record):
         print(json.dumps(row))
-    print(f"[race] report: {out}")
+    print(f"[race] report: {a.out}")
     return 0 if all(r.get("status") == "ok" for r in record["runs"]) else 1
 
 
