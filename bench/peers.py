@@ -330,7 +330,7 @@ def _train(cfg, recipe: PeerRecipe, bundle, run_dir: Path, metrics, device: torc
            clock: Callable[[], float], log: Callable[[str], None]) -> dict[str, Any]:
     import transformers
 
-    from train.runs.metrics import provenance
+    from train.runs.metrics import write_provenance
 
     ev, tok, max_pos = cfg.eval, bundle.tokenizer, cfg.model.max_positions
     torch.manual_seed(recipe.seed)
@@ -356,8 +356,8 @@ def _train(cfg, recipe: PeerRecipe, bundle, run_dir: Path, metrics, device: torc
             "length_penalty_form": "generate: logprob / len ** alpha (fastmt: GNMT logprob / ((5 + len) / 6) ** alpha)"}
     config = {"data": cfg.data.to_dict(), "model": dataclasses.asdict(cfg.model), "eval": dataclasses.asdict(ev),
               "peer": peer}
-    (run_dir / "provenance.json").write_text(json.dumps(provenance(config, bundle.split_record, {"params": params}),
-                                                       indent=2, default=str))
+    write_provenance(run_dir, config, bundle.split_record, {"params": params}, step=0,
+                     log=lambda m: log(f"[peers] {m}"))
     metrics.log({"kind": "start", "params": params, "train_pairs": len(train_src), "steps_planned": total,
                  "device": str(device), "wall_seconds": t_start, **peer})
     log(f"[peers] MarianMTModel {params:,} trainable parameters, {len(train_src):,} train pairs, {total} steps "
