@@ -142,14 +142,14 @@ def train(split_dir: Path, work: Path, r: EoleRecipe, vocab_size: int, *, timeou
     cfg_path.write_text(json.dumps(eole_config(split_dir, work, r, vocab_size), indent=1))
     log_path = work / "eole.log"
     log_path.write_text("")
-    deadline = time.monotonic() + timeout_s
-    run_logged([str(eole), "build_vocab", "--config", str(cfg_path), "--n_sample", "-1"], log_path, timeout_s=timeout_s, log=log)
-    t0 = time.perf_counter()
-    vocab_seconds = t0 - (deadline - timeout_s)
+    started = time.monotonic()  # one deadline for both commands
+    run_logged([str(eole), "build_vocab", "--config", str(cfg_path), "--n_sample", "-1"], log_path,
+               timeout_s=timeout_s, log=log)
+    t0 = time.monotonic()
     run_logged([str(eole), "train", "--config", str(cfg_path)], log_path,
-               timeout_s=max(1.0, deadline - time.monotonic()), log=log)
+               timeout_s=max(1.0, started + timeout_s - t0), log=log)
     return {"config": str(cfg_path), "log": str(log_path), "checkpoints": checkpoints(work),
-            "train_seconds": time.perf_counter() - t0, "vocab_seconds": vocab_seconds,
+            "train_seconds": time.monotonic() - t0, "vocab_seconds": t0 - started,
             "step_seconds": step_seconds(log_path.read_text(errors="replace")), "recipe": asdict(r),
             "learning_rate": r.noam_factor(), "warmup_steps": r.warmup_steps()}
 
