@@ -445,7 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="initialisation and data order seed")
     p.add_argument("--eole-save-every", type=int, default=500, help="eole: checkpoint (and score) every N steps")
     p.add_argument("--eole-peak-lr", type=float, default=3e-3, help="eole: the noam schedule's peak")
-    p.add_argument("--preset", default="s18", help="fastmt preset giving the data, model size and validation")
+    p.add_argument("--preset", default="s18", help="fastmt preset giving the data, model size and validation "
+                                                   "(its data, model and eval sections)")
     p.add_argument("--data-files", nargs="+", metavar="F", help="local jsonl/parquet/tsv files instead of the Hub")
     p.add_argument("--epochs", type=int, default=PeerRecipe.epochs)
     p.add_argument("--batch-size", type=int, default=PeerRecipe.batch_size, help="sentences per batch")
@@ -456,7 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default=NAME, help=f"run folder name (default {NAME})")
     p.add_argument("--out-dir", default="runs", help="parent folder of the run folder")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    p.add_argument("--no-test", action="store_true", help="skip the test-split evaluation (= --eval.test_at_end false)")
+    p.add_argument("--no-test", action="store_true", help="skip the test-split evaluation at the end "
+                                                          "(= --eval.test_at_end false)")
     return p
 
 
