@@ -1,17 +1,11 @@
 """eole (the OpenNMT-py successor) as a peer: trained and decoded by its own command line on fastmt's split.
 
-eole lives in its own virtual environment (bench/requirements-peers.txt; default ``.venv-peers/bin/eole``, or
-``$FASTMT_EOLE``), never in fastmt's: it pins its own torch and pydantic. This module only writes eole's config,
-runs ``eole build_vocab`` / ``eole train`` / ``eole predict`` as subprocesses (each in its own process group,
-killed whole at its deadline), and reads eole's log for the wall seconds at each reported step.
-
-The recipe (``EoleRecipe``) is eole's own WMT17 transformer recipe (recipes/wmt17/wmt17_ende_spm.yaml: the
-``sentencepiece`` transform, shared vocabulary and embeddings, Adam(W) beta2 0.998, the ``noam`` schedule,
-label smoothing 0.1, no clipping, xavier_uniform init, token batches, token normalisation, sinusoidal
-positions) scaled to fastmt's size: ``hidden_size``/``layers``/``heads``/``transformer_ff`` from the model,
-``batch_size`` tokens a step, the SentencePiece model fastmt trained (so the vocabulary is the same size and the
-same pieces), and the warm-up scaled to the run (``warmup_for``: the recipe's 4,000 of 50,000 steps is 8 %, at
-least 1/5 of a short run here) with ``learning_rate`` (noam's factor) chosen so the peak is ``peak_lr``."""
+eole lives in its own virtual environment (bench/requirements-peers.txt; ``.venv-peers/bin/eole`` or
+``$FASTMT_EOLE``): it pins its own torch and pydantic. This module writes eole's config, runs ``eole
+build_vocab`` / ``train`` / ``predict`` as subprocesses (each in its own process group, killed whole at its
+deadline) and reads eole's log for the seconds at each step. ``EoleRecipe`` is eole's WMT17 transformer recipe
+(recipes/wmt17/wmt17_ende_spm.yaml) at fastmt's size, with fastmt's SentencePiece model and a warm-up scaled
+to the run (``warmup_for``), noam's factor chosen so the peak is ``peak_lr``."""
 
 from __future__ import annotations
 
@@ -45,11 +39,10 @@ def eole_binary() -> Path:
 
 
 def eole_version(eole: Path) -> str:
-    py = eole.parent / "python"
+    code = "import eole, torch; print(eole.__version__, torch.__version__)"
     try:
-        out = subprocess.run([str(py), "-c", "import eole, torch; print(eole.__version__, torch.__version__)"],
-                             capture_output=True, text=True, timeout=120)
-        return out.stdout.strip() or "unknown"
+        return subprocess.run([str(eole.parent / "python"), "-c", code], capture_output=True, text=True,
+                              timeout=120).stdout.strip() or "unknown"
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
 
@@ -117,15 +110,13 @@ def eole_config(split_dir: Path, work: Path, r: EoleRecipe, vocab_size: int) -> 
     }
 
 
-def run_logged(cmd: list[str], log_path: Path, *, timeout_s: float, threads: int = 1,
-               log: Callable[[str], None] = print) -> int:
-    """Run ``cmd`` in its own process group, output appended to ``log_path``; past ``timeout_s`` the whole group
-    is killed and ``TimeoutError`` raised; any other exit raises ``RuntimeError`` with the log's tail."""
+def run_logged(cmd: list[str], log_path: Path, *, timeout_s: float, log: Callable[[str], None] = print) -> int:
+    """``harness.run_in_group`` (one thread, output appended to ``log_path``, eole's own python path)."""
     from bench.harness import child_env, run_in_group
 
     log(f"[eole] {' '.join(cmd)}")
     return run_in_group(cmd, log_path, timeout_s=timeout_s, append=True, tail_lines=4,
-                        env=child_env(threads, PYTHONUNBUFFERED="1", PYTHONPATH="", CUDA_VISIBLE_DEVICES=""))
+                        env=child_env(1, PYTHONUNBUFFERED="1", PYTHONPATH="", CUDA_VISIBLE_DEVICES=""))
 
 
 def step_seconds(log_text: str) -> dict[int, float]:
@@ -133,12 +124,17 @@ def step_seconds(log_text: str) -> dict[int, float]:
     return {int(m.group(1)): float(m.group(2)) for m in STEP_LINE.finditer(log_text)}
 
 
+def checkpoints(work: Path) -> dict[int, Path]:
+    """eole's kept checkpoints (``model/step_N``) by step."""
+    got = {int(p.name.split("_")[1]): p for p in (work / "model").glob("step_*") if p.name.split("_")[1].isdigit()}
+    return dict(sorted(got.items()))
+
+
 def train(split_dir: Path, work: Path, r: EoleRecipe, vocab_size: int, *, timeout_s: float,
           log: Callable[[str], None] = print) -> dict:
     """build_vocab + train; returns {config, log, checkpoints: {step: path}, train_seconds (process wall of
     ``eole train``), step_seconds (eole's log)}."""
-    eole = eole_binary()
-    work = Path(work)
+    eole, work = eole_binary(), Path(work)
     if work.exists():
         shutil.rmtree(work / "model", ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
@@ -146,18 +142,16 @@ def train(split_dir: Path, work: Path, r: EoleRecipe, vocab_size: int, *, timeou
     cfg_path.write_text(json.dumps(eole_config(split_dir, work, r, vocab_size), indent=1))
     log_path = work / "eole.log"
     log_path.write_text("")
-    deadline = time.monotonic() + timeout_s
-    run_logged([str(eole), "build_vocab", "--config", str(cfg_path), "--n_sample", "-1"], log_path, timeout_s=timeout_s, log=log)
-    t0 = time.perf_counter()
-    vocab_seconds = t0 - (deadline - timeout_s)
+    started = time.monotonic()  # one deadline for both commands
+    run_logged([str(eole), "build_vocab", "--config", str(cfg_path), "--n_sample", "-1"], log_path,
+               timeout_s=timeout_s, log=log)
+    t0 = time.monotonic()
     run_logged([str(eole), "train", "--config", str(cfg_path)], log_path,
-               timeout_s=max(1.0, deadline - time.monotonic()), log=log)
-    seconds = time.perf_counter() - t0
-    ckpts = {int(p.name.split("_")[1]): p for p in (work / "model").glob("step_*") if p.name.split("_")[1].isdigit()}
-    return {"config": str(cfg_path), "log": str(log_path), "checkpoints": dict(sorted(ckpts.items())),
-            "train_seconds": seconds, "step_seconds": step_seconds(log_path.read_text(errors="replace")),
-            "vocab_seconds": vocab_seconds,
-            "recipe": asdict(r), "learning_rate": r.noam_factor(), "warmup_steps": r.warmup_steps()}
+               timeout_s=max(1.0, started + timeout_s - t0), log=log)
+    return {"config": str(cfg_path), "log": str(log_path), "checkpoints": checkpoints(work),
+            "train_seconds": time.monotonic() - t0, "vocab_seconds": t0 - started,
+            "step_seconds": step_seconds(log_path.read_text(errors="replace")), "recipe": asdict(r),
+            "learning_rate": r.noam_factor(), "warmup_steps": r.warmup_steps()}
 
 
 def predict(ckpt: Path, src_file: Path, out_file: Path, *, timeout_s: float, beam_size: int = 1,
@@ -190,44 +184,36 @@ def run_peer(cfg, *, run_dir: Path, steps: int | None, wall_s: float | None, sav
     seconds since process start (then its process group is killed and the kept checkpoints scored); every kept
     checkpoint's whole-validation BLEU (greedy) and the last one's test BLEU, by ``bench.race.score``, logged as
     fastmt-format rows in ``run_dir/metrics.jsonl`` (``wall_seconds``: since this process started)."""
-    import uuid
-
+    from bench.peers import claimed_folder
     from bench.race import eole_batch_tokens, score
     from data import build_data
     from data.export_split import export_split, read_pairs
-    from train.runs.folder import claim_run_folder, done_record
+    from train.runs.folder import done_record
     from train.runs.metrics import MetricsLogger
 
     eole = eole_binary()  # before anything is built
-    asked = Path(run_dir)
-    run_dir, lock = claim_run_folder(asked.parent, asked.name, uuid.uuid4().hex)
-    try:
+    with claimed_folder(run_dir, log) as run_dir:
         bundle = build_data(cfg.data, log=lambda m: log(str(m)))
-        split = export_split(bundle, cfg.data, run_dir / "split")
-        planned = steps if steps is not None else 10 ** 7  # a wall budget alone: eole runs until it is killed
-        r = recipe_for(cfg.model, steps=planned, save_every=save_every, seed=seed,
-                       tokens_per_step=eole_batch_tokens(bundle), max_len=cfg.data.max_len, peak_lr=peak_lr,
-                       warmup=None if steps is not None else 4000)
+        split_dir = run_dir / "split"
+        split = export_split(bundle, cfg.data, split_dir)
+        r = recipe_for(cfg.model, steps=steps if steps is not None else 10 ** 7,  # a wall budget alone: until killed
+                       save_every=save_every, seed=seed, tokens_per_step=eole_batch_tokens(bundle),
+                       max_len=cfg.data.max_len, peak_lr=peak_lr, warmup=None if steps is not None else 4000)
         metrics = MetricsLogger(run_dir, tensorboard=False)
         metrics.log({"kind": "start", "system": "eole", "eole": eole_version(eole), "recipe": asdict(r),
                      "noam_learning_rate": r.noam_factor(), "split": split, "wall_seconds": clock()})
         t_start = clock()  # eole's step seconds count from its training start: after build_vocab and its imports
-        timeout = 10 ** 7 if wall_s is None else max(1.0, wall_s - t_start)
         stop = "done"
         try:
-            got = train(run_dir / "split", run_dir / "eole", r, bundle.tokenizer.vocab_size, timeout_s=timeout,
-                        log=log)
+            got = train(split_dir, run_dir / "eole", r, bundle.tokenizer.vocab_size, log=log,
+                        timeout_s=10 ** 7 if wall_s is None else max(1.0, wall_s - t_start))
         except TimeoutError:
             stop = "max_wall_seconds"
-            log_text = (run_dir / "eole" / "eole.log").read_text(errors="replace")
-            ckpts = {int(p.name.split("_")[1]): p for p in (run_dir / "eole" / "model").glob("step_*")
-                     if p.name.split("_")[1].isdigit()}
-            got = {"checkpoints": dict(sorted(ckpts.items())), "step_seconds": step_seconds(log_text),
-                   "vocab_seconds": 0.0}
-        valid_src, valid_ref = read_pairs(run_dir / "split", "valid")
-        best, points = None, sorted(got["checkpoints"].items())
+            got = {"checkpoints": checkpoints(run_dir / "eole"), "vocab_seconds": 0.0,
+                   "step_seconds": step_seconds((run_dir / "eole" / "eole.log").read_text(errors="replace"))}
+        best, points, valid_ref = None, list(got["checkpoints"].items()), read_pairs(split_dir, "valid")[1]
         for i, (step, ckpt) in enumerate(points):
-            hyps = predict(ckpt, run_dir / "split" / "valid.src", run_dir / f"valid-{step}.hyp", timeout_s=3600)
+            hyps = predict(ckpt, split_dir / "valid.src", run_dir / f"valid-{step}.hyp", timeout_s=3600)
             sc = score(hyps, valid_ref)
             elapsed = got["step_seconds"].get(step)
             metrics.log({"kind": "epoch", "epoch": i + 1, "step": step, "bleu": sc["bleu"], "chrf": sc["chrf"],
@@ -239,9 +225,8 @@ def run_peer(cfg, *, run_dir: Path, steps: int | None, wall_s: float | None, sav
         summary = {"best_bleu": best, "steps": points[-1][0] if points else 0, "stop_reason": stop,
                    "run_dir": str(run_dir)}
         if test and points:
-            test_src, test_ref = read_pairs(run_dir / "split", "test")
-            hyps = predict(points[-1][1], run_dir / "split" / "test.src", run_dir / "test.hyp", timeout_s=3600)
-            sc = score(hyps, test_ref)
+            hyps = predict(points[-1][1], split_dir / "test.src", run_dir / "test.hyp", timeout_s=3600)
+            sc = score(hyps, read_pairs(split_dir, "test")[1])
             metrics.log({"kind": "test", "weights": "last", "test_bleu": sc["bleu"], "test_chrf": sc["chrf"],
                          "bleu_signature": sc["bleu_signature"], "test_sentences": len(hyps),
                          "wall_seconds": clock()})
@@ -249,6 +234,4 @@ def run_peer(cfg, *, run_dir: Path, steps: int | None, wall_s: float | None, sav
         metrics.log(done_record(epoch=len(points), step=summary["steps"], stop_reason=stop, best_bleu=best,
                                 wall_seconds=clock()))
         metrics.close()
-    finally:
-        lock.release()
     return summary

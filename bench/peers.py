@@ -1,23 +1,23 @@
-"""The Hugging Face baseline (../shared/gpu/PEERS.md §1), trained on fastmt's own data and split, and scored as
-fastmt is.
+"""The Hugging Face baseline (../shared/gpu/PEERS.md §1), trained on fastmt's own data and split, and scored
+as fastmt is.
 
 ``transformers.MarianMTModel`` at the preset's size with fastmt's tokenizer, the ``Seq2SeqTrainer`` recipe
-(``PeerRecipe``) as a plain loop, rows in fastmt's ``metrics.jsonl`` format so bench/frontier.py reads both
-alike. Validation and test go through fastmt's own scoring (``train.evaluation.scores.score_split``): the same sentences
-(``eval.max_sentences`` spread over validation, the test split whole), sources cut to the model's positions the same
-way, the same beam size and length limit, sacreBLEU with its signatures; only the search is ``generate``'s,
-whose length penalty divides by ``len ** alpha`` where fastmt's GNMT penalty divides by ``((5 + len) / 6) ** alpha``.
-Needs the ``peers`` extra (transformers, accelerate); details in bench/README.md."""
+(``PeerRecipe``) as a plain loop, rows in fastmt's ``metrics.jsonl`` format (bench/frontier.py reads both
+alike), validation and test through ``train.evaluation.scores.score_split``. Only the search is ``generate``'s
+(length penalty ``len ** alpha``, not GNMT's). Needs the ``peers`` extra (transformers, accelerate); details
+in bench/README.md."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import sys
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,10 +47,11 @@ class PeerRecipe:
     warmup_ratio: float = 0.1  # of the plan: the steps planned, or the wall budget when that ends first
     label_smoothing: float = 0.1
     max_grad_norm: float = 1.0  # Seq2SeqTrainer's default
-    pad_multiple: int = 8  # batches padded to a multiple of this many tokens (DataCollatorForSeq2Seq's
-    # pad_to_multiple_of): a handful of shapes, so CUDA's attention picks a plan once per shape
-    scale_embedding: bool = True  # embeddings * sqrt(d_model) (OPUS-MT's Marian configs; off, 0.02-RMS tokens sit
-    # under ~0.7-RMS sinusoidal positions in a post-LN model: the H200 run of 2026-11-27 never left unigrams)
+    # pad_to_multiple_of: a handful of shapes, so CUDA's attention picks a plan once per shape
+    pad_multiple: int = 8
+    # OPUS-MT's Marian configs; off, 0.02-RMS tokens sit under ~0.7-RMS sinusoidal positions in a post-LN model
+    # (the H200 run of 2026-11-27 never left unigrams)
+    scale_embedding: bool = True
     seed: int = 0
     max_steps: int | None = None  # stop after this many optimizer steps in all (smoke tests)
     max_wall_seconds: float | None = None  # stop at a step boundary after this many seconds since process start
@@ -74,19 +75,17 @@ def _require_transformers() -> None:
 
 
 # -- Model and data --------------------------------------------------------------------------------
-def marian_model(model_cfg, tokenizer, device: torch.device, *, scale_embedding: bool = True):
-    """MarianMTModel from scratch with fastmt's model size and tokenizer ids, SDPA attention, embeddings scaled
-    by sqrt(d_model) unless not ``scale_embedding``."""
+def marian_model(model_cfg, tok, device: torch.device, *, scale_embedding: bool = True):
+    """MarianMTModel from scratch with fastmt's model size and tokenizer ids, SDPA attention."""
     _require_transformers()
     from transformers import MarianConfig, MarianMTModel
 
-    tok = tokenizer
+    m = model_cfg
     config = MarianConfig(
-        vocab_size=tok.vocab_size, decoder_vocab_size=tok.vocab_size, d_model=model_cfg.d_model,
-        encoder_layers=model_cfg.enc_layers, decoder_layers=model_cfg.dec_layers,
-        encoder_attention_heads=model_cfg.n_heads, decoder_attention_heads=model_cfg.n_heads,
-        encoder_ffn_dim=model_cfg.d_ff, decoder_ffn_dim=model_cfg.d_ff, dropout=model_cfg.dropout,
-        activation_function="relu", max_position_embeddings=model_cfg.max_positions,
+        vocab_size=tok.vocab_size, decoder_vocab_size=tok.vocab_size, d_model=m.d_model,
+        encoder_layers=m.enc_layers, decoder_layers=m.dec_layers, encoder_attention_heads=m.n_heads,
+        decoder_attention_heads=m.n_heads, encoder_ffn_dim=m.d_ff, decoder_ffn_dim=m.d_ff, dropout=m.dropout,
+        activation_function="relu", max_position_embeddings=m.max_positions,
         pad_token_id=tok.pad_id, eos_token_id=tok.eos_id, bos_token_id=tok.bos_id,
         decoder_start_token_id=tok.bos_id, forced_eos_token_id=tok.eos_id,
         share_encoder_decoder_embeddings=True, tie_word_embeddings=True, scale_embedding=scale_embedding,
@@ -96,24 +95,23 @@ def marian_model(model_cfg, tokenizer, device: torch.device, *, scale_embedding:
 
 
 def encode_split(split, eos_id: int, max_positions: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """(sources, labels) of an ``EncodedSplit``: subwords + EOS each, sources cut to ``max_positions``
-    (as fastmt's ``translate`` cuts them)."""
-    def rows(ids, off, cap):
-        eos = np.array([eos_id], dtype=np.int64)
-        return [np.concatenate([ids[off[i]:off[i + 1]][: cap - 1].astype(np.int64), eos]) for i in range(len(off) - 1)]
+    """(sources, labels) of an ``EncodedSplit``: subwords + EOS each, cut to ``max_positions`` (as fastmt's
+    ``translate`` cuts sources)."""
+    eos = np.array([eos_id], dtype=np.int64)
 
-    return (rows(split.src_ids, split.src_offsets, max_positions),
-            rows(split.tgt_ids, split.tgt_offsets, max_positions))
+    def rows(ids, off):
+        return [np.concatenate([ids[off[i]:off[i + 1]][: max_positions - 1].astype(np.int64), eos])
+                for i in range(len(off) - 1)]
+
+    return rows(split.src_ids, split.src_offsets), rows(split.tgt_ids, split.tgt_offsets)
 
 
 def collate(pairs: Sequence[tuple[np.ndarray, np.ndarray]], pad_id: int, multiple: int = 1) -> dict[str, torch.Tensor]:
-    """Pad a batch: input_ids/attention_mask (B, S) and labels (B, T) with -100 on padding, S and T rounded up to
-    a multiple of ``multiple``."""
-    B = len(pairs)
+    """input_ids/attention_mask (B, S) and labels (B, T) with -100 on padding, S and T rounded up to ``multiple``."""
     up = lambda n: -(-n // multiple) * multiple  # noqa: E731
     S, T = up(max(len(s) for s, _ in pairs)), up(max(len(t) for _, t in pairs))
-    src = torch.full((B, S), pad_id, dtype=torch.long)
-    labels = torch.full((B, T), -100, dtype=torch.long)
+    src = torch.full((len(pairs), S), pad_id, dtype=torch.long)
+    labels = torch.full((len(pairs), T), -100, dtype=torch.long)
     for i, (s, t) in enumerate(pairs):
         src[i, : len(s)] = torch.from_numpy(s)
         labels[i, : len(t)] = torch.from_numpy(t)
@@ -131,17 +129,14 @@ def train_loader(src, tgt, recipe: PeerRecipe, pad_id: int, epoch: int):
                                        pin_memory=torch.cuda.is_available())
 
 
-# -- Evaluation (fastmt's protocol) ----------------------------------------------------------------
+# -- Training and evaluation -----------------------------------------------------------------------
 def _autocast(device: torch.device):
     cuda = device.type == "cuda"
     return torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
 
 
 def sdpa_kernels(device: torch.device):
-    """On CUDA, SDPA restricted to the flash and memory-efficient kernels (no cuDNN plan per new shape, no math
-    fallback); elsewhere nothing."""
-    import contextlib
-
+    """On CUDA, SDPA's flash and memory-efficient kernels only (no cuDNN plan per new shape, no math fallback)."""
     if device.type != "cuda":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -150,10 +145,9 @@ def sdpa_kernels(device: torch.device):
 
 
 class PlannedSchedule:
-    """Linear warm-up over ``warmup_ratio`` of the plan, then linear decay to 0 at its end, where the plan's
-    progress is the larger of steps / ``total_steps`` and the training seconds spent / the seconds left in the
-    wall budget at the start (``budget_s``; None: steps only). A run stopped by its budget ends its schedule
-    there, not at an epoch count it never reaches. ``factor(step, seconds)``: the lr multiplier."""
+    """Linear warm-up over ``warmup_ratio`` of the plan, then linear decay to 0 at its end; the plan's progress is
+    the larger of steps / ``total_steps`` and training seconds / ``budget_s`` (the wall budget left at the start;
+    None: steps only), so a run stopped by its budget ends its schedule there. ``factor``: the lr multiplier."""
 
     def __init__(self, total_steps: int, warmup_ratio: float, budget_s: float | None = None):
         if total_steps < 1 or (budget_s is not None and budget_s <= 0):
@@ -174,8 +168,7 @@ class PlannedSchedule:
 
 
 def _loss(model, b: dict[str, torch.Tensor], tok, **options) -> torch.Tensor:
-    """Cross-entropy of a collated batch on the device (forward under autocast); ``options``:
-    ``F.cross_entropy``'s (reduction, label_smoothing)."""
+    """Cross-entropy of a collated batch (forward under autocast); ``options`` go to ``F.cross_entropy``."""
     from transformers.models.marian.modeling_marian import shift_tokens_right
 
     with _autocast(b["input_ids"].device):
@@ -184,9 +177,17 @@ def _loss(model, b: dict[str, torch.Tensor], tok, **options) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), b["labels"].flatten(), ignore_index=-100, **options)
 
 
+def _optimizer(model, recipe: PeerRecipe, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW, weight decay on every weight matrix and embedding, none on biases and LayerNorms (1-D)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": recipe.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=recipe.lr, betas=recipe.betas, eps=recipe.eps, fused=device.type == "cuda")
+
+
 def train_step(model, opt, b: dict[str, torch.Tensor], tok, recipe, lr: float) -> torch.Tensor:
-    """One optimizer step of the HF baseline at ``lr`` (the peer's run and the CPU race's): the label-smoothed loss
-    (SDPA's flash/efficient kernels on CUDA), gradients clipped to the recipe's norm. Returns the loss (detached)."""
+    """One optimizer step at ``lr`` (the peer's run and the CPU race's): the label-smoothed loss, gradients clipped
+    to the recipe's norm. Returns the loss (detached)."""
     for g in opt.param_groups:
         g["lr"] = lr
     with sdpa_kernels(b["input_ids"].device):
@@ -234,8 +235,8 @@ def _length_limit_processor(limits: torch.Tensor, eos_id: int):
 @torch.no_grad()
 def translate(model, tok, sources: list[np.ndarray], device: torch.device, *, beam_size: int, batch_size: int,
               max_len_ratio: float, max_len_extra: int, length_penalty: float = 1.0) -> list[str]:
-    """Beam search with ``generate`` over encoded sources (``train.evaluation.decode.encode_sources``), longest first;
-    at most floor(a * len(src) + b) tokens each; ``length_penalty``: HF's alpha (scores / len ** alpha)."""
+    """``generate``'s beam search over encoded sources, longest first, at most floor(a * len(src) + b) tokens
+    each; ``length_penalty``: HF's alpha (scores / len ** alpha)."""
     from transformers import GenerationConfig
 
     was = model.training
@@ -256,8 +257,7 @@ def translate(model, tok, sources: list[np.ndarray], device: torch.device, *, be
         rows = limits.repeat_interleave(beam_size).to(device)
         with _autocast(device):
             seqs = model.generate(input_ids=b["input_ids"].to(device), attention_mask=b["attention_mask"].to(device),
-                                  generation_config=gen,
-                                  logits_processor=[_length_limit_processor(rows, tok.eos_id)])
+                                  generation_config=gen, logits_processor=[_length_limit_processor(rows, tok.eos_id)])
         for i, text in zip(idx, tok.decode(seqs.cpu())):
             out[i] = text
     model.train(was)
@@ -266,9 +266,8 @@ def translate(model, tok, sources: list[np.ndarray], device: torch.device, *, be
 
 def scores(model, bundle, split: str, device: torch.device, ev, max_positions: int, *,
            decode: str = "beam") -> dict[str, Any]:
-    """fastmt's scoring of ``split`` (``train.evaluation.scores.score_split`` under the ``EvalConfig`` ``ev``: validation's
-    ``ev.max_sentences`` spread over validation, the test split whole, BLEU/chrF with signatures, cut sources counted) of this
-    model's ``generate`` translations; ``decode="greedy"``: beam size 1."""
+    """fastmt's scoring of ``split`` (``score_split`` under the ``EvalConfig`` ``ev``) of this model's ``generate``
+    translations; ``decode="greedy"``: beam size 1."""
     tok = bundle.tokenizer
 
     def fn(texts: list[str]) -> list[str]:
@@ -281,14 +280,20 @@ def scores(model, bundle, split: str, device: torch.device, ev, max_positions: i
     return score_split(bundle, split, fn, max_sentences=sentence_limit(split, ev), max_positions=max_positions)
 
 
-# -- Training --------------------------------------------------------------------------------------
-def _optimizer(model, recipe: PeerRecipe, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW, weight decay on every weight matrix and embedding, none on biases and LayerNorms (1-D)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": recipe.weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=recipe.lr, betas=recipe.betas, eps=recipe.eps,
-                             fused=device.type == "cuda")
+# -- The run ---------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def claimed_folder(asked: Path, log: Callable[[str], None]):
+    """A new run folder with a marker, as fastmt's runs: the next free name when one is taken (nothing is moved)."""
+    from train.runs.folder import claim_run_folder
+
+    asked = Path(asked)
+    run_dir, lock = claim_run_folder(asked.parent, asked.name, uuid.uuid4().hex)
+    if run_dir != asked:
+        log(f"[peers] {asked} holds an earlier run, so this run is {run_dir}")
+    try:
+        yield run_dir
+    finally:
+        lock.release()
 
 
 def train_peer(cfg, recipe: PeerRecipe, *, run_dir: Path, device: torch.device, bundle=None,
@@ -296,50 +301,45 @@ def train_peer(cfg, recipe: PeerRecipe, *, run_dir: Path, device: torch.device, 
     """Train the baseline on ``cfg.data`` (or a built ``bundle``), logging fastmt-format rows to
     ``run_dir/metrics.jsonl``; ``clock()``: wall seconds of the run (default: since process start).
     Returns a summary (best BLEU, time to each BLEU threshold, epochs, steps, stop reason)."""
-    import uuid
-
-    from train.runs.folder import claim_run_folder, done_record
-    from train.runs.metrics import MetricsLogger, plot_curves, provenance
+    from train.runs.folder import done_record
+    from train.runs.metrics import MetricsLogger, plot_curves
 
     _require_transformers()
-    asked = Path(run_dir)
-    # as fastmt's runs: a new folder with a marker, and the next free name when one is taken (nothing is moved)
-    run_dir, lock = claim_run_folder(asked.parent, asked.name, uuid.uuid4().hex)
-    if run_dir != asked:
-        log(f"[peers] {asked} holds an earlier run, so this run is {run_dir}")
-    try:
+    with claimed_folder(run_dir, log) as run_dir:
         if bundle is None:
             from data import build_data
 
             bundle = build_data(cfg.data, log=lambda m: log(str(m)))
         metrics = MetricsLogger(run_dir, tensorboard=False)
         try:
-            summary = _train(cfg, recipe, bundle, run_dir, metrics, device, clock, log, provenance)
+            summary = _train(cfg, recipe, bundle, run_dir, metrics, device, clock, log)
             metrics.log(done_record(epoch=summary["epochs_done"], step=summary["steps"],
                                     stop_reason=summary["stop_reason"],
                                     **{k: summary.get(k) for k in ("best_bleu", "time_to_bleu", "wall_seconds")}))
         finally:
             metrics.close()
-    finally:
-        lock.release()
     plot_curves(metrics.path, run_dir / "curves.png")
-    summary["run_dir"] = str(run_dir)
-    return summary
+    return {**summary, "run_dir": str(run_dir)}
+
+
+def _fmt(v, spec: str) -> str:
+    return "n/a" if v is None else format(v, spec)
 
 
 def _train(cfg, recipe: PeerRecipe, bundle, run_dir: Path, metrics, device: torch.device,
-           clock: Callable[[], float], log: Callable[[str], None], provenance) -> dict[str, Any]:
+           clock: Callable[[], float], log: Callable[[str], None]) -> dict[str, Any]:
     import transformers
 
-    ev, tok = cfg.eval, bundle.tokenizer
+    from train.runs.metrics import write_provenance
+
+    ev, tok, max_pos = cfg.eval, bundle.tokenizer, cfg.model.max_positions
     torch.manual_seed(recipe.seed)
     model = marian_model(cfg.model, tok, device, scale_embedding=recipe.scale_embedding)
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    train_src, train_tgt = encode_split(bundle.splits["train"], tok.eos_id, cfg.model.max_positions)
-    valid_src, valid_tgt = encode_split(bundle.splits["valid"], tok.eos_id, cfg.model.max_positions)
+    train_src, train_tgt = encode_split(bundle.splits["train"], tok.eos_id, max_pos)
+    valid_src, valid_tgt = encode_split(bundle.splits["valid"], tok.eos_id, max_pos)
     if not train_src:
         raise ValueError("the training split is empty: check --data-files and data.valid_size/test_size")
-
     steps_per_epoch = math.ceil(len(train_src) / recipe.batch_size)
     planned = recipe.epochs * steps_per_epoch
     total = planned if recipe.max_steps is None else min(planned, recipe.max_steps)
@@ -356,28 +356,24 @@ def _train(cfg, recipe: PeerRecipe, bundle, run_dir: Path, metrics, device: torc
             "length_penalty_form": "generate: logprob / len ** alpha (fastmt: GNMT logprob / ((5 + len) / 6) ** alpha)"}
     config = {"data": cfg.data.to_dict(), "model": dataclasses.asdict(cfg.model), "eval": dataclasses.asdict(ev),
               "peer": peer}
-    (run_dir / "provenance.json").write_text(json.dumps(provenance(config, bundle.split_record, {"params": params}),
-                                                       indent=2, default=str))
+    write_provenance(run_dir, config, bundle.split_record, {"params": params}, step=0,
+                     log=lambda m: log(f"[peers] {m}"))
     metrics.log({"kind": "start", "params": params, "train_pairs": len(train_src), "steps_planned": total,
                  "device": str(device), "wall_seconds": t_start, **peer})
     log(f"[peers] MarianMTModel {params:,} trainable parameters, {len(train_src):,} train pairs, {total} steps "
         f"planned ({steps_per_epoch} per epoch), {device}")
 
     bleu_clock = BleuClock(ev.bleu_thresholds, patience=None)
-    step, best_state, stop_reason = 0, None, "done"
-    fmt = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
+    step, epoch, best_state, stop_reason = 0, 0, None, "done"
     model.train()
-    epoch = 0
     for epoch in range(recipe.epochs):
         t_epoch = time.perf_counter()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        n_batches = 0
+        loss_sum, n_batches = torch.zeros((), dtype=torch.float64, device=device), 0
         for batch in train_loader(train_src, train_tgt, recipe, tok.pad_id, epoch):
             b = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             loss_sum += train_step(model, opt, b, tok, recipe,
                                    recipe.lr * sched.factor(step, t_train + time.perf_counter() - t_epoch))
-            n_batches += 1
-            step += 1
+            n_batches, step = n_batches + 1, step + 1
             if step >= total:
                 stop_reason = "done" if total == planned else "max_steps"
                 break
@@ -396,7 +392,7 @@ def _train(cfg, recipe: PeerRecipe, bundle, run_dir: Path, metrics, device: torc
             t_eval = time.perf_counter()
             record["valid_loss"] = (valid_loss(model, valid_src, valid_tgt, tok, device, recipe.batch_size)
                                     if ev.valid_loss else None)
-            sc = scores(model, bundle, "valid", device, ev, cfg.model.max_positions, decode=ev.decode)
+            sc = scores(model, bundle, "valid", device, ev, max_pos, decode=ev.decode)
             record.update(bleu=sc["bleu"], chrf=sc["chrf"], eval_sentences=sc["sentences"],
                           eval_seconds=time.perf_counter() - t_eval, **record_fields(sc))
             best_before, wall = bleu_clock.best, clock()
@@ -407,8 +403,8 @@ def _train(cfg, recipe: PeerRecipe, bundle, run_dir: Path, metrics, device: torc
         record["wall_seconds"] = clock()
         metrics.log(record)
         log(f"[peers] epoch {epoch + 1}/{recipe.epochs}: train_loss {record['train_loss']:.4f} valid_loss "
-            f"{fmt(record.get('valid_loss'), '.4f')} BLEU {fmt(record.get('bleu'), '.2f')} | "
-            f"{record['epoch_seconds']:.1f} s train, {fmt(record.get('eval_seconds'), '.1f')} s eval, "
+            f"{_fmt(record.get('valid_loss'), '.4f')} BLEU {_fmt(record.get('bleu'), '.2f')} | "
+            f"{record['epoch_seconds']:.1f} s train, {_fmt(record.get('eval_seconds'), '.1f')} s eval, "
             f"wall {record['wall_seconds']:.1f} s")
         if stop:
             break
@@ -418,20 +414,19 @@ def _train(cfg, recipe: PeerRecipe, bundle, run_dir: Path, metrics, device: torc
     for line in bleu_clock.summary_lines():
         log(f"[peers] {line}")
     if ev.test_at_end and len(bundle.splits["test"]):
-        t_eval = time.perf_counter()
-        source = "last"
+        t_eval, source = time.perf_counter(), "last"
         if best_state is not None:
             model.load_state_dict(best_state)
             source = "best valid BLEU"
-        test_src, test_tgt = encode_split(bundle.splits["test"], tok.eos_id, cfg.model.max_positions)
+        test_src, test_tgt = encode_split(bundle.splits["test"], tok.eos_id, max_pos)
         t_loss = valid_loss(model, test_src, test_tgt, tok, device, recipe.batch_size)
-        sc = scores(model, bundle, "test", device, ev, cfg.model.max_positions, decode="beam")  # the whole split
+        sc = scores(model, bundle, "test", device, ev, max_pos, decode="beam")  # the whole split
         metrics.log({"kind": "test", "epoch": epoch + 1, "weights": source, "test_loss": t_loss,
                      "test_bleu": sc["bleu"], "test_chrf": sc["chrf"], "test_sentences": sc["sentences"],
                      **record_fields(sc, "test_"), "decoding": decoding_settings(ev, "beam"),
                      "eval_seconds": time.perf_counter() - t_eval, "wall_seconds": clock()})
         summary["test_bleu"] = sc["bleu"]
-        log(f"[peers] test ({source}): loss {fmt(t_loss, '.4f')} BLEU {fmt(sc['bleu'], '.2f')} "
+        log(f"[peers] test ({source}): loss {_fmt(t_loss, '.4f')} BLEU {_fmt(sc['bleu'], '.2f')} "
             f"({sc['sentences']} sentences)")
     summary["wall_seconds"] = clock()
     return summary
@@ -503,22 +498,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             E.recipe_for(cfg.model, steps=args.max_steps or 1, save_every=1, seed=0, tokens_per_step=8, max_len=8)
         except (E.EoleMissing, ValueError) as e:
             parser.error(str(e))
-        name = args.name if args.name != NAME else "eole"
-        summary = E.run_peer(cfg, run_dir=Path(args.out_dir) / name, steps=args.max_steps,
-                             wall_s=args.max_wall_seconds, save_every=args.eole_save_every, seed=args.seed,
-                             peak_lr=args.eole_peak_lr, test=cfg.eval.test_at_end, clock=process_seconds)
-        print("summary: " + json.dumps(summary, default=str))
-        return 0
-    _require_transformers()
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
-    from train import flush_denormals
+        summary = E.run_peer(cfg, run_dir=Path(args.out_dir) / (args.name if args.name != NAME else "eole"),
+                             steps=args.max_steps, wall_s=args.max_wall_seconds, save_every=args.eole_save_every,
+                             seed=args.seed, peak_lr=args.eole_peak_lr, test=cfg.eval.test_at_end,
+                             clock=process_seconds)
+    else:
+        _require_transformers()
+        device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                              ("cpu" if args.device == "auto" else args.device))
+        if device.type == "cpu":
+            from train import flush_denormals
 
-    if device.type == "cpu":
-        flush_denormals()
-    summary = train_peer(cfg, recipe, run_dir=Path(args.out_dir) / args.name, device=device)  # takes a free name
+            flush_denormals()
+        summary = train_peer(cfg, recipe, run_dir=Path(args.out_dir) / args.name, device=device)  # a free name
     print("summary: " + json.dumps(summary, default=str))
-    print(f"run folder: {summary['run_dir']} (metrics.jsonl, provenance.json, curves.png)")
+    if args.peer == "hf":
+        print(f"run folder: {summary['run_dir']} (metrics.jsonl, provenance.json, curves.png)")
     return 0
 
 

@@ -1,25 +1,20 @@
-"""The CPU race: fastmt, the Hugging Face baseline and eole at the small size, one thread each, on the same rows,
-to a fixed step count, scored by one function. ``fastmt bench peers --cpu`` (= ``python -m bench.race``).
+"""The CPU race: fastmt, the Hugging Face baseline and eole at one small size (``SIZE``), one thread each, on
+the same rows, to a fixed step count, scored by one function (``score``). ``python -m bench.race`` (=
+``fastmt bench peers --cpu``).
 
-One sitting: the split is built once and written out (data.export_split: the files every system reads, their
-hashes in the report); then per seed, per system, one training process (one thread, ``nice``-able), that keeps
-its weights every ``--eval-every`` steps; then, outside every training clock, each kept weight set translates
-the whole validation split (greedy, each system's own decoder) and the last one the whole test split, and
-``score`` (sacreBLEU's corpus BLEU/chrF, one signature) scores every system's output. Reported per system over
-the seeds (mean and spread): validation and test BLEU at equal steps, the training seconds (the system's own
-training loop: startup, model build and evaluation excluded) to reach each step, and the first of them at
-which validation BLEU reached ``--threshold``.
-
-The systems at the small size (``SIZE``: d_model 128, 2+2 layers, 4 heads, ffn 512, 8k shared SentencePiece,
-~4k tokens a step):
-- fastmt: the ``tiny`` preset's recipe (AdamW 3e-3, OneCycle) at that size, 4,096 padded src+tgt tokens a batch;
-- hf: MarianMTModel under bench/peers.py's ``PeerRecipe`` (scale_embedding, linear warm-up/decay planned to the
-  step count), sentences a batch chosen so its real tokens a step equal fastmt's;
-- eole: bench/eole_peer.py (its WMT17 recipe at this size, 4,096 tokens a batch as eole counts them)."""
+The split is built once and exported (data.export_split: the files every system reads, hashed in the report);
+per seed and system one training process keeps its weights every ``--eval-every`` steps; outside every
+training clock each kept weight set translates the whole validation split (greedy, each system's own decoder),
+the last one the test split too. Reported over seeds: BLEU at equal steps, the training seconds to each step
+(the system's own loop: startup, model build and evaluation excluded), and the first step at which validation
+BLEU reached ``--threshold``. The recipes: fastmt's ``tiny`` preset at ``SIZE``; hf:
+``bench.peers.PeerRecipe``, sentences a batch chosen for fastmt's real tokens a step; eole:
+bench/eole_peer.py, its WMT17 recipe at this size."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import platform
@@ -44,10 +39,9 @@ SIZE = {"model.d_model": "128", "model.n_heads": "4", "model.d_ff": "512", "mode
 MAX_LEN_A, MAX_LEN_B = 1.5, 10  # decoding length limit a * len(src) + b (eole: one max_length, below)
 
 
-# -- Scoring: the one function every system's output goes through -----------------------------------
 def score(hyps: Sequence[str], refs: Sequence[str]) -> dict[str, Any]:
-    """sacreBLEU corpus BLEU and chrF of ``hyps`` against ``refs`` with their signatures (fastmt's own
-    ``train.evaluation.scores.corpus_scores``: the function fastmt's validation uses)."""
+    """sacreBLEU corpus BLEU and chrF with signatures: ``train.evaluation.scores.corpus_scores``, as fastmt's own
+    validation."""
     from train.evaluation.scores import corpus_scores
 
     if len(hyps) != len(refs):
@@ -55,7 +49,6 @@ def score(hyps: Sequence[str], refs: Sequence[str]) -> dict[str, Any]:
     return corpus_scores(list(hyps), [list(refs)])
 
 
-# -- Configuration ------------------------------------------------------------------------------------
 class RaceSetupError(ValueError):
     """The race cannot run as asked on this data (said in one line before anything trains)."""
 
@@ -97,17 +90,22 @@ def fastmt_config(rc: RaceConfig, cache: Path):
                                                 "data.cache_dir": str(cache)})
 
 
-def _run(cmd: list[str], log_path: Path, timeout_s: float, threads: int, log: Callable[[str], None]) -> float:
-    """Run ``cmd`` in its own process group (killed whole at ``timeout_s``); returns its wall seconds."""
+def _run(cmd: list[str], log_path: Path, rc: RaceConfig, log: Callable[[str], None]) -> float:
+    """Run ``cmd`` in its own process group (killed whole at ``rc.timeout_s``); returns its wall seconds."""
     log(f"[race] {' '.join(cmd)}")
     t0 = time.perf_counter()
-    H.run_in_group(cmd, log_path, timeout_s=timeout_s, cwd=REPO, env=H.child_env(
-        threads, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="",
+    H.run_in_group(cmd, log_path, timeout_s=rc.timeout_s, cwd=REPO, env=H.child_env(
+        rc.threads, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="",
         HF_DATASETS_DISABLE_PROGRESS_BARS="1"))
     return time.perf_counter() - t0
 
 
-# -- Training each system -------------------------------------------------------------------------------
+def _new(path: Path) -> Path:
+    if path.exists():
+        raise FileExistsError(f"{path} exists: give a new --work folder (nothing is overwritten)")
+    return path
+
+
 def train_fastmt(rc: RaceConfig, seed: int, work: Path, cache: Path, log) -> dict[str, Any]:
     """``python -m train`` for ``rc.steps`` (epochs of ``eval_every`` batches, a checkpoint each; evaluation only
     after the last, which the race does not count). Returns checkpoints and training seconds by step."""
@@ -120,14 +118,12 @@ def train_fastmt(rc: RaceConfig, seed: int, work: Path, cache: Path, log) -> dic
            "--run.cpu_threads", str(rc.threads), "--eval.every", str(n), "--eval.max_sentences", "1",
            "--eval.test_at_end", "false", "--run.out_dir", str(work), "--run.name", name,
            "--run.tensorboard", "false", "--run.progress", "false", "--run.plot", "false", *rc.fastmt_overrides]
-    run_dir = work / name
-    if run_dir.exists():
-        raise FileExistsError(f"{run_dir} exists: give a new --work folder (nothing is overwritten)")
-    wall = _run(cmd, work / f"{name}.log", rc.timeout_s, rc.threads, log)
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    epochs = [r for r in rows if r.get("kind") == "epoch"]
+    run_dir = _new(work / name)
+    wall = _run(cmd, work / f"{name}.log", rc, log)
+    from train.runs.metrics import read_metrics
+
     seconds, t = {}, 0.0
-    for r in epochs:
+    for r in (r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("kind") == "epoch"):
         t += float(r["epoch_seconds"])
         seconds[int(r["step"])] = t
     ckpts = {int(p.stem.split("-")[1]): p for p in (run_dir / "checkpoints").glob("step-*.pt")}
@@ -139,14 +135,12 @@ def train_fastmt(rc: RaceConfig, seed: int, work: Path, cache: Path, log) -> dic
 
 def train_hf(rc: RaceConfig, seed: int, work: Path, cache: Path, log) -> dict[str, Any]:
     """The HF baseline's worker process (``python -m bench.race _hf``): weights and seconds by step."""
-    out = work / f"hf-s{seed}"
-    if out.exists():
-        raise FileExistsError(f"{out} exists: give a new --work folder (nothing is overwritten)")
+    out = _new(work / f"hf-s{seed}")
     out.mkdir(parents=True)
     cmd = [sys.executable, "-m", "bench.race", "_hf", "--out", str(out), "--cache", str(cache), "--seed", str(seed),
            "--steps", str(rc.steps), "--eval-every", str(rc.eval_every), "--lr", str(rc.hf_lr),
            "--threads", str(rc.threads), "--data-files", *rc.data_files]
-    wall = _run(cmd, work / f"hf-s{seed}.log", rc.timeout_s, rc.threads, log)
+    wall = _run(cmd, work / f"hf-s{seed}.log", rc, log)
     rec = json.loads((out / "hf.json").read_text())
     return {"checkpoints": {int(k): out / v for k, v in rec["checkpoints"].items()},
             "seconds": {int(k): v for k, v in rec["seconds"].items()}, "process_seconds": wall, "command": cmd,
@@ -178,7 +172,6 @@ def train_eole(rc: RaceConfig, seed: int, work: Path, split_dir: Path, vocab_siz
             "learning_rate": got["learning_rate"], "warmup_steps": got["warmup_steps"], "batch_tokens": batch_tokens}
 
 
-# -- The HF worker ------------------------------------------------------------------------------------
 def hf_tokens_per_batch(bundle, n_batches: int = 200) -> float:
     """Mean real (src + tgt) tokens of fastmt's training batches (its first epoch's plan)."""
     sp = bundle.splits["train"]
@@ -192,6 +185,8 @@ def hf_worker(argv: Sequence[str]) -> int:
     import torch
 
     from bench import peers as P
+    from data import build_data
+    from train import flush_denormals
 
     p = argparse.ArgumentParser(prog="python -m bench.race _hf")
     for flag, kind in (("--out", Path), ("--cache", Path), ("--seed", int), ("--steps", int), ("--eval-every", int),
@@ -201,19 +196,15 @@ def hf_worker(argv: Sequence[str]) -> int:
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     a.out.mkdir(parents=True, exist_ok=True)
-    from data import build_data
-    from train import flush_denormals
-
     flush_denormals()
     rc = RaceConfig(data_files=tuple(a.data_files), work=a.out, steps=a.steps, eval_every=a.eval_every)
     cfg = fastmt_config(rc, a.cache)
     bundle = build_data(cfg.data, log=lambda m: None)
-    tok = bundle.tokenizer
+    tok, device = bundle.tokenizer, torch.device("cpu")
     src, tgt = P.encode_split(bundle.splits["train"], tok.eos_id, cfg.model.max_positions)
     pair_tokens = float(np.mean([len(s) + len(t) for s, t in zip(src, tgt)]))
     sentences = max(1, round(hf_tokens_per_batch(bundle) / pair_tokens))
     recipe = P.PeerRecipe(batch_size=sentences, lr=a.lr, seed=a.seed, max_steps=a.steps, epochs=10 ** 6)
-    device = torch.device("cpu")
     torch.manual_seed(a.seed)
     model = P.marian_model(cfg.model, tok, device, scale_embedding=recipe.scale_embedding)
     opt = P._optimizer(model, recipe, device)
@@ -224,11 +215,9 @@ def hf_worker(argv: Sequence[str]) -> int:
         for batch in P.train_loader(src, tgt, recipe, tok.pad_id, epoch):
             t0 = time.perf_counter()
             window.append(P.train_step(model, opt, batch, tok, recipe, recipe.lr * sched.factor(step)))
-            step += 1
-            t_train += time.perf_counter() - t0
+            step, t_train = step + 1, t_train + time.perf_counter() - t0
             if step % a.eval_every == 0:
-                mean = float(torch.stack(window).mean())  # the label-smoothed training loss since the last point
-                window = []
+                mean, window = float(torch.stack(window).mean()), []  # the smoothed loss since the last point
                 if not math.isfinite(mean):
                     raise FloatingPointError(f"HF baseline: loss {mean} at step {step}")
                 name = f"step-{step}.pt"
@@ -243,7 +232,6 @@ def hf_worker(argv: Sequence[str]) -> int:
     return 0
 
 
-# -- Translating with each system's weights ---------------------------------------------------------------
 def translate_fastmt(ckpt: Path, sentences: list[str]) -> list[str]:
     import torch
 
@@ -275,7 +263,6 @@ def translate_eole(ckpt: Path, src_file: Path, out_file: Path) -> list[str]:
                      max_length=int(MAX_LEN_A * 64 + MAX_LEN_B))
 
 
-# -- The race ---------------------------------------------------------------------------------------------
 def load_sample() -> str:
     try:
         return " ".join(Path("/proc/loadavg").read_text().split()[:3])
@@ -286,16 +273,14 @@ def load_sample() -> str:
 def versions() -> dict[str, str]:
     import torch
 
-    out = {"python": platform.python_version(), "torch": torch.__version__}
-    try:
+    from bench import eole_peer as E
+
+    out = {"python": platform.python_version(), "torch": torch.__version__, "transformers": "missing"}
+    with contextlib.suppress(ImportError):
         import transformers
 
         out["transformers"] = transformers.__version__
-    except ImportError:
-        out["transformers"] = "missing"
     try:
-        from bench import eole_peer as E
-
         out["eole (its venv: eole, torch)"] = E.eole_version(E.eole_binary())
     except Exception as e:  # noqa: BLE001 - a missing eole is reported, not fatal
         out["eole (its venv: eole, torch)"] = f"missing ({type(e).__name__})"
@@ -331,15 +316,19 @@ def run_race(rc: RaceConfig, log: Callable[[str], None] = print,
     eole_tokens = record["eole_batch_tokens"] = eole_batch_tokens(bundle)
     lock = threading.Lock()
 
+    def translate(system: str, seed: int, step: int, ckpt: Path, name: str, src: list[str]) -> list[str]:
+        if system == "fastmt":
+            return translate_fastmt(ckpt, src)
+        if system == "hf":
+            return translate_hf(ckpt, cfg, bundle, src)
+        return translate_eole(ckpt, split_dir / f"{name}.src", work / f"eole-s{seed}" / f"{name}-{step}.hyp")
+
     def one(seed: int, system: str) -> None:
         run: dict[str, Any] = {"system": system, "seed": seed, "load_before": load_sample()}
         try:
-            if system == "fastmt":
-                got = train_fastmt(rc, seed, work, cache, log)
-            elif system == "hf":
-                got = train_hf(rc, seed, work, cache, log)
-            else:
-                got = train_eole(rc, seed, work, split_dir, bundle.tokenizer.vocab_size, eole_tokens, log)
+            got = (train_fastmt(rc, seed, work, cache, log) if system == "fastmt" else
+                   train_hf(rc, seed, work, cache, log) if system == "hf" else
+                   train_eole(rc, seed, work, split_dir, bundle.tokenizer.vocab_size, eole_tokens, log))
             run.update({k: v for k, v in got.items() if k != "checkpoints"})
             run["command"] = " ".join(str(x) for x in got["command"])
             run["points"] = []
@@ -349,13 +338,7 @@ def run_race(rc: RaceConfig, log: Callable[[str], None] = print,
                 sets = [("valid", valid_src, valid_ref)] + ([("test", test_src, test_ref)] if step == last else [])
                 point: dict[str, Any] = {"step": step, "train_seconds": got["seconds"].get(step)}
                 for name, src, ref in sets:
-                    if system == "fastmt":
-                        hyps = translate_fastmt(ckpt, src)
-                    elif system == "hf":
-                        hyps = translate_hf(ckpt, cfg, bundle, src)
-                    else:
-                        hyps = translate_eole(ckpt, split_dir / f"{name}.src",
-                                              work / f"eole-s{seed}" / f"{name}-{step}.hyp")
+                    hyps = translate(system, seed, step, ckpt, name, src)
                     s = score(hyps, ref)
                     point[f"{name}_bleu"], point[f"{name}_chrf"] = s["bleu"], s["chrf"]
                     point["bleu_signature"] = s["bleu_signature"]
@@ -451,9 +434,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.average_last is not None and a.average_last < 2:
         p.error(f"--average-last {a.average_last}: give 2 or more kept weights to average")
     if a.report_from is not None:
-        try:
-            from data.files import read_json
+        from data.files import read_json
 
+        try:
             record = read_json(a.report_from, "race record")
         except (OSError, ValueError) as e:
             p.error(f"--report-from {a.report_from}: {e}")
@@ -485,11 +468,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rc.work.exists() and any(rc.work.iterdir()):
         p.error(f"--work {rc.work} is not empty: give a new folder (nothing is overwritten)")
     command = "python -m bench.race " + " ".join(argv)
-    out = a.out
 
     def write(record, plot=False):
         record["command"] = command
-        write_report(record, command, out, plot=plot)
+        write_report(record, command, a.out, plot=plot)
 
     try:
         record = run_race(rc, on_update=write)
@@ -500,7 +482,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     write(record, plot=True)
     for row in summarize(record):
         print(json.dumps(row))
-    print(f"[race] report: {out}")
+    print(f"[race] report: {a.out}")
     return 0 if all(r.get("status") == "ok" for r in record["runs"]) else 1
 
 

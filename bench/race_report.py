@@ -13,7 +13,6 @@ from typing import Any
 from bench import harness as H
 
 
-# -- Summary and report -------------------------------------------------------------------------------------
 def _mean_sd(xs: list[float]) -> str:
     xs = [x for x in xs if x is not None]
     if not xs:
@@ -33,19 +32,15 @@ def summarize(record: dict) -> list[dict[str, Any]]:
     rc = record["config"]
     out = []
     for system in rc["systems"]:
-        runs = [r for r in record["runs"] if r["system"] == system and r.get("status") == "ok"]
-        row: dict[str, Any] = {"system": system, "seeds_ok": len(runs),
-                               "seeds_failed": len([r for r in record["runs"] if r["system"] == system
-                                                    and r.get("status") != "ok"])}
-        steps = sorted({p["step"] for r in runs for p in r["points"]})
-        for s in steps:
+        every = [r for r in record["runs"] if r["system"] == system]
+        runs = [r for r in every if r.get("status") == "ok"]
+        row: dict[str, Any] = {"system": system, "seeds_ok": len(runs), "seeds_failed": len(every) - len(runs)}
+        for s in sorted({p["step"] for r in runs for p in r["points"]}):
             pts = [p for r in runs for p in r["points"] if p["step"] == s]
             row[f"valid@{s}"] = _mean_sd([p.get("valid_bleu") for p in pts])
             row[f"secs@{s}"] = _mean_sd([p.get("train_seconds") for p in pts])
         last = [r["points"][-1] for r in runs if r["points"]]
-        row["valid_chrf"] = _mean_sd([p.get("valid_chrf") for p in last])
-        row["test_bleu"] = _mean_sd([p.get("test_bleu") for p in last])
-        row["test_chrf"] = _mean_sd([p.get("test_chrf") for p in last])
+        row.update({k: _mean_sd([p.get(k) for p in last]) for k in ("valid_chrf", "test_bleu", "test_chrf")})
         tt = [time_to(r["points"], rc["threshold"]) for r in runs]
         reached = [t for t in tt if t is not None]
         row["time_to_threshold"] = (_mean_sd(reached) + (f", {len(tt) - len(reached)} never" if len(reached) < len(tt)
@@ -82,9 +77,9 @@ def markdown(record: dict, command: str) -> str:
              "valid chrF (last)", "test BLEU (last)", "test chrF (last)", f"train s to valid BLEU {rc['threshold']:g}"]
     keys = ["system", "seeds_ok", *[f"valid@{s}" for s in steps], *[f"secs@{s}" for s in steps], "valid_chrf",
             "test_bleu", "test_chrf", "time_to_threshold"]
-    lines = ["# The CPU race: fastmt, the HF baseline, eole (stand-in corpus)" if any(
-        "opus_mt_testsets" in f for f in rc["data_files"]) else "# The CPU race: fastmt, the HF baseline, eole", ""]
-    lines += [f"- data: **{'stand-in corpus' if any('opus_mt_testsets' in f for f in rc['data_files']) else ''} "
+    stand_in = "stand-in corpus" if any("opus_mt_testsets" in f for f in rc["data_files"]) else ""
+    lines = ["# The CPU race: fastmt, the HF baseline, eole" + (f" ({stand_in})" if stand_in else ""), ""]
+    lines += [f"- data: **{stand_in} "
               f"({', '.join(rc['data_files'])})**, fastmt's leakage-free split exported as files "
               f"(data/export_split.py); every system reads the same rows: train "
               f"{record['split']['splits']['train']['pairs']:,} / valid {record['split']['splits']['valid']['pairs']} / "
@@ -139,13 +134,9 @@ def markdown(record: dict, command: str) -> str:
 
 def frontier_rows(record: dict) -> list[dict[str, Any]]:
     """bench.frontier's rows of a race: validation BLEU against training seconds, one line per system and seed."""
-    rows = []
-    for r in record["runs"]:
-        for p in r.get("points") or []:
-            rows.append({"contestant": f"{r['system']}-s{r['seed']}", "label": f"{r['system']} seed {r['seed']}",
-                         "status": "ok" if r.get("status") == "ok" else "error", "wall_seconds": p.get("train_seconds"),
-                         "bleu": p.get("valid_bleu"), "budget_s": None})
-    return rows
+    return [{"contestant": f"{r['system']}-s{r['seed']}", "label": f"{r['system']} seed {r['seed']}",
+             "status": "ok" if r.get("status") == "ok" else "error", "wall_seconds": p.get("train_seconds"),
+             "bleu": p.get("valid_bleu"), "budget_s": None} for r in record["runs"] for p in r.get("points") or []]
 
 
 def write_report(record: dict, command: str, out: Path, *, plot: bool = True) -> None:
@@ -154,6 +145,5 @@ def write_report(record: dict, command: str, out: Path, *, plot: bool = True) ->
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(record, indent=1, default=str) + "\n")
     out.write_text(markdown(record, command))
-    rows = frontier_rows(record)
-    if plot and rows:
+    if plot and (rows := frontier_rows(record)):
         frontier_plot(rows, out.with_suffix(".png"), title="CPU race (x: training seconds, evaluation excluded)")
