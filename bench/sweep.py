@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from bench import cli
@@ -99,14 +98,9 @@ def sweep_markdown(rows: Sequence[Mapping[str, Any]], prov: Mapping[str, Any], c
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.sweep", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    cli.add_cli_args(p, "the tiny model on a toy corpus", plot=False)
-    p.add_argument("--budget-s", type=float, help="wall seconds per setting (default 90; smoke 45)")
-    p.add_argument("--grace-s", type=float, help="extra seconds before a setting is killed (default 60)")
+    p = F.budget_parser("bench.sweep", __doc__, "the tiny model on a toy corpus", "setting", "default 90; smoke 45",
+                        "default 60", plot=False)
     p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated subset of {','.join(SETTINGS)}")
-    p.add_argument("--work-dir", type=Path, help="parent of the run folders (default runs/; smoke: a temp dir)")
-    p.add_argument("--fresh", action="store_true", help="drop the csv's rows of settings not run now")
     return p
 
 
@@ -114,18 +108,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
     names = cli.choose(p, "--settings", a.settings, SETTINGS)
-    files = cli.cli_data_files(p, a, toy=lambda: F.work_dir(a, "fastmt-sweep-") / "toy.jsonl",
-                               toy_rows=SMOKE_TOY_ROWS)
-    files = [str(Path(f).resolve()) for f in files]  # the settings run from the repo root
-    budget = a.budget_s if a.budget_s is not None else (45.0 if a.smoke else 90.0)
-    grace = a.grace_s if a.grace_s is not None else 60.0
+    files, budget, grace = F.budget_args(p, a, "sweep", toy_rows=SMOKE_TOY_ROWS, budget=(45.0, 90.0),
+                                         grace=lambda _: 60.0)
     settings = [SETTINGS[n] for n in names]
     toy = a.smoke and not a.data_files
     corpus = f"toy corpus (data/toy.py, {SMOKE_TOY_ROWS:,} rows)" if toy else cli.corpus_label(files)
     if a.smoke:  # the tiny model on a corpus it can learn in a minute; enough epochs for the budget to bind
         settings = [F.Contestant(c.name, c.label, c.module, (*c.args, "--epochs", "100")) for c in settings]
     return F.run_cli(a, settings, name="sweep", budget=budget, grace=grace, files=files, corpus=corpus,
-                     header=f"{len(names)} settings x {budget:g} s", plot=True, markdown=sweep_markdown,
+                     header=f"{len(names)} settings x {budget:g} s", markdown=sweep_markdown,
                      conclude=lambda rows: decision(F.summarize(rows)))
 
 
