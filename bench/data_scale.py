@@ -35,6 +35,9 @@ COLUMNS = ("date", "code", "tag", "corpus", "pairs", "phase", "build_s", "proces
            "pairs_per_s_core", "cores", "rss_tree_mb", "pss_tree_mb", "maxrss_self_mb", "maxrss_child_mb",
            "load_before", "load_after", "machine") + tuple(f"{k}_s" for k in BUILD_PHASES) + ("cpu_s",)
 
+REC_FORMATS = {"build_s": ".3f", "process_s": ".3f", "first_batch_s": ".4f", "rss_tree_mb": ".0f", "pss_tree_mb": ".0f",
+               "maxrss_self_mb": ".0f", "maxrss_child_mb": ".0f", "cpu_s": ".2f"}  # the CSV's cells of a record
+
 # The child: imports, build_data (timed), a marker so the parent stops sampling memory, then torch and the
 # first training batch (timed). Writes one JSON record to argv[5].
 CHILD = r"""
@@ -382,16 +385,11 @@ def main(argv=None) -> int:
                 rec = run_child(a.code, corpus, cache, a.workers, a.timeout_s)
             except (RuntimeError, TimeoutError) as e:  # the rows of the builds before it are in the CSV
                 raise SystemExit(f"bench.data_scale: the {phase} build of {pairs:,} pairs failed: {e}") from None
-            row = {"date": date.today().isoformat(), "code": code, "tag": a.tag, "corpus": label,
-                   "pairs": pairs, "phase": phase, "build_s": f"{rec['build_s']:.3f}",
-                   "process_s": f"{rec['process_s']:.3f}", "first_batch_s": f"{rec['first_batch_s']:.4f}",
+            row = {"date": date.today().isoformat(), "code": code, "tag": a.tag, "corpus": label, "pairs": pairs,
+                   "phase": phase, "cores": cores, "load_before": load0, "load_after": f"{os.getloadavg()[0]:.2f}",
+                   "machine": mach, **{k: format(rec[k], spec) for k, spec in REC_FORMATS.items()},
                    "pairs_per_s_core": f"{pairs / rec['build_s'] / cores:.0f}" if phase == "cold" else "",
-                   "cores": cores, "rss_tree_mb": f"{rec['rss_tree_mb']:.0f}",
-                   "pss_tree_mb": f"{rec['pss_tree_mb']:.0f}", "maxrss_self_mb": f"{rec['maxrss_self_mb']:.0f}",
-                   "maxrss_child_mb": f"{rec['maxrss_child_mb']:.0f}", "load_before": load0,
-                   "load_after": f"{os.getloadavg()[0]:.2f}", "machine": mach}
-            row.update({f"{k}_s": f"{rec['phases'][k]:.2f}" if k in rec["phases"] else "" for k in BUILD_PHASES})
-            row["cpu_s"] = f"{rec['cpu_s']:.2f}"
+                   **{f"{k}_s": f"{rec['phases'][k]:.2f}" if k in rec["phases"] else "" for k in BUILD_PHASES}}
             print("[data_scale] " + json.dumps(row), flush=True)
             if rec["phases"]:
                 print("[data_scale] phases (s): " + ", ".join(f"{k} {rec['phases'][k]:.1f}" for k in BUILD_PHASES

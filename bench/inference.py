@@ -98,17 +98,22 @@ def train_small(work: Path, data_files: list[str], steps: int, device: str,
     return translation_checkpoint(work / "runs" / "inference"), list(test.src_text), list(test.tgt_text)
 
 
-def test_pairs(ckpt: Path, data_files: list[str] | None) -> tuple[list[str], list[str], str]:
-    """(sources, references, what they are): the pairs of ``--data-files``, else the checkpoint's own test split."""
+def test_pairs(ckpt: Path, data_files: list[str] | None) -> tuple[list[str], list[str], str, str]:
+    """(sources, references, what they are, the model in a few words): the pairs of ``--data-files``, else the
+    checkpoint's own test split."""
     from bench.cli import corpus_label
     from train.cli.evaluate import read_pairs
     from train.runs.checkpoint import load_checkpoint
 
     saved = load_checkpoint(ckpt)
+    m, run = saved.get("config", {}).get("model") or {}, saved.get("config", {}).get("run") or {}
+    note = (f"{ckpt.name} (given): {m.get('enc_layers')}+{m.get('dec_layers')} layers, d_model {m.get('d_model')}, "
+            f"d_ff {m.get('d_ff')}, vocabulary {m.get('vocab_size')}, ffn_norm {m.get('ffn_norm')}; run "
+            f"{run.get('name')!r}, step {(saved.get('position') or {}).get('step')}")
     data = saved.get("config", {}).get("data") or {}
     if data_files:
         src, ref = read_pairs(data_files[0], data.get("src_lang", "en"), data.get("tgt_lang", "it"))
-        return src, ref, f"the first pairs of {corpus_label(data_files)}"
+        return src, ref, f"the first pairs of {corpus_label(data_files)}", note
     from data import build_data
     from train.config import Config
     from train.preflight import tokenizer_of
@@ -121,18 +126,7 @@ def test_pairs(ckpt: Path, data_files: list[str] | None) -> tuple[list[str], lis
                          f"{e}); give test pairs with --data-files") from None
     test = bundle.splits["test"]
     where = corpus_label(cfg.data.data_files) if cfg.data.data_files else str(cfg.data.dataset)
-    return list(test.src_text), list(test.tgt_text), f"the test split of {where} (the checkpoint's run's own)"
-
-
-def model_summary(ckpt: Path) -> str:
-    """The checkpoint's model and training length in a few words."""
-    from train.runs.checkpoint import load_checkpoint
-
-    saved = load_checkpoint(ckpt)
-    m, run = saved.get("config", {}).get("model") or {}, saved.get("config", {}).get("run") or {}
-    return (f"{m.get('enc_layers')}+{m.get('dec_layers')} layers, d_model {m.get('d_model')}, d_ff {m.get('d_ff')}, "
-            f"vocabulary {m.get('vocab_size')}, ffn_norm {m.get('ffn_norm')}; run {run.get('name')!r}, step "
-            f"{(saved.get('position') or {}).get('step')}")
+    return list(test.src_text), list(test.tgt_text), f"the test split of {where} (the checkpoint's run's own)", note
 
 
 def check_out(out: Path) -> None:
@@ -312,8 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         files = list(args.data_files or [])
         if args.ckpt:
             ckpt = Path(args.ckpt)
-            src, ref, corpus = test_pairs(ckpt, files)
-            note = f"{ckpt.name} (given): {model_summary(ckpt)}"
+            src, ref, corpus, note = test_pairs(ckpt, files)
         else:
             from data.clean import DataInputError
 

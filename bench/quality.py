@@ -340,20 +340,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     if (a.run is None) == (a.compare is None):
         p.error("give --run RUN or --compare RUN_A RUN_B")
-    if a.compare:
-        try:
-            paths = compare_runs(*a.compare, a.out or default_out(a.compare[0]))
-        except (FileNotFoundError, ValueError, KeyError) as e:
-            print(f"bench.quality: --compare: {e}", file=sys.stderr)
-            return 2
-        print(read_text(paths["md"], "comparison report"))
-        return 0
+    caught = (FileNotFoundError, ValueError, KeyError) if a.compare else (FileNotFoundError, ValueError)
     try:
-        paths = write_quality(a.run, a.out or default_out(a.run), a.gpu_samples, a.add_thresholds)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"bench.quality: {e}", file=sys.stderr)
+        paths = compare_runs(*a.compare, a.out or default_out(a.compare[0])) if a.compare else \
+            write_quality(a.run, a.out or default_out(a.run), a.gpu_samples, a.add_thresholds)
+    except caught as e:
+        print(f"bench.quality: {'--compare: ' if a.compare else ''}{e}", file=sys.stderr)
         return 2
-    print(read_text(paths["md"], "quality report"))
+    print(read_text(paths["md"], "comparison report" if a.compare else "quality report"))
+    if a.compare:
+        return 0
     for kind, path in paths.items():
         print(f"[quality] {kind}: {path}")
     if a.require_stable_graphs:

@@ -24,7 +24,10 @@ def _setting(name: str, label: str, *overrides: str) -> F.Contestant:
     return F.Contestant(name, label, "train", ("--auto", *overrides))
 
 
-LION = ("--optim.name", "lion")
+def _lion(name: str, label: str, lr: str, *overrides: str, wd: str = "0.1") -> F.Contestant:
+    return _setting(name, label, "--optim.name", "lion", "--optim.lr", lr, "--optim.weight_decay", wd, *overrides)
+
+
 SETTINGS: dict[str, F.Contestant] = {c.name: c for c in (
     # AdamW around the best setting measured in ../shared/gpu/PEERS.md (the default)
     _setting("adamw-base", "AdamW 5e-4 (the default)"),
@@ -34,18 +37,14 @@ SETTINGS: dict[str, F.Contestant] = {c.name: c for c in (
     _setting("adamw-2k", "AdamW 3.5e-4, 2k tokens", "--data.max_tokens", "2048", "--optim.lr", "3.5e-4"),
     _setting("adamw-8k", "AdamW 7e-4, 8k tokens", "--data.max_tokens", "8192", "--optim.lr", "7e-4"),
     # Lion: lr 3-10x below AdamW's and more weight decay (its authors' advice), around PEERS.md's best Lion
-    _setting("lion-1e-4", "Lion 1e-4, wd 0.1", *LION, "--optim.lr", "1e-4", "--optim.weight_decay", "0.1"),
-    _setting("lion-1.5e-4", "Lion 1.5e-4, wd 0.1", *LION, "--optim.lr", "1.5e-4", "--optim.weight_decay", "0.1"),
-    _setting("lion-7e-5", "Lion 7e-5, wd 0.1", *LION, "--optim.lr", "7e-5", "--optim.weight_decay", "0.1"),
-    _setting("lion-wd0.3", "Lion 1e-4, wd 0.3", *LION, "--optim.lr", "1e-4", "--optim.weight_decay", "0.3"),
-    _setting("lion-b0.95", "Lion 1e-4, betas 0.95/0.98", *LION, "--optim.lr", "1e-4", "--optim.weight_decay", "0.1",
-             "--optim.betas", "0.95,0.98"),
-    _setting("lion-warm5", "Lion 1e-4, warm-up 5 %", *LION, "--optim.lr", "1e-4", "--optim.weight_decay", "0.1",
-             "--optim.pct_start", "0.05"),
-    _setting("lion-2k", "Lion 7e-5, 2k tokens", *LION, "--optim.lr", "7e-5", "--optim.weight_decay", "0.1",
-             "--data.max_tokens", "2048"),
-    _setting("lion-8k", "Lion 1.5e-4, 8k tokens", *LION, "--optim.lr", "1.5e-4", "--optim.weight_decay", "0.1",
-             "--data.max_tokens", "8192"),
+    _lion("lion-1e-4", "Lion 1e-4, wd 0.1", "1e-4"),
+    _lion("lion-1.5e-4", "Lion 1.5e-4, wd 0.1", "1.5e-4"),
+    _lion("lion-7e-5", "Lion 7e-5, wd 0.1", "7e-5"),
+    _lion("lion-wd0.3", "Lion 1e-4, wd 0.3", "1e-4", wd="0.3"),
+    _lion("lion-b0.95", "Lion 1e-4, betas 0.95/0.98", "1e-4", "--optim.betas", "0.95,0.98"),
+    _lion("lion-warm5", "Lion 1e-4, warm-up 5 %", "1e-4", "--optim.pct_start", "0.05"),
+    _lion("lion-2k", "Lion 7e-5, 2k tokens", "7e-5", "--data.max_tokens", "2048"),
+    _lion("lion-8k", "Lion 1.5e-4, 8k tokens", "1.5e-4", "--data.max_tokens", "8192"),
     # beyond the optimiser: regularisation, the model over-fits the stand-in corpus
     _setting("adamw-drop0.2", "AdamW 5e-4, dropout 0.2", "--model.dropout", "0.2"),
     _setting("adamw-ls0.2", "AdamW 5e-4, label smoothing 0.2", "--optim.label_smoothing", "0.2"),
