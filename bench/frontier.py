@@ -332,7 +332,7 @@ def budget_args(p: argparse.ArgumentParser, a: argparse.Namespace, name: str, *,
     b = a.budget_s if a.budget_s is not None else budget[0 if a.smoke else 1]
     g = a.grace_s if a.grace_s is not None else grace(b)
     if not b > 0 or g < 0:
-        p.error(f"--budget-s {b} must be > 0 and --grace-s {g} >= 0")
+        p.error(f"--budget-s {b} must be > 0" if not b > 0 else f"--grace-s {g} must be >= 0")
     return [str(Path(f).resolve()) for f in files], b, g
 
 

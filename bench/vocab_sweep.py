@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import harness as H
 from data.batching import BatchSpec, pack_layout, plan_batches, plan_stats
 from data.config import DataConfig
 from data.pipeline import build_data
@@ -20,9 +21,9 @@ from models import flops_per_token, get_preset
 
 
 def table(heads: list[str], rows: list[list], align: str) -> list[str]:
-    """A markdown table; ``align``: one letter a column, r (right) or l (left)."""
-    return ["| " + " | ".join(heads) + " |", "|" + "|".join("---:" if c == "r" else "---" for c in align) + "|",
-            *("| " + " | ".join(map(str, r)) + " |" for r in rows)]
+    """``harness.markdown_table`` of rows given as lists; ``align``: a letter a column, r (right) or l (left)."""
+    return H.markdown_table([dict(zip(heads, r)) for r in rows], heads, cell=str,
+                            right=[h for h, c in zip(heads, align) if c == "r"]).splitlines()
 
 
 def vocab_row(cfg: DataConfig) -> dict:
