@@ -107,8 +107,8 @@ def write_table(rows: list[dict[str, Any]], prov: Mapping[str, Any], out: Path, 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = F.budget_parser("bench.batch_sweep", __doc__, "the tiny model on a toy corpus, 2 settings x 3 s", "setting",
-                        "default 105; smoke 3", "default 15; smoke 120", plot=False, fresh=False)
+    p = F.budget_parser("bench.batch_sweep", __doc__, "the tiny model on a toy corpus, 2 settings x 3 s",
+                        "setting", "default 105; smoke 3", "default 15; smoke 120", plot=False, fresh=False)
     p.add_argument("--settings", help="TOKENS:LR:WARMUP,... (default: 4096:5e-4:250,4096:1e-3:400; smoke: "
                                       f"{SMOKE_SETTINGS})")
     return p
@@ -133,18 +133,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     def write(frontier_rows, run_dir, _plot):  # after each setting: a cut step keeps the finished ones
         if run_dir is not None:
             name = frontier_rows[-1]["contestant"]
-            rows.append(setting_row(by_name[name], [r for r in frontier_rows if r["contestant"] == name], run_dir))
+            mine = [r for r in frontier_rows if r["contestant"] == name]
+            rows.append(setting_row(by_name[name], mine, run_dir))
             if a.smoke and not a.data_files:  # not the stand-in corpus: the generated toy corpus
                 rows[-1]["corpus"] = "toy corpus (data/toy.py, 600 rows)"
         return write_table(rows, prov, out, smoke=a.smoke)
 
     def conclude(_frontier_rows) -> str:
-        return "\n".join(f"[batch-sweep] {r['setting']}: {r['status']}, BLEU 15 at {H.fmt(r['time_to_15'])} s, "
-                         f"BLEU 20 at {H.fmt(r['time_to_20'])} s, best {H.fmt(r['best_bleu'])}, "
+        return "\n".join(f"[batch-sweep] {r['setting']}: {r['status']}, BLEU 15 at {H.fmt(r['time_to_15'])} "
+                         f"s, BLEU 20 at {H.fmt(r['time_to_20'])} s, best {H.fmt(r['best_bleu'])}, "
                          f"{H.fmt(r['steps'])} steps" for r in rows)
 
-    return F.run_cli(a, [s.contestant(a.smoke) for s in settings], name="batch-sweep", budget=budget, grace=grace,
-                     files=files, corpus=F.corpus_of(files), write=write, conclude=conclude,
+    return F.run_cli(a, [s.contestant(a.smoke) for s in settings], name="batch-sweep", budget=budget,
+                     grace=grace, files=files, corpus=F.corpus_of(files), write=write, conclude=conclude,
                      header=f"{len(settings)} settings x {budget:g} s (+ up to {grace:g} s)")
 
 

@@ -1,13 +1,14 @@
 """``python -m bench.data_scale``: cold and warm start of the data layer on corpora of 0.02-5 M pairs.
 
 Per size it writes a corpus under ``--work`` (``--from FILE``: that corpus repeated with a numeric suffix per
-copy, as issue 24 measured; else a seeded synthetic en-it corpus, Zipf words), then runs ``build_data`` in a fresh
-child process on an empty cache (cold) and on the cache it left (warm), measuring: the build's wall and CPU
-seconds (user + system, its workers included), the whole child's wall, the peak memory of the child's process tree
-(RSS from /proc/PID/statm every 20 ms, PSS from smaps_rollup every 200 ms, ``getrusage``), pairs/s per core, the
-seconds of each cold build phase (``data.build``'s meta.json) and the first-batch latency. ``--code DIR``
-measures another checkout. Rows are appended to ``bench/results/data-scale-cpu.csv``; the ``.md`` table and
-``.png`` plot are rewritten from all rows, labelled with the machine, the load average and the code's git sha.
+copy, as issue 24 measured; else a seeded synthetic en-it corpus, Zipf words), then runs ``build_data`` in a
+fresh child process on an empty cache (cold) and on the cache it left (warm), measuring: the build's wall and
+CPU seconds (user + system, its workers included), the whole child's wall, the peak memory of the child's
+process tree (RSS from /proc/PID/statm every 20 ms, PSS from smaps_rollup every 200 ms, ``getrusage``),
+pairs/s per core, the seconds of each cold build phase (``data.build``'s meta.json) and the first-batch
+latency. ``--code DIR`` measures another checkout. Rows are appended to ``bench/results/data-scale-cpu.csv``;
+the ``.md`` table and ``.png`` plot are rewritten from all rows, labelled with the machine, the load average
+and the code's git sha.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ COLUMNS = ("date", "code", "tag", "corpus", "pairs", "phase", "build_s", "proces
            "pairs_per_s_core", "cores", "rss_tree_mb", "pss_tree_mb", "maxrss_self_mb", "maxrss_child_mb",
            "load_before", "load_after", "machine") + tuple(f"{k}_s" for k in BUILD_PHASES) + ("cpu_s",)
 
-REC_FORMATS = {"build_s": ".3f", "process_s": ".3f", "first_batch_s": ".4f", "rss_tree_mb": ".0f", "pss_tree_mb": ".0f",
-               "maxrss_self_mb": ".0f", "maxrss_child_mb": ".0f", "cpu_s": ".2f"}  # the CSV's cells of a record
+# the CSV's cells of a child's record
+REC_FORMATS = {"build_s": ".3f", "process_s": ".3f", "first_batch_s": ".4f", "rss_tree_mb": ".0f",
+               "pss_tree_mb": ".0f", "maxrss_self_mb": ".0f", "maxrss_child_mb": ".0f", "cpu_s": ".2f"}
 
 # The child: imports, build_data (timed), a marker so the parent stops sampling memory, then torch and the
 # first training batch (timed). Writes one JSON record to argv[5].
@@ -221,28 +223,31 @@ def write_table(rows: list[dict], md: Path) -> None:
         sec = {k: float(r[f"{k}_s"] or 0) for k in BUILD_PHASES}
         if r["phase"] == "cold" and any(r.get(f"{k}_s") for k in BUILD_PHASES):
             phases.append({**r, "pairs": f"{int(r['pairs']):,}", "build_s": f"{float(r['build_s']):.1f}",
-                           "cpu_s": _dash(_num(r["cpu_s"], ".1f")), **{k: f"{sec[k]:.1f}" for k in BUILD_PHASES},
+                           "cpu_s": _dash(_num(r["cpu_s"], ".1f")),
+                           **{k: f"{sec[k]:.1f}" for k in BUILD_PHASES},
                            "slowest": max(sec, key=sec.get), "rss": f"{float(r['rss_tree_mb']):.0f}",
                            "load": f"{r['load_before']} → {r['load_after']}"})
     lines = ["# Data layer at scale: cold and warm start (CPU)", "",
-             "`python -m bench.data_scale` (module docstring: what is measured and how). build = `build_data` wall; "
-             "process = the whole child (interpreter, imports, build, torch import, first batch); memory = peak over "
-             "the build, summed over the process tree (RSS counts shared pages once per process, PSS shares them); "
-             "getrusage = max RSS of the child / of its largest child. The machine is shared: the load average "
-             "before/after each run is given.", "",
+             "`python -m bench.data_scale` (module docstring: what is measured and how). build = "
+             "`build_data` wall; process = the whole child (interpreter, imports, build, torch import, first "
+             "batch); memory = peak over the build, summed over the process tree (RSS counts shared pages "
+             "once per process, PSS shares them); getrusage = max RSS of the child / of its largest child. "
+             "The machine is shared: the load average before/after each run is given.", "",
              "## Summary: medians over the rows below, per corpus, size, code and phase", "",
-             "CPU s: user + system seconds of the build's processes (a cost the machine's load does not change "
-             "much; recorded since issue 37); pairs/CPU-s: pairs per such second.", "",
+             "CPU s: user + system seconds of the build's processes (a cost the machine's load does not "
+             "change much; recorded since issue 37); pairs/CPU-s: pairs per such second.", "",
              *_table(summary, "corpus pairs phase code build_s cpu_s rss pss pps per_cpu runs load", [
-                 "corpus", "pairs", "phase", "code (tag)", "build s", "CPU s", "peak RSS tree MB", "peak PSS tree MB",
-                 "pairs/s/core", "pairs/CPU-s", "runs", "load"], "pairs build_s cpu_s rss pss pps per_cpu runs")]
+                 "corpus", "pairs", "phase", "code (tag)", "build s", "CPU s", "peak RSS tree MB",
+                 "peak PSS tree MB", "pairs/s/core", "pairs/CPU-s", "runs", "load"],
+                    "pairs build_s cpu_s rss pss pps per_cpu runs")]
     if phases:
         lines += ["## Where a cold build's time goes (seconds per phase, `data.build`)", "",
                   "read/clean/hash/scratch: pass A (parse, clean, normalise + hash, scratch files), split from its "
                   "wall time by the workers' seconds in each step; group: the leakage-free split (streaming passes "
                   "over the hashes); tokenizer: its sample + SentencePiece training; encode: pass B; write: the "
                   "arrays and meta.json. Load = the 1-minute load average before → after (2 cores).", "",
-                  *_table(phases, f"date code corpus pairs build_s cpu_s {' '.join(BUILD_PHASES)} slowest rss load",
+                  *_table(phases, f"date code corpus pairs build_s cpu_s {' '.join(BUILD_PHASES)} slowest "
+                                  "rss load",
                           ["date", "code", "corpus", "pairs", "build s", "CPU s", *BUILD_PHASES, "slowest",
                            "RSS tree MB", "load"], f"pairs build_s cpu_s {' '.join(BUILD_PHASES)} rss")]
     heads = ["date", "code", "tag", "corpus", "pairs", "phase", "build s", "process s", "first batch s",
@@ -254,8 +259,8 @@ def write_table(rows: list[dict], md: Path) -> None:
                   "pss": _num(r["pss_tree_mb"], ".0f"), "ru": f"{_dash(_num(r['maxrss_self_mb'], '.0f'))} / "
                   f"{_dash(_num(r['maxrss_child_mb'], '.0f'))}", "load": f"{r['load_before']} → {r['load_after']}"}
                  for r in rows if r["machine"] == mach]
-        lines += [f"## {mach}", "", *_table(table, "date code tag corpus pairs phase build_s process_s first_batch_s "
-                                            "pps rss pss ru load", heads,
+        lines += [f"## {mach}", "", *_table(table, "date code tag corpus pairs phase build_s process_s "
+                                            "first_batch_s pps rss pss ru load", heads,
                                             "pairs build_s process_s first_batch_s pps rss pss ru", _dash)]
     md.write_text("\n".join(lines))
 
@@ -282,8 +287,8 @@ def plot(rows: list[dict], png: Path) -> None:
     H.save_figure(fig, png, suptitle=f"bench.data_scale — {rows[-1]['machine']}")
 
 
-SPM_HEADERS = ("sample pairs", "of train", "vocab", "valid src / tgt subwords per sentence", "train src / tgt",
-               "valid byte-fallback share", "pieces shared with the all-pairs model")
+SPM_HEADERS = ("sample pairs", "of train", "vocab", "valid src / tgt subwords per sentence",
+               "train src / tgt", "valid byte-fallback share", "pieces shared with the all-pairs model")
 
 
 def spm_sample_rows(source: Path, sizes: list[int], work: Path, vocab: int = 8000) -> list[dict]:
@@ -303,10 +308,12 @@ def spm_sample_rows(source: Path, sizes: list[int], work: Path, vocab: int = 800
         is_byte = np.array([tok.sp.is_byte(i) for i in range(tok.vocab_size)])
         of_train = b.split_record["rows_before_length_filter"]["train"]
         n = min(k or of_train, of_train)
-        per = [float(np.diff(x).mean()) for x in (va.src_offsets, va.tgt_offsets, tr.src_offsets, tr.tgt_offsets)]
+        offsets = (va.src_offsets, va.tgt_offsets, tr.src_offsets, tr.tgt_offsets)
+        per = [float(np.diff(x).mean()) for x in offsets]
         rows.append(dict(zip(SPM_HEADERS, (f"{'all ' if not k else ''}{n:,}", f"{n / of_train:.1%}",
                                            f"{tok.vocab_size:,}", f"{per[0]:.2f} / {per[1]:.2f}",
-                                           f"{per[2]:.2f} / {per[3]:.2f}", f"{float(is_byte[ids].mean()):.3%}",
+                                           f"{per[2]:.2f} / {per[3]:.2f}",
+                                           f"{float(is_byte[ids].mean()):.3%}",
                                            f"{len(pieces & full) / len(full):.1%}"))))
     return rows
 
@@ -385,11 +392,13 @@ def main(argv=None) -> int:
                 rec = run_child(a.code, corpus, cache, a.workers, a.timeout_s)
             except (RuntimeError, TimeoutError) as e:  # the rows of the builds before it are in the CSV
                 raise SystemExit(f"bench.data_scale: the {phase} build of {pairs:,} pairs failed: {e}") from None
-            row = {"date": date.today().isoformat(), "code": code, "tag": a.tag, "corpus": label, "pairs": pairs,
-                   "phase": phase, "cores": cores, "load_before": load0, "load_after": f"{os.getloadavg()[0]:.2f}",
+            row = {"date": date.today().isoformat(), "code": code, "tag": a.tag, "corpus": label,
+                   "pairs": pairs, "phase": phase, "cores": cores, "load_before": load0,
+                   "load_after": f"{os.getloadavg()[0]:.2f}",
                    "machine": mach, **{k: format(rec[k], spec) for k, spec in REC_FORMATS.items()},
                    "pairs_per_s_core": f"{pairs / rec['build_s'] / cores:.0f}" if phase == "cold" else "",
-                   **{f"{k}_s": f"{rec['phases'][k]:.2f}" if k in rec["phases"] else "" for k in BUILD_PHASES}}
+                   **{f"{k}_s": f"{rec['phases'][k]:.2f}" if k in rec["phases"] else ""
+                      for k in BUILD_PHASES}}
             print("[data_scale] " + json.dumps(row), flush=True)
             if rec["phases"]:
                 print("[data_scale] phases (s): " + ", ".join(f"{k} {rec['phases'][k]:.1f}" for k in BUILD_PHASES

@@ -98,8 +98,8 @@ def _raise_stopped(signum, _frame):
 def run_contestant(c: Contestant, cmd: list[str], log_path: Path, *, timeout_s: float,
                    log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run ``cmd`` in its own process group (output to ``log_path``); returns status, returncode, seconds.
-    The group dies at ``timeout_s``, with the contestant, and with this process: a SIGTERM (the runbook step's
-    limit) or Ctrl-C kills it and raises (``Stopped``, ``KeyboardInterrupt``): nothing trains on after the step."""
+    The group dies at ``timeout_s``, with the contestant, and with this process: a SIGTERM (the runbook
+    step's limit) or Ctrl-C kills it and raises (``Stopped``, ``KeyboardInterrupt``)."""
     log(f"[frontier] {c.name}: {' '.join(cmd[1:])}")
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_stopped) if main_thread else None
@@ -225,7 +225,8 @@ def frontier_markdown(rows: Sequence[Mapping[str, Any]], prov: Mapping[str, Any]
     errors = [f"- {s['contestant']}: {s['error']}" for s in summ if s["error"]]
     lines += ["## Contestants that did not finish", "", *errors, ""] if errors else []
     seen = {str(r["contestant"]): r.get("command", "") for r in reversed(rows)}
-    lines += ["## Commands", "", *(f"- {k}: `{seen[k]}`" for k in dict.fromkeys(str(r["contestant"]) for r in rows))]
+    order = dict.fromkeys(str(r["contestant"]) for r in rows)
+    lines += ["## Commands", "", *(f"- {k}: `{seen[k]}`" for k in order)]
     return "\n".join(lines) + "\n"
 
 
@@ -256,9 +257,9 @@ def run_frontier(names: Sequence[str | Contestant], *, budget_s: float, grace_s:
                  work: Path, smoke: bool, log: Callable[[str], None] = print,
                  on_row: Callable[[list[dict[str, Any]], Path], None] | None = None,
                  prefix: str = "frontier") -> list[dict[str, Any]]:
-    """Run the contestants (names in ``CONTESTANTS``, or ``Contestant`` objects) in order, each for ``budget_s``,
-    never raising for a contestant's failure. Run folders ``<work>/<prefix>-<name>`` (``-2``, ... when taken),
-    logs ``<work>/<prefix>-logs/<name>.log``."""
+    """Run the contestants (names in ``CONTESTANTS``, or ``Contestant`` objects) in order, each for
+    ``budget_s``, never raising for a contestant's failure. Run folders ``<work>/<prefix>-<name>`` (``-2``,
+    ... when taken), logs ``<work>/<prefix>-logs/<name>.log``."""
     device = torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
     prov = H.provenance(device)
     corpus = corpus_of(data_files)
@@ -309,8 +310,8 @@ def budget_parser(prog: str, doc: str, smoke: str, what: str, budget: str, grace
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = budget_parser("bench.frontier", __doc__, "tiny preset on a toy corpus", "contestant", "default 120; smoke 8",
-                      "default max(60, budget/2)")
+    p = budget_parser("bench.frontier", __doc__, "tiny preset on a toy corpus", "contestant",
+                      "default 120; smoke 8", "default max(60, budget/2)")
     p.add_argument("--contestants", default=",".join(CONTESTANTS),
                    help=f"comma-separated subset of {','.join(CONTESTANTS)}, run in that order")
     p.add_argument("--seeds", help="comma-separated seeds: every contestant once per seed (<name>-s<seed>)")
@@ -325,10 +326,12 @@ def work_dir(a: argparse.Namespace, prefix: str) -> Path:
 
 
 def budget_args(p: argparse.ArgumentParser, a: argparse.Namespace, name: str, *, toy_rows: int,
-                budget: tuple[float, float], grace: Callable[[float], float]) -> tuple[list[str], float, float]:
-    """(data files, absolute: the runs start at the repo root; budget; grace) from the shared flags; ``budget``:
-    the (smoke, GPU) defaults, ``grace(budget)`` the default grace."""
-    files = cli.cli_data_files(p, a, toy=lambda: work_dir(a, f"fastmt-{name}-") / "toy.jsonl", toy_rows=toy_rows)
+                budget: tuple[float, float], grace: Callable[[float], float]
+                ) -> tuple[list[str], float, float]:
+    """(data files, absolute: the runs start at the repo root; budget; grace) from the shared flags;
+    ``budget``: the (smoke, GPU) defaults, ``grace(budget)`` the default grace."""
+    files = cli.cli_data_files(p, a, toy_rows=toy_rows,
+                               toy=lambda: work_dir(a, f"fastmt-{name}-") / "toy.jsonl")
     b = a.budget_s if a.budget_s is not None else budget[0 if a.smoke else 1]
     g = a.grace_s if a.grace_s is not None else grace(b)
     if not b > 0 or g < 0:
@@ -366,8 +369,8 @@ def run_cli(a: argparse.Namespace, contestants: Sequence[str | Contestant], *, n
     out = a.out or (work / "out" if a.smoke else H.RESULTS_DIR)
     prov = H.provenance(torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu"))
     print(f"[{name}] {header}, {corpus}, work dir {work}", flush=True)
-    write = write or (lambda rows, _dir, plot: write_outputs(rows, prov, corpus, out, smoke=a.smoke, fresh=a.fresh,
-                                                             plot=plot, name=name, markdown=markdown))
+    write = write or (lambda rows, _dir, plot: write_outputs(
+        rows, prov, corpus, out, smoke=a.smoke, fresh=a.fresh, plot=plot, name=name, markdown=markdown))
     try:
         rows = run_frontier(contestants, budget_s=budget, grace_s=grace, data_files=files, work=work,
                             smoke=a.smoke, on_row=lambda r, run_dir: write(r, run_dir, False), prefix=name)

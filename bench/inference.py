@@ -1,16 +1,16 @@
-"""``fastmt bench inference`` / ``python -m bench.inference``: one model, one test set, every engine: fastmt's own
-decoding (eager; on CUDA also its CUDA-graph path), CTranslate2 float32 and int8 (``fastmt export --to ct2``) and
-Hugging Face ``generate`` (``fastmt export --to hf``), same beam, GNMT alpha and length limit
+"""``fastmt bench inference`` / ``python -m bench.inference``: one model, one test set, every engine: fastmt's
+own decoding (eager; on CUDA also its CUDA-graph path), CTranslate2 float32 and int8 (``fastmt export --to
+ct2``) and Hugging Face ``generate`` (``fastmt export --to hf``), same beam, GNMT alpha and length limit
 (``floor(a * source tokens + b)``). Per engine: sentences/s, generated tokens/s, peak memory, BLEU/chrF.
 
-Each engine runs in its own child process (its own peak memory) pinned to ``--threads`` CPU threads (default 1:
-on a busy machine more threads wait for each other), warms up on 16 sentences, then translates the whole set;
-``--repeats`` rounds, the engines taking turns, the median time reported with its spread and the load around it.
-Exactly ``--sentences`` sentences (fewer available is an error): with no ``--ckpt`` it first trains a ``tiny``
-model on ``--data-files`` (default: the toy corpus) for ``--train-steps`` steps with a test split of that size;
-with ``--ckpt`` the first pairs of ``--data-files``, else the checkpoint's own test split (its run's data rebuilt
-with its tokenizer). Writes ``<out>/inference-<device>.md`` (default ``runs/bench``, outside the tracked results:
-``--out bench/results`` updates those) and prints the table.
+Each engine runs in its own child process (its own peak memory) pinned to ``--threads`` CPU threads (default
+1: on a busy machine more threads wait for each other), warms up on 16 sentences, then translates the whole
+set; ``--repeats`` rounds, the engines taking turns, the median time reported with its spread and the load
+around it. Exactly ``--sentences`` sentences (fewer available is an error): with no ``--ckpt`` it first trains
+a ``tiny`` model on ``--data-files`` (default: the toy corpus) for ``--train-steps`` steps with a test split
+of that size; with ``--ckpt`` the first pairs of ``--data-files``, else the checkpoint's own test split (its
+run's data rebuilt with its tokenizer). Writes ``<out>/inference-<device>.md`` (default ``runs/bench``,
+outside the tracked results: ``--out bench/results`` updates those) and prints the table.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 # -- the model and the test set ----------------------------------------------------------------------------
 def train_small(work: Path, data_files: list[str], steps: int, device: str,
                 sentences: int) -> tuple[Path, list[str], list[str]]:
-    """A tiny model trained ``steps`` steps and its test split of ``sentences`` pairs (sources, references)."""
+    """A tiny model trained ``steps`` steps and its test split of ``sentences`` pairs (sources, refs)."""
     import dataclasses
 
     from data.config import toy
@@ -107,9 +107,9 @@ def test_pairs(ckpt: Path, data_files: list[str] | None) -> tuple[list[str], lis
 
     saved = load_checkpoint(ckpt)
     m, run = saved.get("config", {}).get("model") or {}, saved.get("config", {}).get("run") or {}
-    note = (f"{ckpt.name} (given): {m.get('enc_layers')}+{m.get('dec_layers')} layers, d_model {m.get('d_model')}, "
-            f"d_ff {m.get('d_ff')}, vocabulary {m.get('vocab_size')}, ffn_norm {m.get('ffn_norm')}; run "
-            f"{run.get('name')!r}, step {(saved.get('position') or {}).get('step')}")
+    note = (f"{ckpt.name} (given): {m.get('enc_layers')}+{m.get('dec_layers')} layers, d_model "
+            f"{m.get('d_model')}, d_ff {m.get('d_ff')}, vocabulary {m.get('vocab_size')}, ffn_norm "
+            f"{m.get('ffn_norm')}; run {run.get('name')!r}, step {(saved.get('position') or {}).get('step')}")
     data = saved.get("config", {}).get("data") or {}
     if data_files:
         src, ref = read_pairs(data_files[0], data.get("src_lang", "en"), data.get("tgt_lang", "it"))
@@ -126,7 +126,8 @@ def test_pairs(ckpt: Path, data_files: list[str] | None) -> tuple[list[str], lis
                          f"{e}); give test pairs with --data-files") from None
     test = bundle.splits["test"]
     where = corpus_label(cfg.data.data_files) if cfg.data.data_files else str(cfg.data.dataset)
-    return list(test.src_text), list(test.tgt_text), f"the test split of {where} (the checkpoint's run's own)", note
+    what = f"the test split of {where} (the checkpoint's run's own)"
+    return list(test.src_text), list(test.tgt_text), what, note
 
 
 def check_out(out: Path) -> None:
@@ -222,7 +223,8 @@ def measure(args, ckpt: Path, src: list[str], ref: list[str], work: Path, device
         for engine in engines:
             job = work / f"{engine}.job.json"
             result = work / f"{engine}.result.json"
-            decoding = {"beam": args.beam, "alpha": args.length_penalty, "a": 1.5, "b": 10, "batch": args.batch_size}
+            decoding = {"beam": args.beam, "alpha": args.length_penalty, "a": 1.5, "b": 10,
+                        "batch": args.batch_size}
             job.write_text(json.dumps({"engine": engine, "device": device, "ckpt": str(ckpt), "src": src,
                                        "threads": args.threads, "dirs": {k: str(v) for k, v in dirs.items()},
                                        "result": str(result), "decoding": decoding}))

@@ -165,7 +165,7 @@ def rung_overrides(rung: Rung, ran: Collection[str], by_id: dict[str, Rung]) -> 
 
 def adapt_overrides(overrides: dict[str, str], base, device: torch.device) -> tuple[dict, list[str]]:
     """Fit a rung's overrides to the machine and model: on CPU "auto" (the reference) replaces our Triton
-    attention (the interpreter: minutes); unique-block counts over the base model's layers become half of them."""
+    attention (the interpreter: minutes); unique-block counts over the model's layers become half of them."""
     out, notes = dict(overrides), []
     if device.type != "cuda" and out.get("model.attn_backend") == "triton":
         out["model.attn_backend"] = "auto"
@@ -348,7 +348,8 @@ def config_columns(cfg) -> dict[str, Any]:
 
 
 def add_speedups(rows: list[dict[str, Any]]) -> None:
-    """tokens/s over rung 0's (``speedup_vs_baseline``) and the parent's (``_vs_previous``); NaN: one did not run."""
+    """tokens/s over rung 0's (``speedup_vs_baseline``) and the parent's (``_vs_previous``); NaN: one did
+    not run."""
     tps = {r["rung"]: r.get("tokens_per_second") for r in rows if r.get("status") == "ok"}
     base = tps.get("0")
 
@@ -372,8 +373,9 @@ def run_ladder(s: LadderSettings, rungs: Sequence[Rung] = RUNGS, log: Callable[[
                on_row: Callable[[list[dict[str, Any]], dict[str, Any]], None] | None = None,
                ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Run ``rungs`` in order, never raising for a rung's failure; returns (rows, context), calling
-    ``on_row(rows_so_far, context)`` after each. With ``s.budget_s`` a rung is skipped when the time spent plus
-    its estimate (its cap, or the costliest earlier rung of its kind) would pass it; no cap reaches past it."""
+    ``on_row(rows_so_far, context)`` after each. With ``s.budget_s`` a rung is skipped when the time spent
+    plus its estimate (its cap, or the costliest earlier rung of its kind) would pass it; no cap reaches past
+    it."""
     from data import build_data
     from train.config import apply_overrides
 

@@ -28,8 +28,9 @@ HEADERS = ("epoch", "wall s (cum.)", "train s", "eval s", "last-batch loss (seed
 
 
 def read_run(run: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None, dict[str, Any]]:
-    """(epoch records, test record or None, provenance) of a run folder; loud errors when missing. Older runs'
-    epochs without ``wall_seconds`` get the running sum of epoch and evaluation seconds (``wall_from_epochs``)."""
+    """(epoch records, test record or None, provenance) of a run folder; loud errors when missing. Older
+    runs' epochs without ``wall_seconds`` get the running sum of epoch and evaluation seconds
+    (``wall_from_epochs``)."""
     from train.runs.metrics import read_metrics
 
     metrics, prov_path = run / "metrics.jsonl", run / "provenance.json"
@@ -110,7 +111,7 @@ def read_gpu_samples(path: Path | None) -> list[tuple[float, float]]:
 
 def done_split(run: Path) -> dict[str, float | None]:
     """``setup_s``, ``compile_s``, ``train_s``, ``eval_s``, ``checkpoint_s`` from the run's ``done`` record
-    (train/objective.py ``WallSplit``); each None when the run did not record it (a run cut before its end)."""
+    (train/objective.py ``WallSplit``); each None when the run did not record it (cut before its end)."""
     from train.runs.metrics import read_metrics
 
     path = run / "metrics.jsonl"
@@ -129,9 +130,9 @@ def _median(values: Sequence[Any]) -> float | None:
 def run_numbers(epochs: Sequence[dict[str, Any]], summ: dict[str, Any],
                 samples: Sequence[tuple[float, float]] = (), split: dict[str, float | None] | None = None
                 ) -> dict[str, Any]:
-    """The numbers a packet reports of a training run (bench/README.md, packet ``quality``); "steady": the epochs
-    after the first; ``samples``: nvidia-smi's utilization; ``split``: `done_split`. What the run did not record
-    is None, never estimated."""
+    """The numbers a packet reports of a training run (bench/README.md, packet ``quality``); "steady": the
+    epochs after the first; ``samples``: nvidia-smi's utilization; ``split``: `done_split`. What the run did
+    not record is None, never estimated."""
     first, last = epochs[0], epochs[-1]
     steady = epochs[1:]
     steady_s = sum(float(r.get("epoch_seconds") or 0.0) for r in steady)
@@ -266,8 +267,9 @@ def best_by(rows: Sequence[dict[str, Any]], t: float) -> float | None:
 
 
 def compare_runs(a: Path, b: Path, out: Path) -> dict[str, Path]:
-    """Two runs side by side on the wall clock (fastmt's `make train` run against the HF baseline): seconds to each
-    BLEU threshold, and each run's best validation BLEU at every epoch end of either, up to the shorter run's end."""
+    """Two runs side by side on the wall clock (fastmt's `make train` run against the HF baseline): seconds to
+    each BLEU threshold, and each run's best validation BLEU at every epoch end of either, up to the shorter
+    run's end."""
     runs = []
     for run in (a, b):
         epochs, test, prov = read_run(run)

@@ -25,7 +25,8 @@ def _setting(name: str, label: str, *overrides: str) -> F.Contestant:
 
 
 def _lion(name: str, label: str, lr: str, *overrides: str, wd: str = "0.1") -> F.Contestant:
-    return _setting(name, label, "--optim.name", "lion", "--optim.lr", lr, "--optim.weight_decay", wd, *overrides)
+    return _setting(name, label, "--optim.name", "lion", "--optim.lr", lr, "--optim.weight_decay", wd,
+                    *overrides)
 
 
 SETTINGS: dict[str, F.Contestant] = {c.name: c for c in (
@@ -97,8 +98,8 @@ def sweep_markdown(rows: Sequence[Mapping[str, Any]], prov: Mapping[str, Any], c
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = F.budget_parser("bench.sweep", __doc__, "the tiny model on a toy corpus", "setting", "default 90; smoke 45",
-                        "default 60", plot=False)
+    p = F.budget_parser("bench.sweep", __doc__, "the tiny model on a toy corpus", "setting",
+                        "default 90; smoke 45", "default 60", plot=False)
     p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated subset of {','.join(SETTINGS)}")
     return p
 

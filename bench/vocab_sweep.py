@@ -21,7 +21,7 @@ from models import flops_per_token, get_preset
 
 
 def table(heads: list[str], rows: list[list], align: str) -> list[str]:
-    """``harness.markdown_table`` of rows given as lists; ``align``: a letter a column, r (right) or l (left)."""
+    """``harness.markdown_table`` of rows given as lists; ``align``: r (right) or l (left) a column."""
     return H.markdown_table([dict(zip(heads, r)) for r in rows], heads, cell=str,
                             right=[h for h, c in zip(heads, align) if c == "r"]).splitlines()
 
@@ -38,7 +38,8 @@ def vocab_row(cfg: DataConfig) -> dict:
     lens = np.concatenate([tr.src_lengths, tr.tgt_lengths])
     # training FLOPs of one epoch for the S18 model at this vocabulary, at the split's mean lengths
     s18 = get_preset("s18", vocab_size=tok.vocab_size)
-    flops = flops_per_token(s18, float(tr.src_lengths.mean()), float(tr.tgt_lengths.mean())) * float(tr.tgt_lengths.sum())
+    per_token = flops_per_token(s18, float(tr.src_lengths.mean()), float(tr.tgt_lengths.mean()))
+    flops = per_token * float(tr.tgt_lengths.sum())
     return {"model": cfg.spm_model, "vocab": tok.vocab_size, "tokens": int(lens.sum()), "mean": float(lens.mean()),
             "p99": float(np.percentile(lens, 99)), "rare": float((real < 10).mean()),
             "byte": float(is_byte[va_ids].mean()), "unk": float((va_ids == tok.unk_id).mean()),
@@ -77,8 +78,9 @@ def packing_table(b) -> list[str]:
             f"Capacity C_src + C_tgt from `max_tokens` (split by train token totals, each rounded up to 64), "
             f"max_len {max_len}; padding = 1 - real / (batches x (C_src + C_tgt)), epoch 0. "
             "Cells: padding / batches / distinct (B,S,T) shapes.", "",
-            *table(["max_tokens", "C_src + C_tgt", "slots (real)", "packed", "packed w/o the partial last batch",
-                    "closed on slots", "token_bucket pad_multiple 1", "token_bucket pad_multiple 8"], rows, "rrrlrrll")]
+            *table(["max_tokens", "C_src + C_tgt", "slots (real)", "packed",
+                    "packed w/o the partial last batch", "closed on slots", "token_bucket pad_multiple 1",
+                    "token_bucket pad_multiple 8"], rows, "rrrlrrll")]
 
 
 def main(argv=None) -> int:
@@ -116,8 +118,8 @@ def main(argv=None) -> int:
                [[r["model"], r["vocab"], f"{r['tokens']:,}", f"{r['mean']:.1f}", f"{r['p99']:.0f}",
                  f"{100 * r['rare']:.1f} %", f"{100 * r['byte']:.3f} %", f"{100 * r['unk']:.3f} %",
                  f"{r['flops'] / 1e9:,.0f}", f"{r['flops'] / ref:.3f}"] for r in rows], "lrrrrrrrrr"),
-        "", f"## token_bucket at vocab {b.tokenizer.vocab_size}: padding / batches / distinct (B,S,T) shapes / "
-            "distinct (S,T)", "",
+        "", f"## token_bucket at vocab {b.tokenizer.vocab_size}: padding / batches / distinct (B,S,T) "
+            "shapes / distinct (S,T)", "",
         *table(["max_tokens", *(f"pad_multiple {m}" for m in (1, 2, 8, 16))],
                [[budget, *bucket_cells(tr, budget, (1, 2, 8, 16), seq_shapes=True)]
                 for budget in (1024, 2048, 4096, 8192, 16384)], "rllll"),
