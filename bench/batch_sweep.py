@@ -1,11 +1,9 @@
 """The batch that reaches validation BLEU soonest (issue 42 item 3): tokens a step x learning rate / warm-up.
 
-Every setting is ``python -m train --auto`` with ``--data.max_tokens T --optim.schedule cosine --optim.lr LR
---optim.warmup_steps W``, run by bench/frontier.py (its own process group, killed at its budget + grace) for the
-same wall-clock budget on the same data. Outputs ``<out>/batch-sweep-<gpu>.{csv,md}``: per setting the seconds
-from process start to validation BLEU 15 and 20 (``THRESHOLDS``; None: not reached in the budget), the best
-BLEU and when, the optimizer steps and the real tokens a second. Rows of settings not run now are kept (the GPU
-packets run one batch size each: ``bench/packets.py`` ``BATCH_SWEEP``), a setting run again replaces its row.
+Each setting is ``python -m train --auto --data.max_tokens T --optim.schedule cosine --optim.lr LR
+--optim.warmup_steps W``, run by bench/frontier.py for the same wall budget on the same data. Writes
+``<out>/batch-sweep-<gpu>.{csv,md}`` (seconds to BLEU 15 and 20, best BLEU, steps, real tokens/s); rows of
+settings not run now are kept (the GPU packets run one batch size each: bench/packets.py ``BATCH_SWEEP``).
 
   python -m bench.batch_sweep --settings 4096:5e-4:250,4096:1e-3:400 --budget-s 105 --grace-s 15
   python -m bench.batch_sweep --smoke          the tiny model on the toy corpus on the CPU, 2 settings x 3 s
@@ -21,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import cli
 from bench import frontier as F
 from bench import harness as H
 
@@ -110,14 +107,10 @@ def write_table(rows: list[dict[str, Any]], prov: Mapping[str, Any], out: Path, 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.batch_sweep", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    cli.add_cli_args(p, "the tiny model on a toy corpus, 2 settings x 3 s", plot=False)
+    p = F.budget_parser("bench.batch_sweep", __doc__, "the tiny model on a toy corpus, 2 settings x 3 s",
+                        "setting", "default 105; smoke 3", "default 15; smoke 120", plot=False, fresh=False)
     p.add_argument("--settings", help="TOKENS:LR:WARMUP,... (default: 4096:5e-4:250,4096:1e-3:400; smoke: "
                                       f"{SMOKE_SETTINGS})")
-    p.add_argument("--budget-s", type=float, help="wall seconds per setting (default 105; smoke 3)")
-    p.add_argument("--grace-s", type=float, help="extra seconds before a setting is killed (default 15; smoke 120)")
-    p.add_argument("--work-dir", type=Path, help="parent of the run folders (default runs/; smoke: a temp dir)")
     return p
 
 
@@ -128,40 +121,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = parse_settings(a.settings or (SMOKE_SETTINGS if a.smoke else "4096:5e-4:250,4096:1e-3:400"))
     except ValueError as e:
         p.error(str(e))
-    files = cli.cli_data_files(p, a, toy=lambda: F.work_dir(a, "fastmt-batch-sweep-") / "toy.jsonl", toy_rows=600)
-    toy = a.smoke and not a.data_files
-    files = [str(Path(f).resolve()) for f in files]  # the settings run from the repo root
-    budget = a.budget_s if a.budget_s is not None else (3.0 if a.smoke else 105.0)
-    grace = a.grace_s if a.grace_s is not None else (120.0 if a.smoke else 15.0)
-    if not budget > 0 or grace < 0:
-        p.error(f"--budget-s {budget} must be > 0 and --grace-s {grace} >= 0")
-    work = F.work_dir(a, "fastmt-batch-sweep-")
-    out = a.out or (work / "out" if a.smoke else H.RESULTS_DIR)
+    files, budget, grace = F.budget_args(p, a, "batch-sweep", toy_rows=600, budget=(3.0, 105.0),
+                                         grace=lambda _: 120.0 if a.smoke else 15.0)
+    by_name = {s.name: s for s in settings}
     import torch
 
     prov = H.provenance(torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu"))
-    print(f"[batch-sweep] {len(settings)} settings x {budget:g} s (+ up to {grace:g} s), work dir {work}", flush=True)
+    out = a.out or (F.work_dir(a, "fastmt-batch-sweep-") / "out" if a.smoke else H.RESULTS_DIR)
     rows: list[dict[str, Any]] = []
-    paths: dict[str, Path] = {}
-    try:
-        for s in settings:
-            before = F.run_folders(work, f"batch-sweep-{s.name}")
-            fr = F.run_frontier([s.contestant(a.smoke)], budget_s=budget, grace_s=grace, data_files=files, work=work,
-                                smoke=a.smoke, prefix="batch-sweep")
-            run_dir = F.claimed_run_dir(work, f"batch-sweep-{s.name}", before)
-            rows.append(setting_row(s, fr, run_dir))
-            if toy:  # not the stand-in corpus: the generated toy corpus
+
+    def write(frontier_rows, run_dir, _plot):  # after each setting: a cut step keeps the finished ones
+        if run_dir is not None:
+            name = frontier_rows[-1]["contestant"]
+            mine = [r for r in frontier_rows if r["contestant"] == name]
+            rows.append(setting_row(by_name[name], mine, run_dir))
+            if a.smoke and not a.data_files:  # not the stand-in corpus: the generated toy corpus
                 rows[-1]["corpus"] = "toy corpus (data/toy.py, 600 rows)"
-            paths = write_table(rows, prov, out, smoke=a.smoke)  # after each setting: a cut step keeps the finished
-    except F.Stopped as e:
-        print(f"[batch-sweep] stopped by {e}: the setting in flight and its children were killed", flush=True)
-        return 143
-    for r in rows:
-        print(f"[batch-sweep] {r['setting']}: {r['status']}, BLEU 15 at {H.fmt(r['time_to_15'])} s, BLEU 20 at "
-              f"{H.fmt(r['time_to_20'])} s, best {H.fmt(r['best_bleu'])}, {H.fmt(r['steps'])} steps")
-    for kind, path in paths.items():
-        print(f"[batch-sweep] {kind}: {path}")
-    return 0 if any(r["status"] == "ok" for r in rows) else 1
+        return write_table(rows, prov, out, smoke=a.smoke)
+
+    def conclude(_frontier_rows) -> str:
+        return "\n".join(f"[batch-sweep] {r['setting']}: {r['status']}, BLEU 15 at {H.fmt(r['time_to_15'])} "
+                         f"s, BLEU 20 at {H.fmt(r['time_to_20'])} s, best {H.fmt(r['best_bleu'])}, "
+                         f"{H.fmt(r['steps'])} steps" for r in rows)
+
+    return F.run_cli(a, [s.contestant(a.smoke) for s in settings], name="batch-sweep", budget=budget,
+                     grace=grace, files=files, corpus=F.corpus_of(files), write=write, conclude=conclude,
+                     header=f"{len(settings)} settings x {budget:g} s (+ up to {grace:g} s)")
 
 
 if __name__ == "__main__":

@@ -1,23 +1,14 @@
 """``python -m bench.data_scale``: cold and warm start of the data layer on corpora of 0.02-5 M pairs.
 
-For each size it writes a corpus (never committed: under ``--work``), then runs ``build_data`` twice in a
-fresh child process each, on an empty cache (cold) and on the cache the first run left (warm), and
-measures: wall of ``build_data``; wall of the whole child (interpreter and imports included); the peak
-memory of the child's process tree while it builds (RSS summed over the tree every 20 ms from
-/proc/PID/statm, PSS every 200 ms from smaps_rollup, and ``resource.getrusage`` of the child and of its
-largest child); pairs/s per core
-(cold: pairs / wall / cores used); the CPU seconds of the build (user + system, the child and its build
-workers: what the build costs whatever the machine's load; on a shared machine wall / CPU says how much of the
-cores it got); the seconds of each build phase (cold: read, clean, hash, scratch files,
-group = the leakage-free split, tokenizer = its sample + training, encode, write; from the entry's meta.json,
-`data.build`); and the first-batch latency (``next(iter(bundle.loader("train")))`` after the build, torch
-imported beforehand). ``--code DIR`` measures another checkout (e.g. the tree
-before a change): the child imports ``data`` from there. Rows are appended to
-``bench/results/data-scale-cpu.csv``; the table (``.md``) and the plot (``.png``) are rewritten from
-all rows, labelled with the machine, the load average and the code's git sha.
-
-Corpora: ``--from FILE`` repeats a real corpus with a numeric suffix per copy (what issue 24 measured);
-without it, a synthetic en-it corpus is generated (Zipf-distributed words, seeded).
+Per size it writes a corpus under ``--work`` (``--from FILE``: that corpus repeated with a numeric suffix per
+copy, as issue 24 measured; else a seeded synthetic en-it corpus, Zipf words), then runs ``build_data`` in a
+fresh child process on an empty cache (cold) and on the cache it left (warm), measuring: the build's wall and
+CPU seconds (user + system, its workers included), the whole child's wall, the peak memory of the child's
+process tree (RSS from /proc/PID/statm every 20 ms, PSS from smaps_rollup every 200 ms, ``getrusage``),
+pairs/s per core, the seconds of each cold build phase (``data.build``'s meta.json) and the first-batch
+latency. ``--code DIR`` measures another checkout. Rows are appended to ``bench/results/data-scale-cpu.csv``;
+the ``.md`` table and ``.png`` plot are rewritten from all rows, labelled with the machine, the load average
+and the code's git sha.
 """
 
 from __future__ import annotations
@@ -44,6 +35,10 @@ BUILD_PHASES = ("read", "clean", "hash", "scratch", "group", "tokenizer", "encod
 COLUMNS = ("date", "code", "tag", "corpus", "pairs", "phase", "build_s", "process_s", "first_batch_s",
            "pairs_per_s_core", "cores", "rss_tree_mb", "pss_tree_mb", "maxrss_self_mb", "maxrss_child_mb",
            "load_before", "load_after", "machine") + tuple(f"{k}_s" for k in BUILD_PHASES) + ("cpu_s",)
+
+# the CSV's cells of a child's record
+REC_FORMATS = {"build_s": ".3f", "process_s": ".3f", "first_batch_s": ".4f", "rss_tree_mb": ".0f",
+               "pss_tree_mb": ".0f", "maxrss_self_mb": ".0f", "maxrss_child_mb": ".0f", "cpu_s": ".2f"}
 
 # The child: imports, build_data (timed), a marker so the parent stops sampling memory, then torch and the
 # first training batch (timed). Writes one JSON record to argv[5].
@@ -76,23 +71,17 @@ open(sys.argv[5], "w").write(json.dumps({"phases": phases, "import_s": t1 - t0, 
 """
 
 
-# ----------------------------------------------------------------------------------------------
-# Corpora
-# ----------------------------------------------------------------------------------------------
+# -- Corpora --
 def replicate(source: Path, out: Path, pairs: int) -> None:
     """``pairs`` rows: ``source``'s rows repeated, copy k >= 1 with " k" appended to both sides."""
     rows = [json.loads(line)["translation"] for line in source.open(encoding="utf-8") if line.strip()]
     langs = list(rows[0])
     with out.open("w", encoding="utf-8") as f:
-        n = 0
-        for k in range(pairs // len(rows) + 1):
+        for n in range(pairs):
+            k, i = divmod(n, len(rows))
             tail = f" {k}" if k else ""
-            buf = []
-            for r in rows[: pairs - n]:
-                buf.append(json.dumps({"id": str(n), "translation": {g: r[g] + tail for g in langs}},
-                                      ensure_ascii=False))
-                n += 1
-            f.write("\n".join(buf) + "\n" if buf else "")
+            f.write(json.dumps({"id": str(n), "translation": {g: rows[i][g] + tail for g in langs}},
+                               ensure_ascii=False) + "\n")
 
 
 def _words(n: int, rng: np.random.Generator) -> list[str]:
@@ -124,9 +113,7 @@ def synthetic(out: Path, pairs: int, seed: int = 0, vocab: int = 20_000, chunk: 
             f.write("\n".join(lines) + "\n")
 
 
-# ----------------------------------------------------------------------------------------------
-# Measuring a child process tree
-# ----------------------------------------------------------------------------------------------
+# -- Measuring a child process tree --
 def _children_of() -> dict[int, list[int]]:
     kids: dict[int, list[int]] = {}
     for d in os.listdir("/proc"):
@@ -194,9 +181,7 @@ def run_child(code: Path, corpus: Path, cache: Path, workers: int, timeout_s: fl
     return rec
 
 
-# ----------------------------------------------------------------------------------------------
-# Table, plot
-# ----------------------------------------------------------------------------------------------
+# -- Table, plot --
 def load_rows(path: Path) -> list[dict]:
     """The CSV's rows, every one with every column of `COLUMNS` (rows written before a column existed: "")."""
     return H.read_csv(path, COLUMNS)
@@ -210,16 +195,12 @@ def _dash(v) -> str:
     return "—" if v in ("", None) else str(v)
 
 
+def _table(rows: list[dict], cols: str, heads: list[str], right: str, cell=str) -> list[str]:
+    """A markdown table of ``rows`` (``cols``, ``right``: space-separated keys), then a blank line."""
+    return [H.markdown_table(rows, cols.split(), heads, right=right.split(), cell=cell), ""]
+
+
 def write_table(rows: list[dict], md: Path) -> None:
-    lines = ["# Data layer at scale: cold and warm start (CPU)", "",
-             "`python -m bench.data_scale` (module docstring: what is measured and how). build = `build_data` wall; "
-             "process = the whole child (interpreter, imports, build, torch import, first batch); memory = peak over "
-             "the build, summed over the process tree (RSS counts shared pages once per process, PSS shares them); "
-             "getrusage = max RSS of the child / of its largest child. The machine is shared: the load average "
-             "before/after each run is given.", ""]
-    lines += ["## Summary: medians over the rows below, per corpus, size, code and phase", "",
-              "CPU s: user + system seconds of the build's processes (a cost the machine's load does not change "
-              "much; recorded since issue 37); pairs/CPU-s: pairs per such second.", ""]
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["corpus"], int(r["pairs"]), r["phase"], f"{r['code']} ({r['tag']})"), []).append(r)
@@ -237,39 +218,50 @@ def write_table(rows: list[dict], md: Path) -> None:
                         "pps": _num(med("pairs_per_s_core"), ",.0f"),
                         "per_cpu": _num(pairs / cpu if cpu and phase == "cold" else None, ",.0f"),
                         "runs": len(rs), "load": f"{min(loads):.1f}–{max(loads):.1f}"})
-    lines += [H.markdown_table(summary, list(summary[0]) if summary else [], [
-        "corpus", "pairs", "phase", "code (tag)", "build s", "CPU s", "peak RSS tree MB", "peak PSS tree MB",
-        "pairs/s/core", "pairs/CPU-s", "runs", "load"], right=("pairs", "build_s", "cpu_s", "rss", "pss", "pps",
-                                                              "per_cpu", "runs"), cell=str), ""]
-    timed = [r for r in rows if r["phase"] == "cold" and any(r.get(f"{k}_s") for k in BUILD_PHASES)]
-    if timed:
+    phases = []
+    for r in rows:
+        sec = {k: float(r[f"{k}_s"] or 0) for k in BUILD_PHASES}
+        if r["phase"] == "cold" and any(r.get(f"{k}_s") for k in BUILD_PHASES):
+            phases.append({**r, "pairs": f"{int(r['pairs']):,}", "build_s": f"{float(r['build_s']):.1f}",
+                           "cpu_s": _dash(_num(r["cpu_s"], ".1f")),
+                           **{k: f"{sec[k]:.1f}" for k in BUILD_PHASES},
+                           "slowest": max(sec, key=sec.get), "rss": f"{float(r['rss_tree_mb']):.0f}",
+                           "load": f"{r['load_before']} → {r['load_after']}"})
+    lines = ["# Data layer at scale: cold and warm start (CPU)", "",
+             "`python -m bench.data_scale` (module docstring: what is measured and how). build = "
+             "`build_data` wall; process = the whole child (interpreter, imports, build, torch import, first "
+             "batch); memory = peak over the build, summed over the process tree (RSS counts shared pages "
+             "once per process, PSS shares them); getrusage = max RSS of the child / of its largest child. "
+             "The machine is shared: the load average before/after each run is given.", "",
+             "## Summary: medians over the rows below, per corpus, size, code and phase", "",
+             "CPU s: user + system seconds of the build's processes (a cost the machine's load does not "
+             "change much; recorded since issue 37); pairs/CPU-s: pairs per such second.", "",
+             *_table(summary, "corpus pairs phase code build_s cpu_s rss pss pps per_cpu runs load", [
+                 "corpus", "pairs", "phase", "code (tag)", "build s", "CPU s", "peak RSS tree MB",
+                 "peak PSS tree MB", "pairs/s/core", "pairs/CPU-s", "runs", "load"],
+                    "pairs build_s cpu_s rss pss pps per_cpu runs")]
+    if phases:
         lines += ["## Where a cold build's time goes (seconds per phase, `data.build`)", "",
                   "read/clean/hash/scratch: pass A (parse, clean, normalise + hash, scratch files), split from its "
                   "wall time by the workers' seconds in each step; group: the leakage-free split (streaming passes "
                   "over the hashes); tokenizer: its sample + SentencePiece training; encode: pass B; write: the "
-                  "arrays and meta.json. Load = the 1-minute load average before → after (2 cores).", ""]
-        table = []
-        for r in timed:
-            sec = {k: float(r[f"{k}_s"] or 0) for k in BUILD_PHASES}
-            table.append({"date": r["date"], "code": r["code"], "corpus": r["corpus"], "pairs": f"{int(r['pairs']):,}",
-                          "build_s": f"{float(r['build_s']):.1f}", "cpu_s": _dash(_num(r["cpu_s"], ".1f")),
-                          **{k: f"{sec[k]:.1f}" for k in BUILD_PHASES}, "slowest": max(sec, key=sec.get),
-                          "rss": f"{float(r['rss_tree_mb']):.0f}", "load": f"{r['load_before']} → {r['load_after']}"})
-        lines += [H.markdown_table(table, list(table[0]), ["date", "code", "corpus", "pairs", "build s", "CPU s",
-                                                           *BUILD_PHASES, "slowest", "RSS tree MB", "load"],
-                                   right=("pairs", "build_s", "cpu_s", *BUILD_PHASES, "rss"), cell=str), ""]
+                  "arrays and meta.json. Load = the 1-minute load average before → after (2 cores).", "",
+                  *_table(phases, f"date code corpus pairs build_s cpu_s {' '.join(BUILD_PHASES)} slowest "
+                                  "rss load",
+                          ["date", "code", "corpus", "pairs", "build s", "CPU s", *BUILD_PHASES, "slowest",
+                           "RSS tree MB", "load"], f"pairs build_s cpu_s {' '.join(BUILD_PHASES)} rss")]
     heads = ["date", "code", "tag", "corpus", "pairs", "phase", "build s", "process s", "first batch s",
              "pairs/s/core", "RSS tree MB", "PSS tree MB", "getrusage self / child MB", "load"]
     for mach in sorted({r["machine"] for r in rows}):
-        table = [{"date": r["date"], "code": r["code"], "tag": r["tag"], "corpus": r["corpus"],
-                  "pairs": f"{int(r['pairs']):,}", "phase": r["phase"], "build_s": _num(r["build_s"], ".2f"),
+        table = [{**r, "pairs": f"{int(r['pairs']):,}", "build_s": _num(r["build_s"], ".2f"),
                   "process_s": _num(r["process_s"], ".2f"), "first_batch_s": _num(r["first_batch_s"], ".3f"),
                   "pps": _num(r["pairs_per_s_core"], ",.0f"), "rss": _num(r["rss_tree_mb"], ".0f"),
                   "pss": _num(r["pss_tree_mb"], ".0f"), "ru": f"{_dash(_num(r['maxrss_self_mb'], '.0f'))} / "
                   f"{_dash(_num(r['maxrss_child_mb'], '.0f'))}", "load": f"{r['load_before']} → {r['load_after']}"}
                  for r in rows if r["machine"] == mach]
-        lines += [f"## {mach}", "", H.markdown_table(table, list(table[0]), heads, cell=_dash, right=(
-            "pairs", "build_s", "process_s", "first_batch_s", "pps", "rss", "pss", "ru")), ""]
+        lines += [f"## {mach}", "", *_table(table, "date code tag corpus pairs phase build_s process_s "
+                                            "first_batch_s pps rss pss ru load", heads,
+                                            "pairs build_s process_s first_batch_s pps rss pss ru", _dash)]
     md.write_text("\n".join(lines))
 
 
@@ -295,48 +287,35 @@ def plot(rows: list[dict], png: Path) -> None:
     H.save_figure(fig, png, suptitle=f"bench.data_scale — {rows[-1]['machine']}")
 
 
+SPM_HEADERS = ("sample pairs", "of train", "vocab", "valid src / tgt subwords per sentence",
+               "train src / tgt", "valid byte-fallback share", "pieces shared with the all-pairs model")
+
+
 def spm_sample_rows(source: Path, sizes: list[int], work: Path, vocab: int = 8000) -> list[dict]:
-    """What a sampled tokenizer changes on one corpus: per ``spm_sample_pairs`` (0 = every train pair), the
-    vocabulary, subwords per sentence (valid and train), byte-fallback share on valid, the pieces shared with
-    the model trained on everything, and the SentencePiece training time."""
+    """What a sampled tokenizer changes on one corpus, per ``spm_sample_pairs`` (0 = every train pair): the
+    table's cells (``SPM_HEADERS``)."""
     from data import DataConfig, build_data
 
     rows, full = [], None
     for k in sizes:
-        logs: list[str] = []
         cfg = DataConfig(data_files=(str(source),), cache_dir=str(work / "cache-spm-sample"), spm_sample_pairs=k,
                          vocab_size=vocab, num_workers=0)
-        b = build_data(cfg, log=logs.append)
+        b = build_data(cfg, log=lambda *_: None)
         tok, va, tr = b.tokenizer, b.splits["valid"], b.splits["train"]
         pieces = {tok.sp.id_to_piece(i) for i in range(tok.vocab_size)}
         full = pieces if full is None else full
         ids = np.concatenate([np.asarray(va.src_ids), np.asarray(va.tgt_ids)])
         is_byte = np.array([tok.sp.is_byte(i) for i in range(tok.vocab_size)])
-        trained = next((line for line in logs if "trained SentencePiece" in line), "")
-        rows.append({
-            "sample_pairs": k, "of_train": b.split_record["rows_before_length_filter"]["train"],
-            "vocab": tok.vocab_size, "asked": vocab,
-            "valid_src_per_sent": float(np.diff(va.src_offsets).mean()),
-            "valid_tgt_per_sent": float(np.diff(va.tgt_offsets).mean()),
-            "train_src_per_sent": float(np.diff(tr.src_offsets).mean()),
-            "train_tgt_per_sent": float(np.diff(tr.tgt_offsets).mean()),
-            "valid_byte_share": float(is_byte[ids].mean()), "shared_pieces": len(pieces & full) / len(full),
-            "log": trained,
-        })
+        of_train = b.split_record["rows_before_length_filter"]["train"]
+        n = min(k or of_train, of_train)
+        offsets = (va.src_offsets, va.tgt_offsets, tr.src_offsets, tr.tgt_offsets)
+        per = [float(np.diff(x).mean()) for x in offsets]
+        rows.append(dict(zip(SPM_HEADERS, (f"{'all ' if not k else ''}{n:,}", f"{n / of_train:.1%}",
+                                           f"{tok.vocab_size:,}", f"{per[0]:.2f} / {per[1]:.2f}",
+                                           f"{per[2]:.2f} / {per[3]:.2f}",
+                                           f"{float(is_byte[ids].mean()):.3%}",
+                                           f"{len(pieces & full) / len(full):.1%}"))))
     return rows
-
-
-SPM_HEADERS = ("sample pairs", "of train", "vocab", "valid src / tgt subwords per sentence", "train src / tgt",
-               "valid byte-fallback share", "pieces shared with the all-pairs model")
-
-
-def spm_cells(r: dict) -> dict:
-    """One ``spm_sample_rows`` row as the table's cells."""
-    k = min(r["sample_pairs"] or r["of_train"], r["of_train"])
-    return dict(zip(SPM_HEADERS, (f"{'all ' if not r['sample_pairs'] else ''}{k:,}", f"{k / r['of_train']:.1%}",
-                                  f"{r['vocab']:,}", f"{r['valid_src_per_sent']:.2f} / {r['valid_tgt_per_sent']:.2f}",
-                                  f"{r['train_src_per_sent']:.2f} / {r['train_tgt_per_sent']:.2f}",
-                                  f"{r['valid_byte_share']:.3%}", f"{r['shared_pieces']:.1%}")))
 
 
 def write_spm_table(rows: list[dict], md: Path, source: Path) -> None:
@@ -345,7 +324,7 @@ def write_spm_table(rows: list[dict], md: Path, source: Path) -> None:
              f"({date.today().isoformat()}, {H.machine()}). Stand-in corpus: real human translations in "
              "the OPUS Books row format, not OPUS Books. Split as `build_data` does (1000 valid, 1000 test, seed 0); "
              "BPE; subwords per sentence exclude EOS/BOS.", "",
-             H.markdown_table([spm_cells(r) for r in rows], SPM_HEADERS, SPM_HEADERS, cell=str, right=(
+             H.markdown_table(rows, SPM_HEADERS, SPM_HEADERS, cell=str, right=(
                  "sample pairs", "of train", "vocab", "valid byte-fallback share",
                  "pieces shared with the all-pairs model"))]
     md.write_text("\n".join(lines) + "\n")
@@ -414,15 +393,12 @@ def main(argv=None) -> int:
             except (RuntimeError, TimeoutError) as e:  # the rows of the builds before it are in the CSV
                 raise SystemExit(f"bench.data_scale: the {phase} build of {pairs:,} pairs failed: {e}") from None
             row = {"date": date.today().isoformat(), "code": code, "tag": a.tag, "corpus": label,
-                   "pairs": pairs, "phase": phase, "build_s": f"{rec['build_s']:.3f}",
-                   "process_s": f"{rec['process_s']:.3f}", "first_batch_s": f"{rec['first_batch_s']:.4f}",
+                   "pairs": pairs, "phase": phase, "cores": cores, "load_before": load0,
+                   "load_after": f"{os.getloadavg()[0]:.2f}",
+                   "machine": mach, **{k: format(rec[k], spec) for k, spec in REC_FORMATS.items()},
                    "pairs_per_s_core": f"{pairs / rec['build_s'] / cores:.0f}" if phase == "cold" else "",
-                   "cores": cores, "rss_tree_mb": f"{rec['rss_tree_mb']:.0f}",
-                   "pss_tree_mb": f"{rec['pss_tree_mb']:.0f}", "maxrss_self_mb": f"{rec['maxrss_self_mb']:.0f}",
-                   "maxrss_child_mb": f"{rec['maxrss_child_mb']:.0f}", "load_before": load0,
-                   "load_after": f"{os.getloadavg()[0]:.2f}", "machine": mach}
-            row.update({f"{k}_s": f"{rec['phases'][k]:.2f}" if k in rec["phases"] else "" for k in BUILD_PHASES})
-            row["cpu_s"] = f"{rec['cpu_s']:.2f}"
+                   **{f"{k}_s": f"{rec['phases'][k]:.2f}" if k in rec["phases"] else ""
+                      for k in BUILD_PHASES}}
             print("[data_scale] " + json.dumps(row), flush=True)
             if rec["phases"]:
                 print("[data_scale] phases (s): " + ", ".join(f"{k} {rec['phases'][k]:.1f}" for k in BUILD_PHASES

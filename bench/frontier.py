@@ -97,11 +97,9 @@ def _raise_stopped(signum, _frame):
 
 def run_contestant(c: Contestant, cmd: list[str], log_path: Path, *, timeout_s: float,
                    log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run ``cmd`` (its own process group, output to ``log_path``); returns status, returncode, seconds.
-
-    The group dies with the contestant's budget (``timeout_s``), with the contestant (what it left running),
-    and with this process: a SIGTERM here (``timeout`` ending the runbook's step) or Ctrl-C kills the group
-    and raises (``Stopped``, ``KeyboardInterrupt``), so nothing keeps training on the GPU after the step."""
+    """Run ``cmd`` in its own process group (output to ``log_path``); returns status, returncode, seconds.
+    The group dies at ``timeout_s``, with the contestant, and with this process: a SIGTERM (the runbook
+    step's limit) or Ctrl-C kills it and raises (``Stopped``, ``KeyboardInterrupt``)."""
     log(f"[frontier] {c.name}: {' '.join(cmd[1:])}")
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_stopped) if main_thread else None
@@ -128,9 +126,8 @@ def run_folders(work: Path, run_name: str) -> set[str]:
 
 
 def claimed_run_dir(work: Path, run_name: str, before: set[str]) -> Path:
-    """The folder the contestant actually claimed: the one run folder (it carries fastmt's marker) that
-    appeared under ``work`` during its run; ``work/run_name`` (the name asked for) when there is none or
-    several (another writer beside it)."""
+    """The one run folder (with fastmt's marker) that appeared under ``work`` during the run; else (none, or
+    several: another writer beside it) ``work/run_name``."""
     new = sorted(n for n in run_folders(work, run_name) - before if read_marker(work / n) is not None)
     return work / new[0] if len(new) == 1 else work / run_name
 
@@ -225,16 +222,11 @@ def frontier_markdown(rows: Sequence[Mapping[str, Any]], prov: Mapping[str, Any]
              f"at the first step boundary after its budget, then evaluated; wall seconds count from process "
              f"start (data, compile and evaluation included)", "",
              H.markdown_table(summ, cols, heads), ""]
-    errors = [s for s in summ if s["error"]]
-    if errors:
-        lines += ["## Contestants that did not finish", ""]
-        lines += [f"- {s['contestant']}: {s['error']}" for s in errors]
-        lines.append("")
-    lines += ["## Commands", ""]
-    seen = {}
-    for r in rows:
-        seen.setdefault(str(r["contestant"]), r.get("command", ""))
-    lines += [f"- {k}: `{v}`" for k, v in seen.items()]
+    errors = [f"- {s['contestant']}: {s['error']}" for s in summ if s["error"]]
+    lines += ["## Contestants that did not finish", "", *errors, ""] if errors else []
+    seen = {str(r["contestant"]): r.get("command", "") for r in reversed(rows)}
+    order = dict.fromkeys(str(r["contestant"]) for r in rows)
+    lines += ["## Commands", "", *(f"- {k}: `{seen[k]}`" for k in order)]
     return "\n".join(lines) + "\n"
 
 
@@ -263,13 +255,11 @@ def corpus_of(data_files: Sequence[str]) -> str:
 
 def run_frontier(names: Sequence[str | Contestant], *, budget_s: float, grace_s: float, data_files: Sequence[str],
                  work: Path, smoke: bool, log: Callable[[str], None] = print,
-                 on_row: Callable[[list[dict[str, Any]]], None] | None = None,
+                 on_row: Callable[[list[dict[str, Any]], Path], None] | None = None,
                  prefix: str = "frontier") -> list[dict[str, Any]]:
     """Run the contestants (names in ``CONTESTANTS``, or ``Contestant`` objects) in order, each for
-    ``budget_s``; never raises for a contestant's failure.
-
-    Run folders are ``<work>/<prefix>-<name>`` (or ``-2``, ``-3``, ... when an earlier run holds it), logs
-    ``<work>/<prefix>-logs/<name>.log``."""
+    ``budget_s``, never raising for a contestant's failure. Run folders ``<work>/<prefix>-<name>`` (``-2``,
+    ... when taken), logs ``<work>/<prefix>-logs/<name>.log``."""
     device = torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
     prov = H.provenance(device)
     corpus = corpus_of(data_files)
@@ -299,22 +289,31 @@ def run_frontier(names: Sequence[str | Contestant], *, budget_s: float, grace_s:
             f"{H.fmt(s.get('best_bleu'))} at {H.fmt(s.get('best_wall_seconds'))} s, ran {result['run_seconds']:.0f} s"
             + (f" -- {s['error'][:300]}" if s["error"] else ""))
         if on_row is not None:
-            on_row(rows)
+            on_row(rows, run_dir)
     return rows
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.frontier", description=__doc__.split("\n\n")[0],
+def budget_parser(prog: str, doc: str, smoke: str, what: str, budget: str, grace: str, *,
+                  plot: bool = True, fresh: bool = True) -> argparse.ArgumentParser:
+    """The command line the frontier and the sweeps share: ``cli.add_cli_args``, a wall budget and grace per
+    ``what``, the work dir and ``--fresh``."""
+    p = argparse.ArgumentParser(prog=f"python -m {prog}", description=doc.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    cli.add_cli_args(p, "tiny preset on a toy corpus")
-    p.add_argument("--budget-s", type=float, help="wall seconds per contestant (default 120; smoke 8)")
-    p.add_argument("--grace-s", type=float,
-                   help="extra seconds before a contestant is killed (default max(60, budget/2))")
-    p.add_argument("--contestants", default=",".join(CONTESTANTS),
-                   help=f"comma-separated subset of {','.join(CONTESTANTS)}, run in that order")
+    cli.add_cli_args(p, smoke, plot=plot)
+    p.add_argument("--budget-s", type=float, help=f"wall seconds per {what} ({budget})")
+    p.add_argument("--grace-s", type=float, help=f"extra seconds before a {what} is killed ({grace})")
     p.add_argument("--work-dir", type=Path, help="parent of the run folders and logs (default runs/; smoke: a "
                                                  "temp dir)")
-    p.add_argument("--fresh", action="store_true", help="drop the csv's rows of contestants not run now")
+    if fresh:
+        p.add_argument("--fresh", action="store_true", help=f"drop the csv's rows of {what}s not run now")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = budget_parser("bench.frontier", __doc__, "tiny preset on a toy corpus", "contestant",
+                      "default 120; smoke 8", "default max(60, budget/2)")
+    p.add_argument("--contestants", default=",".join(CONTESTANTS),
+                   help=f"comma-separated subset of {','.join(CONTESTANTS)}, run in that order")
     p.add_argument("--seeds", help="comma-separated seeds: every contestant once per seed (<name>-s<seed>)")
     return p
 
@@ -324,6 +323,20 @@ def work_dir(a: argparse.Namespace, prefix: str) -> Path:
     a.work_dir = a.work_dir or (Path(tempfile.mkdtemp(prefix=prefix)) if a.smoke else H.REPO_ROOT / "runs")
     a.work_dir.mkdir(parents=True, exist_ok=True)
     return a.work_dir
+
+
+def budget_args(p: argparse.ArgumentParser, a: argparse.Namespace, name: str, *, toy_rows: int,
+                budget: tuple[float, float], grace: Callable[[float], float]
+                ) -> tuple[list[str], float, float]:
+    """(data files, absolute: the runs start at the repo root; budget; grace) from the shared flags;
+    ``budget``: the (smoke, GPU) defaults, ``grace(budget)`` the default grace."""
+    files = cli.cli_data_files(p, a, toy_rows=toy_rows,
+                               toy=lambda: work_dir(a, f"fastmt-{name}-") / "toy.jsonl")
+    b = a.budget_s if a.budget_s is not None else budget[0 if a.smoke else 1]
+    g = a.grace_s if a.grace_s is not None else grace(b)
+    if not b > 0 or g < 0:
+        p.error(f"--budget-s {b} must be > 0" if not b > 0 else f"--grace-s {g} must be >= 0")
+    return [str(Path(f).resolve()) for f in files], b, g
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -336,12 +349,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError:
             p.error(f"--seeds {a.seeds!r}: give comma-separated integers, e.g. 0,1,2")
         names = [seeded(CONTESTANTS[n], s) for s in seeds for n in names]
-    files = cli.cli_data_files(p, a, toy=lambda: work_dir(a, "fastmt-frontier-") / "toy.jsonl", toy_rows=600)
-    files = [str(Path(f).resolve()) for f in files]  # the contestants run from the repo root
-    budget = a.budget_s if a.budget_s is not None else (8.0 if a.smoke else 120.0)
-    if not budget > 0:
-        p.error(f"--budget-s {budget} must be > 0")
-    grace = a.grace_s if a.grace_s is not None else max(60.0, budget / 2)
+    files, budget, grace = budget_args(p, a, "frontier", toy_rows=600, budget=(8.0, 120.0),
+                                       grace=lambda b: max(60.0, b / 2))
     cols = ("contestant", "status", "points", "best_bleu", "best_wall_seconds", "last_wall_seconds")
     return run_cli(a, names, name="frontier", budget=budget, grace=grace, files=files, corpus=corpus_of(files),
                    header=f"{len(names)} contestants x {budget:g} s (+ up to {grace:g} s each to finish)",
@@ -350,25 +359,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_cli(a: argparse.Namespace, contestants: Sequence[str | Contestant], *, name: str, budget: float,
             grace: float, files: Sequence[str], corpus: str, header: str, conclude: Callable[[list], str],
-            plot: bool, markdown: Callable[..., str] | None = None) -> int:
-    """The shared end of the frontier's and the sweep's command lines: run the contestants, rewrite the
-    outputs after each (no PNG until the end), print ``conclude(rows)`` and the paths."""
+            plot: bool = True, markdown: Callable[..., str] | None = None,
+            write: Callable[[list, Path | None, bool], dict[str, Path]] | None = None) -> int:
+    """The shared end of the frontier's and the sweeps' command lines: run the contestants, rewrite the
+    outputs after each (no PNG until the end), print ``conclude(rows)`` and the paths. ``write(rows, run_dir,
+    plot)`` (``run_dir``: the folder of the contestant just run, None at the end) replaces the frontier's
+    outputs."""
     work = work_dir(a, f"fastmt-{name}-")
     out = a.out or (work / "out" if a.smoke else H.RESULTS_DIR)
     prov = H.provenance(torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu"))
     print(f"[{name}] {header}, {corpus}, work dir {work}", flush=True)
-
-    def write(rows, plot):
-        return write_outputs(rows, prov, corpus, out, smoke=a.smoke, fresh=a.fresh, plot=plot, name=name,
-                             markdown=markdown)
-
+    write = write or (lambda rows, _dir, plot: write_outputs(
+        rows, prov, corpus, out, smoke=a.smoke, fresh=a.fresh, plot=plot, name=name, markdown=markdown))
     try:
         rows = run_frontier(contestants, budget_s=budget, grace_s=grace, data_files=files, work=work,
-                            smoke=a.smoke, on_row=lambda r: write(r, False), prefix=name)
+                            smoke=a.smoke, on_row=lambda r, run_dir: write(r, run_dir, False), prefix=name)
     except Stopped as e:  # the finished contestants' rows are written (on_row); the one in flight was killed
         print(f"[{name}] stopped by {e}: the contestant in flight and its children were killed", flush=True)
         return 128 + signal.SIGTERM
-    paths = write(rows, plot)
+    paths = write(rows, None, plot)
     print(conclude(rows), flush=True)
     for kind, path in paths.items():
         print(f"[{name}] {kind}: {path}")

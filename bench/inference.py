@@ -1,20 +1,16 @@
-"""``fastmt bench inference`` / ``python -m bench.inference``: one model, one test set, every engine: fastmt's own
-decoding (eager; on CUDA also its CUDA-graph path), CTranslate2 float32 and int8 (``fastmt export --to ct2``) and
-Hugging Face ``generate`` (``fastmt export --to hf``), same beam, GNMT alpha and length limit
+"""``fastmt bench inference`` / ``python -m bench.inference``: one model, one test set, every engine: fastmt's
+own decoding (eager; on CUDA also its CUDA-graph path), CTranslate2 float32 and int8 (``fastmt export --to
+ct2``) and Hugging Face ``generate`` (``fastmt export --to hf``), same beam, GNMT alpha and length limit
 (``floor(a * source tokens + b)``). Per engine: sentences/s, generated tokens/s, peak memory, BLEU/chrF.
 
-Each engine runs in its own child process (so each peak memory is its own: the process's max RSS on the CPU; on
-CUDA also torch's peak allocation, which CTranslate2's allocator does not report), pinned to ``--threads`` CPU
-threads (default 1: on a machine other work keeps busy, more threads wait for each other and every figure swings),
-warms up on 16 sentences, then translates the whole set; ``--repeats`` rounds, the engines taking turns in each
-(a load that changes during the run hits all of them alike), the median time reported with its spread and the load
-average around each engine's passes. The translations are exactly ``--sentences`` sentences (fewer available is an
-error): with no ``--ckpt`` it first trains a small model itself (``tiny`` shape, the default ``model.ffn_norm``
-off) on ``--data-files`` (default: the toy corpus) for ``--train-steps`` steps with a test split of that size, and
-translates that split; with ``--ckpt`` the first ``--sentences`` pairs of ``--data-files``, or without it the
-checkpoint's own test split (its run's data rebuilt with its tokenizer; an error when that data is not here). Writes
-``<out>/inference-<device>.md`` (``--out``, default ``runs/bench``, outside the tracked results: pass
-``--out bench/results`` to update those) and prints the table.
+Each engine runs in its own child process (its own peak memory) pinned to ``--threads`` CPU threads (default
+1: on a busy machine more threads wait for each other), warms up on 16 sentences, then translates the whole
+set; ``--repeats`` rounds, the engines taking turns, the median time reported with its spread and the load
+around it. Exactly ``--sentences`` sentences (fewer available is an error): with no ``--ckpt`` it first trains
+a ``tiny`` model on ``--data-files`` (default: the toy corpus) for ``--train-steps`` steps with a test split
+of that size; with ``--ckpt`` the first pairs of ``--data-files``, else the checkpoint's own test split (its
+run's data rebuilt with its tokenizer). Writes ``<out>/inference-<device>.md`` (default ``runs/bench``,
+outside the tracked results: ``--out bench/results`` updates those) and prints the table.
 """
 
 from __future__ import annotations
@@ -78,8 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 # -- the model and the test set ----------------------------------------------------------------------------
 def train_small(work: Path, data_files: list[str], steps: int, device: str,
                 sentences: int) -> tuple[Path, list[str], list[str]]:
-    """A tiny-shape model trained ``steps`` steps (the default ffn_norm: off) and its test split of ``sentences``
-    pairs (sources, references)."""
+    """A tiny model trained ``steps`` steps and its test split of ``sentences`` pairs (sources, refs)."""
     import dataclasses
 
     from data.config import toy
@@ -103,18 +98,22 @@ def train_small(work: Path, data_files: list[str], steps: int, device: str,
     return translation_checkpoint(work / "runs" / "inference"), list(test.src_text), list(test.tgt_text)
 
 
-def test_pairs(ckpt: Path, data_files: list[str] | None) -> tuple[list[str], list[str], str]:
-    """(sources, references, what they are) of a given checkpoint: the pairs of ``--data-files`` in their order, or
-    without it the checkpoint's own test split (its run's data settings rebuilt with its tokenizer)."""
+def test_pairs(ckpt: Path, data_files: list[str] | None) -> tuple[list[str], list[str], str, str]:
+    """(sources, references, what they are, the model in a few words): the pairs of ``--data-files``, else the
+    checkpoint's own test split."""
     from bench.cli import corpus_label
     from train.cli.evaluate import read_pairs
     from train.runs.checkpoint import load_checkpoint
 
     saved = load_checkpoint(ckpt)
+    m, run = saved.get("config", {}).get("model") or {}, saved.get("config", {}).get("run") or {}
+    note = (f"{ckpt.name} (given): {m.get('enc_layers')}+{m.get('dec_layers')} layers, d_model "
+            f"{m.get('d_model')}, d_ff {m.get('d_ff')}, vocabulary {m.get('vocab_size')}, ffn_norm "
+            f"{m.get('ffn_norm')}; run {run.get('name')!r}, step {(saved.get('position') or {}).get('step')}")
     data = saved.get("config", {}).get("data") or {}
     if data_files:
         src, ref = read_pairs(data_files[0], data.get("src_lang", "en"), data.get("tgt_lang", "it"))
-        return src, ref, f"the first pairs of {corpus_label(data_files)}"
+        return src, ref, f"the first pairs of {corpus_label(data_files)}", note
     from data import build_data
     from train.config import Config
     from train.preflight import tokenizer_of
@@ -127,18 +126,8 @@ def test_pairs(ckpt: Path, data_files: list[str] | None) -> tuple[list[str], lis
                          f"{e}); give test pairs with --data-files") from None
     test = bundle.splits["test"]
     where = corpus_label(cfg.data.data_files) if cfg.data.data_files else str(cfg.data.dataset)
-    return list(test.src_text), list(test.tgt_text), f"the test split of {where} (the checkpoint's run's own)"
-
-
-def model_summary(ckpt: Path) -> str:
-    """The checkpoint's model and training length in a few words."""
-    from train.runs.checkpoint import load_checkpoint
-
-    saved = load_checkpoint(ckpt)
-    m, run = saved.get("config", {}).get("model") or {}, saved.get("config", {}).get("run") or {}
-    return (f"{m.get('enc_layers')}+{m.get('dec_layers')} layers, d_model {m.get('d_model')}, d_ff {m.get('d_ff')}, "
-            f"vocabulary {m.get('vocab_size')}, ffn_norm {m.get('ffn_norm')}; run {run.get('name')!r}, step "
-            f"{(saved.get('position') or {}).get('step')}")
+    what = f"the test split of {where} (the checkpoint's run's own)"
+    return list(test.src_text), list(test.tgt_text), what, note
 
 
 def check_out(out: Path) -> None:
@@ -165,32 +154,27 @@ def run_child(job_file: str) -> None:
         from train.evaluation.decode import translate
 
         s = load_source(job["ckpt"])
-        model = s.model.to(device)
-        graphs = engine == "fastmt-cuda-graph"
+        model, graphs, tok = s.model.to(device), engine == "fastmt-cuda-graph", s.tok.sp
 
         def fn(x):
             return translate(model, s.tok, x, torch.device(device), beam_size=d["beam"], batch_size=d["batch"],
                              max_len_ratio=d["a"], max_len_extra=d["b"], length_penalty=d["alpha"],
                              fixed_shapes=graphs, cuda_graph=graphs)
-        tok = s.tok.sp
-    elif engine.startswith("ct2"):
-        from train.export.ct2 import CT2Translator
-
-        tr = CT2Translator(job["dirs"][engine], device=device, threads=job["threads"])
-
-        def fn(x):
-            return tr.translate(x, beam_size=d["beam"], length_penalty=d["alpha"], max_len_a=d["a"],
-                                max_len_b=d["b"], batch_size=d["batch"])
-        tok = tr.tok.sp
     else:
-        from train.export.hf import HFTranslator
+        if engine.startswith("ct2"):
+            from train.export.ct2 import CT2Translator
 
-        tr = HFTranslator(job["dirs"]["hf"], device=device)
+            tr = CT2Translator(job["dirs"][engine], device=device, threads=job["threads"])
+            tok = tr.tok.sp
+        else:
+            from train.export.hf import HFTranslator
+
+            tr = HFTranslator(job["dirs"]["hf"], device=device)
+            tok = tr.sp
 
         def fn(x):
             return tr.translate(x, beam_size=d["beam"], length_penalty=d["alpha"], max_len_a=d["a"],
                                 max_len_b=d["b"], batch_size=d["batch"])
-        tok = tr.sp
     fn(src[:16])  # warm-up: lazy initialisation, kernels, graph captures of the small shapes
     if device == "cuda":
         torch.cuda.synchronize()
@@ -239,11 +223,11 @@ def measure(args, ckpt: Path, src: list[str], ref: list[str], work: Path, device
         for engine in engines:
             job = work / f"{engine}.job.json"
             result = work / f"{engine}.result.json"
+            decoding = {"beam": args.beam, "alpha": args.length_penalty, "a": 1.5, "b": 10,
+                        "batch": args.batch_size}
             job.write_text(json.dumps({"engine": engine, "device": device, "ckpt": str(ckpt), "src": src,
                                        "threads": args.threads, "dirs": {k: str(v) for k, v in dirs.items()},
-                                       "result": str(result), "decoding": {
-                                           "beam": args.beam, "alpha": args.length_penalty, "a": 1.5, "b": 10,
-                                           "batch": args.batch_size}}))
+                                       "result": str(result), "decoding": decoding}))
             load_before = os.getloadavg()[0]
             try:  # its own process group under a deadline; a failure: the log's last lines
                 run_in_group([sys.executable, "-m", "bench.inference", "--child", str(job)], work / f"{engine}.log",
@@ -324,8 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         files = list(args.data_files or [])
         if args.ckpt:
             ckpt = Path(args.ckpt)
-            src, ref, corpus = test_pairs(ckpt, files)
-            note = f"{ckpt.name} (given): {model_summary(ckpt)}"
+            src, ref, corpus, note = test_pairs(ckpt, files)
         else:
             from data.clean import DataInputError
 

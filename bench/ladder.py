@@ -133,8 +133,7 @@ class LadderSettings:
 
 
 def base_config(s: LadderSettings):
-    """Rung 0's Config: the ``baseline`` preset (or a tiny twin of it in smoke mode) with the fixed
-    benchmark settings: non-finite guard off, no logging side outputs, runs under a temp dir."""
+    """Rung 0's Config: the ``baseline`` preset (smoke: a tiny twin) with the benchmark's fixed settings."""
     from data import DataConfig
     from models import get_preset
     from train.config import baseline
@@ -155,9 +154,8 @@ def base_config(s: LadderSettings):
 
 
 def rung_overrides(rung: Rung, ran: Collection[str], by_id: dict[str, Rung]) -> tuple[str | None, dict]:
-    """(the rung it is compared with, its overrides). The overrides are the rung's own, whatever ran;
-    the comparison is ``rung.compare``, or -- when that did not run -- the nearest rung up the
-    ``compare`` chain that did (``ran``: ids of the rungs measured so far)."""
+    """(the rung it is compared with, its own overrides): ``rung.compare``, or when that did not run the
+    nearest rung up the ``compare`` chain that did (``ran``: ids of the rungs measured so far)."""
     known = {**{r.id: r for r in RUNGS}, **by_id}  # the chain runs through the standard rungs too (--rungs)
     parent = rung.compare
     while parent is not None and parent not in ran:
@@ -166,9 +164,8 @@ def rung_overrides(rung: Rung, ran: Collection[str], by_id: dict[str, Rung]) -> 
 
 
 def adapt_overrides(overrides: dict[str, str], base, device: torch.device) -> tuple[dict, list[str]]:
-    """Fit a rung's overrides to the machine and model: on CPU our Triton attention would run in the
-    interpreter (minutes), so "auto" (the reference) replaces it; unique-block counts larger than the
-    base model's layers (the tiny smoke model has 2+2) become half its layers."""
+    """Fit a rung's overrides to the machine and model: on CPU "auto" (the reference) replaces our Triton
+    attention (the interpreter: minutes); unique-block counts over the model's layers become half of them."""
     out, notes = dict(overrides), []
     if device.type != "cuda" and out.get("model.attn_backend") == "triton":
         out["model.attn_backend"] = "auto"
@@ -194,8 +191,8 @@ def bundle_view(bundle, data_cfg):
 
 # -- Measuring one rung ----------------------------------------------------------------------------
 def free_memory(device: torch.device) -> None:
-    """Between rungs: drop compiled code and cached blocks so a rung never inherits the last one's,
-    and put torch's fp32 matmul precision back to "highest" (a bf16 rung's Trainer allows TF32)."""
+    """Between rungs: drop compiled code and cached blocks, and put the fp32 matmul precision back to
+    "highest" (a bf16 rung's Trainer allows TF32)."""
     from torch._dynamo.utils import counters
 
     gc.collect()
@@ -213,10 +210,8 @@ class RungCapped(RuntimeError):
 
 
 def sdpa_backend(cfg, batch, device: torch.device) -> str:
-    """The SDPA kernel torch's dispatcher (``torch._fused_sdp_choice``) picks for this model's masked
-    encoder-self, decoder-self and cross calls at ``batch``'s padded shapes and the rung's dtype: one
-    name when the three agree ("flash_attention", "efficient_attention", "cudnn_attention", "math"),
-    else ``enc:... dec:... cross:...``."""
+    """The SDPA kernel torch picks for the model's encoder-self, decoder-self and cross calls at ``batch``'s
+    shapes and the rung's dtype: one name when the three agree, else ``enc:... dec:... cross:...``."""
     from kernels.flash_attention import visibility_mask
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.run.precision, torch.float32)
@@ -234,10 +229,8 @@ def sdpa_backend(cfg, batch, device: torch.device) -> str:
 
 
 def measure_rung(cfg, bundle, s: LadderSettings, *, cap_s: float | None = None) -> dict[str, Any]:
-    """Warm up, then time ``s.steps`` optimizer steps of a fresh Trainer; returns the metric columns.
-
-    ``cap_s``: wall seconds from the start of this call after which the rung stops at the next step
-    boundary (``RungCapped``)."""
+    """Warm up, then time ``s.steps`` optimizer steps of a fresh Trainer; returns the metric columns. Past
+    ``cap_s`` seconds from the call the rung stops at the next step boundary (``RungCapped``)."""
     from data.batching import plan_stats
     from models import flops_per_token
     from models.flops import mfu, run_peak
@@ -256,11 +249,9 @@ def measure_rung(cfg, bundle, s: LadderSettings, *, cap_s: float | None = None) 
     stamps: list[Any] = []  # step boundaries: CUDA events, or the host clock on a CPU
 
     def stamp() -> None:
+        stamps.append(torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter())
         if cuda:
-            stamps.append(torch.cuda.Event(enable_timing=True))
             stamps[-1].record()
-        else:
-            stamps.append(time.perf_counter())
 
     trainer = Trainer(cfg, data=view, log=lambda *a, **k: None)
     try:
@@ -309,7 +300,7 @@ def measure_rung(cfg, bundle, s: LadderSettings, *, cap_s: float | None = None) 
     p50, p20, p80 = H.quantiles(step_ms, H.QUANTILES)
     recompiles = counts["graphs"] - graphs_before if compiled else None
     n = len(timed)
-    out = {
+    return {
         **timed_status(recompiles), "tokens_per_second": tps, "tgt_tokens_per_second": tgt / wall,
         "step_ms": wall * 1e3 / n, "step_ms_p50": p50, "step_ms_p20": p20, "step_ms_p80": p80,
         "epoch_seconds_projected": epoch_real / tps, "peak_memory_gb": peak_gb,
@@ -323,12 +314,10 @@ def measure_rung(cfg, bundle, s: LadderSettings, *, cap_s: float | None = None) 
         "sentences_per_step": sentences / n, "epoch_real_tokens": epoch_real, "epoch_batches": stats.batches,
         "final_loss": final_loss, "params_unique": params.get("unique"), "params_applied": params.get("applied"),
     }
-    return out
 
 
 def timed_status(recompiles: int | None) -> dict[str, str]:
-    """A measured rung's status: ``invalid`` (with why, the status not repeated) when graphs were compiled
-    while it was timed."""
+    """A measured rung's status: ``invalid`` when graphs were compiled while it was timed."""
     if recompiles:
         return {"status": "invalid", "error": f"{recompiles} graph(s) compiled during the timed steps"}
     return {"status": "ok"}
@@ -359,8 +348,8 @@ def config_columns(cfg) -> dict[str, Any]:
 
 
 def add_speedups(rows: list[dict[str, Any]]) -> None:
-    """speedup_vs_baseline = tokens/s / rung 0's; speedup_vs_previous = / the parent rung's (NaN when
-    either side did not run)."""
+    """tokens/s over rung 0's (``speedup_vs_baseline``) and the parent's (``_vs_previous``); NaN: one did
+    not run."""
     tps = {r["rung"]: r.get("tokens_per_second") for r in rows if r.get("status") == "ok"}
     base = tps.get("0")
 
@@ -383,12 +372,10 @@ def _failure(e: Exception) -> tuple[str, str]:
 def run_ladder(s: LadderSettings, rungs: Sequence[Rung] = RUNGS, log: Callable[[str], None] = print,
                on_row: Callable[[list[dict[str, Any]], dict[str, Any]], None] | None = None,
                ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Run ``rungs`` in order; never raises for a rung's failure. Returns (rows, context).
-
-    ``on_row(rows_so_far, context)`` runs after every rung (the CLI rewrites the outputs each time, so a
-    run killed by a time limit keeps what it measured). With ``s.budget_s``, a rung is skipped when
-    the time spent plus its estimated cost (its cap, or less: the costliest earlier rung of the same
-    kind, compiled or eager) would pass the budget, and no rung's cap reaches past the budget."""
+    """Run ``rungs`` in order, never raising for a rung's failure; returns (rows, context), calling
+    ``on_row(rows_so_far, context)`` after each. With ``s.budget_s`` a rung is skipped when the time spent
+    plus its estimate (its cap, or the costliest earlier rung of its kind) would pass it; no cap reaches past
+    it."""
     from data import build_data
     from train.config import apply_overrides
 

@@ -28,10 +28,9 @@ HEADERS = ("epoch", "wall s (cum.)", "train s", "eval s", "last-batch loss (seed
 
 
 def read_run(run: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None, dict[str, Any]]:
-    """(epoch records, test record or None, provenance) of a run folder; loud errors when missing.
-
-    Every epoch record has ``wall_seconds`` (since the run's process started); older runs without it get
-    the running sum of epoch and evaluation seconds, marked ``wall_from_epochs`` (start-up left out)."""
+    """(epoch records, test record or None, provenance) of a run folder; loud errors when missing. Older
+    runs' epochs without ``wall_seconds`` get the running sum of epoch and evaluation seconds
+    (``wall_from_epochs``)."""
     from train.runs.metrics import read_metrics
 
     metrics, prov_path = run / "metrics.jsonl", run / "provenance.json"
@@ -88,7 +87,7 @@ def summary(rows: Sequence[dict[str, Any]], test: dict[str, Any] | None, planned
 
 def read_gpu_samples(path: Path | None) -> list[tuple[float, float]]:
     """(seconds since the first sample, utilization 0..1) from ``nvidia-smi --query-gpu=timestamp,utilization.gpu
-    --format=csv,noheader,nounits -lms 500`` output (bench/gpu_run.sh samples the train step); [] without one."""
+    --format=csv,noheader,nounits -lms 500`` output; [] without one."""
     import datetime as dt
 
     from data.files import LOG_MAX, read_bytes
@@ -111,19 +110,16 @@ def read_gpu_samples(path: Path | None) -> list[tuple[float, float]]:
 
 
 def done_split(run: Path) -> dict[str, float | None]:
-    """The run's wall split from its ``done`` record (train/objective.py ``WallSplit``, summed over its processes):
-    ``setup_s``, ``compile_s``, ``train_s``, ``eval_s``, ``checkpoint_s``; each None when the run did not record it
-    (a run cut before its end has no ``done`` record)."""
+    """``setup_s``, ``compile_s``, ``train_s``, ``eval_s``, ``checkpoint_s`` from the run's ``done`` record
+    (train/objective.py ``WallSplit``); each None when the run did not record it (cut before its end)."""
     from train.runs.metrics import read_metrics
 
     path = run / "metrics.jsonl"
     done = [r for r in (read_metrics(path) if path.is_file() else []) if r.get("kind") == "done"]
     split = (done[-1].get("time_split") if done else None) or {}
-    if not isinstance(split, dict):
-        split = {}
-    return {f"{k}_s": (float(split[k]) if isinstance(split.get(k), (int, float)) else None)
-            for k in ("setup", "compile", "train", "eval")} | {
-        "checkpoint_s": float(split["checkpoints"]) if isinstance(split.get("checkpoints"), (int, float)) else None}
+    split = split if isinstance(split, dict) else {}
+    return {f"{k.rstrip('s')}_s": (float(split[k]) if isinstance(split.get(k), (int, float)) else None)
+            for k in ("setup", "compile", "train", "eval", "checkpoints")}
 
 
 def _median(values: Sequence[Any]) -> float | None:
@@ -134,14 +130,9 @@ def _median(values: Sequence[Any]) -> float | None:
 def run_numbers(epochs: Sequence[dict[str, Any]], summ: dict[str, Any],
                 samples: Sequence[tuple[float, float]] = (), split: dict[str, float | None] | None = None
                 ) -> dict[str, Any]:
-    """The numbers a packet reports of a training run: seconds to each BLEU threshold from process start, the
-    compile (first step), steady steps/s and real tokens/s (epochs after the first), graphs compiled after the
-    first epoch (recompiles after warm-up) and graph breaks, the GPU busy share over the steady epochs
-    (``samples``: nvidia-smi's utilization, the share of each sample window with a kernel running), peak memory,
-    test BLEU. The step (issue 42): ``step_ms`` (the steady epochs' record of it, else their seconds per optimizer
-    step), ``host_ms_per_step`` and ``graphs_per_step`` where the run records them, ``mfu`` (the steady epochs'
-    median), ``gpu_busy``; the wall split (issue 43, ``split``: `done_split`). What the run did not record is
-    None, never estimated."""
+    """The numbers a packet reports of a training run (bench/README.md, packet ``quality``); "steady": the
+    epochs after the first; ``samples``: nvidia-smi's utilization; ``split``: `done_split`. What the run did
+    not record is None, never estimated."""
     first, last = epochs[0], epochs[-1]
     steady = epochs[1:]
     steady_s = sum(float(r.get("epoch_seconds") or 0.0) for r in steady)
@@ -191,10 +182,8 @@ def unstable_graphs(numbers: dict[str, Any]) -> list[str]:
 
 
 def quality_markdown(run: Path, rows, summ: dict[str, Any], prov: dict[str, Any]) -> str:
-    gpu = prov.get("gpu") or "cpu"
-    sha = prov.get("git_sha") or "unknown"
-    cfg = prov.get("config") or {}
-    name = (cfg.get("run") or {}).get("name", run.name)
+    gpu, sha = prov.get("gpu") or "cpu", prov.get("git_sha") or "unknown"
+    name = ((prov.get("config") or {}).get("run") or {}).get("name", run.name)
     done, planned = summ["epochs_done"], summ["epochs_planned"]
     lines = [
         f"# Time to quality — `{name}` on {gpu}",
@@ -258,17 +247,16 @@ def write_quality(run: Path, out: Path, gpu_samples: Path | None = None,
     summ = summary(rows, test, planned, thresholds)
     summ["first_step_seconds"] = epochs[0].get("first_step_seconds")
     summ["numbers"] = run_numbers(epochs, summ, read_gpu_samples(gpu_samples), done_split(run))
-    extra = {"run": str(run), "gpu": prov.get("gpu") or "cpu", "git_sha": prov.get("git_sha"),
-             "corpus": corpus_label(prov),
-             **{f"final_{k}": v for k, v in summ.items() if k not in ("time_to_bleu", "numbers")},
+    who = {"run": str(run), "gpu": prov.get("gpu") or "cpu", "git_sha": prov.get("git_sha"),
+           "corpus": corpus_label(prov)}
+    extra = {**who, **{f"final_{k}": v for k, v in summ.items() if k not in ("time_to_bleu", "numbers")},
              **{f"time_to_bleu_{k}": (v or {}).get("seconds") for k, v in summ["time_to_bleu"].items()}}
     # one record per device: the latest run
-    slug = H.gpu_slug(prov.get("gpu") or "cpu")
+    slug = H.gpu_slug(who["gpu"])
     paths = H.write_results(out, "quality", slug, [{**r, **extra} for r in rows], COLUMNS,
                             quality_markdown(run, rows, summ, prov))
     paths["json"] = out / f"quality-{slug}.json"  # the numbers a packet record carries
-    paths["json"].write_text(json.dumps({"run": str(run), "gpu": prov.get("gpu") or "cpu", "git_sha": prov.get("git_sha"),
-                                         "corpus": corpus_label(prov), **summ["numbers"]}, indent=1, default=str))
+    paths["json"].write_text(json.dumps({**who, **summ["numbers"]}, indent=1, default=str))
     return paths
 
 
@@ -279,9 +267,9 @@ def best_by(rows: Sequence[dict[str, Any]], t: float) -> float | None:
 
 
 def compare_runs(a: Path, b: Path, out: Path) -> dict[str, Path]:
-    """Two runs side by side on the wall clock (packet 2: fastmt's `make train` run against the HF baseline under
-    the same budget): seconds from process start to each BLEU threshold, and each run's best validation BLEU at
-    the same wall times (every epoch end of either run, up to the shorter run's last evaluation)."""
+    """Two runs side by side on the wall clock (fastmt's `make train` run against the HF baseline): seconds to
+    each BLEU threshold, and each run's best validation BLEU at every epoch end of either, up to the shorter
+    run's end."""
     runs = []
     for run in (a, b):
         epochs, test, prov = read_run(run)
@@ -320,10 +308,9 @@ def compare_runs(a: Path, b: Path, out: Path) -> dict[str, Path]:
 
 def default_out(run: Path) -> Path:
     """``bench/results`` for a run trained on a GPU (its provenance names one), else the run folder itself."""
-    prov_path = run / "provenance.json"
     try:  # the one reader (a run folder: no link followed in it, a regular file, its size capped)
         gpu = read_record(run, "provenance.json", "provenance record", PROVENANCE_MAX).get("gpu") \
-            if prov_path.is_file() else None
+            if (run / "provenance.json").is_file() else None
     except (OSError, ValueError, AttributeError):
         gpu = None
     return H.RESULTS_DIR if gpu and H.gpu_slug(gpu) != "cpu" else run
@@ -355,20 +342,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     if (a.run is None) == (a.compare is None):
         p.error("give --run RUN or --compare RUN_A RUN_B")
-    if a.compare:
-        try:
-            paths = compare_runs(*a.compare, a.out or default_out(a.compare[0]))
-        except (FileNotFoundError, ValueError, KeyError) as e:
-            print(f"bench.quality: --compare: {e}", file=sys.stderr)
-            return 2
-        print(read_text(paths["md"], "comparison report"))
-        return 0
+    caught = (FileNotFoundError, ValueError, KeyError) if a.compare else (FileNotFoundError, ValueError)
     try:
-        paths = write_quality(a.run, a.out or default_out(a.run), a.gpu_samples, a.add_thresholds)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"bench.quality: {e}", file=sys.stderr)
+        paths = compare_runs(*a.compare, a.out or default_out(a.compare[0])) if a.compare else \
+            write_quality(a.run, a.out or default_out(a.run), a.gpu_samples, a.add_thresholds)
+    except caught as e:
+        print(f"bench.quality: {'--compare: ' if a.compare else ''}{e}", file=sys.stderr)
         return 2
-    print(read_text(paths["md"], "quality report"))
+    print(read_text(paths["md"], "comparison report" if a.compare else "quality report"))
+    if a.compare:
+        return 0
     for kind, path in paths.items():
         print(f"[quality] {kind}: {path}")
     if a.require_stable_graphs:

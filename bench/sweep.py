@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from bench import cli
@@ -25,7 +24,11 @@ def _setting(name: str, label: str, *overrides: str) -> F.Contestant:
     return F.Contestant(name, label, "train", ("--auto", *overrides))
 
 
-LION = ("--optim.name", "lion")
+def _lion(name: str, label: str, lr: str, *overrides: str, wd: str = "0.1") -> F.Contestant:
+    return _setting(name, label, "--optim.name", "lion", "--optim.lr", lr, "--optim.weight_decay", wd,
+                    *overrides)
+
+
 SETTINGS: dict[str, F.Contestant] = {c.name: c for c in (
     # AdamW around the best setting measured in ../shared/gpu/PEERS.md (the default)
     _setting("adamw-base", "AdamW 5e-4 (the default)"),
@@ -35,18 +38,14 @@ SETTINGS: dict[str, F.Contestant] = {c.name: c for c in (
     _setting("adamw-2k", "AdamW 3.5e-4, 2k tokens", "--data.max_tokens", "2048", "--optim.lr", "3.5e-4"),
     _setting("adamw-8k", "AdamW 7e-4, 8k tokens", "--data.max_tokens", "8192", "--optim.lr", "7e-4"),
     # Lion: lr 3-10x below AdamW's and more weight decay (its authors' advice), around PEERS.md's best Lion
-    _setting("lion-1e-4", "Lion 1e-4, wd 0.1", *LION, "--optim.lr", "1e-4", "--optim.weight_decay", "0.1"),
-    _setting("lion-1.5e-4", "Lion 1.5e-4, wd 0.1", *LION, "--optim.lr", "1.5e-4", "--optim.weight_decay", "0.1"),
-    _setting("lion-7e-5", "Lion 7e-5, wd 0.1", *LION, "--optim.lr", "7e-5", "--optim.weight_decay", "0.1"),
-    _setting("lion-wd0.3", "Lion 1e-4, wd 0.3", *LION, "--optim.lr", "1e-4", "--optim.weight_decay", "0.3"),
-    _setting("lion-b0.95", "Lion 1e-4, betas 0.95/0.98", *LION, "--optim.lr", "1e-4", "--optim.weight_decay", "0.1",
-             "--optim.betas", "0.95,0.98"),
-    _setting("lion-warm5", "Lion 1e-4, warm-up 5 %", *LION, "--optim.lr", "1e-4", "--optim.weight_decay", "0.1",
-             "--optim.pct_start", "0.05"),
-    _setting("lion-2k", "Lion 7e-5, 2k tokens", *LION, "--optim.lr", "7e-5", "--optim.weight_decay", "0.1",
-             "--data.max_tokens", "2048"),
-    _setting("lion-8k", "Lion 1.5e-4, 8k tokens", *LION, "--optim.lr", "1.5e-4", "--optim.weight_decay", "0.1",
-             "--data.max_tokens", "8192"),
+    _lion("lion-1e-4", "Lion 1e-4, wd 0.1", "1e-4"),
+    _lion("lion-1.5e-4", "Lion 1.5e-4, wd 0.1", "1.5e-4"),
+    _lion("lion-7e-5", "Lion 7e-5, wd 0.1", "7e-5"),
+    _lion("lion-wd0.3", "Lion 1e-4, wd 0.3", "1e-4", wd="0.3"),
+    _lion("lion-b0.95", "Lion 1e-4, betas 0.95/0.98", "1e-4", "--optim.betas", "0.95,0.98"),
+    _lion("lion-warm5", "Lion 1e-4, warm-up 5 %", "1e-4", "--optim.pct_start", "0.05"),
+    _lion("lion-2k", "Lion 7e-5, 2k tokens", "7e-5", "--data.max_tokens", "2048"),
+    _lion("lion-8k", "Lion 1.5e-4, 8k tokens", "1.5e-4", "--data.max_tokens", "8192"),
     # beyond the optimiser: regularisation, the model over-fits the stand-in corpus
     _setting("adamw-drop0.2", "AdamW 5e-4, dropout 0.2", "--model.dropout", "0.2"),
     _setting("adamw-ls0.2", "AdamW 5e-4, label smoothing 0.2", "--optim.label_smoothing", "0.2"),
@@ -99,14 +98,9 @@ def sweep_markdown(rows: Sequence[Mapping[str, Any]], prov: Mapping[str, Any], c
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.sweep", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    cli.add_cli_args(p, "the tiny model on a toy corpus", plot=False)
-    p.add_argument("--budget-s", type=float, help="wall seconds per setting (default 90; smoke 45)")
-    p.add_argument("--grace-s", type=float, help="extra seconds before a setting is killed (default 60)")
+    p = F.budget_parser("bench.sweep", __doc__, "the tiny model on a toy corpus", "setting",
+                        "default 90; smoke 45", "default 60", plot=False)
     p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated subset of {','.join(SETTINGS)}")
-    p.add_argument("--work-dir", type=Path, help="parent of the run folders (default runs/; smoke: a temp dir)")
-    p.add_argument("--fresh", action="store_true", help="drop the csv's rows of settings not run now")
     return p
 
 
@@ -114,18 +108,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
     names = cli.choose(p, "--settings", a.settings, SETTINGS)
-    files = cli.cli_data_files(p, a, toy=lambda: F.work_dir(a, "fastmt-sweep-") / "toy.jsonl",
-                               toy_rows=SMOKE_TOY_ROWS)
-    files = [str(Path(f).resolve()) for f in files]  # the settings run from the repo root
-    budget = a.budget_s if a.budget_s is not None else (45.0 if a.smoke else 90.0)
-    grace = a.grace_s if a.grace_s is not None else 60.0
+    files, budget, grace = F.budget_args(p, a, "sweep", toy_rows=SMOKE_TOY_ROWS, budget=(45.0, 90.0),
+                                         grace=lambda _: 60.0)
     settings = [SETTINGS[n] for n in names]
     toy = a.smoke and not a.data_files
     corpus = f"toy corpus (data/toy.py, {SMOKE_TOY_ROWS:,} rows)" if toy else cli.corpus_label(files)
     if a.smoke:  # the tiny model on a corpus it can learn in a minute; enough epochs for the budget to bind
         settings = [F.Contestant(c.name, c.label, c.module, (*c.args, "--epochs", "100")) for c in settings]
     return F.run_cli(a, settings, name="sweep", budget=budget, grace=grace, files=files, corpus=corpus,
-                     header=f"{len(names)} settings x {budget:g} s", plot=True, markdown=sweep_markdown,
+                     header=f"{len(names)} settings x {budget:g} s", markdown=sweep_markdown,
                      conclude=lambda rows: decision(F.summarize(rows)))
 
 

@@ -13,18 +13,17 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import harness as H
 from data.batching import BatchSpec, pack_layout, plan_batches, plan_stats
 from data.config import DataConfig
 from data.pipeline import build_data
 from models import flops_per_token, get_preset
 
 
-def epoch_flops(split, vocab: int) -> float:
-    """Training FLOPs of one epoch of ``split`` for the S18 model at this vocabulary (``models.flops``, at
-    the split's mean lengths)."""
-    model = get_preset("s18", vocab_size=vocab)
-    src, tgt = split.src_lengths, split.tgt_lengths
-    return flops_per_token(model, float(src.mean()), float(tgt.mean())) * float(tgt.sum())
+def table(heads: list[str], rows: list[list], align: str) -> list[str]:
+    """``harness.markdown_table`` of rows given as lists; ``align``: r (right) or l (left) a column."""
+    return H.markdown_table([dict(zip(heads, r)) for r in rows], heads, cell=str,
+                            right=[h for h, c in zip(heads, align) if c == "r"]).splitlines()
 
 
 def vocab_row(cfg: DataConfig) -> dict:
@@ -37,46 +36,51 @@ def vocab_row(cfg: DataConfig) -> dict:
     va_ids = np.concatenate([va.src_ids, va.tgt_ids])
     is_byte = np.array([tok.sp.is_byte(i) for i in range(tok.vocab_size)])
     lens = np.concatenate([tr.src_lengths, tr.tgt_lengths])
+    # training FLOPs of one epoch for the S18 model at this vocabulary, at the split's mean lengths
+    s18 = get_preset("s18", vocab_size=tok.vocab_size)
+    per_token = flops_per_token(s18, float(tr.src_lengths.mean()), float(tr.tgt_lengths.mean()))
+    flops = per_token * float(tr.tgt_lengths.sum())
     return {"model": cfg.spm_model, "vocab": tok.vocab_size, "tokens": int(lens.sum()), "mean": float(lens.mean()),
             "p99": float(np.percentile(lens, 99)), "rare": float((real < 10).mean()),
             "byte": float(is_byte[va_ids].mean()), "unk": float((va_ids == tok.unk_id).mean()),
-            "flops": epoch_flops(tr, tok.vocab_size), "secs": secs, "bundle": b}
+            "flops": flops, "secs": secs, "bundle": b}
 
 
 def _stats(tr, spec):
     plan = plan_batches(tr.src_lengths, tr.tgt_lengths, spec, seed=0, epoch=0)
-    return plan_stats(plan, tr.src_lengths, tr.tgt_lengths, spec)
+    return plan, plan_stats(plan, tr.src_lengths, tr.tgt_lengths, spec)
+
+
+def bucket_cells(tr, budget: int, multiples, seq_shapes: bool = False) -> list[str]:
+    """token_bucket at ``budget`` per pad multiple: padding / batches / distinct (B,S,T) shapes [/ (S,T)]."""
+    out = []
+    for m in multiples:
+        s = _stats(tr, BatchSpec("token_bucket", max_tokens=budget, pad_multiple=m))[1]
+        out.append(f"{100 * s.padding_fraction:.1f} % / {s.batches} / {s.shapes}"
+                   + (f" / {s.seq_shapes}" if seq_shapes else ""))
+    return out
 
 
 def packing_table(b) -> list[str]:
     """Packed vs token_bucket (exact lengths / multiples of 8) at the budgets a GPU step would use."""
     tr, max_len = b.splits["train"], b.cfg.max_len
-    out = [
-        f"## packed at vocab {b.tokenizer.vocab_size} (stand-in corpus): one shape per run",
-        "",
-        f"Capacity C_src + C_tgt from `max_tokens` (split by train token totals, each rounded up to 64), "
-        f"max_len {max_len}; padding = 1 - real / (batches x (C_src + C_tgt)), epoch 0. "
-        "Cells: padding / batches / distinct (B,S,T) shapes.",
-        "",
-        "| max_tokens | C_src + C_tgt | slots (real) | packed | packed w/o the partial last batch "
-        "| closed on slots | token_bucket pad_multiple 1 | token_bucket pad_multiple 8 |",
-        "|---:|---:|---:|---|---:|---:|---|---|",
-    ]
+    rows = []
     for budget in (2048, 8192, 16384, 32768):
         layout = pack_layout(tr.src_lengths, tr.tgt_lengths, budget, max_len)
-        spec = BatchSpec("packed", max_tokens=budget, pack=layout)
-        plan = plan_batches(tr.src_lengths, tr.tgt_lengths, spec, seed=0, epoch=0)
-        p = plan_stats(plan, tr.src_lengths, tr.tgt_lengths, spec)
+        plan, p = _stats(tr, BatchSpec("packed", max_tokens=budget, pack=layout))
         least = min(int(tr.src_lengths[x].sum() + tr.tgt_lengths[x].sum()) for x in plan)  # the leftover batch
         rest = 1 - (p.real_tokens - least) / (p.computed_tokens - p.max_batch_tokens)
-        cells = [f"{100 * p.padding_fraction:.2f} % / {p.batches} / {p.shapes}", f"{100 * rest:.2f} %",
-                 str(p.full_slots)]
-        for m in (1, 8):
-            s = _stats(tr, BatchSpec("token_bucket", max_tokens=budget, pad_multiple=m))
-            cells.append(f"{100 * s.padding_fraction:.1f} % / {s.batches} / {s.shapes}")
-        out.append(f"| {budget} | {layout.src_capacity} + {layout.tgt_capacity} | {layout.slots} "
-                   f"({layout.real_slots}) | " + " | ".join(cells) + " |")
-    return out
+        rows.append([budget, f"{layout.src_capacity} + {layout.tgt_capacity}",
+                     f"{layout.slots} ({layout.real_slots})",
+                     f"{100 * p.padding_fraction:.2f} % / {p.batches} / {p.shapes}", f"{100 * rest:.2f} %",
+                     p.full_slots, *bucket_cells(tr, budget, (1, 8))])
+    return [f"## packed at vocab {b.tokenizer.vocab_size} (stand-in corpus): one shape per run", "",
+            f"Capacity C_src + C_tgt from `max_tokens` (split by train token totals, each rounded up to 64), "
+            f"max_len {max_len}; padding = 1 - real / (batches x (C_src + C_tgt)), epoch 0. "
+            "Cells: padding / batches / distinct (B,S,T) shapes.", "",
+            *table(["max_tokens", "C_src + C_tgt", "slots (real)", "packed",
+                    "packed w/o the partial last batch", "closed on slots", "token_bucket pad_multiple 1",
+                    "token_bucket pad_multiple 8"], rows, "rrrlrrll")]
 
 
 def main(argv=None) -> int:
@@ -99,42 +103,27 @@ def main(argv=None) -> int:
         for v in sizes:
             print(f"[sweep] {model} {v} ...", file=sys.stderr, flush=True)
             rows.append(vocab_row(dataclasses.replace(base, spm_model=model, vocab_size=v)))
-    ref = next((r["flops"] for r in rows if r["model"] == "bpe" and r["vocab"] == base.vocab_size), rows[0]["flops"])
-    out = [
-        "# Vocabulary and token-bucket sweep (stand-in corpus)",
-        "",
+    default = next((r for r in rows if r["model"] == "bpe" and r["vocab"] == base.vocab_size), None)
+    ref = (default or rows[0])["flops"]
+    b = next(r["bundle"] for r in rows if r is default)
+    tr = b.splits["train"]
+    text = "\n".join([
+        "# Vocabulary and token-bucket sweep (stand-in corpus)", "",
         f"Data: {', '.join(os.path.basename(f) for f in a.data_files)} — **stand-in corpus** (23,355 en-it pairs, "
         "Tatoeba + news), not OPUS Books. Split as `build_data` does (1000 valid, 1000 test, seed 0).",
-        f"Command: `python -m bench.vocab_sweep --data-files {' '.join(a.data_files)}`",
-        "",
-        "## Vocabulary (joint SentencePiece, byte fallback, trained on the train split)",
-        "",
-        "| model | vocab | train subwords/epoch | mean len | p99 len | pieces seen <10x | byte-fallback (valid) | unk (valid) | "
-        "S18 train GFLOP/epoch | vs default |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        out.append(f"| {r['model']} | {r['vocab']} | {r['tokens']:,} | {r['mean']:.1f} | {r['p99']:.0f} | "
-                   f"{100 * r['rare']:.1f} % | {100 * r['byte']:.3f} % | {100 * r['unk']:.3f} % | "
-                   f"{r['flops'] / 1e9:,.0f} | {r['flops'] / ref:.3f} |")
-
-    b = next(r["bundle"] for r in rows if r["model"] == "bpe" and r["vocab"] == base.vocab_size)
-    tr = b.splits["train"]
-    out += [
-        "",
-        f"## token_bucket at vocab {b.tokenizer.vocab_size}: padding / batches / distinct (B,S,T) shapes / distinct (S,T)",
-        "",
-        "| max_tokens | pad_multiple 1 | pad_multiple 2 | pad_multiple 8 | pad_multiple 16 |",
-        "|---:|---|---|---|---|",
-    ]
-    for budget in (1024, 2048, 4096, 8192, 16384):
-        cells = []
-        for m in (1, 2, 8, 16):
-            s = _stats(tr, BatchSpec("token_bucket", max_tokens=budget, pad_multiple=m))
-            cells.append(f"{100 * s.padding_fraction:.1f} % / {s.batches} / {s.shapes} / {s.seq_shapes}")
-        out.append(f"| {budget} | " + " | ".join(cells) + " |")
-    out += ["", *packing_table(b)]
-    text = "\n".join(out) + "\n"
+        f"Command: `python -m bench.vocab_sweep --data-files {' '.join(a.data_files)}`", "",
+        "## Vocabulary (joint SentencePiece, byte fallback, trained on the train split)", "",
+        *table(["model", "vocab", "train subwords/epoch", "mean len", "p99 len", "pieces seen <10x",
+                "byte-fallback (valid)", "unk (valid)", "S18 train GFLOP/epoch", "vs default"],
+               [[r["model"], r["vocab"], f"{r['tokens']:,}", f"{r['mean']:.1f}", f"{r['p99']:.0f}",
+                 f"{100 * r['rare']:.1f} %", f"{100 * r['byte']:.3f} %", f"{100 * r['unk']:.3f} %",
+                 f"{r['flops'] / 1e9:,.0f}", f"{r['flops'] / ref:.3f}"] for r in rows], "lrrrrrrrrr"),
+        "", f"## token_bucket at vocab {b.tokenizer.vocab_size}: padding / batches / distinct (B,S,T) "
+            "shapes / distinct (S,T)", "",
+        *table(["max_tokens", *(f"pad_multiple {m}" for m in (1, 2, 8, 16))],
+               [[budget, *bucket_cells(tr, budget, (1, 2, 8, 16), seq_shapes=True)]
+                for budget in (1024, 2048, 4096, 8192, 16384)], "rllll"),
+        "", *packing_table(b)]) + "\n"
     print(text)
     if a.out:
         Path(a.out).write_text(text)
