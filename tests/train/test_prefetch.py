@@ -54,10 +54,13 @@ def test_each_step_reads_its_own_batch_through_stable_buffers(toy_bundle, tmp_pa
     tr.close()
 
 
-def test_interrupted_and_resumed_run_loses_or_repeats_no_batch(toy_bundle, tmp_path, prefetching):
-    """Stopped after 4 of 6 steps (3 an epoch: past the epoch end), resumed with ``--resume auto``: the losses are
-    the uninterrupted run's (the same run without prefetching), step for step."""
-    kw = dict(epochs=2, max_batches_per_epoch=3, step_graph=True, cls=RecordingTrainer)
+@pytest.mark.parametrize("k", [1, 2])
+def test_interrupted_and_resumed_run_loses_or_repeats_no_batch(toy_bundle, tmp_path, prefetching, k):
+    """Stopped after 4 of 6 steps (3 an epoch: past the epoch end; with accumulation, 6 micro-batches an epoch),
+    resumed with ``--resume auto``: the losses are the uninterrupted run's (the same run without prefetching),
+    step for step."""
+    kw = dict(epochs=2, max_batches_per_epoch=3 * k, step_graph=True, cls=RecordingTrainer,
+              optim={"accum_steps": k})
     full = _trainer(toy_bundle, tmp_path / "full", **kw)
     with pytest.MonkeyPatch.context() as mp:  # the reference: the direct copy
         mp.setattr(graph_step.StepGraph, "__init__", _init_without_prefetch)
