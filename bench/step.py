@@ -122,15 +122,12 @@ def build(args):
             return loss
 
         return cfg, device, step, sg, plan.reason, compiled
-    graph = getattr(torch.compiler, "cudagraph_mark_step_begin", None)
-
     def step(batch):
         loss = forward_backward(step_module, [batch], device=device, autocast=autocast, scaler=scaler)
         optimizer_step(optimizer, flat, scheduler, scaler, counters, loss, grad_clip=cfg.optim.grad_clip,
                        guard=run.nonfinite_guard)
         return loss
 
-    del graph
     return cfg, device, step, None, plan.reason if plan is not None else "eager step (no train/graph_step.py)", compiled
 
 
