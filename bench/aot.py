@@ -426,14 +426,13 @@ def cache_keys(arch: int) -> dict:
     source; and the commit the cache was built at (``train.runs.metrics.git_sha``: git, else $FASTMT_GIT_SHA)."""
     import hashlib
 
-    from triton.backends.compiler import GPUTarget as Target
     from triton.compiler import make_backend
     from triton.runtime.cache import triton_key
 
     from train.runs.metrics import git_sha
 
     return {"triton": triton.__version__, "triton_key_sha256": hashlib.sha256(triton_key().encode()).hexdigest(),
-            "backend": make_backend(Target("cuda", arch, 32)).hash(), "kernels_sha256": kernels_sha256(),
+            "backend": make_backend(GPUTarget("cuda", arch, 32)).hash(), "kernels_sha256": kernels_sha256(),
             "git_sha": git_sha(), "python": sys.version.split()[0], "torch": torch.__version__, "arch": arch}
 
 

@@ -82,7 +82,7 @@ def build(args):
         cfg, model=dataclasses.replace(cfg.model, **model_changes),
         data=dataclasses.replace(cfg.data, batching="packed", max_tokens=TOKENS[args.size] or cfg.data.max_tokens,
                                  max_len=min(cfg.data.max_len, (TOKENS[args.size] or cfg.data.max_tokens) // 2)),
-        run=dataclasses.replace(cfg.run, compile=args.compile if args.compile is not None else cfg.run.compile,
+        run=dataclasses.replace(cfg.run, compile=args.compile,
                                 compile_backend=args.backend, compile_scope=args.scope or cfg.run.compile_scope,
                                 **({"step_graph": {"auto": None, "on": True, "off": False}[args.step_graph]}
                                    if hasattr(cfg.run, "step_graph") else {})))  # (a landed tree: none)
@@ -105,9 +105,8 @@ def build(args):
     compiled = bool(run.compile) if run.compile is not None else device.type == "cuda"
     step_module = NormalisedLoss(loss_module) if plan is not None and plan.on else loss_module
     if compiled:
-        mode = "default" if plan is not None and plan.capture else run.compile_mode
-        if device.type == "cpu" and mode != "default":
-            mode = "default"  # CUDA-graph modes mean nothing on the CPU
+        # the captured step brings its own CUDA graph; CUDA-graph modes mean nothing on the CPU
+        mode = "default" if (plan is not None and plan.capture) or device.type == "cpu" else run.compile_mode
         step_module = compile_for_training(step_module, loss_module, scope=run.compile_scope, backend=run.compile_backend,
                                            mode=mode, dynamic=run.compile_dynamic)
     scaler = torch.amp.GradScaler(device.type, enabled=run.precision == "fp16")
@@ -180,7 +179,7 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="inductor", help="torch.compile backend (aot_eager: quick, for tests)")
     ap.add_argument("--scope", choices=("blocks", "model"), default=None,
                     help="compile scope (default: the preset's)")
-    ap.add_argument("--compile", type=lambda s: s.lower() in ("1", "true", "on"), default=None,
+    ap.add_argument("--compile", type=lambda s: s.lower() in ("1", "true", "on"), default=True,
                     help="compile on/off (default: on, as the fast preset; the preset's own for others)")
     ap.add_argument("--step-graph", choices=("auto", "on", "off"), default="on",
                     help="run.step_graph: on (default; CPU: the static-buffer step run eagerly), off, auto")
@@ -188,8 +187,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         ap.error(f"--steps {args.steps} must be >= 1 and --warmup {args.warmup} >= 0")
-    if args.compile is None:
-        args.compile = True
     cfg, device, step, sg, how, compiled = build(args)
     from models.flops import flops_per_token, mfu, run_peak
 
