@@ -402,8 +402,6 @@ def run_isolated(ctx: Context, cases: Sequence[Case], sink: list[dict[str, Any]]
             finally:
                 print(log.read_text(errors="replace"), end="", flush=True)
                 running, partial = _collect_events(events, rows)
-            if rc == 124:
-                print("bench.kernels: the worker overran the budget; killed", flush=True)
             if rc == 0:
                 break
             if running is not None:  # the provider in flight died with its worker
@@ -419,7 +417,8 @@ def run_isolated(ctx: Context, cases: Sequence[Case], sink: list[dict[str, Any]]
                     print(f"bench.kernels: {provider} crashed {crashes[provider]} times; left out from here on",
                           flush=True)
             if rc == 124:
-                break  # killed at the deadline
+                print("bench.kernels: the worker overran the budget; killed", flush=True)
+                break
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         sink.extend(r for pair_rows in rows.values() for r in pair_rows)
