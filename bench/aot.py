@@ -346,12 +346,9 @@ def kernel_test_selection() -> tuple[str, ...]:
 
 
 class _TestsAsPlan:
-    """pytest plugin: the kernel-test step's tests themselves, run on CPU tensors under ``compile_only`` so
-    that every launch compiles what the GPU run will request. Skips are lifted (the interpreter's
-    "needs CUDA or TRITON_INTERPRET=1": here the kernels compile for the GPU); outcomes mean nothing (the
-    outputs are never computed). Left out: tests marked ``gpu`` (their tensors are made on "cuda": the
-    grids above stand for them), tests that start a subprocess or torch.compile (same launches, minutes
-    of CPU work)."""
+    """pytest plugin: the kernel-test step's tests on CPU tensors under ``compile_only``, skips lifted (outcomes
+    mean nothing). Left out: tests marked ``gpu`` (the grids above stand for them), tests that start a subprocess
+    or torch.compile (same launches, minutes of CPU work)."""
 
     def __init__(self):
         self.ran = 0
@@ -422,8 +419,7 @@ def kernels_sha256() -> str:
 
 
 def cache_keys(arch: int) -> dict:
-    """What decides whether a GPU run hits this cache: the triton build, ptxas, the target, the kernels'
-    source; and the commit the cache was built at (``train.runs.metrics.git_sha``: git, else $FASTMT_GIT_SHA)."""
+    """What decides whether a GPU run hits this cache (``CHECKED_KEYS``), and the commit it was built at."""
     import hashlib
 
     from triton.compiler import make_backend
@@ -442,8 +438,7 @@ CHECKED_KEYS = ("triton", "triton_key_sha256", "backend", "arch", "kernels_sha25
 
 
 def check(built: dict, here: dict) -> tuple[int, str]:
-    """(exit status, one line): 0 when every key in ``CHECKED_KEYS`` matches (whatever the commits), else 1
-    naming each difference."""
+    """(exit status, one line): 0 when every key in ``CHECKED_KEYS`` matches, else 1 naming each difference."""
     differ = [f"{k} {str(built.get(k))[:12]} here {str(here.get(k))[:12]}" for k in CHECKED_KEYS
               if built.get(k) != here.get(k)]
     commits = ("" if built.get("git_sha") == here.get("git_sha") else
