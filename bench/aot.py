@@ -1,33 +1,10 @@
 """Compile fastmt's Triton kernels ahead of time for a GPU that is not here, and count the compile units.
 
-A GPU run compiles every (kernel, constexprs, config, argument specialization) it launches the first time
-it meets it: the runbook's first call paid that inside its time limits. This module replays the launches
-of a runbook step on CPU tensors with Triton's active driver replaced by a compile-only one targeting
-``--arch`` (sm_90: H100/H200): each launch is compiled exactly as the GPU run would key it (Triton's own
-binder specialises the same tensors' dtypes, alignments and integer arguments) and written to
-``TRITON_CACHE_DIR``, and nothing is launched. Per step it reports the compile units and the seconds
-they took here.
-
-Plans (``--plan``):
-  train        the `fast` preset's first training step (its model, a packed batch of its shape, forward
-               and backward through our kernels), every config the autotuner's pruner keeps: the
-               Autotuner compiles each to time it
-  kernel-test  the runbook's kernel-test step (tests/kernels -m "not slow" on CUDA) with the step's policy
-               (``FASTMT_AUTOTUNE=0``: the first fitting config; every config where a test walks them,
-               every pruned one where a test autotunes): the CUDA grids and the other tests' launches, from
-               the case lists the kernel ops declare (``KernelOp.shapes``; LayerNorm weights in x's dtype,
-               mixed residual dtypes, Lion's sizes, gradient dtypes and lr kinds), then the step's selection itself
-               (``kernel_test_selection()``) run by pytest in this process on CPU tensors: every launch of
-               every test not marked ``gpu`` compiles what the GPU run will request
-
-Whether a GPU run hits the cache depends on Triton's cache key: the triton build (``triton_key()``
-hashes libtriton, so CPython 3.12's wheel for the GPU image's python), the ptxas version, the target and
-the options, and the kernels' source (Triton hashes it with its line numbers). ``--out`` writes
-``AOT-KEYS.json`` with those, a hash of ``kernels/*.py`` and the git sha; ``--check`` (run by
-``bench/gpu_run.sh`` where it unpacks the cache) exits 1 naming every key that differs on this machine and tree
-(the git sha is reported, not checked: a commit that changes no kernel keeps every entry valid). Run with the interpreter off: ``python -m bench.aot --plan train --out DIR``.
-A development tool of the runbook: its kernel-test plan takes the CUDA grids from the shapes the kernel ops
-declare (``KernelOp.shapes``, which tests/kernels parametrize over too) and runs the kernel-test selection.
+Replays a runbook step's launches (``--plan train|kernel-test``) on CPU tensors with Triton's driver replaced by
+a compile-only one for ``--arch`` (90: H100/H200): each launch compiles into ``TRITON_CACHE_DIR`` under the key
+the GPU run would use, nothing runs. ``--out`` also writes ``AOT-KEYS.json`` (what Triton's cache key depends
+on); ``--check`` exits 1 naming every key that differs here. Run with the interpreter off:
+``python -m bench.aot --plan train --out DIR``. Details: bench/README.md ("Compile budgets", "Payload").
 """
 
 from __future__ import annotations
@@ -161,10 +138,15 @@ def rebound(original, replacement):
 # Plans
 # ----------------------------------------------------------------------------------------------
 def plan_train(*, autotune: bool = True, preset: str = "fast") -> None:
-    """The `fast` preset's first training step on CPU tensors: model (s18, packed, our kernels), a packed
-    batch of its capacity, bf16 autocast, forward + backward. ``autotune``: what the first launch of each key
-    compiles on the GPU (its pinned config, kernels/pinned.py, else every pruned config: the Autotuner compiles
-    each to time it); else the first pruned config (``FASTMT_AUTOTUNE=0``)."""
+    """The preset's first training step on CPU tensors (bf16 autocast, forward + backward). ``autotune``: what the
+    first launch of each key compiles on the GPU (its pinned config, else every pruned config); else the first
+    pruned config (``FASTMT_AUTOTUNE=0``)."""
+    with _all_configs(autotune):
+        _train_step(preset)
+
+
+def _train_step(preset: str) -> None:
+    """One forward + backward of ``preset``'s model (our kernels) on a packed batch of its capacity."""
     import dataclasses
 
     from models import Transformer
@@ -173,13 +155,7 @@ def plan_train(*, autotune: bool = True, preset: str = "fast") -> None:
     cfg = get_config(preset)
     model_cfg = dataclasses.replace(cfg.model, attn_backend="triton", dropout=0.0)
     model = Transformer(model_cfg)
-    capacity = cfg.data.max_tokens // 2  # per side (data/batching.py splits the budget)
-    batch = _packed_like(capacity, cfg.data.max_len, model_cfg.vocab_size)
-    with _all_configs(autotune):
-        _train_step(model, batch)
-
-
-def _train_step(model, batch: dict) -> None:
+    batch = _packed_like(cfg.data.max_tokens // 2, cfg.data.max_len, model_cfg.vocab_size)  # a side's share
     with H.environ(FASTMT_NORM_BACKEND="triton"), torch.autocast("cpu", dtype=torch.bfloat16):
         hidden = model(**{k: v for k, v in batch.items() if k not in ("tgt_out", "real_pairs")}, return_hidden=True)
         hidden.float().sum().backward()
@@ -194,11 +170,7 @@ def pin_table(arch: int = 90, presets: tuple[str, ...] = PIN_PRESETS) -> dict:
     tensors under ``compile_only``, nothing compiled): the first config the kernel's pruner keeps, marked
     "unmeasured" (no GPU run recorded its tuning yet). The stream attention kernels get every mean-length bucket:
     the corpus decides which one a run meets."""
-    import dataclasses
-
     from kernels import _utils
-    from models import Transformer
-    from train.config import get_config
 
     table: dict[str, dict[str, dict]] = {}
 
@@ -212,11 +184,8 @@ def pin_table(arch: int = 90, presets: tuple[str, ...] = PIN_PRESETS) -> dict:
                 "source": "unmeasured"}
 
     for preset in presets:
-        cfg = get_config(preset)
-        model_cfg = dataclasses.replace(cfg.model, attn_backend="triton", dropout=0.0)
-        batch = _packed_like(cfg.data.max_tokens // 2, cfg.data.max_len, model_cfg.vocab_size)
         with compile_only(arch), rebound(_utils.launch, record):
-            _train_step(Transformer(model_cfg), batch)
+            _train_step(preset)
     return {name: dict(sorted(keys.items())) for name, keys in sorted(table.items())}
 
 
@@ -377,12 +346,9 @@ def kernel_test_selection() -> tuple[str, ...]:
 
 
 class _TestsAsPlan:
-    """pytest plugin: the kernel-test step's tests themselves, run on CPU tensors under ``compile_only`` so
-    that every launch compiles what the GPU run will request. Skips are lifted (the interpreter's
-    "needs CUDA or TRITON_INTERPRET=1": here the kernels compile for the GPU); outcomes mean nothing (the
-    outputs are never computed). Left out: tests marked ``gpu`` (their tensors are made on "cuda": the
-    grids above stand for them), tests that start a subprocess or torch.compile (same launches, minutes
-    of CPU work)."""
+    """pytest plugin: the kernel-test step's tests on CPU tensors under ``compile_only``, skips lifted (outcomes
+    mean nothing). Left out: tests marked ``gpu`` (the grids above stand for them), tests that start a subprocess
+    or torch.compile (same launches, minutes of CPU work)."""
 
     def __init__(self):
         self.ran = 0
@@ -453,18 +419,16 @@ def kernels_sha256() -> str:
 
 
 def cache_keys(arch: int) -> dict:
-    """What decides whether a GPU run hits this cache: the triton build, ptxas, the target, the kernels'
-    source; and the commit the cache was built at (``train.runs.metrics.git_sha``: git, else $FASTMT_GIT_SHA)."""
+    """What decides whether a GPU run hits this cache (``CHECKED_KEYS``), and the commit it was built at."""
     import hashlib
 
-    from triton.backends.compiler import GPUTarget as Target
     from triton.compiler import make_backend
     from triton.runtime.cache import triton_key
 
     from train.runs.metrics import git_sha
 
     return {"triton": triton.__version__, "triton_key_sha256": hashlib.sha256(triton_key().encode()).hexdigest(),
-            "backend": make_backend(Target("cuda", arch, 32)).hash(), "kernels_sha256": kernels_sha256(),
+            "backend": make_backend(GPUTarget("cuda", arch, 32)).hash(), "kernels_sha256": kernels_sha256(),
             "git_sha": git_sha(), "python": sys.version.split()[0], "torch": torch.__version__, "arch": arch}
 
 
@@ -474,8 +438,7 @@ CHECKED_KEYS = ("triton", "triton_key_sha256", "backend", "arch", "kernels_sha25
 
 
 def check(built: dict, here: dict) -> tuple[int, str]:
-    """(exit status, one line): 0 when every key in ``CHECKED_KEYS`` matches (whatever the commits), else 1
-    naming each difference."""
+    """(exit status, one line): 0 when every key in ``CHECKED_KEYS`` matches, else 1 naming each difference."""
     differ = [f"{k} {str(built.get(k))[:12]} here {str(here.get(k))[:12]}" for k in CHECKED_KEYS
               if built.get(k) != here.get(k)]
     commits = ("" if built.get("git_sha") == here.get("git_sha") else

@@ -56,10 +56,7 @@ def floor_bytes(q_tokens: int, k_tokens: int, heads: int, head_dim: int, elem_by
     forward output is what the backward reads) reads q, k, v, o, dO and writes dQ, dK, dV."""
     if mode not in H.MODES:
         raise ValueError(f"mode={mode!r} is not one of {H.MODES}")
-    per_token = heads * head_dim * elem_bytes
-    if mode == "fwd":
-        return 2 * (q_tokens + k_tokens) * per_token
-    return 4 * (q_tokens + k_tokens) * per_token
+    return (2 if mode == "fwd" else 4) * (q_tokens + k_tokens) * heads * head_dim * elem_bytes
 
 
 def work(case: Case, mode: str, d, dtype: torch.dtype) -> dict[str, float]:

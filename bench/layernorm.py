@@ -4,6 +4,7 @@ The ``rmsnorm`` op (``y = RMSNorm(x + r) * w``, no bias) owns its cases (group "
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -18,26 +19,30 @@ LN_EPS = 1e-5
 GROUPS = ("ln",)
 
 
-def reference(case: Case, d: LNInputs) -> torch.Tensor:
+def reference(case: Case, d: LNInputs, rms: bool = False) -> torch.Tensor:
     from kernels import layer_norm_reference
 
+    kw = {"is_rms_norm": True} if rms else {"activation": "gelu"}
     with torch.no_grad():
-        y, _ = layer_norm_reference(d.x.detach().float(), d.w.detach().float(), d.b.detach().float(),
-                                    d.r.detach().float(), eps=LN_EPS, activation="gelu")
+        y, _ = layer_norm_reference(d.x.detach().float(), d.w.detach().float(), None if rms else d.b.detach().float(),
+                                    d.r.detach().float(), eps=LN_EPS, **kw)
     return y
 
 
-def work(case: Case, mode: str, d, dtype: torch.dtype) -> dict[str, float]:
+def work(case: Case, mode: str, d, dtype: torch.dtype, bias: bool = True) -> dict[str, float]:
     elem = torch.empty((), dtype=dtype).element_size()
-    return {"bytes": H.layer_norm_bytes(case.rows, case.width, mode=mode, elem_bytes=elem)}
+    return {"bytes": H.layer_norm_bytes(case.rows, case.width, mode=mode, elem_bytes=elem, bias=bias)}
 
 
 def columns(case: Case, d) -> dict[str, Any]:
     return {"rows": case.rows, "width": case.width, "tokens": case.rows}
 
 
-register_op(Op("layernorm", lambda case, dtype, device, opts: make_ln_inputs(case, dtype, device), reference,
-               work, columns, table=("LayerNorm+residual+GELU {mode}: GB/s", "gbps")))
+def inputs(case: Case, dtype: torch.dtype, device, opts) -> LNInputs:
+    return make_ln_inputs(case, dtype, device)
+
+
+register_op(Op("layernorm", inputs, reference, work, columns, table=("LayerNorm+residual+GELU {mode}: GB/s", "gbps")))
 
 
 def _rows(out: torch.Tensor) -> torch.Tensor:
@@ -73,28 +78,14 @@ def compile_(case: Case, d: LNInputs, opts) -> Prepared:
 
 
 # -- RMSNorm (``IS_RMS_NORM`` on the same kernels): its own op, cases and report table --------------------------
-def rms_reference(case: Case, d: LNInputs) -> torch.Tensor:
-    from kernels import layer_norm_reference
-
-    with torch.no_grad():
-        y, _ = layer_norm_reference(d.x.detach().float(), d.w.detach().float(), None, d.r.detach().float(),
-                                    eps=LN_EPS, is_rms_norm=True)
-    return y
-
-
 def rms_cases(smoke: bool) -> list[Case]:
     shapes = [(64, 32)] if smoke else [(16384, 512), (32768, 1024)]
     return [Case("rmsnorm", "rms", registry.names("rmsnorm", "rms"), rows=rows, width=width, seed=rows + width,
                  name=f"rms-R{rows}-N{width}") for rows, width in shapes]
 
 
-def rms_work(case: Case, mode: str, d, dtype: torch.dtype) -> dict[str, float]:  # LN's bytes less the bias
-    elem = torch.empty((), dtype=dtype).element_size()
-    return {"bytes": H.layer_norm_bytes(case.rows, case.width, mode=mode, elem_bytes=elem, bias=False)}
-
-
-register_op(Op("rmsnorm", lambda case, dtype, device, opts: make_ln_inputs(case, dtype, device), rms_reference,
-               rms_work, columns, cases=rms_cases, table=("RMSNorm+residual {mode}: GB/s", "gbps")))
+register_op(Op("rmsnorm", inputs, functools.partial(reference, rms=True), functools.partial(work, bias=False),
+               columns, cases=rms_cases, table=("RMSNorm+residual {mode}: GB/s", "gbps")))
 
 
 @register("rmsnorm", "ours", groups=("rms",), triton=True)

@@ -77,17 +77,13 @@ def capture_dynamo_logs(path: Path):
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
     logger = logging.getLogger("torch._dynamo")
     torch._logging.set_logs(graph_breaks=True, recompiles=True)
-    muted = _console_handlers()
-    for h in muted:
-        h.addFilter(_drop)
     logger.addHandler(handler)
     try:
-        yield path
+        with _quiet_torch_console():
+            yield path
     finally:
         logger.removeHandler(handler)
         handler.close()
-        for h in muted:
-            h.removeFilter(_drop)
         torch._logging.set_logs()
 
 
@@ -314,13 +310,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     warmup = a.warmup if a.warmup is not None else (2 if a.smoke else 4)
     lines: list[str] = []
     log = print if a.verbose else (lambda *x: lines.append(" ".join(map(str, x))))
-    if a.verbose:
+    with contextlib.nullcontext() if a.verbose else _quiet_torch_console():
         r = run_profile(preset, smoke=a.smoke, data_files=files, out_dir=out, warmup=warmup, active=a.active,
-                        work=work, log=log)
-    else:
-        with _quiet_torch_console():
-            r = run_profile(preset, smoke=a.smoke, data_files=files, out_dir=out, warmup=warmup, active=a.active,
-                            work=work, log=log, quiet=True)
+                        work=work, log=log, quiet=not a.verbose)
+    if not a.verbose:
         with (r["out"] / "run.log").open("a") as f:
             f.write("\n".join(lines) + "\n")
     print((r["out"] / "report.md").read_text(), flush=True)

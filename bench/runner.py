@@ -11,7 +11,6 @@ import gc
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -395,27 +394,20 @@ def run_isolated(ctx: Context, cases: Sequence[Case], sink: list[dict[str, Any]]
                 "opts": vars(ctx.opts), "prov": ctx.prov, "peaks": asdict(ctx.peaks), "deadline": ctx.deadline,
                 "skip": sorted(set(rows) | excluded), "events": str(events),
             }))
-            # Same process group as this one: `timeout` signals reach the worker too, and nothing
-            # outlives the device call.
-            proc = subprocess.Popen([sys.executable, "-m", "bench.runner", str(spec)], cwd=H.REPO_ROOT,
-                                    env={**os.environ, WORKER_ENV: "1"})
-            rc = None
-            try:
-                grace = WORKER_GRACE_S  # a provider that starts just before the deadline may still compile
-                rc = proc.wait(timeout=None if ctx.deadline is None else max(30.0, ctx.deadline - time.time() + grace))
-            except subprocess.TimeoutExpired:
-                print(f"bench.kernels: worker {proc.pid} overran the budget; killing it", flush=True)
+            log = workdir / f"worker{attempt}.log"
+            timeout = None if ctx.deadline is None else max(30.0, ctx.deadline - time.time() + WORKER_GRACE_S)
+            try:  # its own process group: past the deadline, or on SIGTERM here, the whole group is killed
+                rc = H.run_in_group([sys.executable, "-m", "bench.runner", str(spec)], log, timeout_s=timeout,
+                                    env={**os.environ, WORKER_ENV: "1"}, cwd=H.REPO_ROOT, check=False)
             finally:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+                print(log.read_text(errors="replace"), end="", flush=True)
                 running, partial = _collect_events(events, rows)
             if rc == 0:
                 break
             if running is not None:  # the provider in flight died with its worker
                 provider = running[1]
                 crashes[provider] = crashes.get(provider, 0) + 1
-                why = (f"worker exited with code {proc.returncode} while this ran (CUDA context lost or killed); "
+                why = (f"worker exited with code {rc} while this ran (CUDA context lost or killed); "
                        "see the log")
                 rows[running] = partial + failed_rows(ctx, by_id[running[0]], provider, "crash", why,
                                                       {r["mode"] for r in partial})
@@ -424,8 +416,9 @@ def run_isolated(ctx: Context, cases: Sequence[Case], sink: list[dict[str, Any]]
                                  if provider in c.providers and (c.id, provider) not in rows}
                     print(f"bench.kernels: {provider} crashed {crashes[provider]} times; left out from here on",
                           flush=True)
-            if rc is None:
-                break  # killed at the deadline
+            if rc == 124:
+                print("bench.kernels: the worker overran the budget; killed", flush=True)
+                break
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         sink.extend(r for pair_rows in rows.values() for r in pair_rows)

@@ -83,7 +83,7 @@ def build(args):
         cfg, model=dataclasses.replace(cfg.model, **model_changes),
         data=dataclasses.replace(cfg.data, batching="packed", max_tokens=TOKENS[args.size] or cfg.data.max_tokens,
                                  max_len=min(cfg.data.max_len, (TOKENS[args.size] or cfg.data.max_tokens) // 2)),
-        run=dataclasses.replace(cfg.run, compile=args.compile if args.compile is not None else cfg.run.compile,
+        run=dataclasses.replace(cfg.run, compile=args.compile,
                                 compile_backend=args.backend, compile_scope=args.scope or cfg.run.compile_scope,
                                 **({"step_graph": {"auto": None, "on": True, "off": False}[args.step_graph]}
                                    if hasattr(cfg.run, "step_graph") else {})))  # (a landed tree: none)
@@ -106,9 +106,8 @@ def build(args):
     compiled = bool(run.compile) if run.compile is not None else device.type == "cuda"
     step_module = NormalisedLoss(loss_module) if plan is not None and plan.on else loss_module
     if compiled:
-        mode = "default" if plan is not None and plan.capture else run.compile_mode
-        if device.type == "cpu" and mode != "default":
-            mode = "default"  # CUDA-graph modes mean nothing on the CPU
+        # the captured step brings its own CUDA graph; CUDA-graph modes mean nothing on the CPU
+        mode = "default" if (plan is not None and plan.capture) or device.type == "cpu" else run.compile_mode
         step_module = compile_for_training(step_module, loss_module, scope=run.compile_scope, backend=run.compile_backend,
                                            mode=mode, dynamic=run.compile_dynamic)
     scaler = torch.amp.GradScaler(device.type, enabled=run.precision == "fp16")
@@ -123,15 +122,12 @@ def build(args):
             return loss
 
         return cfg, device, step, sg, plan.reason, compiled
-    graph = getattr(torch.compiler, "cudagraph_mark_step_begin", None)
-
     def step(batch):
         loss = forward_backward(step_module, [batch], device=device, autocast=autocast, scaler=scaler)
         optimizer_step(optimizer, flat, scheduler, scaler, counters, loss, grad_clip=cfg.optim.grad_clip,
                        guard=run.nonfinite_guard)
         return loss
 
-    del graph
     return cfg, device, step, None, plan.reason if plan is not None else "eager step (no train/graph_step.py)", compiled
 
 
@@ -184,7 +180,7 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="inductor", help="torch.compile backend (aot_eager: quick, for tests)")
     ap.add_argument("--scope", choices=("blocks", "model"), default=None,
                     help="compile scope (default: the preset's)")
-    ap.add_argument("--compile", type=lambda s: s.lower() in ("1", "true", "on"), default=None,
+    ap.add_argument("--compile", type=lambda s: s.lower() in ("1", "true", "on"), default=True,
                     help="compile on/off (default: on, as the fast preset; the preset's own for others)")
     ap.add_argument("--step-graph", choices=("auto", "on", "off"), default="on",
                     help="run.step_graph: on (default; CPU: the static-buffer step run eagerly), off, auto")
@@ -192,8 +188,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         ap.error(f"--steps {args.steps} must be >= 1 and --warmup {args.warmup} >= 0")
-    if args.compile is None:
-        args.compile = True
     cfg, device, step, sg, how, compiled = build(args)
     from models.flops import flops_per_token, mfu, run_peak
 

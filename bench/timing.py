@@ -57,16 +57,9 @@ def warm_up_capture(device: torch.device) -> str:
     return why
 
 
-def kernel_time(
-    step: Callable[[Any], Any],
-    eager: Callable[[], Any],
-    *,
-    device: torch.device,
-    leaves: Sequence[torch.Tensor],
-    warmup_ms: float,
-    rep_ms: float,
-    prologue: Callable[[], Any] | None = None,
-) -> KernelTime:
+def kernel_time(step: Callable[[Any], Any], eager: Callable[[], Any], *, device: torch.device,
+                leaves: Sequence[torch.Tensor], warmup_ms: float, rep_ms: float,
+                prologue: Callable[[], Any] | None = None) -> KernelTime:
     """GPU time of ``step(state)`` replayed from a CUDA graph (``state = prologue()``, run eagerly on the
     capture stream, e.g. the forward whose backward is timed); ``eager()`` is the same work for the
     fallback. ``leaves`` get ``.grad = None`` before the capture, so gradients live in the graph's pool

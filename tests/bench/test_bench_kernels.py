@@ -4,11 +4,14 @@ the timing helpers, and CPU smoke runs of bench.kernels."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import math
 import os
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -194,6 +197,38 @@ def test_isolated_worker_crash_is_recorded(tmp_path, monkeypatch):
     assert fault == {("train-ragged", "crash"), ("train-dense", "crash"), ("long", "skipped")}
     sdpa = [r for r in rows if r["provider"] == "sdpa"]
     assert len(sdpa) == 2 * len(H.MODES) and all(r["status"] == "ok" for r in sdpa)
+
+
+@pytest.mark.slow
+def test_isolated_worker_past_the_budget_is_killed_with_its_children(tmp_path, monkeypatch):
+    """A worker that hangs past the budget is killed with its whole process group (a child it started too),
+    its provider in flight gets 'crash' rows and the run still writes its CSV (~35 s)."""
+    registry.load()
+    monkeypatch.setattr(registry, "_PROVIDERS", list(registry._PROVIDERS))
+    monkeypatch.delitem(sys.modules, "tests.bench.fault_provider", raising=False)
+    monkeypatch.setattr(runner, "WORKER_GRACE_S", 0.0)
+    pid_file = tmp_path / "hang.pid"
+    monkeypatch.setenv("FASTMT_TEST_HANG_PID", str(pid_file))
+    rc = K.main(["--smoke", "--out", str(tmp_path), "--isolate", "process", "--only", "attention",
+                 "--provider-module", "tests.bench.fault_provider", "--providers", "hang", "--budget-s", "25",
+                 "--compile-backend", "eager", "--no-plot"])
+    assert rc == 0
+    rows = H.read_csv(next(tmp_path.glob("kernels-*.csv")))
+    hang = [r for r in rows if r["provider"] == "hang"]
+    assert {r["status"] for r in hang} <= {"crash", "skipped"} and any(r["status"] == "crash" for r in hang)
+    child = int(pid_file.read_text())
+    for _ in range(100):  # the group got TERM then KILL: the child is gone (or a zombie being reaped)
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        with contextlib.suppress(FileNotFoundError):
+            if Path(f"/proc/{child}/stat").read_text().split(")")[-1].split()[0] == "Z":
+                break
+        time.sleep(0.05)
+    else:
+        os.kill(child, 9)
+        raise AssertionError(f"the hung worker's child {child} outlived the run")
 
 
 @pytest.mark.slow
