@@ -7,9 +7,9 @@
 #
 #   make gpu-wheels            (or: bash bench/gpu_wheels.sh)
 #
-# Carried: datasets and lion-pytorch (not in the image), dill and multiprocess (datasets' needs the image lacks),
-# fsspec (datasets pins fsspec<=2026.9.0; the image's is likely newer). Versions come from ONE resolution for the
-# GPU's platform (pip --dry-run --report), so they agree; bench/gpu_run.sh checks their requirements on the image.
+# Carried: datasets and lion-pytorch (not in the image), dill and multiprocess (datasets' needs the image
+# lacks), fsspec (datasets pins fsspec<=2026.9.0; the image's is likely newer). Versions come from ONE
+# resolution for the GPU's platform (pip --dry-run --report), so they agree; bench/gpu_run.sh checks them.
 #
 # Environment:
 #   PYTHON             interpreter whose pip is used (default: .venv/bin/python, else python3)
@@ -20,12 +20,12 @@
 #                      (~21 MB; only the peers-eole step installs them)
 #   FASTMT_DATA_FILES  data files to copy (':'-separated); default the stand-in corpus
 #                      ../shared/data/opus_mt_testsets/en-it/train.jsonl
-#   GPU_AOT            1 (default): also compile our Triton kernels for sm_90 (bench/aot.py, plans kernel-test and
-#                      train) into .whl/triton-aot-sm90.tgz. Needs CPython 3.12 (Triton's cache key hashes
+#   GPU_AOT            1 (default): also compile our Triton kernels for sm_90 (bench/aot.py, plans kernel-test
+#                      and train) into .whl/triton-aot-sm90.tgz. Needs CPython 3.12 (Triton's cache key hashes
 #                      libtriton, which differs per CPython build): the first time it builds .cache/aot-py312
 #                      with torch 2.11 + triton 3.6 (~5 GB). 0: skip (the kernels compile on the device).
-#   GPU_AOT_PYTHON     a CPython 3.12 with torch 2.11, triton 3.6, einops, numpy<2.4, sentencepiece, pytest and
-#                      hypothesis to compile with, instead of .cache/aot-py312
+#   GPU_AOT_PYTHON     a CPython 3.12 with torch 2.11, triton 3.6, einops, numpy<2.4, sentencepiece, pytest
+#                      and hypothesis to compile with, instead of .cache/aot-py312
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -95,8 +95,8 @@ whl_kb=$(du -sk .whl | cut -f1)
 (( whl_kb <= MAX_WHEELS_MB * 1024 )) || die ".whl/ is ${whl_kb} KB, over ${MAX_WHEELS_MB} MB"
 
 # -- 3b. eole for the peers-eole packet (GPU_WHEELS_PEERS=1): .whl/peers/, installed by that step only ---------
-# eole declares a heavy set its training path does not import; issue 44 measured its run-time set (below), resolved
-# together and downloaded with eole and torch-optimi without their declared dependencies (torch is the image's).
+# eole declares a heavy set its training path does not import; issue 44 measured its run-time set (below),
+# resolved together and downloaded with eole and torch-optimi without their declared dependencies.
 if [[ ${GPU_WHEELS_PEERS:-0} == 1 ]]; then
     EOLE_SPEC=${EOLE_SPEC:-eole==0.6.4}
     EOLE_RUNTIME=(pyonmttok pydantic fastapi uvicorn dill opentelemetry-api truststore)

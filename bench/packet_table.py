@@ -1,7 +1,7 @@
-"""The GPU runbook's one table: its packets (one device call each, at most 5 minutes of command time, useful on
-its own), every constant of a run, and the landed records (``bench/results/packets.jsonl``) that ``next`` reads to
-name the first packet with no result for the code it measures now (``code_hash``). bench/runbook.py runs it; its
-command line is ``python3 -m bench.packets``; bench/README.md ("A 15-minute GPU session") has the rest.
+"""The GPU runbook's one table: its packets (one device call each, at most 5 minutes of command time, useful
+on its own), every constant of a run, and the landed records (``bench/results/packets.jsonl``) that ``next``
+reads to name the first packet with no result for the code it measures now (``code_hash``). bench/runbook.py
+runs it; its command line is ``python3 -m bench.packets``; bench/README.md ("A 15-minute GPU session").
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ TRAIN_RESERVE_S = 35  # of a training step's limit, kept for its test split, rec
 
 KERNEL_SCOPE = ("kernels", "tests/kernels")
 
-# the kernel-test step's files in the order a training run meets their kernels (a step cut at its deadline has run
-# the first ones); any other tests/kernels file runs after them unless it is CPU work (CPU_ONLY_KERNEL_TESTS)
+# the kernel-test step's files in the order a training run meets their kernels (a step cut at its deadline has
+# run the first ones); any other tests/kernels file runs after them unless it is CPU_ONLY_KERNEL_TESTS
 KERNEL_TEST_FILES = ("test_packed_attention.py", "test_layernorm.py", "test_attention.py",
                      "test_sequence_attention.py", "test_lion.py")
 # the tests that run before every other one of the step (bench.pytest_stop's --first, node-id patterns): the
@@ -77,8 +77,8 @@ class Packet:
         return SETUP_S + sum(s.limit for s in self.steps) + PACK_S
 
 
-# issue 42's batch sweep: per batch two lr/warm-up settings (lr ~sqrt of the batch from 5e-4 at 4k); one packet per
-# batch: two runs of 105 s (+15 s grace) fill a 255 s step (a cold compile alone took 52 s on the H200)
+# issue 42's batch sweep: per batch two lr/warm-up settings (lr ~sqrt of the batch from 5e-4 at 4k); one
+# packet per batch: two runs of 105 s (+15 s grace) fill a 255 s step (a cold compile took 52 s on an H200)
 BATCH_SWEEP = (("4k", "4096:5e-4:250,4096:1e-3:400"), ("8k", "8192:7e-4:150,8192:1.4e-3:250"),
                ("16k", "16384:1e-3:100,16384:2e-3:150"), ("32k", "32768:1.4e-3:60,32768:2.8e-3:100"))
 
@@ -160,14 +160,14 @@ TRAIN_SMOKE = ("--preset", "fast", "--run.device", "cpu", "--run.compile", "true
                "--eval.batch_size", "16")
 
 
-# a warm rerun of the job: its setup, warm compile, a few steps and its test (today's 18 s evaluation, 14 s setup)
+# a warm rerun of the job: setup, warm compile, a few steps, its test (today's 18 s evaluation, 14 s setup)
 WARM_RERUN_S = 60
 SOURCE_MAX = 16 * 2**20  # a source file code_hash reads (the largest in the tree is ~40 KB)
 
 
 def code_hash(packet: Packet, root: Path = ROOT) -> str:
-    """sha256 (16 hex digits) of the names and contents of every .py / .sh file under a packet's scope: it walks
-    the tree (no .git on the device copy), skipping caches."""
+    """sha256 (16 hex digits) of the names and contents of every .py / .sh file under a packet's scope: it
+    walks the tree (no .git on the device copy), skipping caches."""
     h = hashlib.sha256()
     files: list[Path] = []
     for entry in packet.scope:
@@ -384,7 +384,7 @@ def pack_results(work: Path, logdir: Path, started: float, dest: Path) -> tuple[
 
 # -- a packet's record --------------------------------------------------------------------------------------------
 def ran_to_the_end(status: str) -> bool:
-    """A step that passed or failed ran to its end; one timed out, skipped or stopped leaves its packet incomplete."""
+    """A step that passed or failed ran to its end; one timed out, skipped or stopped leaves it incomplete."""
     return status == "ok" or status.startswith("FAILED")
 
 
@@ -397,8 +397,8 @@ NUMBER_KEYS = ("step_ms", "host_ms_per_step", "mfu", "gpu_busy", "graphs_per_ste
 def make_record(packet: str, steps: list[dict], *, quality: Path | None = None, outcomes: Path | None = None,
                 caches: str = "", root: Path = ROOT, cold_run: Path | None = None, warm_run: Path | None = None,
                 sha: str | None = None) -> dict:
-    """What a packet showed, for ``bench/results/packets.jsonl``: ``quality`` is bench.quality's json, ``outcomes``
-    bench.pytest_stop's file, ``cold_run``/``warm_run`` the compile-warm packet's two runs (their wall splits)."""
+    """What a packet showed, for ``bench/results/packets.jsonl``: ``quality`` is bench.quality's json,
+    ``outcomes`` bench.pytest_stop's file, ``cold_run``/``warm_run`` the compile-warm packet's two runs."""
     from bench.pytest_stop import count
 
     facts: dict = {}

@@ -3,9 +3,9 @@ summary and its JUnit file, whatever stops it, and no finished test's outcome is
 
 ``--stop-after-s S``: no test starts after S seconds of the session (the rest is reported as not run); SIGTERM
 stops the session as Ctrl-C does (summary, JUnit file, exit 2). ``--outcomes PATH``: one JSON line per decided
-test phase, flushed as each test finishes: a hang inside a CUDA call cannot be interrupted by a signal handler, so
-the runbook's KILL would otherwise lose every result. ``--first PATTERN`` (repeatable, fnmatch on node ids): those
-tests run first, in their collected order.
+test phase, flushed as each test finishes: a hang inside a CUDA call cannot be interrupted by a signal
+handler, so the runbook's KILL would otherwise lose every result. ``--first PATTERN`` (repeatable, fnmatch on
+node ids): those tests run first, in their collected order.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ def _words(environ: dict, var: str) -> list[str]:
 
 
 def text_of(path: Path, what: str = "log") -> str:
-    """A file the runbook or its steps wrote, through the safe-file layer; what cannot be read is said, not raised."""
+    """A file the runbook or its steps wrote, through the safe-file layer; what cannot be read is said."""
     from data.files import LOG_MAX, read_bytes
 
     try:
@@ -100,14 +100,14 @@ class Runbook:
             self.note(line)
 
     def read_data_files(self) -> list[str]:
-        """The carried .data/FILES (absolute paths) into ``data_files``; warnings for listed files that are missing."""
+        """The carried .data/FILES into ``data_files``; a warning for each listed file that is missing."""
         listing = self.root / ".data" / "FILES"
         names = [n.strip() for n in (text_of(listing, ".data/FILES").splitlines() if listing.is_file() else []) if n.strip()]
         self.data_files = [str(self.root / ".data" / n) for n in names if (self.root / ".data" / n).is_file()]
         return [f"WARNING: .data/{n} is listed but missing" for n in names if not (self.root / ".data" / n).is_file()]
 
     def capture(self, cmd: list[str], log: str = "setup.log", env: dict | None = None) -> tuple[int, str]:
-        """A setup command's exit status and output (kept in the log folder's ``log``), under the deadline runner."""
+        """A setup command's exit status and output (kept in ``log``), under the deadline runner."""
         from bench.harness import run_in_group
 
         try:
@@ -203,11 +203,9 @@ class Runbook:
         return [py, "-m", "bench.inference", "--out", str(self.work / "bench" / "results"), *own, *smoke, *extra]
 
     def pytest_command(self, limit: int, name: str, selection: list[str]) -> list[str]:
-        """pytest that ends, with its summary, in time: bench/pytest_stop.py stops starting tests at the limit less
-        a margin (a quarter of it, at least 8 s, at most T.PYTEST_RESERVE_S: a 70 s step stops at 53 s), stops as
-        Ctrl-C does on TERM (summary and JUnit written) and streams each outcome; a hung test ends the session
-        (pytest-timeout's thread dumps the stacks): the outcomes file keeps the rest. FASTMT_AUTOTUNE=0: the
-        tests' (and bench.aot's) policy."""
+        """pytest that ends, with its summary, in time (bench/pytest_stop.py): no test starts past the limit
+        less a quarter of it (at least 8 s, at most T.PYTEST_RESERVE_S); a hung test ends the session
+        (pytest-timeout)."""
         margin = min(max(limit // 4, 8), T.PYTEST_RESERVE_S)
         cmd = ["env", "FASTMT_AUTOTUNE=0", self.py, "-m", "pytest", "-q", "-p", "bench.pytest_stop",
                f"--stop-after-s={limit - margin}", f"--outcomes={self.logdir / name}.outcomes.jsonl"]
@@ -316,7 +314,7 @@ class Runbook:
                     or "REQUIREMENT" in line:
                 print("\n".join(f"  {x}" for x in lines[i:i + (2 if line.startswith("name,") else 1)]))
 
-    def triton_entries(self) -> int:
+    def triton_entries(self) -> int:  # the kernels in this run's Triton cache
         folder = Path(self.env.get("TRITON_CACHE_DIR") or "/nonexistent")
         return sum(1 for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else 0
 
