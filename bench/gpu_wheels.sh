@@ -7,41 +7,25 @@
 #
 #   make gpu-wheels            (or: bash bench/gpu_wheels.sh)
 #
-# What is carried and why (the image's package list: /work/.library/device/KINDS.md, 2026-11-17):
-#   datasets, lion-pytorch   not in the image
-#   dill, multiprocess       datasets' needs that the image lacks
-#   fsspec                   in the image, but datasets pins fsspec<=2026.9.0 and the image's version
-#                            is unknown here (likely newer); ours shadows it on PYTHONPATH (220 KB)
-# datasets' other needs (pyarrow, pandas, numpy, huggingface-hub, xxhash, requests, tqdm, filelock,
-# pyyaml, packaging) are in the image; bench/gpu_run.sh checks every carried wheel's requirements
-# against the versions it finds there and prints any mismatch. If pyarrow turns out older than
-# datasets' floor, add it here with GPU_WHEELS_EXTRA=pyarrow (about 42 MB).
-#
-# Versions come from ONE dependency resolution for the GPU's platform (pip install --dry-run
-# --report: metadata only, nothing installed), so the carried wheels agree with each other; the
-# folder is rebuilt from scratch, so it holds exactly one version of each.
+# Carried: datasets and lion-pytorch (not in the image), dill and multiprocess (datasets' needs the image
+# lacks), fsspec (datasets pins fsspec<=2026.9.0; the image's is likely newer). Versions come from ONE
+# resolution for the GPU's platform (pip --dry-run --report), so they agree; bench/gpu_run.sh checks them.
 #
 # Environment:
 #   PYTHON             interpreter whose pip is used (default: .venv/bin/python, else python3)
 #   DATASETS_SPEC      default datasets==5.2.0 (what the CPU machines run, shared/ENV.md)
 #   LION_SPEC          default lion-pytorch==0.2.5
-#   GPU_WHEELS_EXTRA   more distributions to carry, space-separated (resolved versions)
-#   GPU_WHEELS_PEERS   1: also eole (EOLE_SPEC, default eole==0.6.4) and its run-time set into .whl/peers/ (~21 MB;
-#                      only the peers-eole packet installs them: carry .whl for that call)
-#   FASTMT_DATA_FILES  data files to copy (':'-separated, as fastmt reads it); default the stand-in
-#                      corpus ../shared/data/opus_mt_testsets/en-it/train.jsonl
-#   GPU_AOT            1 (default): also compile our Triton kernels for sm_90 here (bench/aot.py) into
-#                      .whl/triton-aot-sm90.tgz, which bench/gpu_run.sh unpacks into the Triton cache: the plans
-#                      "kernel-test" (packet 1's kernel tests) and "train" (the `fast` preset's first step: the
-#                      kernels, constexprs and configs packet 3's headline cases launch: kernels/pinned.py's
-#                      pinned config per pinned key, every pruned config elsewhere); packet 1's
-#                      training itself stays cold (the cache is unpacked after it). Needs python3.12 (the GPU
-#                      image's CPython: Triton's cache key hashes libtriton, which differs per CPython build);
-#                      the first time it builds .cache/aot-py312 with torch 2.11 + triton 3.6 (~5 GB of
-#                      downloads), then compiles for minutes on 2 cores; the time each takes is printed.
-#                      0: skip it (the kernels then compile on the device, inside the packets' limits).
-#   GPU_AOT_PYTHON     a CPython 3.12 with the GPU image's torch 2.11 and triton 3.6 (plus einops, numpy<2.4,
-#                      sentencepiece, pytest, hypothesis) to compile with, instead of .cache/aot-py312
+#   GPU_WHEELS_EXTRA   more distributions to carry, space-separated (e.g. pyarrow if the image's is too old)
+#   GPU_WHEELS_PEERS   1: also eole (EOLE_SPEC, default eole==0.6.4) and its run-time set into .whl/peers/
+#                      (~21 MB; only the peers-eole step installs them)
+#   FASTMT_DATA_FILES  data files to copy (':'-separated); default the stand-in corpus
+#                      ../shared/data/opus_mt_testsets/en-it/train.jsonl
+#   GPU_AOT            1 (default): also compile our Triton kernels for sm_90 (bench/aot.py, plans kernel-test
+#                      and train) into .whl/triton-aot-sm90.tgz. Needs CPython 3.12 (Triton's cache key hashes
+#                      libtriton, which differs per CPython build): the first time it builds .cache/aot-py312
+#                      with torch 2.11 + triton 3.6 (~5 GB). 0: skip (the kernels compile on the device).
+#   GPU_AOT_PYTHON     a CPython 3.12 with torch 2.11, triton 3.6, einops, numpy<2.4, sentencepiece, pytest
+#                      and hypothesis to compile with, instead of .cache/aot-py312
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -111,10 +95,8 @@ whl_kb=$(du -sk .whl | cut -f1)
 (( whl_kb <= MAX_WHEELS_MB * 1024 )) || die ".whl/ is ${whl_kb} KB, over ${MAX_WHEELS_MB} MB"
 
 # -- 3b. eole for the peers-eole packet (GPU_WHEELS_PEERS=1): .whl/peers/, installed by that step only ---------
-# eole 0.6.4 declares a heavy set (spacy, tensorboard, torchcodec, ...) that its training path does not import;
-# issue 44 measured what it needs at run time: pyonmttok, pydantic, fastapi (starlette), uvicorn, torch-optimi, dill,
-# opentelemetry-api, truststore. Those are resolved together (one consistent set, their own dependencies included)
-# and downloaded with eole and torch-optimi without their declared dependencies (torch is the image's).
+# eole declares a heavy set its training path does not import; issue 44 measured its run-time set (below),
+# resolved together and downloaded with eole and torch-optimi without their declared dependencies.
 if [[ ${GPU_WHEELS_PEERS:-0} == 1 ]]; then
     EOLE_SPEC=${EOLE_SPEC:-eole==0.6.4}
     EOLE_RUNTIME=(pyonmttok pydantic fastapi uvicorn dill opentelemetry-api truststore)

@@ -1,15 +1,7 @@
-"""The GPU runbook's packets: what a session lent a GPU runs, in what order, and what each has already shown.
-
-A session that is lent a GPU has 15 minutes of device time in all (every start, call, idle wait and the
-give-back count), at most 10 minutes a call, and no machine starts with under 4 minutes left. So the runbook
-is cut into *packets*: one device call each, each at most 5 minutes of command time and useful on its own.
-
-``packet1`` is every session's first call, ``packet2`` only when packet 1 came back clean, then the queue in
-priority order; ``next`` names the first packet with no landed result (``bench/results/packets.jsonl``) for the
-code it measures now (``code_hash``).
-
-This module is the one table (``PACKETS``, with every constant of a run) that bench/runbook.py runs, ``plan``
-prints and the tests check, and the landed records ``next`` reads. Its command line: ``python3 -m bench.packets``.
+"""The GPU runbook's one table: its packets (one device call each, at most 5 minutes of command time, useful
+on its own), every constant of a run, and the landed records (``bench/results/packets.jsonl``) that ``next``
+reads to name the first packet with no result for the code it measures now (``code_hash``). bench/runbook.py
+runs it; its command line is ``python3 -m bench.packets``; bench/README.md ("A 15-minute GPU session").
 """
 
 from __future__ import annotations
@@ -28,29 +20,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = Path("bench/results/packets.jsonl")  # relative to the repository root
 
-# the lease (the device tool's README, 2026-11-27): seconds of device time a session has in all; a fresh
-# machine's start and the transfers (estimated: 30 s measured on an H200 that day, 1-2 min documented); the
-# idle wait after a call before the machine goes back; the least time left under which no machine starts
-SESSION_S = 900
-STARTUP_S = 90
-IDLE_S = 30
-MIN_START_S = 240
+# the lease (the device tool's README, 2026-11-27)
+SESSION_S = 900  # device time a session has in all
+STARTUP_S = 90  # a fresh machine's start and the transfers (30 s measured on an H200, 1-2 min documented)
+IDLE_S = 30  # the idle wait after a call before the machine goes back
+MIN_START_S = 240  # no machine starts with less left
 PACKET_MAX_S = 300  # a packet's command time, at most (the issue's 5 minutes)
 SECOND_MAX_S = 240  # packet 2's
 SETUP_S = 25  # carried wheels, data, device facts (~10 s measured on the H200)
 PACK_S = 15  # the final pack and the check of what comes back
 
-# `make train`'s step keeps this much of its limit for the final evaluation, the test split, the `done`
-# record and the plot (the H200 run at a 145 s budget ended 13 s after it)
-TRAIN_RESERVE_S = 35
+TRAIN_RESERVE_S = 35  # of a training step's limit, kept for its test split, record and plot (H200: 13 s used)
 
 KERNEL_SCOPE = ("kernels", "tests/kernels")
 
-# the kernel-test step's files, in the order a training run meets their kernels (a step cut at its deadline has
-# run the first ones): the packed attention of the `fast` preset (forward/backward, causal and cross), the fused
-# LayerNorm(+residual)(+GELU) incl. mixed dtypes, the dispatcher, the padded tiling, then Lion (the default recipe
-# is AdamW). Any other tests/kernels file runs after them unless it is CPU work (CPU_ONLY_KERNEL_TESTS: stubbed
-# launches, the interpreter's emulation, sm_90 code generation checked on the CPU), which a GPU slot never pays.
+# the kernel-test step's files in the order a training run meets their kernels (a step cut at its deadline has
+# run the first ones); any other tests/kernels file runs after them unless it is CPU_ONLY_KERNEL_TESTS
 KERNEL_TEST_FILES = ("test_packed_attention.py", "test_layernorm.py", "test_attention.py",
                      "test_sequence_attention.py", "test_lion.py")
 # the tests that run before every other one of the step (bench.pytest_stop's --first, node-id patterns): the
@@ -67,6 +52,8 @@ def kernel_test_files(root: Path = ROOT) -> list[str]:
     rest = sorted(p.name for p in folder.glob("test_*.py")
                   if p.name not in KERNEL_TEST_FILES and p.name not in CPU_ONLY_KERNEL_TESTS)
     return [f"tests/kernels/{n}" for n in (*KERNEL_TEST_FILES, *rest) if (folder / n).is_file()]
+
+
 TRAIN_SCOPE = ("kernels", "models", "train", "data")
 
 
@@ -90,10 +77,8 @@ class Packet:
         return SETUP_S + sum(s.limit for s in self.steps) + PACK_S
 
 
-# issue 42's batch sweep: per batch (tokens a step) two learning-rate / warm-up settings (the lr scaled ~sqrt of the
-# batch from the `fast` preset's 5e-4 at 4k, the warm-up shortened as the steps get fewer). One packet per batch:
-# two runs of 105 s (+15 s grace) fill a 255 s step; eight runs cannot share one 300 s packet (a cold compile alone
-# took 52 s on the H200)
+# issue 42's batch sweep: per batch two lr/warm-up settings (lr ~sqrt of the batch from 5e-4 at 4k); one
+# packet per batch: two runs of 105 s (+15 s grace) fill a 255 s step (a cold compile took 52 s on an H200)
 BATCH_SWEEP = (("4k", "4096:5e-4:250,4096:1e-3:400"), ("8k", "8192:7e-4:150,8192:1.4e-3:250"),
                ("16k", "16384:1e-3:100,16384:2e-3:150"), ("32k", "32768:1.4e-3:60,32768:2.8e-3:100"))
 
@@ -175,18 +160,14 @@ TRAIN_SMOKE = ("--preset", "fast", "--run.device", "cpu", "--run.compile", "true
                "--eval.batch_size", "16")
 
 
-# a warm rerun of the job: its setup, warm compile, a few steps and its final test (issue 43's goal is <= 8 s of
-# overhead warm; 60 s is what fits today's 18 s evaluation and 14 s setup with room)
+# a warm rerun of the job: setup, warm compile, a few steps, its test (today's 18 s evaluation, 14 s setup)
 WARM_RERUN_S = 60
-
-
 SOURCE_MAX = 16 * 2**20  # a source file code_hash reads (the largest in the tree is ~40 KB)
 
 
 def code_hash(packet: Packet, root: Path = ROOT) -> str:
-    """sha256 (16 hex digits) of the source files a packet measures: every .py / .sh file under its scope
-    (paths relative to ``root``, sorted), names and contents. The same on the device copy (no .git there)
-    and here: it walks the tree, skipping caches."""
+    """sha256 (16 hex digits) of the names and contents of every .py / .sh file under a packet's scope: it
+    walks the tree (no .git on the device copy), skipping caches."""
     h = hashlib.sha256()
     files: list[Path] = []
     for entry in packet.scope:
@@ -202,7 +183,6 @@ def code_hash(packet: Packet, root: Path = ROOT) -> str:
         data = read_bytes(f, "source file", limit=SOURCE_MAX, inside=root)
         h.update(f.relative_to(root).as_posix().encode() + b"\0" + data + b"\0")
     return h.hexdigest()[:16]
-
 
 
 # -- plan --------------------------------------------------------------------------------------------------
@@ -238,9 +218,7 @@ def plan_lines() -> list[str]:
 
 
 # -- records and `next` ---------------------------------------------------------------------------------------
-# the one pattern of a name taken from a record or an archive into a path (a date, a GPU slug, a sha, a packet,
-# each component of an archive member): letters, digits, '.', '_', '-', starting with a letter or digit (so
-# never '..', '.', a hidden name or an empty one), at most 128 characters
+# the one pattern of a name taken from a record or an archive into a path: never '..', '.', hidden or empty
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -282,9 +260,8 @@ def _check_records_file(path: Path) -> bool:
 
 
 def read_records(path: Path, warn: bool = True) -> list[dict]:
-    """The landed packet records (``bench/results/packets.jsonl``); a line that is not JSON stops here, naming it
-    (the file is committed: fix it rather than guess); a record ``next`` cannot count (a ``packet`` that is not a
-    name) is skipped with a warning line naming it."""
+    """The landed packet records; a line that is not JSON stops here, naming it (the file is committed: fix it
+    rather than guess); a record ``next`` cannot count is skipped with a warning line naming it."""
     from data.files import LOG_MAX, parse_json, read_text
 
     if not _check_records_file(path):
@@ -312,7 +289,6 @@ def next_packet(records: list[dict], root: Path = ROOT) -> Packet | None:
 
 
 def next_line(records: Path, root: Path = ROOT) -> str:
-    """What ``next`` prints: the first packet with no complete landed record for its current code."""
     nxt = next_packet(read_records(records), root)
     if nxt is None:
         return "every packet has a landed result for the current code"
@@ -339,8 +315,6 @@ def last_run(records: list[dict], packet: str, root: Path = ROOT, prefix: str = 
             return runs[-1]
 
 
-
-
 # -- what comes back from a device call ----------------------------------------------------------------------
 OUT_MAX_FILES = 8
 OUT_MAX_FILE_BYTES = 16 * 1024 * 1024
@@ -349,9 +323,7 @@ _NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 
 
 def check_out(folder: Path) -> list[str]:
-    """What in ``folder`` would not come back from a device call (the device tool's limits: at most 8 files,
-    16 MiB each, 64 MiB together, no more than 2 folders down, names of letters, digits, '.', '_', '-').
-    A missing ``folder``, or one that is not a folder, is a problem of its own (nothing would come back)."""
+    """What in ``folder`` would not come back from a device call (the device tool's limits)."""
     if not folder.exists():
         return ["does not exist (nothing would come back: OUT must be a folder the runbook can write)"]
     if not folder.is_dir():
@@ -410,12 +382,9 @@ def pack_results(work: Path, logdir: Path, started: float, dest: Path) -> tuple[
     return size, notes
 
 
-
 # -- a packet's record --------------------------------------------------------------------------------------------
 def ran_to_the_end(status: str) -> bool:
-    """A step that passed or failed ran to its end; one that timed out or was skipped leaves its packet
-    incomplete (the statuses the runbook writes: "ok", "FAILED (rc N)", "TIMEOUT after ...", "skipped ...",
-    "STOPPED ...")."""
+    """A step that passed or failed ran to its end; one timed out, skipped or stopped leaves it incomplete."""
     return status == "ok" or status.startswith("FAILED")
 
 
@@ -428,11 +397,8 @@ NUMBER_KEYS = ("step_ms", "host_ms_per_step", "mfu", "gpu_busy", "graphs_per_ste
 def make_record(packet: str, steps: list[dict], *, quality: Path | None = None, outcomes: Path | None = None,
                 caches: str = "", root: Path = ROOT, cold_run: Path | None = None, warm_run: Path | None = None,
                 sha: str | None = None) -> dict:
-    """What a packet showed, for ``bench/results/packets.jsonl``: the packet, the hash of the code it measured,
-    whether every step ran to its end, each step's status and seconds, the device and versions, the git sha,
-    the training run's numbers (``quality``: bench.quality's json) and the kernel tests' outcome counts
-    (``outcomes``: bench.pytest_stop's file). ``cold_run``/``warm_run``: the compile-warm packet's two runs (their
-    wall splits; ``compile_warm_s`` is the warm run's compile). ``sha``: the commit (else $FASTMT_GIT_SHA)."""
+    """What a packet showed, for ``bench/results/packets.jsonl``: ``quality`` is bench.quality's json,
+    ``outcomes`` bench.pytest_stop's file, ``cold_run``/``warm_run`` the compile-warm packet's two runs."""
     from bench.pytest_stop import count
 
     facts: dict = {}

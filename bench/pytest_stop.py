@@ -1,19 +1,11 @@
 """A pytest plugin of the GPU runbook's test steps (``-p bench.pytest_stop``): a test step ends with its
-summary and its JUnit file, whatever stops it, and no finished test's outcome is ever lost.
+summary and its JUnit file, whatever stops it, and no finished test's outcome is lost.
 
-``--stop-after-s S``: no test starts once S seconds have passed since the session started; the rest of
-the selection is reported as not run (pytest's "Interrupted" line) and the session ends normally. SIGTERM
-(``timeout`` at the step's limit) stops the session as Ctrl-C does: pytest reports what ran, writes the
-JUnit file, and exits 2. Without this a TERM killed pytest with neither (bench/gpu_run.sh's steps).
-
-``--outcomes PATH``: one JSON line per test phase that decides an outcome (``{"nodeid", "outcome", "when",
-"duration"}``, plus the first lines of the failure), appended and flushed to the disk as each test finishes.
-A hang inside a CUDA call cannot be interrupted by a signal handler (Python runs it only between bytecodes),
-so the runbook's KILL 15 s after the TERM would otherwise lose every result with the JUnit file; the
-outcomes file keeps each finished test's.
-
-``--first PATTERN`` (repeatable): the selected tests whose node id matches PATTERN (``fnmatch``) run before the
-rest, in their collected order (packet 1 runs the LayerNorm ``N=1`` cases first: the ones a GPU got wrong).
+``--stop-after-s S``: no test starts after S seconds of the session (the rest is reported as not run); SIGTERM
+stops the session as Ctrl-C does (summary, JUnit file, exit 2). ``--outcomes PATH``: one JSON line per decided
+test phase, flushed as each test finishes: a hang inside a CUDA call cannot be interrupted by a signal
+handler, so the runbook's KILL would otherwise lose every result. ``--first PATTERN`` (repeatable, fnmatch on
+node ids): those tests run first, in their collected order.
 """
 
 from __future__ import annotations

@@ -48,8 +48,7 @@ def _words(environ: dict, var: str) -> list[str]:
 
 
 def text_of(path: Path, what: str = "log") -> str:
-    """A file the runbook or its steps wrote, through the safe-file layer (no link followed, size capped); what
-    cannot be read is said, not raised."""
+    """A file the runbook or its steps wrote, through the safe-file layer; what cannot be read is said."""
     from data.files import LOG_MAX, read_bytes
 
     try:
@@ -59,12 +58,11 @@ def text_of(path: Path, what: str = "log") -> str:
 
 
 def mentions(flag: str, words: list[str]) -> bool:
-    """Is ``flag`` among ``words`` (as FLAG or FLAG=VALUE)?"""
     return any(w == flag or w.startswith(flag + "=") for w in words)
 
 
 class Runbook:
-    """One invocation: its words, its environment, its folders, each step's status and seconds."""
+    """One invocation: its words, environment, folders, each step's status and seconds."""
 
     def __init__(self, environ: dict, root: Path = T.ROOT):
         self.environ, self.root, self.t0 = environ, root, time.monotonic()
@@ -82,7 +80,6 @@ class Runbook:
         self.caches, self.has_timeout, self.sampler, self.current = "", False, None, None
         self.packed_bytes, self.pack_failed = 0, None
 
-    # -- the table ---------------------------------------------------------------------------------------------
     def limit_of(self, step: str, packet: str | None = None) -> int:
         """LIMIT_<STEP>, else the packet's limit for it, else the step's own (both scaled in a rehearsal)."""
         var = "LIMIT_" + step.replace("-", "_").upper()
@@ -103,15 +100,14 @@ class Runbook:
             self.note(line)
 
     def read_data_files(self) -> list[str]:
-        """The carried .data/FILES (absolute paths) into ``data_files``; warnings for listed files that are missing."""
+        """The carried .data/FILES into ``data_files``; a warning for each listed file that is missing."""
         listing = self.root / ".data" / "FILES"
         names = [n.strip() for n in (text_of(listing, ".data/FILES").splitlines() if listing.is_file() else []) if n.strip()]
         self.data_files = [str(self.root / ".data" / n) for n in names if (self.root / ".data" / n).is_file()]
         return [f"WARNING: .data/{n} is listed but missing" for n in names if not (self.root / ".data" / n).is_file()]
 
     def capture(self, cmd: list[str], log: str = "setup.log", env: dict | None = None) -> tuple[int, str]:
-        """A setup command's exit status and output, kept in the log folder's ``log`` (under the deadline runner,
-        like every step)."""
+        """A setup command's exit status and output (kept in ``log``), under the deadline runner."""
         from bench.harness import run_in_group
 
         try:
@@ -128,9 +124,7 @@ class Runbook:
         return self.capture([self.py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                              "--no-cache-dir", "--upgrade", "--target", str(target), *wheels], log)
 
-    # -- a step's command --------------------------------------------------------------------------------------
     def step_command(self, step: str, packet: str | None, limit: int) -> list[str]:
-        """The step's command as it runs (in ``packet``, else on its own) under ``limit`` seconds."""
         own = list(next((s.args for s in T.BY_NAME[packet].steps if s.name == step), ())) if packet else []
         extra = _words(self.environ, T.EXTRA[step]) if step in T.EXTRA else []
         data = ["--data-files", *self.data_files] if self.data_files else []
@@ -209,11 +203,9 @@ class Runbook:
         return [py, "-m", "bench.inference", "--out", str(self.work / "bench" / "results"), *own, *smoke, *extra]
 
     def pytest_command(self, limit: int, name: str, selection: list[str]) -> list[str]:
-        """pytest that ends, with its summary, in time: bench/pytest_stop.py stops starting tests at the limit less
-        a margin (a quarter of it, at least 8 s, at most T.PYTEST_RESERVE_S: a 70 s step stops at 53 s), stops as
-        Ctrl-C does on TERM (summary and JUnit written) and streams each outcome; a hung test ends the session
-        (pytest-timeout's thread dumps the stacks): the outcomes file keeps the rest. FASTMT_AUTOTUNE=0: the
-        tests' (and bench.aot's) policy."""
+        """pytest that ends, with its summary, in time (bench/pytest_stop.py): no test starts past the limit
+        less a quarter of it (at least 8 s, at most T.PYTEST_RESERVE_S); a hung test ends the session
+        (pytest-timeout)."""
         margin = min(max(limit // 4, 8), T.PYTEST_RESERVE_S)
         cmd = ["env", "FASTMT_AUTOTUNE=0", self.py, "-m", "pytest", "-q", "-p", "bench.pytest_stop",
                f"--stop-after-s={limit - margin}", f"--outcomes={self.logdir / name}.outcomes.jsonl"]
@@ -222,7 +214,6 @@ class Runbook:
         return [*cmd, "-rfE", "--durations=15", f"--junitxml={self.logdir / name}.xml", *selection]
 
     def latest_run(self, prefix: str) -> Path | None:
-        """The newest runs/PREFIX-* folder of this machine with a metrics.jsonl."""
         runs = [m.parent for m in (self.work / "runs").glob(f"{prefix}-*/metrics.jsonl") if m.is_file()]
         return max(runs, key=lambda p: p.stat().st_mtime, default=None)
 
@@ -234,7 +225,6 @@ class Runbook:
 
     # -- setup -------------------------------------------------------------------------------------------------
     def check_out_folder(self) -> Path:
-        """OUT, refused before any step when nothing would come back from it."""
         dest = Path(self.environ.get("OUT") or self.root / "runs" / "gpu_run" / f"{self.run_id}.out")
 
         def refused(why: str) -> UsageError:
@@ -324,7 +314,7 @@ class Runbook:
                     or "REQUIREMENT" in line:
                 print("\n".join(f"  {x}" for x in lines[i:i + (2 if line.startswith("name,") else 1)]))
 
-    def triton_entries(self) -> int:
+    def triton_entries(self) -> int:  # the kernels in this run's Triton cache
         folder = Path(self.env.get("TRITON_CACHE_DIR") or "/nonexistent")
         return sum(1 for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else 0
 
@@ -411,7 +401,6 @@ class Runbook:
 
     # -- what comes back ---------------------------------------------------------------------------------------
     def pack(self) -> None:
-        """$OUT/results.tgz (``T.pack_results``) and $OUT/summary.txt, again."""
         try:
             self.packed_bytes, self.pack_notes = T.pack_results(self.work, self.logdir, self.started, self.dest)
             shutil.copyfile(self.summary, self.dest / "summary.txt")
@@ -420,7 +409,7 @@ class Runbook:
             self.pack_failed = f"{e.filename or self.dest}: {e.strerror or e}"
 
     def record(self, packet: str) -> None:
-        """The packet's record: bench/results/packet-record.json (one per packet run; the last packet's here)."""
+        """bench/results/packet-record.json (the last packet's)."""
         steps = [{"name": s, "status": self.status.get(self.key(p, s), "not run"),
                   "seconds": self.secs.get(self.key(p, s), 0)} for p, s in self.items if p == packet]
         results, runs = self.work / "bench" / "results", self.work / "runs"
@@ -567,7 +556,6 @@ def _terminated(signum, _frame):
 
 
 def main(argv: list[str] | None = None, environ: dict | None = None, root: Path = T.ROOT) -> int:
-    """``python3 -m bench.packets run ARGS`` (``bash bench/gpu_run.sh ARGS``)."""
     words = list(sys.argv[1:] if argv is None else argv)
     if not words or words[0] in ("-h", "--help"):
         print(__doc__.split("\n\nEach step")[0], file=sys.stdout if words else sys.stderr)
