@@ -324,7 +324,9 @@ class StepGraph:
         if not isinstance(batches, (list, tuple)):
             batches = [batches]
         replays = self.replays
-        if len(batches) == 1:
+        # one micro-batch: the single-call step, until the run accumulates; from then on every step goes through
+        # the sums (a one-batch step, e.g. an epoch's short last group, must not leave its gradients in them)
+        if len(batches) == 1 and self._loss_sum is None:
             bufs = self.stage(batches[0])
             loss = self._run(("step",) + bufs["_key"], lambda: self._step(bufs)[0])
         else:

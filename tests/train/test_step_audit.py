@@ -111,6 +111,21 @@ def test_accumulated_static_step_matches_the_eager_step(toy_bundle, tmp_path, op
         torch.testing.assert_close(got[True][1][n], v, rtol=1e-4, atol=1e-5, msg=n)
 
 
+def test_accumulated_static_step_with_a_short_group_matches_the_eager_step(toy_bundle, tmp_path):
+    """An epoch's last step may hold fewer micro-batches than accum_steps (even one): groups of 2, 1, 2 give the
+    eager step's losses and weights (a one-batch step must not leave its gradients in the sums the next adds to)."""
+    got = {}
+    for on in (False, True):
+        tr = _trainer(toy_bundle, tmp_path / str(on), step_graph=on, optim={"accum_steps": 2, "grad_clip": 0.5})
+        b = first_batches(tr, 5)
+        losses = [float(tr.train_step(g)) for g in (b[0:2], b[2:3], b[3:5])]
+        got[on] = (losses, {n: v.detach().clone() for n, v in tr.model.state_dict().items()})
+        tr.close()
+    torch.testing.assert_close(got[True][0], got[False][0], rtol=1e-5, atol=1e-6)
+    for n, v in got[False][1].items():
+        torch.testing.assert_close(got[True][1][n], v, rtol=1e-4, atol=1e-5, msg=n)
+
+
 def test_accumulated_static_step_skips_a_step_with_a_nonfinite_micro_batch(toy_bundle, tmp_path, monkeypatch):
     """One non-finite micro-batch of k skips the whole update on the device (no host read), counts one skip, and
     the next step starts from clean sums: it equals a step from the same weights on a fresh trainer."""
